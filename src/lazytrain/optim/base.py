@@ -1,0 +1,80 @@
+"""The interface between the executor and a CPU optimizer.
+
+The host store keeps, per parameter group (the embedding, each decoder layer, the final norm
+and head), one flat fp32 master tensor. A group's parameters are laid out so that the ones
+that take weight decay come first: ``decay_numel[g]`` elements with decay, then the rest
+(norms, biases) without.
+
+The executor calls ``step_group`` once per group and step, in the order the next forward
+needs the groups, possibly from a worker thread. The optimizer reads the flat gradient (bf16
+or fp32, on the CPU), multiplies it by ``clip_coef``, updates the master and its own state,
+and writes the new weights, cast to ``weight_out.dtype``, into ``weight_out`` (the group's
+pinned streaming buffer).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(kw_only=True, slots=True)
+class AdamWConfig:
+    lr: float = 2e-5
+    """Peak learning rate (the schedule scales it per step)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    """Decoupled weight decay, applied to matrices and embeddings, not to norms or biases."""
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
+        if self.lr < 0:
+            raise ValueError(f"optimizer.lr must be >= 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.eps <= 0:
+            raise ValueError(f"optimizer.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+class HostOptimizer(ABC):
+    """AdamW over flat fp32 master groups on the CPU."""
+
+    def __init__(self, masters: list[torch.Tensor], decay_numel: list[int], config: AdamWConfig):
+        if len(masters) != len(decay_numel):
+            raise ValueError("one decay_numel per master group is needed")
+        for g, (m, d) in enumerate(zip(masters, decay_numel)):
+            if m.dtype != torch.float32 or m.dim() != 1 or m.device.type != "cpu":
+                raise ValueError(f"master group {g} must be a flat fp32 CPU tensor")
+            if not 0 <= d <= m.numel():
+                raise ValueError(f"decay_numel[{g}]={d} outside [0, {m.numel()}]")
+        self.masters = masters
+        self.decay_numel = decay_numel
+        self.config = config
+        self.steps = [0] * len(masters)
+
+    @abstractmethod
+    def step_group(
+        self,
+        group: int,
+        grad: torch.Tensor,
+        clip_coef: float,
+        lr: float,
+        weight_out: torch.Tensor | None,
+    ) -> None:
+        """One AdamW step of ``group`` with gradient ``grad * clip_coef`` at learning rate ``lr``."""
+
+    @abstractmethod
+    def state_dict(self) -> dict:
+        """Everything needed to resume (not the masters, which the host store saves)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held (not counting the masters)."""
+        return 0

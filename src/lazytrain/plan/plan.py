@@ -1,0 +1,170 @@
+"""The `Plan`: what the executor does with every layer in one training step.
+
+Plain data (no torch), round-trips to JSON. Baseline policies are plans too, so every
+comparison runs through the same executor.
+
+Per layer, exactly one mode:
+
+- ``keep``: the layer's autograd-saved tensors are kept (on ``tier``) from forward to
+  backward; backward needs no recompute.
+- ``checkpoint``: only the layer's input is kept (on ``tier``); backward recomputes the layer.
+- ``drop``: nothing is kept; backward regenerates the input by re-running the forward from
+  the previous checkpoint (segment recompute). A ``drop`` layer must follow a
+  ``checkpoint`` or another ``drop`` layer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MODES = ("keep", "checkpoint", "drop")
+TIERS = ("gpu", "host", "nvme")
+
+
+@dataclass(kw_only=True, slots=True)
+class LayerPlan:
+    mode: str = "checkpoint"
+    """keep | checkpoint | drop (see the module docstring)."""
+    tier: str = "gpu"
+    """Where the kept tensors (keep) or the layer input (checkpoint) live: gpu | host | nvme."""
+    prefetch: int = 1
+    """Backward: how many layers ahead tensors on host/nvme are fetched back to the GPU."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"layer mode {self.mode!r} is not one of {MODES}")
+        if self.tier not in TIERS:
+            raise ValueError(f"activation tier {self.tier!r} is not one of {TIERS}")
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch distance must be >= 1, got {self.prefetch}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    policy: str
+    """Name of the policy that made the plan: solved | megatrain | keep_all | ..."""
+    batch_size: int
+    seq_len: int
+    layers: list[LayerPlan]
+    head_chunk_tokens: int = 4096
+    """Tokens per chunk of the LM head + cross-entropy (the full logits never exist)."""
+    weight_prefetch: int = 1
+    """How many layers ahead weights are copied to the GPU (1 = double buffering)."""
+    predicted_step_time_s: float | None = None
+    notes: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.layers = [lp if isinstance(lp, LayerPlan) else LayerPlan(**lp) for lp in self.layers]
+        if self.batch_size < 1 or self.seq_len < 1:
+            raise ValueError(
+                f"plan batch_size and seq_len must be >= 1, got {self.batch_size}, {self.seq_len}"
+            )
+        if self.head_chunk_tokens < 1:
+            raise ValueError(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
+        if self.weight_prefetch < 1:
+            raise ValueError(f"weight_prefetch must be >= 1, got {self.weight_prefetch}")
+        if self.layers and self.layers[0].mode == "drop":
+            raise ValueError("layer 0 cannot be 'drop': a recompute segment starts at a checkpoint")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def segments(self) -> list[tuple[int, int]]:
+        """Recompute segments as [start, end) ranges: a checkpoint followed by its drop layers."""
+        out: list[tuple[int, int]] = []
+        for i, lp in enumerate(self.layers):
+            if lp.mode == "drop":
+                start, _ = out[-1]
+                out[-1] = (start, i + 1)
+            elif lp.mode == "checkpoint":
+                out.append((i, i + 1))
+            else:
+                out.append((i, i + 1))
+        return out
+
+    def max_segment(self) -> int:
+        return max((end - start for start, end in self.segments()), default=1)
+
+    def check(self, num_layers: int) -> None:
+        """Raise if this plan cannot run a model with ``num_layers`` decoder layers."""
+        if len(self.layers) != num_layers:
+            raise ValueError(
+                f"plan has {len(self.layers)} layers, the model has {num_layers}; "
+                "re-run `lazytrain plan` for this model"
+            )
+        for i, lp in enumerate(self.layers):
+            if lp.mode == "drop" and self.layers[i - 1].mode == "keep":
+                raise ValueError(
+                    f"layer {i} is 'drop' after a 'keep' layer: a drop layer must follow a "
+                    "checkpoint or another drop layer"
+                )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def megatrain_plan(
+    num_layers: int, batch_size: int, seq_len: int, every: int = 4, head_chunk_tokens: int = 4096
+) -> Plan:
+    """MegaTrain-style: every ``every``-th layer input kept on the GPU, the rest recomputed."""
+    if every < 1:
+        raise ValueError(f"megatrain checkpoint interval must be >= 1, got {every}")
+    layers = [
+        LayerPlan(mode="checkpoint" if i % every == 0 else "drop", tier="gpu")
+        for i in range(num_layers)
+    ]
+    return Plan(
+        policy="megatrain",
+        batch_size=batch_size,
+        seq_len=seq_len,
+        layers=layers,
+        head_chunk_tokens=head_chunk_tokens,
+        notes={"every": every},
+    )
+
+
+def keep_all_plan(
+    num_layers: int, batch_size: int, seq_len: int, head_chunk_tokens: int = 4096
+) -> Plan:
+    """No recompute: every layer's saved tensors stay on the GPU."""
+    return Plan(
+        policy="keep_all",
+        batch_size=batch_size,
+        seq_len=seq_len,
+        layers=[LayerPlan(mode="keep", tier="gpu") for _ in range(num_layers)],
+        head_chunk_tokens=head_chunk_tokens,
+    )
+
+
+def checkpoint_all_plan(
+    num_layers: int, batch_size: int, seq_len: int, tier: str = "gpu", head_chunk_tokens: int = 4096
+) -> Plan:
+    """Every layer input checkpointed on ``tier``; each layer recomputed once in backward."""
+    return Plan(
+        policy=f"checkpoint_{tier}",
+        batch_size=batch_size,
+        seq_len=seq_len,
+        layers=[LayerPlan(mode="checkpoint", tier=tier) for _ in range(num_layers)],
+        head_chunk_tokens=head_chunk_tokens,
+    )
+
+
+BASELINES = {
+    "megatrain": megatrain_plan,
+    "keep_all": keep_all_plan,
+    "checkpoint_all": checkpoint_all_plan,
+}

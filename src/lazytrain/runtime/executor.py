@@ -1,0 +1,353 @@
+"""One training step (forward, loss, backward) of a streamed model under a `Plan`.
+
+Data flow (DESIGN.md section 1): the embedding and the final norm + LM head stay resident on
+the GPU; decoder layers stream through GPU weight slots (``WeightStreamer``). Each layer is
+called through one stateless HF layer template whose parameters are views of the slot.
+
+Per layer the plan says what survives from forward to backward:
+
+- ``keep``: the layer runs with autograd; its saved tensors go through
+  ``saved_tensors_hooks``. Saved *weights* are replaced by a reference (offset, size,
+  stride) into the slot, so backward reads them from whichever slot holds the layer then
+  and the slot can be reused in between. Saved activations go to the plan's tier.
+- ``checkpoint``: the layer input is stored on the plan's tier and the layer runs without
+  autograd; backward re-runs it with autograd.
+- ``drop``: nothing is stored; backward re-runs the segment from its checkpoint without
+  autograd to rebuild the inputs (the segment cache), using the same weight copies that
+  backward then uses, so each layer's weights cross PCIe at most twice per step.
+
+The LM head and cross-entropy run on chunks of the target tokens only (prompt and padding
+positions never reach the head), with backward per chunk, so the full logits never exist.
+Each layer's gradient is copied to the pinned host buffer on the D2H stream, and its squared
+norm is accumulated on the GPU, so clipping needs no pass over host gradients. The host
+reads two numbers per step: the loss and the gradient norm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.graph import saved_tensors_hooks
+
+from lazytrain.memory.host_store import HostStore
+from lazytrain.model.adapter import ModelAdapter, attention_mask_4d
+from lazytrain.plan.plan import Plan
+from lazytrain.runtime.activations import ActivationStore, Handle
+from lazytrain.runtime.streams import Streams
+from lazytrain.runtime.weights import WeightStreamer
+
+
+@dataclass(slots=True)
+class StepStats:
+    loss: float
+    grad_norm: float
+    num_tokens: int
+    num_target_tokens: int
+    h2d_weight_bytes: int
+    peak_activation_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _WeightRef:
+    """A saved tensor that is a view of layer ``layer``'s weight slot."""
+
+    layer: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class _ConstRef:
+    """A saved tensor viewing one that lives for the whole step (rotary cos/sin, mask)."""
+
+    index: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class Executor:
+    """Runs forward + backward of one batch under ``plan``; the optimizer is separate."""
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        store: HostStore,
+        plan: Plan,
+        device: torch.device,
+        before_load: Callable[[int], None] | None = None,
+    ):
+        plan.check(adapter.num_layers)
+        self.adapter = adapter
+        self.store = store
+        self.plan = plan
+        self.device = device
+        self.dtype = store.dtype
+        self.streams = Streams(device)
+        self.num_groups = len(adapter.layouts)
+        self.before_load = before_load
+        num_slots = plan.max_segment() + plan.weight_prefetch
+        self.weights = WeightStreamer(
+            host_weights=store.weights[1 : 1 + adapter.num_layers],
+            num_slots=max(num_slots, 2),
+            depth=plan.weight_prefetch,
+            streams=self.streams,
+            device=device,
+            before_load=(lambda layer: before_load(layer + 1)) if before_load else None,
+        )
+        self.activations = ActivationStore(self.streams, device)
+        # Resident groups: the embedding (group 0) and the final norm + head (last group).
+        self.resident = {
+            0: torch.empty(store.weights[0].numel(), dtype=self.dtype, device=device),
+            self.num_groups - 1: torch.empty(store.weights[-1].numel(), dtype=self.dtype, device=device),
+        }
+        self._resident_version = {g: -1 for g in self.resident}
+        self.weight_version = [0] * self.num_groups
+        self.grad_ready: list[torch.cuda.Event | None] = [None] * self.num_groups
+        self.grad_norm_sq = torch.zeros(self.num_groups, dtype=torch.float32, device=device)
+        self._bwd_slot: dict[int, torch.Tensor] = {}
+        self._consts: list[torch.Tensor] = []
+
+    # -- weights --------------------------------------------------------------------------
+
+    def weights_updated(self, group: int) -> None:
+        """The optimizer wrote new weights for ``group`` into the host buffer."""
+        self.weight_version[group] += 1
+
+    def _resident_weights(self, group: int) -> torch.Tensor:
+        if self._resident_version[group] != self.weight_version[group]:
+            if self.before_load is not None:
+                self.before_load(group)
+            with self.streams.on(self.streams.h2d):
+                self.resident[group].copy_(self.store.weights[group], non_blocking=True)
+            self.streams.wait(self.streams.record(self.streams.h2d))
+            self._resident_version[group] = self.weight_version[group]
+        return self.resident[group]
+
+    def _leaves(self, group_layout, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            name: view.detach().requires_grad_()
+            for name, view in group_layout.views(flat.detach()).items()
+        }
+
+    def _schedule(self) -> list[int]:
+        forward = list(range(self.adapter.num_layers))
+        backward = []
+        for start, end in reversed(self.plan.segments()):
+            backward.extend(range(start, end))
+        return forward + backward
+
+    # -- saved-tensor hooks for "keep" layers --------------------------------------------
+
+    def _pack_hook(self, layer: int, slot: torch.Tensor, tier: str, handles: list[Handle]):
+        slot_ptr = slot.untyped_storage().data_ptr()
+        const_ptrs = {c.untyped_storage().data_ptr(): i for i, c in enumerate(self._consts)}
+
+        def pack(t: torch.Tensor):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr == slot_ptr:
+                return _WeightRef(layer, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+            if ptr in const_ptrs:
+                return _ConstRef(const_ptrs[ptr], tuple(t.size()), tuple(t.stride()), t.storage_offset())
+            handle = self.activations.put(t, tier)
+            handles.append(handle)
+            return handle
+
+        return pack
+
+    def _unpack(self, packed):
+        if isinstance(packed, _WeightRef):
+            slot = self._bwd_slot[packed.layer]
+            return slot.as_strided(packed.size, packed.stride, packed.offset)
+        if isinstance(packed, _ConstRef):
+            return self._consts[packed.index].as_strided(packed.size, packed.stride, packed.offset)
+        return self.activations.get(packed)
+
+    # -- gradients ------------------------------------------------------------------------
+
+    def _emit_grads(self, group: int, grads: dict[str, torch.Tensor]) -> None:
+        """Squared norm on the GPU, then an async copy into the pinned host gradient buffer."""
+        layout = self.adapter.layouts[group]
+        ordered = [grads[p.name] for p in layout.params]
+        norms = torch._foreach_norm(ordered, 2, dtype=torch.float32)
+        self.grad_norm_sq[group] = torch.stack(norms).square().sum()
+        produced = self.streams.record()
+        host = self.store.grads[group]
+        self.streams.wait(produced, self.streams.d2h)
+        with self.streams.on(self.streams.d2h):
+            for p, g in zip(layout.params, ordered):
+                host[p.offset : p.offset + p.numel].copy_(g.reshape(-1), non_blocking=True)
+        for g in ordered:
+            self.streams.keep_alive(g, self.streams.d2h)
+        self.grad_ready[group] = self.streams.record(self.streams.d2h)
+
+    def wait_grad(self, group: int) -> None:
+        """Block the calling (optimizer) thread until ``group``'s host gradient is complete."""
+        event = self.grad_ready[group]
+        if event is not None:
+            event.synchronize()
+
+    # -- the step -------------------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> StepStats:
+        """Loss and gradients of one batch; gradients land in ``store.grads``.
+
+        ``labels`` are unshifted (as HF takes them): position t predicts labels[t + 1];
+        -100 marks positions without loss. The loss is the mean over target tokens.
+        """
+        adapter, plan = self.adapter, self.plan
+        batch, seq = input_ids.shape
+        targets_cpu = torch.full_like(labels, -100)
+        targets_cpu[:, :-1] = labels[:, 1:]
+        targets_cpu = targets_cpu.reshape(-1)
+        valid_cpu = (targets_cpu != -100).nonzero().squeeze(1)
+        num_targets = int(valid_cpu.numel())
+        if num_targets == 0:
+            raise ValueError("batch has no target tokens (all labels are -100)")
+        num_tokens = int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
+
+        dev = self.device
+        ids = input_ids.to(dev, non_blocking=True)
+        valid = valid_cpu.to(dev, non_blocking=True)
+        targets = targets_cpu.to(dev, non_blocking=True).index_select(0, valid)
+        mask = attention_mask_4d(attention_mask, self.dtype)
+        if mask is not None:
+            mask = mask.to(dev, non_blocking=True)
+        position_ids = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, -1)
+        cos, sin = adapter.rotary_embeddings(position_ids, self.dtype)
+        self._consts = [cos, sin] + ([mask] if mask is not None else [])
+        rope = (cos, sin)
+        self.grad_norm_sq.zero_()
+        self.activations.reset_peaks()
+        self.weights.begin(self._schedule())
+        layouts = adapter.layouts
+        L = adapter.num_layers
+
+        # forward: embedding
+        embed_leaf = self._leaves(layouts[0], self._resident_weights(0))
+        embed_w = embed_leaf["embed_tokens.weight"]
+        with torch.enable_grad():
+            h0 = adapter.embed(embed_w, ids)
+        x = h0.detach()
+
+        # forward: decoder layers
+        saved: list = [None] * L
+        for i in range(L):
+            lp = plan.layers[i]
+            slot = self.weights.acquire(i)
+            if lp.mode == "keep":
+                x_in = x.requires_grad_()
+                leaves = self._leaves(layouts[i + 1], slot)
+                handles: list[Handle] = []
+                with torch.enable_grad(), saved_tensors_hooks(
+                    self._pack_hook(i, slot, lp.tier, handles), self._unpack
+                ):
+                    out = adapter.layer_forward(leaves, x_in, rope, mask)
+                saved[i] = (x_in, out, leaves, handles)
+                x = out.detach()
+            else:
+                if lp.mode == "checkpoint":
+                    saved[i] = self.activations.put(x, lp.tier)
+                with torch.no_grad():
+                    x = adapter.layer_forward(layouts[i + 1].views(slot), x, rope, mask)
+            self.weights.release(i)
+
+        # final norm + chunked LM head + loss, backward per chunk
+        final = self.num_groups - 1
+        final_leaf = self._leaves(layouts[final], self._resident_weights(final))
+        head_w = adapter.head_weight(embed_leaf, final_leaf)
+        x_last = x.requires_grad_()
+        with torch.enable_grad():
+            normed = adapter.final_norm(final_leaf["model.norm.weight"], x_last)
+        hidden = normed.detach().reshape(-1, adapter.hidden_size).index_select(0, valid)
+        grad_hidden = torch.empty_like(hidden)
+        head_grad = torch.zeros_like(head_w)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
+        chunk = plan.head_chunk_tokens
+        for a in range(0, num_targets, chunk):
+            xc = hidden[a : a + chunk].detach().requires_grad_()
+            with torch.enable_grad():
+                logits = F.linear(xc, head_w)
+                loss = F.cross_entropy(logits.float(), targets[a : a + chunk], reduction="sum") / num_targets
+                gx, gw = torch.autograd.grad(loss, [xc, head_w])
+            grad_hidden[a : a + chunk] = gx
+            head_grad += gw
+            loss_sum += loss.detach()
+            del logits, loss, gx, gw
+        grad_normed = torch.zeros(batch * seq, adapter.hidden_size, dtype=self.dtype, device=dev)
+        grad_normed.index_copy_(0, valid, grad_hidden)
+        del hidden, grad_hidden
+        g, g_norm = torch.autograd.grad(
+            normed, [x_last, final_leaf["model.norm.weight"]], grad_normed.view(batch, seq, -1)
+        )
+        del normed, grad_normed
+        final_grads = {"model.norm.weight": g_norm}
+        if not adapter.tied:
+            final_grads["lm_head.weight"] = head_grad
+        self._emit_grads(final, final_grads)
+
+        # backward: segments from the last
+        for start, end in reversed(plan.segments()):
+            if plan.layers[start].mode == "keep":
+                slot = self.weights.acquire(start)
+                x_in, out, leaves, handles = saved[start]
+                self._bwd_slot[start] = slot
+                names = list(leaves)
+                grads = torch.autograd.grad(out, [x_in, *leaves.values()], g)
+                del self._bwd_slot[start]
+                for h in handles:
+                    self.activations.free(h)
+                saved[start] = None
+                g = grads[0]
+                self._emit_grads(start + 1, dict(zip(names, grads[1:])))
+                self.weights.release(start)
+                continue
+            slots = [self.weights.acquire(j) for j in range(start, end)]
+            handle = saved[start]
+            inputs = [self.activations.get(handle)]
+            with torch.no_grad():
+                for j in range(start, end - 1):
+                    inputs.append(adapter.layer_forward(layouts[j + 1].views(slots[j - start]), inputs[-1], rope, mask))
+            for j in reversed(range(start, end)):
+                x_in = inputs[j - start].detach().requires_grad_()
+                leaves = self._leaves(layouts[j + 1], slots[j - start])
+                with torch.enable_grad():
+                    out = adapter.layer_forward(leaves, x_in, rope, mask)
+                    grads = torch.autograd.grad(out, [x_in, *leaves.values()], g)
+                g = grads[0]
+                inputs[j - start] = None
+                self._emit_grads(j + 1, dict(zip(leaves, grads[1:])))
+                self.weights.release(j)
+                del out, x_in
+            self.activations.free(handle)
+            saved[start] = None
+
+        # embedding (and the tied head)
+        (g_embed,) = torch.autograd.grad(h0, [embed_w], g)
+        if adapter.tied:
+            g_embed = g_embed + head_grad
+        self._emit_grads(0, {"embed_tokens.weight": g_embed})
+        del g, h0
+
+        stats = torch.stack([loss_sum, self.grad_norm_sq.sum()]).cpu()
+        loss_value = float(stats[0])
+        grad_norm = math.sqrt(float(stats[1])) if math.isfinite(float(stats[1])) else float("nan")
+        self._consts = []
+        return StepStats(
+            loss=loss_value,
+            grad_norm=grad_norm,
+            num_tokens=num_tokens,
+            num_target_tokens=num_targets,
+            h2d_weight_bytes=self.weights.h2d_bytes,
+            peak_activation_bytes=dict(self.activations.peak_by_tier),
+        )
