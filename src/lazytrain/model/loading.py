@@ -78,7 +78,7 @@ def save_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = adapter.config
-    config.torch_dtype = dtype
+    config.dtype = dtype
     config.save_pretrained(out)
     # assign tensors to shards first, then build and write one shard at a time
     assignment: list[list[tuple[int, object]]] = [[]]

@@ -91,6 +91,8 @@ class Executor:
         self.streams = Streams(device)
         self.num_groups = len(adapter.layouts)
         self.before_load = before_load
+        """Called with a group index before its host weights are copied to the GPU (the
+        optimizer may still be writing them)."""
         num_slots = plan.max_segment() + plan.weight_prefetch
         self.weights = WeightStreamer(
             host_weights=store.weights[1 : 1 + adapter.num_layers],
@@ -98,7 +100,7 @@ class Executor:
             depth=plan.weight_prefetch,
             streams=self.streams,
             device=device,
-            before_load=(lambda layer: before_load(layer + 1)) if before_load else None,
+            before_load=self._before_layer_load,
         )
         self.activations = ActivationStore(self.streams, device)
         # Resident groups: the embedding (group 0) and the final norm + head (last group).
@@ -114,6 +116,10 @@ class Executor:
         self._consts: list[torch.Tensor] = []
 
     # -- weights --------------------------------------------------------------------------
+
+    def _before_layer_load(self, layer: int) -> None:
+        if self.before_load is not None:
+            self.before_load(layer + 1)
 
     def weights_updated(self, group: int) -> None:
         """The optimizer wrote new weights for ``group`` into the host buffer."""
@@ -229,12 +235,12 @@ class Executor:
         rope = (cos, sin)
         self.grad_norm_sq.zero_()
         self.activations.reset_peaks()
-        self.weights.begin(self._schedule())
         layouts = adapter.layouts
         L = adapter.num_layers
 
         # forward: embedding
         embed_leaf = self._leaves(layouts[0], self._resident_weights(0))
+        self.weights.begin(self._schedule())
         embed_w = embed_leaf["embed_tokens.weight"]
         with torch.enable_grad():
             h0 = adapter.embed(embed_w, ids)

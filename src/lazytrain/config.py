@@ -1,0 +1,259 @@
+"""Typed configuration: YAML files plus ``section.key=value`` overrides.
+
+Every section is a dataclass with defaults; the docstring under each field is its help.
+Unknown keys and bad values are errors that name the key and say what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from lazytrain.optim.base import AdamWConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    source: str = "builtin:tiny"
+    """A local HF model folder (config.json + safetensors), or ``builtin:NAME`` for a
+    random-initialised model of a built-in shape (tiny, qwen2.5-3b, qwen2.5-7b, qwen3-8b,
+    llama-3.1-8b)."""
+    dtype: str = "auto"
+    """Compute dtype of streamed weights and activations: auto (bf16 on GPU, fp32 on CPU),
+    bf16, fp32."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"model.dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    dataset: str = "builtin"
+    """``builtin`` (synthetic arithmetic in MetaMathQA form) or a local file/folder."""
+    format: str = "auto"
+    """auto | metamathqa | alpaca | json | jsonl | parquet | hf."""
+    prompt_field: str = "query"
+    """Question field for the generic json/jsonl/parquet formats."""
+    response_field: str = "response"
+    """Answer field for the generic json/jsonl/parquet formats."""
+    template: str = "auto"
+    """Prompt template: auto (compact for builtin data, alpaca otherwise), alpaca, compact, chat."""
+    max_seq_len: int = 128
+    """Samples longer than this are truncated (counted and reported)."""
+    builtin_tier: str = "add2"
+    """Difficulty tier of the built-in data."""
+    builtin_train_size: int = 20000
+    heldout_size: int = 200
+    """Held-out problems for evaluation with the built-in data."""
+
+    def __post_init__(self) -> None:
+        if self.max_seq_len < 8:
+            raise ConfigError(f"data.max_seq_len must be >= 8, got {self.max_seq_len}")
+        if self.builtin_train_size < 1 or self.heldout_size < 1:
+            raise ConfigError("data.builtin_train_size and data.heldout_size must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    steps: int = 600
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Sequences per step (the plan may be solved for it)."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    seed: int = 0
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cuda, cuda:N, cpu."""
+    output_dir: str = "runs/default"
+    log_every: int = 10
+    """Print a metrics line every N steps (metrics.jsonl gets every step)."""
+    save_every: int = 0
+    """Write a resumable checkpoint every N steps (0: only at the end)."""
+    eval_every: int = 0
+    """Exact-match evaluation on the held-out split every N steps (0: only at the end)."""
+    progress: bool = True
+    """Show a progress bar."""
+    resume: bool = False
+    """Continue from output_dir/checkpoint when it exists (same model, data and batch size)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"training.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"training.max_grad_norm must be >= 0, got {self.max_grad_norm}")
+        if self.save_every < 0 or self.eval_every < 0:
+            raise ConfigError("training.save_every and training.eval_every must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig(AdamWConfig):
+    lr: float = -1.0
+    """Peak learning rate; -1 (auto): 1e-3 for the built-in tiny model (trained from
+    scratch), 1e-5 for every other model (fine-tuning)."""
+    kind: str = "fp32"
+    """fp32 (torch fused AdamW, 8 B/param of state) or hybrid8bit (8-bit blockwise, ~2 B/param)."""
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    """cosine (to min_lr_ratio * lr) or constant, after linear warmup."""
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        lr, self.lr = self.lr, max(self.lr, 0.0) if self.lr == -1.0 else self.lr
+        AdamWConfig.__post_init__(self)  # validates betas, eps, decay (and lr unless auto)
+        self.lr = lr
+        if self.kind not in ("fp32", "hybrid8bit"):
+            raise ConfigError(f"optimizer.kind must be fp32 or hybrid8bit, got {self.kind!r}")
+        if self.schedule not in ("cosine", "constant"):
+            raise ConfigError(f"optimizer.schedule must be cosine or constant, got {self.schedule!r}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanConfig:
+    policy: str = "megatrain"
+    """megatrain | keep_all | checkpoint_all, or a path to a plan.json."""
+    megatrain_every: int = 4
+    """Checkpoint interval of the megatrain policy."""
+    checkpoint_tier: str = "gpu"
+    """Where checkpoint_all keeps layer inputs: gpu or host."""
+    head_chunk_tokens: int = 4096
+    weight_prefetch: int = 1
+    """Layers of weights copied ahead (1 = double buffering)."""
+    overlap_optimizer: bool = True
+    """Run the CPU optimizer step behind the next step's forward."""
+
+    def __post_init__(self) -> None:
+        if self.megatrain_every < 1 or self.head_chunk_tokens < 1 or self.weight_prefetch < 1:
+            raise ConfigError("plan.megatrain_every, head_chunk_tokens, weight_prefetch must be >= 1")
+        if self.checkpoint_tier not in ("gpu", "host"):
+            raise ConfigError(f"plan.checkpoint_tier must be gpu or host, got {self.checkpoint_tier!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryConfig:
+    pin: bool = True
+    """Page-lock the host weight and gradient arenas (needed for async full-speed copies)."""
+    host_limit_gb: float | None = None
+    """Host memory LazyTrain may plan for (default: 95% of RAM)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    def __post_init__(self) -> None:
+        if self.optimizer.lr == -1.0:
+            self.optimizer.lr = 1e-3 if self.model.source == "builtin:tiny" else 1e-5
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        d = self.to_dict()
+        d["optimizer"]["betas"] = list(d["optimizer"]["betas"])
+        Path(path).write_text(yaml.safe_dump(d, sort_keys=False))
+
+
+def _coerce(section: str, key: str, value, hint):
+    args = typing.get_args(hint)
+    if type(None) in args:
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    try:
+        if hint is bool:
+            text = str(value).lower()
+            if text not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return text in ("true", "1", "yes")
+        if hint is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if hint is float:
+            return float(value)
+        if hint is str:
+            if isinstance(value, (dict, list)):
+                raise ValueError
+            return str(value)
+        if typing.get_origin(hint) is tuple:
+            return tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        name = getattr(hint, "__name__", str(hint))
+        raise ConfigError(f"{section}.{key}={value!r} is not a valid {name}") from None
+    return value
+
+
+def _build(cls, section: str, values: dict):
+    if not isinstance(values, dict):
+        raise ConfigError(f"config section {section!r} must be a mapping, got {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(section + '.' + k for k in unknown)}; "
+            f"{section} accepts: {', '.join(sorted(fields))}"
+        )
+    kwargs = {k: _coerce(section, k, v, hints[k]) for k, v in values.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "training": TrainingConfig,
+    "optimizer": OptimizerConfig,
+    "plan": PlanConfig,
+    "memory": MemoryConfig,
+}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """A `Config` from an optional YAML file and ``section.key=value`` overrides."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, value = item.split("=", 1)
+        if key.count(".") != 1:
+            raise ConfigError(f"override key {key!r} must be section.key (e.g. training.steps)")
+        section, name = key.split(".")
+        raw.setdefault(section, {})[name] = yaml.safe_load(value) if value != "" else ""
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown config section(s) {unknown}; sections are {sorted(SECTIONS)}")
+    return Config(**{name: _build(cls, name, raw.get(name) or {}) for name, cls in SECTIONS.items()})

@@ -1,0 +1,204 @@
+"""Built-in synthetic arithmetic word problems in MetaMathQA form (the embedded default data).
+
+Each record is ``{"query", "response", "type"}``: a short word problem, a step-by-step
+response whose last line is ``"The answer is: N"``, and the tier name. Generation is
+deterministic from ``(split, n, seed, tier)``.
+
+The ``train`` and ``heldout`` splits never share a problem: a problem's canonical arithmetic
+(``"23+45"``, operands of commutative operations sorted) is hashed, and the hash alone puts it
+in one split, whatever its wording or operand order, for every tier and seed. Sets mixed
+together must use the same ``heldout_fraction``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import random
+from dataclasses import dataclass
+
+from lazytrain.data.formats import DataError, Sample
+
+SPLITS = ("train", "heldout")
+MIN_OPERAND = 2
+
+_PEOPLE = (("Tom", "he"), ("Anna", "she"), ("Sam", "he"), ("Maria", "she"),
+           ("Ben", "he"), ("Lily", "she"), ("Omar", "he"), ("Zoe", "she"))
+_ITEMS = ("apples", "books", "marbles", "stickers", "coins", "pencils", "cards", "shells")
+
+# Word templates per problem kind; {a} {b} {c} are the operands in the order the response
+# uses them.
+_WORDINGS = {
+    "add": (
+        "{name} has {a} {item} and buys {b} more. How many {item} does {pron} have now?",
+        "{name} had {a} {item}. {Pron} found {b} more. How many {item} does {pron} have?",
+        "A box has {a} {item} and a bag has {b} {item}. How many {item} in all?",
+        "{name} read {a} pages on Monday and {b} pages on Tuesday. How many pages in total?",
+        "What is {a} plus {b}?",
+    ),
+    "sub": (
+        "{name} has {a} {item} and gives away {b}. How many {item} are left?",
+        "{name} had {a} {item}. {Pron} lost {b} of them. How many {item} does {pron} have now?",
+        "A shelf held {a} {item}. {b} were sold. How many {item} remain?",
+        "What is {a} minus {b}?",
+    ),
+    "mul": (
+        "{name} buys {a} bags with {b} {item} each. How many {item} does {pron} have?",
+        "There are {a} boxes and each box holds {b} {item}. How many {item} are there?",
+        "What is {a} times {b}?",
+    ),
+    "add_sub": (
+        "{name} has {a} {item}, buys {b} more and gives away {c}. How many {item} are left?",
+        "A box had {a} {item}. {b} were added and {c} taken out. How many {item} now?",
+    ),
+    "mul_add": (
+        "{name} buys {a} packs of {b} {item} and finds {c} more. How many {item} in all?",
+        "What is {a} times {b} plus {c}?",
+    ),
+}
+KINDS = tuple(_WORDINGS)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Tier:
+    """A difficulty level: which kinds of problem, and how large the numbers get."""
+
+    name: str
+    kinds: tuple[str, ...]
+    """Problem kinds, drawn uniformly: add | sub | mul | add_sub (a+b-c) | mul_add (a*b+c)."""
+    max_operand: int = 99
+    """Largest operand of additions and subtractions, and of the large factor of products."""
+    max_factor: int = 9
+    """Largest small factor of products."""
+
+    def __post_init__(self) -> None:
+        if not self.kinds or any(kind not in KINDS for kind in self.kinds):
+            raise DataError(f"tier {self.name!r}: kinds {self.kinds} must be a non-empty "
+                            f"selection of {KINDS}")
+        if self.max_operand < MIN_OPERAND or self.max_factor < MIN_OPERAND:
+            raise DataError(f"tier {self.name!r}: max_operand and max_factor must be >= "
+                            f"{MIN_OPERAND}, got {self.max_operand} and {self.max_factor}")
+
+
+TIERS = {
+    tier.name: tier
+    for tier in (
+        Tier(name="add2", kinds=("add",)),
+        Tier(name="addsub", kinds=("add", "sub")),
+        Tier(name="mul", kinds=("mul",), max_operand=999),
+        Tier(name="multi", kinds=("add_sub", "mul_add")),
+    )
+}
+"""Built-in tiers. ``add2`` (sums of two numbers from 2 to 99) is the default: a 2-4 layer
+character-level model learns it in minutes on a CPU, and still has to carry digits."""
+
+
+# Per kind: the operator of the first step and of the second step (None: one step).
+_OPERATORS = {"add": ("+", None), "sub": ("-", None), "mul": ("*", None),
+              "add_sub": ("+", "-"), "mul_add": ("*", "+")}
+_APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+
+@dataclass(frozen=True, slots=True)
+class _Problem:
+    kind: str
+    operands: tuple[int, ...]
+
+    def key(self) -> str:
+        """The canonical arithmetic, equal for every wording and commutative reordering."""
+        first, second = _OPERATORS[self.kind]
+        a, b, *rest = self.operands
+        if first != "-":
+            a, b = sorted((a, b))
+        return f"{a}{first}{b}" if second is None else f"({a}{first}{b}){second}{rest[0]}"
+
+    def steps(self) -> tuple[list[str], int]:
+        """The response's equation lines and the answer."""
+        first, second = _OPERATORS[self.kind]
+        a, b, *rest = self.operands
+        value = _APPLY[first](a, b)
+        lines = [f"{a} {first} {b} = {value}"]
+        if second is not None:
+            result = _APPLY[second](value, rest[0])
+            lines.append(f"{value} {second} {rest[0]} = {result}")
+            value = result
+        return lines, value
+
+
+def _draw(rng: random.Random, tier: Tier) -> _Problem:
+    kind = rng.choice(tier.kinds)
+
+    def operand(top: int) -> int:
+        return rng.randint(MIN_OPERAND, top)
+
+    if kind == "add":
+        return _Problem(kind, (operand(tier.max_operand), operand(tier.max_operand)))
+    if kind == "sub":
+        a, b = operand(tier.max_operand), operand(tier.max_operand)
+        return _Problem(kind, (max(a, b), min(a, b)))
+    if kind == "mul":
+        return _Problem(kind, (operand(tier.max_factor), operand(tier.max_operand)))
+    if kind == "add_sub":
+        a, b = operand(tier.max_operand), operand(tier.max_operand)
+        return _Problem(kind, (a, b, rng.randint(1, a + b)))
+    return _Problem(kind, (operand(tier.max_factor), operand(tier.max_operand),
+                           operand(tier.max_operand)))
+
+
+def split_of(key: str, heldout_fraction: float) -> str:
+    """The split a canonical problem belongs to, from a hash of it alone."""
+    digest = hashlib.sha256(key.encode()).digest()
+    return "heldout" if int.from_bytes(digest[:8], "big") / 2**64 < heldout_fraction else "train"
+
+
+def _record(problem: _Problem, rng: random.Random, tier: Tier) -> dict:
+    name, pron = rng.choice(_PEOPLE)
+    wording = rng.choice(_WORDINGS[problem.kind])
+    a, b, *rest = problem.operands
+    query = wording.format(name=name, pron=pron, Pron=pron.capitalize(), item=rng.choice(_ITEMS),
+                           a=a, b=b, c=rest[0] if rest else "")
+    lines, answer = problem.steps()
+    return {"query": query, "response": "\n".join([*lines, f"The answer is: {answer}"]),
+            "type": tier.name}
+
+
+def make_split(split: str, n: int, seed: int = 0, tier: str | Tier = "add2",
+               heldout_fraction: float = 0.2) -> list[dict]:
+    """``n`` MetaMathQA-style records of ``split`` (train | heldout).
+
+    ``train`` draws problems with replacement; ``heldout`` gives ``n`` distinct problems, so
+    its accuracy is over ``n`` different sums.
+    """
+    if split not in SPLITS:
+        raise DataError(f"synthetic split {split!r} is not one of {SPLITS}")
+    if n < 1:
+        raise DataError(f"synthetic set size must be >= 1, got {n}")
+    if not 0.0 < heldout_fraction < 1.0:
+        raise DataError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
+    if isinstance(tier, str):
+        if tier not in TIERS:
+            raise DataError(f"unknown synthetic tier {tier!r}; choose one of {sorted(TIERS)}")
+        tier = TIERS[tier]
+    rng = random.Random(f"lazytrain-synthetic|{tier.name}|{split}|{seed}")
+    records: list[dict] = []
+    seen: set[str] = set()
+    # Enough draws to find n distinct heldout problems whenever the tier has them; a small
+    # tier asked for more than it holds stops here instead of looping forever.
+    for _ in range(int(50 * n / heldout_fraction) + 100_000):
+        problem = _draw(rng, tier)
+        key = problem.key()
+        if split_of(key, heldout_fraction) != split or (split == "heldout" and key in seen):
+            continue
+        seen.add(key)
+        records.append(_record(problem, rng, tier))
+        if len(records) == n:
+            return records
+    raise DataError(f"tier {tier.name!r} has only about {len(records)} distinct heldout problems, "
+                    f"{n} were asked for; ask for fewer or use a tier with larger numbers")
+
+
+def make_samples(split: str, n: int, seed: int = 0, tier: str | Tier = "add2",
+                 heldout_fraction: float = 0.2) -> list[Sample]:
+    """`make_split` as `Sample` s, ready for tokenization."""
+    return [Sample(instruction=r["query"], response=r["response"], type=r["type"])
+            for r in make_split(split, n, seed, tier, heldout_fraction)]

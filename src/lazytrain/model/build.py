@@ -1,0 +1,65 @@
+"""Build a streamed model (adapter + host store) from ``model.source``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from lazytrain.memory.host_store import HostStore
+from lazytrain.model.adapter import ModelAdapter, UnsupportedModelError, load_hf_config
+from lazytrain.model.loading import load_safetensors, random_init
+from lazytrain.model.shapes import SHAPES
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def model_config(source: str, vocab_size: int | None = None) -> transformers.PretrainedConfig:
+    """The HF config of ``source``: ``builtin:NAME`` or a local HF folder."""
+    if source.startswith("builtin:"):
+        name = source.split(":", 1)[1]
+        if name not in SHAPES:
+            raise UnsupportedModelError(
+                f"unknown built-in model shape {name!r}; choose one of {', '.join(SHAPES)} "
+                "or give a local HF model folder"
+            )
+        shape = dict(SHAPES[name])
+        if "vocab_size" not in shape:
+            if vocab_size is None:
+                raise UnsupportedModelError(f"built-in shape {name!r} takes its vocab from the tokenizer")
+            shape["vocab_size"] = vocab_size
+        return load_hf_config(shape)
+    return load_hf_config(source)
+
+
+def build_model(
+    source: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    pin: bool = True,
+    optimizer_bytes_per_param: float = 8.0,
+    host_limit_bytes: int | None = None,
+) -> tuple[ModelAdapter, HostStore]:
+    """Adapter + host store holding the weights (loaded, or random for built-in shapes)."""
+    config = model_config(source, vocab_size)
+    adapter = ModelAdapter(config, device, dtype)
+    store = HostStore(
+        adapter.layouts,
+        dtype,
+        pin=pin and device.type == "cuda",
+        optimizer_bytes_per_param=optimizer_bytes_per_param,
+        host_limit_bytes=host_limit_bytes,
+    )
+    if source.startswith("builtin:"):
+        random_init(adapter, store, seed, device)
+    else:
+        load_safetensors(adapter, store, Path(source).expanduser())
+    return adapter, store

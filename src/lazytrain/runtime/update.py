@@ -1,0 +1,81 @@
+"""The CPU optimizer step, group by group, overlapping the next step's forward.
+
+After backward the global gradient norm is known (from the per-group squared norms the
+executor accumulated on the GPU), so the clip coefficient is a plain number passed to the
+optimizer. Groups are stepped in the order the next forward needs them: embedding, layer
+0, ..., layer L-1, final norm + head. With ``overlap`` the steps run on a worker thread and
+the next forward waits only for the group it is about to load (``wait_group``), so the CPU
+step hides behind the GPU forward.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from lazytrain.optim.base import HostOptimizer
+from lazytrain.runtime.executor import Executor
+
+
+class HostUpdater:
+    def __init__(self, executor: Executor, optimizer: HostOptimizer, overlap: bool = True):
+        self.executor = executor
+        self.optimizer = optimizer
+        self.overlap = overlap
+        self.num_groups = executor.num_groups
+        self._done = [threading.Event() for _ in range(self.num_groups)]
+        for event in self._done:
+            event.set()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_step_seconds = 0.0
+        self.wait_seconds = 0.0
+        executor.before_load = self.wait_group
+
+    def wait_group(self, group: int) -> None:
+        """Block until ``group``'s pending update is written (a no-op if none is pending)."""
+        event = self._done[group]
+        if not event.is_set():
+            t0 = time.perf_counter()
+            event.wait()
+            self.wait_seconds += time.perf_counter() - t0
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("the CPU optimizer step failed") from error
+
+    def start(self, clip_coef: float, lr: float) -> None:
+        """Begin updating every group with gradient * ``clip_coef`` at learning rate ``lr``."""
+        self.finish()
+        self.executor.weights.invalidate()
+        for group in range(self.num_groups):
+            self._done[group].clear()
+            self.executor.weights_updated(group)
+        self.wait_seconds = 0.0
+        if self.overlap:
+            self._thread = threading.Thread(target=self._run, args=(clip_coef, lr), daemon=True)
+            self._thread.start()
+        else:
+            self._run(clip_coef, lr)
+            self.wait_group(0)
+
+    def finish(self) -> None:
+        """Wait for the whole update (before saving, evaluating or exiting)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for group in range(self.num_groups):
+            self.wait_group(group)
+
+    def _run(self, clip_coef: float, lr: float) -> None:
+        t0 = time.perf_counter()
+        store = self.executor.store
+        try:
+            for group in range(self.num_groups):
+                self.executor.wait_grad(group)
+                self.optimizer.step_group(group, store.grads[group], clip_coef, lr, store.weights[group])
+                self._done[group].set()
+        except BaseException as error:  # surfaced to the main thread by wait_group
+            self._error = error
+            for event in self._done:
+                event.set()
+        self.last_step_seconds = time.perf_counter() - t0

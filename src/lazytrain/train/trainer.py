@@ -1,0 +1,260 @@
+"""The SFT recipe: config -> data -> plan -> executor -> CPU optimizer -> metrics, checkpoints.
+
+One ``Trainer`` per run: ``setup()`` builds everything, ``train()`` is the loop, and the
+output folder ends as an HF model folder (config, safetensors, tokenizer) plus the resolved
+LazyTrain config, the prompt template and ``metrics.jsonl``. A ``checkpoint/`` folder in it
+holds what ``training.resume=true`` needs to continue exactly where the run stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from lazytrain.config import Config
+from lazytrain.data.dataset import BatchConfig, BatchIterator, tokenize_samples
+from lazytrain.data.formats import DataSource, load_samples
+from lazytrain.data.synthetic import make_samples
+from lazytrain.data.template import PromptTemplate, get_template
+from lazytrain.data.tokenizer import builtin_tokenizer
+from lazytrain.model.build import build_model, resolve_dtype
+from lazytrain.model.flops import flops_6nt, model_flops
+from lazytrain.model.loading import save_hf
+from lazytrain.optim.adamw import FusedAdamW
+from lazytrain.optim.base import HostOptimizer
+from lazytrain.plan.plan import Plan, checkpoint_all_plan, keep_all_plan, megatrain_plan
+from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.update import HostUpdater
+from lazytrain.train.metrics import MetricsWriter, gpu_memory, host_rss_bytes
+from lazytrain.train.schedule import learning_rate
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"training.device={name} but CUDA is not available; use training.device=cpu")
+    return device
+
+
+def load_tokenizer(source: str):
+    if source.startswith("builtin:"):
+        return builtin_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"no tokenizer could be loaded from {source}: {e}") from None
+
+
+def make_plan(config: Config, num_layers: int, seq_len: int) -> Plan:
+    pc, batch = config.plan, config.training.batch_size
+    if pc.policy == "megatrain":
+        return megatrain_plan(num_layers, batch, seq_len, pc.megatrain_every, pc.head_chunk_tokens)
+    if pc.policy == "keep_all":
+        return keep_all_plan(num_layers, batch, seq_len, pc.head_chunk_tokens)
+    if pc.policy == "checkpoint_all":
+        return checkpoint_all_plan(num_layers, batch, seq_len, pc.checkpoint_tier, pc.head_chunk_tokens)
+    path = Path(pc.policy)
+    if not path.exists():
+        raise ValueError(
+            f"plan.policy={pc.policy!r} is neither megatrain, keep_all, checkpoint_all nor an "
+            "existing plan.json"
+        )
+    plan = Plan.load(path)
+    plan.weight_prefetch = pc.weight_prefetch
+    return plan
+
+
+def make_optimizer(config: Config, masters: list[torch.Tensor], decay_numel: list[int]) -> HostOptimizer:
+    oc = config.optimizer
+    if oc.kind == "hybrid8bit":
+        from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
+
+        return Hybrid8bitAdamW(masters, decay_numel, oc)
+    return FusedAdamW(masters, decay_numel, oc)
+
+
+class Trainer:
+    """Full-parameter SFT of a streamed model.
+
+    Raises at setup for: an unsupported architecture or a missing model folder, host memory
+    that cannot hold the model (with the bytes), data that is empty after truncation, and a
+    plan that does not match the model's layer count.
+    """
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.out_dir = Path(config.training.output_dir)
+        self.step = 0
+        self.skipped_steps = 0
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        cfg = self.config
+        torch.manual_seed(cfg.training.seed)
+        self.device = resolve_device(cfg.training.device)
+        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        self.tokenizer = load_tokenizer(cfg.model.source)
+        self.template = self._template()
+        self.batches = self._data()
+        state_bytes = 2.1 if cfg.optimizer.kind == "hybrid8bit" else 8.0
+        self.adapter, self.store = build_model(
+            cfg.model.source, self.device, self.dtype,
+            seed=cfg.training.seed, vocab_size=len(self.tokenizer), pin=cfg.memory.pin,
+            optimizer_bytes_per_param=state_bytes,
+            host_limit_bytes=int(cfg.memory.host_limit_gb * 2**30) if cfg.memory.host_limit_gb else None,
+        )
+        self.plan = make_plan(cfg, self.adapter.num_layers, cfg.data.max_seq_len)
+        self.executor = Executor(self.adapter, self.store, self.plan, self.device)
+        decay = [layout.decay_numel for layout in self.adapter.layouts]
+        self.optimizer = make_optimizer(cfg, self.store.masters, decay)
+        self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
+        if cfg.training.resume and (self.out_dir / "checkpoint").exists():
+            self._load_checkpoint(self.out_dir / "checkpoint")
+        self.metrics = MetricsWriter(self.out_dir, append=self.step > 0)
+        cfg.save(self.out_dir / "lazytrain_config.yaml")
+        self.template.save(self.out_dir)
+
+    def _template(self) -> PromptTemplate:
+        name = self.config.data.template
+        if name == "auto":
+            name = "compact" if self.config.data.dataset == "builtin" else "alpaca"
+        return get_template(name)
+
+    def _data(self) -> BatchIterator:
+        dc, tc = self.config.data, self.config.training
+        if dc.dataset == "builtin":
+            samples = make_samples("train", dc.builtin_train_size, seed=tc.seed, tier=dc.builtin_tier)
+        else:
+            samples = load_samples(
+                DataSource(path=dc.dataset, format=dc.format, prompt_field=dc.prompt_field,
+                           response_field=dc.response_field)
+            )
+        dataset = tokenize_samples(samples, self.tokenizer, self.template, dc.max_seq_len)
+        log.info("data: %s", dataset.report.summary())
+        self.data_report = dataset.report
+        return BatchIterator(
+            dataset=dataset,
+            config=BatchConfig(batch_size=tc.batch_size, seed=tc.seed, drop_last=True,
+                               pad_to_multiple_of=8 if self.device.type == "cuda" else 1),
+        )
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        cfg = self.config
+        tc, oc = cfg.training, cfg.optimizer
+        bar = tqdm(total=tc.steps, initial=self.step, disable=not tc.progress, desc="train",
+                   dynamic_ncols=True)
+        last = None
+        t_prev = time.perf_counter()
+        while self.step < tc.steps:
+            batch = next(self.batches)
+            stats = self.executor.forward_backward(batch.input_ids, batch.labels, batch.attention_mask)
+            lr = learning_rate(self.step, tc.steps, oc.lr, oc.warmup_steps, oc.schedule, oc.min_lr_ratio)
+            if not math.isfinite(stats.grad_norm) or not math.isfinite(stats.loss):
+                # a non-finite gradient: no state is touched, the step is counted and logged
+                self.skipped_steps += 1
+                clip = None
+            else:
+                clip = 1.0
+                if tc.max_grad_norm > 0:
+                    clip = min(1.0, tc.max_grad_norm / (stats.grad_norm + 1e-6))
+                self.updater.start(clip, lr)
+            self.step += 1
+            now = time.perf_counter()
+            step_time, t_prev = now - t_prev, now
+            seq = batch.input_ids.shape[1]
+            last = {
+                "step": self.step,
+                "loss": stats.loss,
+                "grad_norm": stats.grad_norm,
+                "lr": lr,
+                "skipped": clip is None,
+                "tokens": stats.num_tokens,
+                "target_tokens": stats.num_target_tokens,
+                "batch_size": int(batch.input_ids.shape[0]),
+                "seq_len": seq,
+                "step_time_s": step_time,
+                "tokens_per_s": stats.num_tokens / step_time,
+                "tflops_model": model_flops(self.adapter, stats.num_tokens, seq) / step_time / 1e12,
+                "tflops_6nt": flops_6nt(self.adapter, stats.num_tokens) / step_time / 1e12,
+                "optimizer_wait_s": self.updater.wait_seconds,
+                "h2d_weight_gb": stats.h2d_weight_bytes / 1e9,
+                "host_rss_gb": host_rss_bytes() / 1e9,
+                **gpu_memory(self.device),
+            }
+            self.metrics.write(last)
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats.loss:.4f}", gnorm=f"{stats.grad_norm:.2f}",
+                            tok_s=f"{last['tokens_per_s']:.0f}")
+            if tc.log_every and self.step % tc.log_every == 0 and not tc.progress:
+                log.info("step %d loss %.4f grad_norm %.3f %.0f tok/s", self.step, stats.loss,
+                         stats.grad_norm, last["tokens_per_s"])
+            if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.steps:
+                self.save_checkpoint()
+        bar.close()
+        self.updater.finish()
+        self.save_model(self.out_dir)
+        self.save_checkpoint()
+        self.metrics.close()
+        return {"steps": self.step, "skipped_steps": self.skipped_steps, "last": last}
+
+    # -- outputs ----------------------------------------------------------------------------
+
+    def save_model(self, out_dir: Path) -> None:
+        """An HF model folder: config, safetensors (bf16), tokenizer, prompt template."""
+        self.updater.finish()
+        save_hf(self.adapter, self.store, out_dir, dtype=torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32)
+        self.tokenizer.save_pretrained(out_dir)
+        self.template.save(out_dir)
+
+    def save_checkpoint(self) -> None:
+        """Masters, optimizer state, data position and step: what resume needs."""
+        self.updater.finish()
+        ckpt = self.out_dir / "checkpoint"
+        tmp = self.out_dir / "checkpoint.tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({f"g{g}": m for g, m in enumerate(self.store.masters)}, str(tmp / "masters.safetensors"))
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        (tmp / "state.json").write_text(json.dumps({
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "data": self.batches.state_dict(),
+            "num_params": self.store.num_params,
+        }))
+        if ckpt.exists():
+            for f in ckpt.iterdir():
+                f.unlink()
+            ckpt.rmdir()
+        tmp.rename(ckpt)
+
+    def _load_checkpoint(self, ckpt: Path) -> None:
+        state = json.loads((ckpt / "state.json").read_text())
+        if state["num_params"] != self.store.num_params:
+            raise ValueError(
+                f"checkpoint {ckpt} is of a model with {state['num_params']} parameters, this "
+                f"model has {self.store.num_params}; use another training.output_dir"
+            )
+        masters = load_file(str(ckpt / "masters.safetensors"))
+        for g, m in enumerate(self.store.masters):
+            m.copy_(masters[f"g{g}"])
+            self.store.sync_weights_from_masters(g)
+            self.executor.weights_updated(g)
+        self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=False))
+        self.batches.load_state_dict(state["data"])
+        self.step = state["step"]
+        self.skipped_steps = state["skipped_steps"]

@@ -1,0 +1,72 @@
+"""Tiny HF models of each supported family, saved as real HF folders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+FAMILIES = {
+    "qwen2": dict(cls=transformers.Qwen2Config, arch="Qwen2ForCausalLM", tied=False),
+    "qwen2-tied": dict(cls=transformers.Qwen2Config, arch="Qwen2ForCausalLM", tied=True),
+    "qwen3": dict(cls=transformers.Qwen3Config, arch="Qwen3ForCausalLM", tied=False, head_dim=16),
+    "llama": dict(cls=transformers.LlamaConfig, arch="LlamaForCausalLM", tied=True),
+}
+
+
+def tiny_config(family: str, layers: int = 5) -> transformers.PretrainedConfig:
+    spec = FAMILIES[family]
+    extra = {"head_dim": spec["head_dim"]} if "head_dim" in spec else {}
+    config = spec["cls"](
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=101,
+        max_position_embeddings=128,
+        tie_word_embeddings=spec["tied"],
+        **extra,
+    )
+    config.architectures = [spec["arch"]]
+    return config
+
+
+def make_hf_model(family: str, seed: int = 0, layers: int = 5):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        tiny_config(family, layers), attn_implementation="sdpa"
+    ).float()
+    # HF initialises norms to 1 and biases to 0; random values make every gradient path count
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    return model
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def hf_folder(tmp_path, family):
+    model = make_hf_model(family)
+    model.save_pretrained(tmp_path / "model")
+    return model, tmp_path / "model"
+
+
+def random_batch(batch: int, seq: int, vocab: int, padded: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = ids.clone()
+    labels[:, : seq // 3] = -100
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if padded:
+        for row in range(batch):
+            length = int(torch.randint(seq // 2, seq + 1, (1,), generator=g))
+            mask[row, length:] = 0
+            labels[row, length:] = -100
+        mask[0, :] = 1  # one full-length row
+    return ids, labels, mask

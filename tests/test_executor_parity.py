@@ -1,0 +1,142 @@
+"""The streamed loss and every parameter gradient equal plain HF autograd (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import make_hf_model, random_batch
+from lazytrain.memory.host_store import HostStore
+from lazytrain.model.adapter import ModelAdapter, load_hf_config
+from lazytrain.model.loading import load_safetensors
+from lazytrain.plan.plan import LayerPlan, Plan, checkpoint_all_plan, keep_all_plan, megatrain_plan
+from lazytrain.runtime.executor import Executor
+
+CPU = torch.device("cpu")
+
+
+def streamed(folder):
+    adapter = ModelAdapter(load_hf_config(folder), CPU, torch.float32)
+    store = HostStore(adapter.layouts, torch.float32, pin=False)
+    load_safetensors(adapter, store, folder)
+    return adapter, store
+
+
+def reference_grads(model, ids, labels, mask):
+    model.zero_grad(set_to_none=True)
+    seq = ids.shape[1]
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        labels=labels,
+        position_ids=torch.arange(seq).expand(ids.shape[0], -1),
+    )
+    out.loss.backward()
+    return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_grads_equal(adapter, store, ref_grads):
+    for g, layout in enumerate(adapter.layouts):
+        for p in layout.params:
+            name = layout.hf_prefix + p.name
+            got = store.grads[g][p.offset : p.offset + p.numel].view(p.shape)
+            torch.testing.assert_close(got, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("policy", ["megatrain", "keep_all"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_baselines_match_hf_autograd(hf_folder, policy, padded):
+    model, folder = hf_folder
+    adapter, store = streamed(folder)
+    ids, labels, mask = random_batch(3, 13, adapter.vocab_size, padded)
+    ref_loss, ref = reference_grads(model, ids, labels, mask)
+    L = adapter.num_layers
+    plan = (
+        megatrain_plan(L, 3, 13, every=2, head_chunk_tokens=7)
+        if policy == "megatrain"
+        else keep_all_plan(L, 3, 13, head_chunk_tokens=5)
+    )
+    stats = Executor(adapter, store, plan, CPU).forward_backward(ids, labels, mask if padded else None)
+    assert stats.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert_grads_equal(adapter, store, ref)
+    total = sum(float(g.square().sum()) for g in ref.values()) ** 0.5
+    assert stats.grad_norm == pytest.approx(total, rel=1e-5)
+
+
+def test_checkpoint_on_host_matches(hf_folder):
+    model, folder = hf_folder
+    adapter, store = streamed(folder)
+    ids, labels, mask = random_batch(2, 9, adapter.vocab_size, padded=True)
+    _, ref = reference_grads(model, ids, labels, mask)
+    plan = checkpoint_all_plan(adapter.num_layers, 2, 9, tier="host")
+    Executor(adapter, store, plan, CPU).forward_backward(ids, labels, mask)
+    assert_grads_equal(adapter, store, ref)
+
+
+@st.composite
+def random_plans(draw, num_layers: int):
+    layers = []
+    for i in range(num_layers):
+        modes = ["keep", "checkpoint"]
+        if i > 0 and layers[-1].mode != "keep":
+            modes.append("drop")
+        layers.append(LayerPlan(mode=draw(st.sampled_from(modes)), tier=draw(st.sampled_from(["gpu", "host"]))))
+    return Plan(
+        policy="random",
+        batch_size=2,
+        seq_len=11,
+        layers=layers,
+        head_chunk_tokens=draw(st.integers(1, 30)),
+        weight_prefetch=draw(st.integers(1, 3)),
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen2_setup(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen2") / "model"
+    model = make_hf_model("qwen2", layers=6)
+    model.save_pretrained(folder)
+    adapter, store = streamed(folder)
+    ids, labels, mask = random_batch(2, 11, adapter.vocab_size, padded=True, seed=3)
+    _, ref = reference_grads(model, ids, labels, mask)
+    return adapter, store, (ids, labels, mask), ref
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_plans_match_hf_autograd(qwen2_setup, data):
+    adapter, store, batch, ref = qwen2_setup
+    plan = data.draw(random_plans(adapter.num_layers))
+    store.grads[0].fill_(float("nan"))
+    for g in store.grads:
+        g.fill_(float("nan"))
+    Executor(adapter, store, plan, CPU).forward_backward(*batch)
+    assert_grads_equal(adapter, store, ref)
+
+
+def test_weights_cross_at_most_twice(qwen2_setup):
+    adapter, store, batch, _ = qwen2_setup
+    layer_bytes = store.weights[1].numel() * store.weights[1].element_size()
+    for plan in (
+        megatrain_plan(adapter.num_layers, 2, 11, every=3),
+        keep_all_plan(adapter.num_layers, 2, 11),
+        checkpoint_all_plan(adapter.num_layers, 2, 11),
+    ):
+        stats = Executor(adapter, store, plan, CPU).forward_backward(*batch)
+        assert stats.h2d_weight_bytes <= 2 * adapter.num_layers * layer_bytes
+
+
+def test_drop_after_keep_is_rejected():
+    layers = [LayerPlan(mode="keep"), LayerPlan(mode="drop")]
+    with pytest.raises(ValueError, match="drop layer must follow"):
+        Plan(policy="x", batch_size=1, seq_len=4, layers=layers).check(2)
+    with pytest.raises(ValueError, match="layer 0 cannot be 'drop'"):
+        Plan(policy="x", batch_size=1, seq_len=4, layers=[LayerPlan(mode="drop")])
+
+
+def test_plan_json_round_trip(tmp_path):
+    plan = megatrain_plan(7, 4, 64, every=3)
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
