@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lazytrain.runtime.streams import Streams
+from lazytrain.runtime.streams import Streams, StreamTrace
 
 
 @dataclass(slots=True)
@@ -27,8 +27,9 @@ class Handle:
 
 
 class ActivationStore:
-    def __init__(self, streams: Streams, device: torch.device):
+    def __init__(self, streams: Streams, device: torch.device, trace: StreamTrace | None = None):
         self.streams = streams
+        self.trace = trace
         self.device = device
         self.bytes_by_tier = {"gpu": 0, "host": 0}
         self.peak_by_tier = {"gpu": 0, "host": 0}
@@ -57,8 +58,11 @@ class ActivationStore:
             buf = self._host_buffer(src.numel(), src.dtype)
             produced = self.streams.record()
             self.streams.wait(produced, self.streams.d2h)
+            span = self.trace.begin(self.streams.d2h) if self.trace else None
             with self.streams.on(self.streams.d2h):
                 buf.copy_(src.view(-1), non_blocking=True)
+            if self.trace:
+                self.trace.end("d2h", span, self.streams.d2h)
             self.streams.keep_alive(src, self.streams.d2h)
             self._account("host", nbytes)
             return Handle(
@@ -73,9 +77,12 @@ class ActivationStore:
         if handle.tier != "host" or handle.fetched is not None:
             return
         self.streams.wait(handle.stored, self.streams.h2d)
+        span = self.trace.begin(self.streams.h2d) if self.trace else None
         with self.streams.on(self.streams.h2d):
             out = torch.empty(handle.shape, dtype=handle.dtype, device=self.device)
             out.view(-1).copy_(handle.tensor, non_blocking=True)
+        if self.trace:
+            self.trace.end("h2d", span, self.streams.h2d)
         handle.fetched = out
         handle.fetched_event = self.streams.record(self.streams.h2d)
 

@@ -37,7 +37,7 @@ from lazytrain.memory.host_store import HostStore
 from lazytrain.model.adapter import ModelAdapter, attention_mask_4d
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.activations import ActivationStore, Handle
-from lazytrain.runtime.streams import Streams
+from lazytrain.runtime.streams import Streams, StreamTrace
 from lazytrain.runtime.weights import WeightStreamer
 
 
@@ -89,6 +89,8 @@ class Executor:
         self.device = device
         self.dtype = store.dtype
         self.streams = Streams(device)
+        self.trace = StreamTrace(self.streams)
+        """Set ``trace.enabled`` to time compute and copies per step (benchmarks)."""
         self.num_groups = len(adapter.layouts)
         self.before_load = before_load
         """Called with a group index before its host weights are copied to the GPU (the
@@ -101,8 +103,9 @@ class Executor:
             streams=self.streams,
             device=device,
             before_load=self._before_layer_load,
+            trace=self.trace,
         )
-        self.activations = ActivationStore(self.streams, device)
+        self.activations = ActivationStore(self.streams, device, self.trace)
         # Resident groups: the embedding (group 0) and the final norm + head (last group).
         self.resident = {
             0: torch.empty(store.weights[0].numel(), dtype=self.dtype, device=device),
@@ -129,8 +132,10 @@ class Executor:
         if self._resident_version[group] != self.weight_version[group]:
             if self.before_load is not None:
                 self.before_load(group)
+            span = self.trace.begin(self.streams.h2d)
             with self.streams.on(self.streams.h2d):
                 self.resident[group].copy_(self.store.weights[group], non_blocking=True)
+            self.trace.end("h2d", span, self.streams.h2d)
             self.streams.wait(self.streams.record(self.streams.h2d))
             self._resident_version[group] = self.weight_version[group]
         return self.resident[group]
@@ -185,9 +190,11 @@ class Executor:
         produced = self.streams.record()
         host = self.store.grads[group]
         self.streams.wait(produced, self.streams.d2h)
+        span = self.trace.begin(self.streams.d2h)
         with self.streams.on(self.streams.d2h):
             for p, g in zip(layout.params, ordered):
                 host[p.offset : p.offset + p.numel].copy_(g.reshape(-1), non_blocking=True)
+        self.trace.end("d2h", span, self.streams.d2h)
         for g in ordered:
             self.streams.keep_alive(g, self.streams.d2h)
         self.grad_ready[group] = self.streams.record(self.streams.d2h)
@@ -233,6 +240,7 @@ class Executor:
         cos, sin = adapter.rotary_embeddings(position_ids, self.dtype)
         self._consts = [cos, sin] + ([mask] if mask is not None else [])
         rope = (cos, sin)
+        self.trace.start_step()
         self.grad_norm_sq.zero_()
         self.activations.reset_peaks()
         layouts = adapter.layouts
@@ -251,6 +259,7 @@ class Executor:
         for i in range(L):
             lp = plan.layers[i]
             slot = self.weights.acquire(i)
+            span = self.trace.begin()
             if lp.mode == "keep":
                 x_in = x.requires_grad_()
                 leaves = self._leaves(layouts[i + 1], slot)
@@ -266,12 +275,14 @@ class Executor:
                     saved[i] = self.activations.put(x, lp.tier)
                 with torch.no_grad():
                     x = adapter.layer_forward(layouts[i + 1].views(slot), x, rope, mask)
+            self.trace.end("compute", span)
             self.weights.release(i)
 
         # final norm + chunked LM head + loss, backward per chunk
         final = self.num_groups - 1
         final_leaf = self._leaves(layouts[final], self._resident_weights(final))
         head_w = adapter.head_weight(embed_leaf, final_leaf)
+        span = self.trace.begin()
         x_last = x.requires_grad_()
         with torch.enable_grad():
             normed = adapter.final_norm(final_leaf["model.norm.weight"], x_last)
@@ -297,6 +308,7 @@ class Executor:
             normed, [x_last, final_leaf["model.norm.weight"]], grad_normed.view(batch, seq, -1)
         )
         del normed, grad_normed
+        self.trace.end("compute", span)
         final_grads = {"model.norm.weight": g_norm}
         if not adapter.tied:
             final_grads["lm_head.weight"] = head_grad
@@ -309,7 +321,9 @@ class Executor:
                 x_in, out, leaves, handles = saved[start]
                 self._bwd_slot[start] = slot
                 names = list(leaves)
+                span = self.trace.begin()
                 grads = torch.autograd.grad(out, [x_in, *leaves.values()], g)
+                self.trace.end("compute", span)
                 del self._bwd_slot[start]
                 for h in handles:
                     self.activations.free(h)
@@ -321,15 +335,19 @@ class Executor:
             slots = [self.weights.acquire(j) for j in range(start, end)]
             handle = saved[start]
             inputs = [self.activations.get(handle)]
+            span = self.trace.begin()
             with torch.no_grad():
                 for j in range(start, end - 1):
                     inputs.append(adapter.layer_forward(layouts[j + 1].views(slots[j - start]), inputs[-1], rope, mask))
+            self.trace.end("compute", span)
             for j in reversed(range(start, end)):
                 x_in = inputs[j - start].detach().requires_grad_()
                 leaves = self._leaves(layouts[j + 1], slots[j - start])
+                span = self.trace.begin()
                 with torch.enable_grad():
                     out = adapter.layer_forward(leaves, x_in, rope, mask)
                     grads = torch.autograd.grad(out, [x_in, *leaves.values()], g)
+                self.trace.end("compute", span)
                 g = grads[0]
                 inputs[j - start] = None
                 self._emit_grads(j + 1, dict(zip(leaves, grads[1:])))
@@ -339,7 +357,9 @@ class Executor:
             saved[start] = None
 
         # embedding (and the tied head)
+        span = self.trace.begin()
         (g_embed,) = torch.autograd.grad(h0, [embed_w], g)
+        self.trace.end("compute", span)
         if adapter.tied:
             g_embed = g_embed + head_grad
         self._emit_grads(0, {"embed_tokens.weight": g_embed})

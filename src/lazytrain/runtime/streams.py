@@ -47,3 +47,96 @@ class Streams:
         """Tell the caching allocator ``tensor`` is in use on ``stream`` (a side stream)."""
         if self.cuda and stream is not None and tensor.is_cuda:
             tensor.record_stream(stream)
+
+
+class StreamTrace:
+    """Optional CUDA-event spans per stream, to split a step into compute and exposed waits.
+
+    Off by default (``enabled=False``): the executor then records nothing. When on, each
+    span is a pair of events on one stream; ``summary`` reads them after the step (one sync)
+    and returns busy and exposed milliseconds per stream, where *exposed* means time in
+    which the compute stream ran nothing while that stream was busy.
+    """
+
+    def __init__(self, streams: Streams):
+        self.streams = streams
+        self.enabled = False
+        self.spans: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._origin: torch.cuda.Event | None = None
+
+    def start_step(self) -> None:
+        self.spans = []
+        self._origin = self.streams.record() if self.enabled else None
+
+    def begin(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
+        if not self.enabled or not self.streams.cuda:
+            return None
+        return self.streams.record(stream)
+
+    def end(self, kind: str, start: torch.cuda.Event | None, stream: torch.cuda.Stream | None = None) -> None:
+        if start is not None:
+            self.spans.append((kind, start, self.streams.record(stream)))
+
+    def summary(self) -> dict[str, float]:
+        """Busy and exposed ms per stream kind over the step (synchronizes the device)."""
+        if not self.spans or self._origin is None:
+            return {}
+        end = self.streams.record()
+        end.synchronize()
+        total = self._origin.elapsed_time(end)
+        intervals: dict[str, list[tuple[float, float]]] = {}
+        for kind, a, b in self.spans:
+            intervals.setdefault(kind, []).append((self._origin.elapsed_time(a), self._origin.elapsed_time(b)))
+        merged = {kind: _union(iv) for kind, iv in intervals.items()}
+        compute = merged.get("compute", [])
+        idle = _complement(compute, 0.0, total)
+        out = {"step_ms": total}
+        claimed: list[tuple[float, float]] = []
+        for kind in ("h2d", "d2h"):
+            busy = merged.get(kind, [])
+            out[f"{kind}_busy_ms"] = _length(busy)
+            exposed = _intersect(_intersect(idle, busy), _complement(claimed, 0.0, total))
+            out[f"{kind}_exposed_ms"] = _length(exposed)
+            claimed = _union(claimed + exposed)
+        out["compute_ms"] = _length(compute)
+        out["other_idle_ms"] = _length(idle) - _length(_intersect(idle, claimed))
+        return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _complement(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    out, cursor = [], lo
+    for a, b in _union(intervals):
+        if a > cursor:
+            out.append((cursor, min(a, hi)))
+        cursor = max(cursor, b)
+    if cursor < hi:
+        out.append((cursor, hi))
+    return out
+
+
+def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    xs, ys = _union(xs), _union(ys)
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if a < b:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from lazytrain.runtime.streams import Streams
+from lazytrain.runtime.streams import Streams, StreamTrace
 
 
 class WeightStreamer:
@@ -27,6 +27,7 @@ class WeightStreamer:
         streams: Streams,
         device: torch.device,
         before_load: Callable[[int], None] | None = None,
+        trace: StreamTrace | None = None,
     ):
         if num_slots < 2:
             raise ValueError(f"at least 2 weight slots are needed, got {num_slots}")
@@ -35,6 +36,7 @@ class WeightStreamer:
         self.streams = streams
         self.depth = depth
         self.before_load = before_load
+        self.trace = trace
         self.slots = [torch.empty(numel, dtype=host_weights[0].dtype, device=device) for _ in range(num_slots)]
         self.layer_of: list[int | None] = [None] * num_slots
         self.state = ["empty"] * num_slots  # empty | pending | acquired | released
@@ -91,8 +93,11 @@ class WeightStreamer:
         src = self.host[layer]
         dst = self.slots[slot][: src.numel()]
         self.streams.wait(self.free[slot], self.streams.h2d)
+        span = self.trace.begin(self.streams.h2d) if self.trace else None
         with self.streams.on(self.streams.h2d):
             dst.copy_(src, non_blocking=True)
+        if self.trace:
+            self.trace.end("h2d", span, self.streams.h2d)
         self.ready[slot] = self.streams.record(self.streams.h2d)
         self.layer_of[slot] = layer
         self.state[slot] = "pending"
