@@ -140,3 +140,28 @@ def test_plan_json_round_trip(tmp_path):
     plan = megatrain_plan(7, 4, 64, every=3)
     plan.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json") == plan
+
+
+def test_abandoned_step_frees_everything(qwen2_setup, monkeypatch):
+    """An error mid-step (an out-of-memory, say) leaves nothing alive: the next try can run."""
+    import gc
+    import weakref
+
+    adapter, store, batch, _ = qwen2_setup
+    calls = {"n": 0}
+    real = adapter.layer_forward
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise torch.OutOfMemoryError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "layer_forward", failing)
+    executor = Executor(adapter, store, keep_all_plan(adapter.num_layers, 2, 11), CPU)
+    alive = weakref.ref(executor)
+    with pytest.raises(torch.OutOfMemoryError):
+        executor.forward_backward(*batch)
+    del executor
+    gc.collect()
+    assert alive() is None

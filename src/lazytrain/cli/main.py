@@ -8,6 +8,7 @@ message and exit with status 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -47,10 +48,36 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"{summary['skipped_steps']} skipped; model written to {trainer.out_dir}",
         file=sys.stderr,
     )
+    if summary["eval"]:
+        ev = summary["eval"]
+        print(
+            f"lazytrain: held-out exact match {ev['eval_exact_match']:.1%} on {ev['eval_samples']} "
+            f"problems ({ev['eval_no_answer']} without an answer)",
+            file=sys.stderr,
+        )
     return 0
 
 
-COMMANDS = {"train": cmd_train}
+def cmd_eval(args: argparse.Namespace) -> int:
+    from lazytrain.eval.evaluate import EvalConfig, evaluate
+
+    cfg = EvalConfig(
+        model=args.model, data=args.data, format=args.format, builtin_tier=args.tier,
+        num_samples=args.num_samples, seed=args.seed, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, device=args.device, mode=args.mode, template=args.template,
+        output=args.output,
+    )
+    report = evaluate(cfg)
+    print(json.dumps(report, indent=1))
+    print(
+        f"exact match {report['accuracy']:.1%} ({report['correct']}/{report['n']}), "
+        f"{report['no_answer']} without an answer; predictions in {report['predictions']}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="fine-tune a model (default: built-in tiny model and data)")
     train.add_argument("items", nargs="*", help="[config.yaml] [section.key=value ...]")
+    ev = sub.add_parser("eval", help="exact-match evaluation of a saved model")
+    ev.add_argument("--model", required=True, help="model folder (a training run's output_dir)")
+    ev.add_argument("--data", default="builtin", help="'builtin' (held-out split) or a local data file")
+    ev.add_argument("--format", default="auto", help="data format (auto, metamathqa, alpaca, json, jsonl, parquet)")
+    ev.add_argument("--tier", default="add2", help="built-in data tier")
+    ev.add_argument("--num-samples", type=int, default=200)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--max-new-tokens", type=int, default=64)
+    ev.add_argument("--batch-size", type=int, default=64)
+    ev.add_argument("--device", default="auto")
+    ev.add_argument("--mode", default="auto", choices=["auto", "resident", "streamed"])
+    ev.add_argument("--template", default="saved", help="'saved' (the model's) or a template name")
+    ev.add_argument("--output", default=None, help="predictions JSONL path")
     return parser
 
 

@@ -22,37 +22,36 @@ from lazytrain.data.formats import DataError, Sample
 SPLITS = ("train", "heldout")
 MIN_OPERAND = 2
 
-_PEOPLE = (("Tom", "he"), ("Anna", "she"), ("Sam", "he"), ("Maria", "she"),
-           ("Ben", "he"), ("Lily", "she"), ("Omar", "he"), ("Zoe", "she"))
+_NAMES = ("Tom", "Anna", "Sam", "Maria", "Ben", "Lily", "Omar", "Zoe")
 _ITEMS = ("apples", "books", "marbles", "stickers", "coins", "pencils", "cards", "shells")
 
 # Word templates per problem kind; {a} {b} {c} are the operands in the order the response
 # uses them.
 _WORDINGS = {
     "add": (
-        "{name} has {a} {item} and buys {b} more. How many {item} does {pron} have now?",
-        "{name} had {a} {item}. {Pron} found {b} more. How many {item} does {pron} have?",
-        "A box has {a} {item} and a bag has {b} {item}. How many {item} in all?",
-        "{name} read {a} pages on Monday and {b} pages on Tuesday. How many pages in total?",
+        "{name} has {a} {item} and buys {b} more. How many {item} now?",
+        "{name} had {a} {item} and found {b} more. How many in all?",
+        "A box has {a} {item} and a bag has {b}. How many {item} in total?",
+        "{name} read {a} pages, then {b} more. How many pages in all?",
         "What is {a} plus {b}?",
     ),
     "sub": (
-        "{name} has {a} {item} and gives away {b}. How many {item} are left?",
-        "{name} had {a} {item}. {Pron} lost {b} of them. How many {item} does {pron} have now?",
-        "A shelf held {a} {item}. {b} were sold. How many {item} remain?",
+        "{name} has {a} {item} and gives away {b}. How many are left?",
+        "{name} had {a} {item} and lost {b}. How many {item} now?",
+        "A shelf held {a} {item} and {b} were sold. How many remain?",
         "What is {a} minus {b}?",
     ),
     "mul": (
-        "{name} buys {a} bags with {b} {item} each. How many {item} does {pron} have?",
-        "There are {a} boxes and each box holds {b} {item}. How many {item} are there?",
+        "{name} buys {a} bags with {b} {item} each. How many {item}?",
+        "There are {a} boxes of {b} {item}. How many {item} in all?",
         "What is {a} times {b}?",
     ),
     "add_sub": (
-        "{name} has {a} {item}, buys {b} more and gives away {c}. How many {item} are left?",
-        "A box had {a} {item}. {b} were added and {c} taken out. How many {item} now?",
+        "{name} has {a} {item}, buys {b} more and gives away {c}. How many are left?",
+        "A box had {a} {item}; {b} were added and {c} taken out. How many now?",
     ),
     "mul_add": (
-        "{name} buys {a} packs of {b} {item} and finds {c} more. How many {item} in all?",
+        "{name} buys {a} packs of {b} {item} and finds {c} more. How many in all?",
         "What is {a} times {b} plus {c}?",
     ),
 }
@@ -61,36 +60,46 @@ KINDS = tuple(_WORDINGS)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Tier:
-    """A difficulty level: which kinds of problem, and how large the numbers get."""
+    """A difficulty level: which kinds of problem, how large the numbers, how the steps read."""
 
     name: str
     kinds: tuple[str, ...]
     """Problem kinds, drawn uniformly: add | sub | mul | add_sub (a+b-c) | mul_add (a*b+c)."""
+    min_operand: int = MIN_OPERAND
+    """Smallest operand of additions and subtractions, and of the large factor of products."""
     max_operand: int = 99
     """Largest operand of additions and subtractions, and of the large factor of products."""
     max_factor: int = 9
-    """Largest small factor of products."""
+    """Largest small factor of products (the smallest is 2)."""
+    place_value: bool = False
+    """Write an addition ``a + b`` as three steps: the tens (and above) of a and b, their
+    units, then the two partial sums. Every step is then a one-digit fact, which the tiniest
+    models learn in minutes; the direct ``a + b = c`` makes them carry in one token."""
 
     def __post_init__(self) -> None:
         if not self.kinds or any(kind not in KINDS for kind in self.kinds):
             raise DataError(f"tier {self.name!r}: kinds {self.kinds} must be a non-empty "
                             f"selection of {KINDS}")
-        if self.max_operand < MIN_OPERAND or self.max_factor < MIN_OPERAND:
-            raise DataError(f"tier {self.name!r}: max_operand and max_factor must be >= "
-                            f"{MIN_OPERAND}, got {self.max_operand} and {self.max_factor}")
+        if not MIN_OPERAND <= self.min_operand <= self.max_operand:
+            raise DataError(f"tier {self.name!r}: need {MIN_OPERAND} <= min_operand <= "
+                            f"max_operand, got {self.min_operand} and {self.max_operand}")
+        if self.max_factor < MIN_OPERAND:
+            raise DataError(f"tier {self.name!r}: max_factor must be >= {MIN_OPERAND}, "
+                            f"got {self.max_factor}")
 
 
 TIERS = {
     tier.name: tier
     for tier in (
-        Tier(name="add2", kinds=("add",)),
+        Tier(name="add2", kinds=("add",), min_operand=10, place_value=True),
         Tier(name="addsub", kinds=("add", "sub")),
         Tier(name="mul", kinds=("mul",), max_operand=999),
         Tier(name="multi", kinds=("add_sub", "mul_add")),
     )
 }
-"""Built-in tiers. ``add2`` (sums of two numbers from 2 to 99) is the default: a 2-4 layer
-character-level model learns it in minutes on a CPU, and still has to carry digits."""
+"""Built-in tiers. ``add2``, sums of two two-digit numbers worked out by place value, is the
+default: a 2-4 layer character-level model learns it in minutes on a CPU, and it still has
+to read the numbers out of varied wordings, add digits and carry."""
 
 
 # Per kind: the operator of the first step and of the second step (None: one step).
@@ -112,12 +121,17 @@ class _Problem:
             a, b = sorted((a, b))
         return f"{a}{first}{b}" if second is None else f"({a}{first}{b}){second}{rest[0]}"
 
-    def steps(self) -> tuple[list[str], int]:
+    def steps(self, place_value: bool) -> tuple[list[str], int]:
         """The response's equation lines and the answer."""
         first, second = _OPERATORS[self.kind]
         a, b, *rest = self.operands
         value = _APPLY[first](a, b)
-        lines = [f"{a} {first} {b} = {value}"]
+        if self.kind == "add" and place_value:
+            tens, units = a // 10 * 10 + b // 10 * 10, a % 10 + b % 10
+            lines = [f"{a // 10 * 10} + {b // 10 * 10} = {tens}", f"{a % 10} + {b % 10} = {units}",
+                     f"{tens} + {units} = {value}"]
+        else:
+            lines = [f"{a} {first} {b} = {value}"]
         if second is not None:
             result = _APPLY[second](value, rest[0])
             lines.append(f"{value} {second} {rest[0]} = {result}")
@@ -128,21 +142,23 @@ class _Problem:
 def _draw(rng: random.Random, tier: Tier) -> _Problem:
     kind = rng.choice(tier.kinds)
 
-    def operand(top: int) -> int:
-        return rng.randint(MIN_OPERAND, top)
+    def operand() -> int:
+        return rng.randint(tier.min_operand, tier.max_operand)
+
+    def factor() -> int:
+        return rng.randint(MIN_OPERAND, tier.max_factor)
 
     if kind == "add":
-        return _Problem(kind, (operand(tier.max_operand), operand(tier.max_operand)))
+        return _Problem(kind, (operand(), operand()))
     if kind == "sub":
-        a, b = operand(tier.max_operand), operand(tier.max_operand)
+        a, b = operand(), operand()
         return _Problem(kind, (max(a, b), min(a, b)))
     if kind == "mul":
-        return _Problem(kind, (operand(tier.max_factor), operand(tier.max_operand)))
+        return _Problem(kind, (factor(), operand()))
     if kind == "add_sub":
-        a, b = operand(tier.max_operand), operand(tier.max_operand)
+        a, b = operand(), operand()
         return _Problem(kind, (a, b, rng.randint(1, a + b)))
-    return _Problem(kind, (operand(tier.max_factor), operand(tier.max_operand),
-                           operand(tier.max_operand)))
+    return _Problem(kind, (factor(), operand(), operand()))
 
 
 def split_of(key: str, heldout_fraction: float) -> str:
@@ -152,12 +168,11 @@ def split_of(key: str, heldout_fraction: float) -> str:
 
 
 def _record(problem: _Problem, rng: random.Random, tier: Tier) -> dict:
-    name, pron = rng.choice(_PEOPLE)
     wording = rng.choice(_WORDINGS[problem.kind])
     a, b, *rest = problem.operands
-    query = wording.format(name=name, pron=pron, Pron=pron.capitalize(), item=rng.choice(_ITEMS),
-                           a=a, b=b, c=rest[0] if rest else "")
-    lines, answer = problem.steps()
+    query = wording.format(name=rng.choice(_NAMES), item=rng.choice(_ITEMS), a=a, b=b,
+                           c=rest[0] if rest else "")
+    lines, answer = problem.steps(tier.place_value)
     return {"query": query, "response": "\n".join([*lines, f"The answer is: {answer}"]),
             "type": tier.name}
 

@@ -25,16 +25,13 @@ class FusedAdamW(HostOptimizer):
         self._step_tensors = [torch.zeros((), dtype=torch.float32) for _ in masters]
         self._scratch = threading.local()
 
-    def _fp32_grad(self, grad: torch.Tensor, clip_coef: float) -> torch.Tensor:
+    def _fp32_grad(self, grad: torch.Tensor) -> torch.Tensor:
         buf = getattr(self._scratch, "buf", None)
         if buf is None or buf.numel() < grad.numel():
             buf = torch.empty(grad.numel(), dtype=torch.float32)
             self._scratch.buf = buf
         out = buf[: grad.numel()]
-        if clip_coef == 1.0:
-            out.copy_(grad.reshape(-1))
-        else:
-            torch.mul(grad.reshape(-1), clip_coef, out=out)
+        out.copy_(grad.reshape(-1))
         return out
 
     def step_group(
@@ -50,7 +47,10 @@ class FusedAdamW(HostOptimizer):
             raise ValueError(
                 f"group {group}: gradient has {grad.numel()} elements, master {master.numel()}"
             )
-        g32 = self._fp32_grad(grad, clip_coef)
+        g32 = self._fp32_grad(grad)
+        # the clip coefficient rides in the fused kernel (it divides the gradient by
+        # grad_scale), in fp32: multiplying the bf16 gradient first would round in bf16
+        grad_scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
         split = self.decay_numel[group]
         m, v, step = self.exp_avg[group], self.exp_avg_sq[group], self._step_tensors[group]
         cfg = self.config
@@ -67,6 +67,7 @@ class FusedAdamW(HostOptimizer):
                 [],
                 [step_view],
                 fused=True,
+                grad_scale=grad_scale,
                 decoupled_weight_decay=True,
                 amsgrad=False,
                 beta1=cfg.betas[0],

@@ -109,3 +109,8 @@ class ActivationStore:
 
     def reset_peaks(self) -> None:
         self.peak_by_tier = dict(self.bytes_by_tier)
+
+    def start_step(self) -> None:
+        """Nothing is stored between steps (an abandoned step's handles are garbage)."""
+        self.bytes_by_tier = {tier: 0 for tier in self.bytes_by_tier}
+        self.reset_peaks()

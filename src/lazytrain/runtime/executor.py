@@ -165,7 +165,10 @@ class Executor:
                 return _WeightRef(layer, tuple(t.size()), tuple(t.stride()), t.storage_offset())
             if ptr in const_ptrs:
                 return _ConstRef(const_ptrs[ptr], tuple(t.size()), tuple(t.stride()), t.storage_offset())
-            handle = self.activations.put(t, tier)
+            # detach: a handle holding an op's own output would close a reference cycle
+            # (output -> grad_fn -> saved handle -> output) that no backward ever breaks
+            # if the step is abandoned (an out-of-memory error, an interrupt)
+            handle = self.activations.put(t.detach(), tier)
             handles.append(handle)
             return handle
 
@@ -242,7 +245,7 @@ class Executor:
         rope = (cos, sin)
         self.trace.start_step()
         self.grad_norm_sq.zero_()
-        self.activations.reset_peaks()
+        self.activations.start_step()
         layouts = adapter.layouts
         L = adapter.num_layers
 

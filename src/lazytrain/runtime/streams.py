@@ -24,11 +24,11 @@ class Streams:
         else:
             self.compute = self.h2d = self.d2h = None
 
-    def record(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
+    def record(self, stream: torch.cuda.Stream | None = None, timing: bool = False) -> torch.cuda.Event | None:
         """An event marking all work queued so far on ``stream`` (compute if None)."""
         if not self.cuda:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=timing)
         event.record(stream or self.compute)
         return event
 
@@ -66,22 +66,22 @@ class StreamTrace:
 
     def start_step(self) -> None:
         self.spans = []
-        self._origin = self.streams.record() if self.enabled else None
+        self._origin = self.streams.record(timing=True) if self.enabled else None
 
     def begin(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
         if not self.enabled or not self.streams.cuda:
             return None
-        return self.streams.record(stream)
+        return self.streams.record(stream, timing=True)
 
     def end(self, kind: str, start: torch.cuda.Event | None, stream: torch.cuda.Stream | None = None) -> None:
         if start is not None:
-            self.spans.append((kind, start, self.streams.record(stream)))
+            self.spans.append((kind, start, self.streams.record(stream, timing=True)))
 
     def summary(self) -> dict[str, float]:
         """Busy and exposed ms per stream kind over the step (synchronizes the device)."""
         if not self.spans or self._origin is None:
             return {}
-        end = self.streams.record()
+        end = self.streams.record(timing=True)
         end.synchronize()
         total = self._origin.elapsed_time(end)
         intervals: dict[str, list[tuple[float, float]]] = {}

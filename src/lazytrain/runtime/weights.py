@@ -59,6 +59,12 @@ class WeightStreamer:
             self.state[s] = "empty"
 
     def begin(self, schedule: list[int]) -> None:
+        if any(state in ("pending", "acquired") for state in self.state):
+            # an abandoned step (an exception mid-step): wait for its copies, forget the slots
+            if self.streams.cuda:
+                torch.cuda.synchronize(self.streams.device)
+            self.layer_of = [None] * len(self.slots)
+            self.state = ["empty"] * len(self.slots)
         self.schedule = schedule
         self.cursor = 0
         self.h2d_bytes = 0

@@ -104,6 +104,11 @@ class Trainer:
 
     def setup(self) -> None:
         cfg = self.config
+        if cfg.training.eval_every and cfg.data.dataset != "builtin":
+            raise ValueError(
+                "training.eval_every needs held-out data, which only the built-in data has here; "
+                "set training.eval_every=0 and run `lazytrain eval --model OUT --data FILE`"
+            )
         torch.manual_seed(cfg.training.seed)
         self.device = resolve_device(cfg.training.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
@@ -206,12 +211,37 @@ class Trainer:
                          stats.grad_norm, last["tokens_per_s"])
             if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.steps:
                 self.save_checkpoint()
+            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
+                self.metrics.write({"step": self.step, **self._eval_metrics()})
         bar.close()
         self.updater.finish()
         self.save_model(self.out_dir)
         self.save_checkpoint()
+        final_eval = None
+        if self.config.data.dataset == "builtin" or tc.eval_every:
+            final_eval = self._eval_metrics()
+            self.metrics.write({"step": self.step, **final_eval})
         self.metrics.close()
-        return {"steps": self.step, "skipped_steps": self.skipped_steps, "last": last}
+        return {"steps": self.step, "skipped_steps": self.skipped_steps, "last": last, "eval": final_eval}
+
+    def _eval_metrics(self) -> dict:
+        """Exact match on held-out data, generating with the weights in the host store."""
+        from lazytrain.eval.evaluate import exact_match
+        from lazytrain.eval.generate import generate_streamed
+
+        self.updater.finish()
+        dc = self.config.data
+        samples = make_samples("heldout", dc.heldout_size, seed=self.config.training.seed,
+                               tier=dc.builtin_tier)
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+        def run(batch):
+            return generate_streamed(self.adapter, self.store, batch, 48, pad, tok.eos_token_id)
+
+        report, _ = exact_match(samples, tok, self.template, run, batch_size=100, desc="eval")
+        return {"eval_exact_match": report["accuracy"], "eval_no_answer": report["no_answer"],
+                "eval_samples": report["n"]}
 
     # -- outputs ----------------------------------------------------------------------------
 
