@@ -1,0 +1,40 @@
+"""Plans, cost tables, the step simulator, the MILP planner and the batch-size search.
+
+Imports no torch: everything here is tested on tables alone.
+"""
+
+from lazytrain.plan.costs import CostTable, LayerCosts, ShapeFit
+from lazytrain.plan.milp import PlanInfeasible, milp_evaluate, min_gpu_bytes, solve_plan
+from lazytrain.plan.plan import (
+    BASELINES,
+    LayerPlan,
+    Plan,
+    checkpoint_all_plan,
+    keep_all_plan,
+    megatrain_plan,
+)
+from lazytrain.plan.render import format_plan_table, render_plan_png
+from lazytrain.plan.search import SearchResult, search_batch
+from lazytrain.plan.simulate import SimResult, simulate
+
+__all__ = [
+    "BASELINES",
+    "CostTable",
+    "LayerCosts",
+    "LayerPlan",
+    "Plan",
+    "PlanInfeasible",
+    "SearchResult",
+    "ShapeFit",
+    "SimResult",
+    "checkpoint_all_plan",
+    "format_plan_table",
+    "keep_all_plan",
+    "megatrain_plan",
+    "milp_evaluate",
+    "min_gpu_bytes",
+    "render_plan_png",
+    "search_batch",
+    "simulate",
+    "solve_plan",
+]

@@ -1,0 +1,304 @@
+"""The `CostTable`: what one training step costs on this machine, layer by layer.
+
+Plain data (no torch), round-trips to JSON. The runtime's profiler fills it from measurements
+of the executor's own pieces (`lazytrain profile`); the simulator and the MILP read it. Per-layer
+numbers are measured at one reference batch shape; `CostTable.at` rescales them to another
+shape with fitted `ShapeFit` models, so the batch-size search does not re-profile.
+
+Units: times in milliseconds, sizes in bytes, bandwidths in GB/s (1e9 bytes per second).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import nnls
+
+
+@dataclass(kw_only=True, slots=True)
+class ShapeFit:
+    """How a quantity scales with the batch shape (b = batch size, s = sequence length):
+
+    ``value(b, s) = per_token * b*s + per_token_seq * b*s*s + const``
+
+    Matmuls are linear in tokens, attention scores are quadratic in ``s`` per sequence and
+    launch overheads are constant. Only ratios between two shapes are used (the per-layer
+    values are measured at the table's reference shape), so the coefficients need no unit.
+    """
+
+    per_token: float = 1.0
+    per_token_seq: float = 0.0
+    const: float = 0.0
+
+    def __post_init__(self) -> None:
+        coeffs = (self.per_token, self.per_token_seq, self.const)
+        if min(coeffs) < 0 or max(coeffs) <= 0:
+            raise ValueError(
+                f"shape fit coefficients must be >= 0 and not all zero, got {coeffs}; "
+                "refit with ShapeFit.fit on measurements at several batch shapes"
+            )
+
+    def __call__(self, batch: int, seq: int) -> float:
+        tokens = batch * seq
+        return self.per_token * tokens + self.per_token_seq * tokens * seq + self.const
+
+    def ratio(self, batch: int, seq: int, ref_batch: int, ref_seq: int) -> float:
+        """value(batch, seq) / value(ref_batch, ref_seq)."""
+        return self(batch, seq) / self(ref_batch, ref_seq)
+
+    @classmethod
+    def fit(
+        cls,
+        samples: Sequence[tuple[int, int, float]],
+        *,
+        quadratic: bool = True,
+        const: bool = True,
+    ) -> ShapeFit:
+        """Non-negative least squares through ``(batch, seq, value)`` measurements."""
+        columns = [lambda b, s: b * s]
+        if quadratic:
+            columns.append(lambda b, s: b * s * s)
+        if const:
+            columns.append(lambda b, s: 1.0)
+        if len(samples) < len(columns):
+            raise ValueError(
+                f"fitting {len(columns)} coefficients needs at least {len(columns)} "
+                f"measurements, got {len(samples)}; profile more batch shapes"
+            )
+        a = np.array([[col(b, s) for col in columns] for b, s, _ in samples], dtype=float)
+        y = np.array([v for _, _, v in samples], dtype=float)
+        scale = a.max(axis=0)
+        coef, _ = nnls(a / scale, y)
+        coef = list(coef / scale)
+        per_token = coef.pop(0)
+        per_token_seq = coef.pop(0) if quadratic else 0.0
+        constant = coef.pop(0) if const else 0.0
+        return cls(per_token=per_token, per_token_seq=per_token_seq, const=constant)
+
+
+TOKEN_LINEAR = ShapeFit()
+CONSTANT = ShapeFit(per_token=0.0, const=1.0)
+
+FITTED = (
+    "forward_ms",
+    "backward_ms",
+    "recompute_ms",
+    "input_bytes",
+    "saved_bytes",
+    "forward_work_bytes",
+    "backward_work_bytes",
+    "embed_ms",
+    "head_ms",
+    "head_work_bytes",
+)
+"""Quantities `CostTable.at` rescales; each has a `ShapeFit` in `CostTable.fits`."""
+
+
+def default_fits() -> dict[str, ShapeFit]:
+    """Everything linear in tokens, except the chunked LM head's working set (constant)."""
+    fits = {name: replace(TOKEN_LINEAR) for name in FITTED}
+    fits["head_work_bytes"] = replace(CONSTANT)
+    return fits
+
+
+@dataclass(kw_only=True, slots=True)
+class LayerCosts:
+    """One decoder layer at the table's reference batch shape."""
+
+    params: int
+    """Parameters of the layer (the CPU optimizer steps them)."""
+    weight_bytes: int
+    """Bytes of the layer's streamed bf16 weights; its gradient has the same size."""
+    forward_ms: float
+    """Forward of the layer (also the no-grad re-forward that rebuilds a segment's inputs)."""
+    backward_ms: float
+    """Backward only, excluding any re-forward."""
+    recompute_ms: float
+    """Re-forward under autograd that recreates the saved tensors before backward."""
+    input_bytes: int
+    """The layer input: what a checkpoint keeps."""
+    saved_bytes: int
+    """All tensors autograd saves for the backward, the input included."""
+    forward_work_bytes: int
+    """Peak transient bytes during forward, the output included, beyond input and saved."""
+    backward_work_bytes: int
+    """Peak transient bytes during backward beyond the saved tensors (gradients in flight)."""
+
+    def __post_init__(self) -> None:
+        for name in ("params", "weight_bytes", "input_bytes", "saved_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"layer {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("forward_ms", "backward_ms", "recompute_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"layer {name} must be >= 0, got {getattr(self, name)}")
+        if self.forward_work_bytes < 0 or self.backward_work_bytes < 0:
+            raise ValueError("layer working-set bytes must be >= 0")
+        if self.saved_bytes < self.input_bytes:
+            raise ValueError(
+                f"layer saved_bytes ({self.saved_bytes}) < input_bytes ({self.input_bytes}): "
+                "saved tensors include the layer input; re-profile the layer"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class CostTable:
+    """Measured (or synthetic) costs of one training step, the planner's only input.
+
+    Per-layer numbers hold at the reference shape ``(batch_size, seq_len)``; use `at` for
+    another shape. The embedding, final norm and LM head are constant terms: resident on the
+    GPU (inside ``gpu_fixed_bytes``), not streamed.
+    """
+
+    batch_size: int
+    seq_len: int
+    layers: list[LayerCosts]
+
+    embed_forward_ms: float
+    embed_backward_ms: float
+    head_ms: float
+    """Final norm + chunked LM head + loss, forward and backward together."""
+    head_work_bytes: int
+    """Peak transient bytes of the chunked head and loss (beyond its input)."""
+    const_params: int
+    """Parameters outside the decoder layers (embedding, final norm, head)."""
+    const_weight_bytes: int
+    """bf16 bytes of those parameters: copied back to the GPU after each CPU step."""
+    const_grad_bytes: int
+    """Their gradient bytes, copied to the host at the end of backward."""
+
+    h2d_gbps: float
+    d2h_gbps: float
+    bidir_gbps: float
+    """Per-direction bandwidth while host-to-device and device-to-host copies run together."""
+    nvme_read_gbps: float
+    nvme_write_gbps: float
+    optimizer_ns_per_param: float
+    """CPU optimizer step time per parameter (all worker threads)."""
+    copy_slowdown: float = 1.0
+    """Compute runs this many times slower while a PCIe copy is in flight (>= 1)."""
+
+    gpu_bytes: int
+    """GPU memory the step may use, the fixed part included."""
+    gpu_fixed_bytes: int
+    """Resident for the whole step: embedding, head, final norm, allocator reserve, ..."""
+    host_bytes: int
+    """Pinned host memory available for activations beyond the fixed model state."""
+    nvme_bytes: int = 0
+    """NVMe space for activations (0: no NVMe tier)."""
+
+    fits: dict[str, ShapeFit] = field(default_factory=default_fits)
+    device: str = ""
+    notes: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.layers = [lc if isinstance(lc, LayerCosts) else LayerCosts(**lc) for lc in self.layers]
+        fits = default_fits()
+        fits.update(
+            {k: v if isinstance(v, ShapeFit) else ShapeFit(**v) for k, v in self.fits.items()}
+        )
+        self.fits = fits
+        if self.batch_size < 1 or self.seq_len < 1:
+            raise ValueError(
+                f"cost table batch_size and seq_len must be >= 1, got "
+                f"{self.batch_size}, {self.seq_len}"
+            )
+        if not self.layers:
+            raise ValueError("cost table has no layers; profile at least one decoder layer")
+        for name in ("h2d_gbps", "d2h_gbps", "bidir_gbps", "nvme_read_gbps", "nvme_write_gbps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        serial = self.h2d_gbps * self.d2h_gbps / (self.h2d_gbps + self.d2h_gbps)
+        if not serial * (1 - 1e-9) <= self.bidir_gbps <= min(self.h2d_gbps, self.d2h_gbps):
+            raise ValueError(
+                f"bidir_gbps {self.bidir_gbps} must lie between {serial:.3f} (both directions "
+                f"one after the other) and {min(self.h2d_gbps, self.d2h_gbps)} (the slower single "
+                "direction); re-measure the concurrent copy bandwidth"
+            )
+        if self.copy_slowdown < 1:
+            raise ValueError(f"copy_slowdown must be >= 1, got {self.copy_slowdown}")
+        if self.optimizer_ns_per_param < 0:
+            raise ValueError(
+                f"optimizer_ns_per_param must be >= 0, got {self.optimizer_ns_per_param}"
+            )
+        for name in ("gpu_bytes", "gpu_fixed_bytes", "host_bytes", "nvme_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def total_params(self) -> int:
+        return sum(lc.params for lc in self.layers) + self.const_params
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def optimizer_ms(self) -> float:
+        """CPU step over all parameters."""
+        return self.optimizer_ns_per_param * self.total_params * 1e-6
+
+    @classmethod
+    def uniform(cls, num_layers: int, layer: LayerCosts, **kwargs) -> CostTable:
+        """A table whose decoder layers all cost the same (one layer type)."""
+        return cls(layers=[replace(layer) for _ in range(num_layers)], **kwargs)
+
+    def at(self, batch_size: int, seq_len: int) -> CostTable:
+        """The same machine and model at another batch shape, rescaled with `fits`."""
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch shape must be >= 1, got ({batch_size}, {seq_len})")
+        ref = (self.batch_size, self.seq_len)
+
+        def ratio(name: str) -> float:
+            return self.fits[name].ratio(batch_size, seq_len, *ref)
+
+        scaled = {name: ratio(name) for name in FITTED}
+        layers = [
+            replace(
+                lc,
+                forward_ms=lc.forward_ms * scaled["forward_ms"],
+                backward_ms=lc.backward_ms * scaled["backward_ms"],
+                recompute_ms=lc.recompute_ms * scaled["recompute_ms"],
+                input_bytes=round(lc.input_bytes * scaled["input_bytes"]),
+                saved_bytes=max(
+                    round(lc.saved_bytes * scaled["saved_bytes"]),
+                    round(lc.input_bytes * scaled["input_bytes"]),
+                ),
+                forward_work_bytes=round(lc.forward_work_bytes * scaled["forward_work_bytes"]),
+                backward_work_bytes=round(lc.backward_work_bytes * scaled["backward_work_bytes"]),
+            )
+            for lc in self.layers
+        ]
+        return replace(
+            self,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            layers=layers,
+            embed_forward_ms=self.embed_forward_ms * scaled["embed_ms"],
+            embed_backward_ms=self.embed_backward_ms * scaled["embed_ms"],
+            head_ms=self.head_ms * scaled["head_ms"],
+            head_work_bytes=round(self.head_work_bytes * scaled["head_work_bytes"]),
+            fits={k: replace(v) for k, v in self.fits.items()},
+            notes=dict(self.notes),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostTable:
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        return cls.from_dict(json.loads(Path(path).read_text()))

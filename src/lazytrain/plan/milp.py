@@ -1,0 +1,676 @@
+"""The planner's mixed-integer program (DESIGN.md section 3), solved with HiGHS via scipy.
+
+Per decoder layer i exactly one mode:
+
+====  ===========================================  ==========================
+f_i   keep all saved tensors on the GPU             LayerPlan(keep, gpu)
+o_i   keep them, offloaded to pinned host memory    LayerPlan(keep, host)
+g_i   keep the input only (checkpoint) on the GPU   LayerPlan(checkpoint, gpu)
+p_i   ... on the host                               LayerPlan(checkpoint, host)
+n_i   ... on NVMe                                   LayerPlan(checkpoint, nvme)
+d_i   keep nothing (segment recompute)              LayerPlan(drop)
+====  ===========================================  ==========================
+
+The run-length of drop layers is explicit: a binary ``s[a, e]`` per possible segment [a, e)
+(a checkpoint at a followed by e-a-1 drop layers, e - a <= ``max_segment``; e - a = 1 is a lone
+checkpoint). The keeps and segments partition the layers (one equality row per layer), g/p/n
+pick the tier of a segment start (g_a + p_a + n_a = sum_e s[a, e]) and d_i is implied. Every
+segment-dependent cost is then a constant times ``s[a, e]``: its rebuild re-forward, its
+weights, its cached inputs; only "segment whose checkpoint is off the GPU" needs a product,
+bounded below by ``s[a, e] - g_a``. No big-M rows, and the partition part of the LP is integral.
+
+The step is the simulator's list of stages (``simulate.py``): embed, fwd 0..L-1, head,
+bwd L-1..0, embed bwd, optimizer. Each stage has a continuous time ``t_s`` bounded below by
+every stream's busy time in that stage. With prefetch distance 1 everything a stage issues is
+waited for by the next stage, so the simulator's step time is exactly the sum of per-stage
+maxima, and every ``t_s`` has objective coefficient 1: at the optimum each equals the max of
+its terms (no extra binaries for the max). Within one stage all streams start together, so:
+
+- copies of ``h`` bytes H2D and ``d`` bytes D2H take ``X = max(h/B_h, d/B_d,
+  h/B_bi + (d-h)/B_d, d/B_bi + (h-d)/B_h)`` (exact, given ``B_bi`` between the serial and the
+  single-direction bandwidth, which `CostTable` checks);
+- compute ``C`` slowed by ``sigma`` while copies run takes ``C + (1 - 1/sigma) X``;
+- NVMe reads and writes share one stream.
+
+A segment's first backward stage (its last layer) pays the re-forward of the rest of the
+segment, and the stage before it prefetches the segment's weights and off-GPU checkpoint. GPU
+memory is bounded at every forward stage, the head, every backward stage and every re-forward
+of a segment rebuild, with the simulator's accounting. Host and NVMe bytes are bounded by their
+totals (all offloaded tensors are resident at the head). Two families of valid rows tighten the
+LP relaxation without changing the integer optimum: per-stage "hull" rows giving each possible
+prefetch/offload its exact extra time (a fraction of an offload cannot hide in a stage's slack),
+and a cardinality cut on the GPU-kept layers from the head's memory row.
+
+The simulator and this model agree exactly (up to solver tolerances) on plans this model can
+express: prefetch distances 1, no host/NVMe tier on the last layer, no NVMe tier on the last
+four (tensors must reach the disk before they are read back). With ``optimizer_overlap`` the
+forward waits on the CPU update of each layer; the model bounds the cumulative forward time
+from below by that and ignores how a delayed copy shares PCIe with the other direction, so
+there the two agree only approximately.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from lazytrain.plan.costs import CostTable
+from lazytrain.plan.plan import LayerPlan, Plan
+
+MODE_LAYER = {
+    "f": ("keep", "gpu"),
+    "o": ("keep", "host"),
+    "g": ("checkpoint", "gpu"),
+    "p": ("checkpoint", "host"),
+    "n": ("checkpoint", "nvme"),
+    "d": ("drop", "gpu"),
+}
+GB = 1e9
+GiB = 2**30
+NVME_TAIL = 4
+"""No NVMe checkpoint on the last NVME_TAIL layers."""
+DEFAULT_MAX_SEGMENT = 8
+"""Longest recompute segment (checkpoint + drop layers) the solver considers."""
+_MARGIN_GB = 1e-6
+"""Memory rows are tightened by this much so that solver tolerances never overshoot a cap."""
+
+
+class PlanInfeasible(ValueError):
+    """No plan fits the memory budgets; the message says how much GPU memory would do."""
+
+
+def layer_mode(lp: LayerPlan) -> str:
+    """The MILP mode letter of a layer plan (drop layers ignore their tier)."""
+    if lp.mode == "drop":
+        return "d"
+    for m, (mode, tier) in MODE_LAYER.items():
+        if (mode, tier) == (lp.mode, lp.tier):
+            return m
+    raise ValueError(f"layer mode {lp.mode!r} on tier {lp.tier!r} is not a MILP mode")
+
+
+class _Expr:
+    """A linear expression: {column: coefficient} + constant."""
+
+    __slots__ = ("const", "terms")
+
+    def __init__(self, terms: dict[int, float] | None = None, const: float = 0.0) -> None:
+        self.terms = dict(terms or {})
+        self.const = const
+
+    def __add__(self, other: _Expr | float) -> _Expr:
+        out = _Expr(self.terms, self.const)
+        if isinstance(other, _Expr):
+            for k, v in other.terms.items():
+                out.terms[k] = out.terms.get(k, 0.0) + v
+            out.const += other.const
+        else:
+            out.const += other
+        return out
+
+    __radd__ = __add__
+
+    def __mul__(self, k: float) -> _Expr:
+        return _Expr({c: v * k for c, v in self.terms.items()}, self.const * k)
+
+    __rmul__ = __mul__
+
+    def __sub__(self, other: _Expr | float) -> _Expr:
+        return self + (-1.0) * other
+
+    def __rsub__(self, other: float) -> _Expr:
+        return (-1.0) * self + other
+
+    def is_zero(self) -> bool:
+        return self.const == 0 and not any(self.terms.values())
+
+
+class _Model:
+    def __init__(self) -> None:
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+        self.integer: list[int] = []
+        self.cost: list[float] = []
+        self.rows: list[tuple[dict[int, float], float, float]] = []
+        self.objective_const = 0.0
+
+    def var(
+        self, lb: float = 0.0, ub: float = math.inf, integer: bool = False, cost: float = 0.0
+    ) -> _Expr:
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.integer.append(int(integer))
+        self.cost.append(cost)
+        return _Expr({len(self.lb) - 1: 1.0})
+
+    def ge(self, lhs: _Expr | float, rhs: _Expr | float) -> None:
+        """lhs >= rhs."""
+        e = (_Expr() + lhs) - rhs
+        terms = {k: v for k, v in e.terms.items() if v != 0}
+        if terms:
+            self.rows.append((terms, -e.const, math.inf))
+        elif e.const < -1e-12:
+            self.rows.append(({0: 0.0}, 1.0, math.inf))  # constant infeasible row
+
+    def le(self, lhs: _Expr | float, rhs: _Expr | float) -> None:
+        self.ge(rhs, lhs)
+
+    def eq(self, lhs: _Expr, rhs: _Expr | float) -> None:
+        e = lhs - rhs
+        if not any(e.terms.values()):
+            if abs(e.const) > 1e-12:
+                self.rows.append(({0: 0.0}, 1.0, math.inf))
+            return
+        self.rows.append(({k: v for k, v in e.terms.items() if v != 0}, -e.const, -e.const))
+
+    def solve(self, time_limit_s: float, mip_rel_gap: float):
+        n = len(self.lb)
+        r, c, v, lo, hi = [], [], [], [], []
+        for i, (terms, lb, ub) in enumerate(self.rows):
+            for col, coef in terms.items():
+                r.append(i)
+                c.append(col)
+                v.append(coef)
+            lo.append(lb)
+            hi.append(ub)
+        a = coo_matrix((v, (r, c)), shape=(len(self.rows), n)).tocsr()
+        return milp(
+            c=np.array(self.cost),
+            integrality=np.array(self.integer),
+            bounds=Bounds(np.array(self.lb), np.array(self.ub)),
+            constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
+            options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False},
+        )
+
+
+@dataclass(slots=True)
+class _Built:
+    model: _Model
+    layer_modes: list[dict[str, _Expr]]
+    segments: dict[tuple[int, int], _Expr]
+    gpu_var: _Expr | None
+    num_binaries: int
+
+
+def _allowed(costs: CostTable, tiers: tuple[str, ...], i: int) -> set[str]:
+    """Mode letters layer i may take."""
+    L = costs.num_layers
+    allowed = {"f", "g", "d"}
+    if "host" in tiers and costs.host_bytes > 0 and i < L - 1:
+        allowed |= {"o", "p"}
+    if "nvme" in tiers and costs.nvme_bytes > 0 and i < L - NVME_TAIL:
+        allowed.add("n")
+    if i == 0:
+        allowed.discard("d")
+    if "gpu" not in tiers:
+        allowed -= {"f", "g"}
+    return allowed
+
+
+def _build(
+    costs: CostTable,
+    *,
+    gpu_bytes: float | None,
+    tiers: tuple[str, ...],
+    overlap: bool,
+    max_segment: int,
+    fixed: Plan | None = None,
+    memory: bool = True,
+    minimize_gpu: bool = False,
+) -> _Built:
+    """The MILP, in ms and GB. ``fixed`` pins every decision to that plan's (evaluation)."""
+    c = costs
+    L = c.num_layers
+    m = _Model()
+    lay = c.layers
+    w = [lc.weight_bytes / GB for lc in lay]
+    x = [lc.input_bytes / GB for lc in lay]
+    a = [lc.saved_bytes / GB for lc in lay]
+    wf = [lc.forward_work_bytes / GB for lc in lay]
+    wb = [lc.backward_work_bytes / GB for lc in lay]
+    fw = [lc.forward_ms for lc in lay]
+    ch, cd, cbi = 1e3 / c.h2d_gbps, 1e3 / c.d2h_gbps, 1e3 / c.bidir_gbps
+    cnr, cnw = 1e3 / c.nvme_read_gbps, 1e3 / c.nvme_write_gbps
+    kappa = 1.0 - 1.0 / c.copy_slowdown
+    time_cost = 0.0 if minimize_gpu else 1.0
+
+    def span(values: list[float], lo: int, hi: int) -> float:
+        """sum(values[lo..hi]), inclusive; 0 when empty."""
+        return float(sum(values[lo : hi + 1]))
+
+    # -- decisions --------------------------------------------------------------------------
+    # Per layer: keep on GPU (f) / host (o); as a checkpoint start, its tier (g, p, n).
+    # Per segment [s, e) (a checkpoint at s followed by e-s-1 drop layers; e-s = 1 is a lone
+    # checkpoint): a binary. The segments and keeps partition the layers, so the shape of every
+    # recompute segment is explicit and every cost below is linear without big-M rows.
+    allowed = [_allowed(c, tiers, i) for i in range(L)]
+    fixed_letter: list[str | None] = [None] * L
+    fixed_segments: set[tuple[int, int]] = set()
+    if fixed is not None:
+        for i, lp in enumerate(fixed.layers):
+            fixed_letter[i] = layer_mode(lp)
+            if fixed_letter[i] not in allowed[i]:
+                raise ValueError(
+                    f"layer {i}: {lp.mode}/{lp.tier} is not a mode the MILP offers there"
+                )
+        fixed_segments = {
+            (s, e) for s, e in fixed.segments() if fixed.layers[s].mode == "checkpoint"
+        }
+        max_segment = max([e - s for s, e in fixed_segments] + [1])
+
+    nbin = 0
+
+    def binary(ok: bool, pinned: bool | None) -> _Expr:
+        nonlocal nbin
+        if not ok:
+            return _Expr()
+        if pinned is not None:
+            return _Expr(const=float(pinned))
+        nbin += 1
+        return m.var(0, 1, integer=True)
+
+    def pin(i: int, letter: str) -> bool | None:
+        return None if fixed_letter[i] is None else fixed_letter[i] == letter
+
+    modes = [{k: binary(k in allowed[i], pin(i, k)) for k in "fogpn"} for i in range(L)]
+    f, o, g, p, n = ([modes[i][k] for i in range(L)] for k in "fogpn")
+    seg: dict[tuple[int, int], _Expr] = {}
+    for s in range(L):
+        if not allowed[s] & {"g", "p", "n"}:
+            continue
+        for e in range(s + 1, min(L, s + max_segment) + 1):
+            if any("d" not in allowed[i] for i in range(s + 1, e)):
+                break
+            seg[s, e] = binary(True, None if fixed is None else (s, e) in fixed_segments)
+    covering: list[list[tuple[int, int]]] = [[] for _ in range(L)]
+    ending: list[list[tuple[int, int]]] = [[] for _ in range(L + 1)]
+    for s, e in seg:
+        ending[e].append((s, e))
+        for i in range(s, e):
+            covering[i].append((s, e))
+    for i in range(L):
+        m.eq(f[i] + o[i] + sum((seg[u] for u in covering[i]), _Expr()), 1.0)
+        m.eq(g[i] + p[i] + n[i], sum((seg[u] for u in seg if u[0] == i), _Expr()))
+    # Off-GPU checkpoint of a segment (tier host or nvme), and its NVMe part: products of a
+    # segment and its start's tier, bounded from below (they only ever cost).
+    held: dict[tuple[int, int], _Expr] = {}
+    on_nvme: dict[tuple[int, int], _Expr] = {}
+    for (s, e), v in seg.items():
+        held[s, e] = _Expr()
+        on_nvme[s, e] = _Expr()
+        if not (p[s].is_zero() and n[s].is_zero()):
+            held[s, e] = m.var()
+            m.ge(held[s, e], v - g[s])
+        if not n[s].is_zero():
+            on_nvme[s, e] = m.var()
+            m.ge(on_nvme[s, e], v - g[s] - p[s])
+
+    not_keep = [1.0 - f[i] - o[i] for i in range(L)]
+    gpu_kept = [f[i] * a[i] + g[i] * x[i] for i in range(L)]
+    offload = [o[i] * a[i] + (p[i] + n[i]) * x[i] for i in range(L)]
+
+    def total(terms) -> _Expr:
+        return sum(terms, _Expr())
+
+    def unit_bytes(i: int) -> _Expr:
+        """Weights + host/NVMe tensors of the unit ending at layer i-1 (fetched before it)."""
+        keep = (f[i - 1] + o[i - 1]) * w[i - 1] + o[i - 1] * a[i - 1]
+        return keep + total(seg[u] * span(w, u[0], i - 1) + held[u] * x[u[0]] for u in ending[i])
+
+    def unit_nvme(i: int) -> _Expr:
+        """NVMe bytes of the unit ending at layer i-1."""
+        return total(on_nvme[u] * x[u[0]] for u in ending[i])
+
+    def rebuild_ms(i: int) -> _Expr:
+        """Re-forward of a segment ending at layer i, paid by its first backward stage."""
+        return total(seg[u] * span(fw, u[0], i - 1) for u in ending[i + 1])
+
+    # -- stage times ------------------------------------------------------------------------
+    def _named(e: _Expr | float) -> _Expr:
+        """A column equal to e when e has several terms: each appears in up to nine rows."""
+        e = _Expr() + e
+        if len(e.terms) <= 1:
+            return e
+        v = m.var()
+        m.eq(v, e)
+        return v
+
+    def stage(
+        compute: _Expr | float, h2d: _Expr | float, d2h: _Expr | float, nvme_ms: _Expr | float = 0.0
+    ) -> _Expr:
+        t = m.var(cost=time_cost)
+        h2d, d2h, compute = (_named(e) for e in (h2d, d2h, compute))
+        copies: list[_Expr] = []
+        if not h2d.is_zero():
+            copies.append(h2d * ch)
+        if not d2h.is_zero():
+            copies.append(d2h * cd)
+        if len(copies) == 2:
+            copies.append(h2d * cbi + (d2h - h2d) * cd)
+            copies.append(d2h * cbi + (h2d - d2h) * ch)
+        for term in copies:
+            m.ge(t, term)
+            if kappa > 0:
+                m.ge(t, compute + kappa * term)
+        m.ge(t, compute)
+        m.ge(t, nvme_ms)
+        return t
+
+    def stage_ms(compute: float, h2d: float, d2h: float) -> float:
+        """Exact time of one stage whose streams start together (numbers, GB)."""
+        if h2d > 0 and d2h > 0:
+            copy = max(
+                h2d * ch, d2h * cd, h2d * cbi + (d2h - h2d) * cd, d2h * cbi + (h2d - d2h) * ch
+            )
+        else:
+            copy = h2d * ch + d2h * cd
+        return max(compute + kappa * copy, copy) if copy > 0 else compute
+
+    def unit_options(i: int) -> list[tuple[_Expr, float, float]]:
+        """(indicator, H2D bytes, bytes already counted) per way the unit ending at layer i-1
+        can look; the indicators are exclusive (the held parts refine their segment's)."""
+        opts = [(f[i - 1], w[i - 1], 0.0), (o[i - 1], w[i - 1] + a[i - 1], 0.0)]
+        for u in ending[i]:
+            weights = span(w, u[0], i - 1)
+            opts.append((seg[u], weights, 0.0))
+            opts.append((held[u], weights + x[u[0]], weights))
+        return [opt for opt in opts if not opt[0].is_zero()]
+
+    def hull(t: _Expr, base: _Expr | float, ref_ms: float, options, d2h: float) -> None:
+        """t >= base + the exact extra time each option's copy adds to a stage computing at
+        least ref_ms. Valid for any plan, exact at integer points with compute ref_ms, and much
+        tighter than the max rows in the LP relaxation (a fraction of an offload cannot hide in
+        a stage's slack)."""
+        extra = _Expr() + base
+        for ind, nbytes, counted in options:
+            gain = stage_ms(ref_ms, nbytes, d2h) - stage_ms(ref_ms, counted, d2h)
+            extra = extra + ind * gain
+        m.ge(t, extra)
+
+    t_embed = stage(c.embed_forward_ms, w[0], 0.0)
+    t_fwd = []
+    for i in range(L):
+        nvme_ms = n[i - 2] * (x[i - 2] * cnw) if i >= 2 else _Expr()
+        if i == L - 1:
+            nvme_ms = nvme_ms + unit_nvme(L) * cnr
+        h2d = w[i + 1] if i + 1 < L else 0.0
+        t_fwd.append(stage(fw[i], h2d, offload[i - 1] if i > 0 else 0.0, nvme_ms))
+        if i > 0:
+            base = stage_ms(fw[i], h2d, 0.0)
+            options = [(o[i - 1], a[i - 1], 0.0), (p[i - 1] + n[i - 1], x[i - 1], 0.0)]
+            m.ge(
+                t_fwd[-1],
+                base
+                + total(ind * (stage_ms(fw[i], h2d, nbytes) - base) for ind, nbytes, _ in options),
+            )
+    head_nvme = unit_nvme(L - 1) * cnr + (n[L - 2] * (x[L - 2] * cnw) if L >= 2 else 0.0)
+    t_head = stage(c.head_ms, unit_bytes(L), offload[L - 1], head_nvme)
+    if offload[L - 1].is_zero():
+        hull(t_head, c.head_ms, c.head_ms, unit_options(L), 0.0)
+    prefetch = [_Expr()] + [unit_bytes(i) for i in range(1, L)]
+    for i in range(L):
+        bw, rc = lay[i].backward_ms, lay[i].recompute_ms
+        compute = bw + rc * not_keep[i] + rebuild_ms(i)
+        grad_out = w[i + 1] if i + 1 < L else 0.0
+        nvme_ms = unit_nvme(i - 1) * cnr if i >= 2 else 0.0
+        t = stage(compute, prefetch[i], grad_out, nvme_ms)
+        if i > 0:
+            # A stage that prefetches starts a unit: it computes bw (keep) or bw + rc.
+            hull(t, compute, bw + rc, unit_options(i), grad_out)
+            hull(t, compute - rc * (1.0 - f[i] - o[i]), bw, unit_options(i), grad_out)
+    stage(c.embed_backward_ms, 0.0, w[0] + c.const_grad_bytes / GB)
+
+    upload_ms = c.const_weight_bytes / GB * ch
+    if overlap:
+        # The previous step's CPU update runs first: embedding/head, then layer 0, 1, ...;
+        # layer j's weights are copied only after its update.
+        ns = c.optimizer_ns_per_param * 1e-6
+        opt_done = ns * c.const_params
+        start = opt_done + upload_ms
+        m.objective_const = start
+        elapsed = t_embed
+        for j in range(L):
+            opt_done += ns * lay[j].params
+            m.ge(elapsed, opt_done + w[j] * ch - start)
+            elapsed = elapsed + t_fwd[j]
+    else:
+        m.objective_const = c.optimizer_ms + upload_ms
+
+    # -- memory -----------------------------------------------------------------------------
+    gpu_var = None
+    if memory:
+        if minimize_gpu:
+            gpu_var = m.var(cost=1.0)
+            cap: _Expr | float = gpu_var
+        else:
+            cap = (c.gpu_bytes if gpu_bytes is None else gpu_bytes) / GB - _MARGIN_GB
+        fixed_gb = c.gpu_fixed_bytes / GB
+        grads = 2 * max(w)
+        # GPU-kept bytes of layers < i, as running-sum columns (keeps the matrix sparse).
+        kept_before = [_Expr()]
+        for i in range(L):
+            total_i = m.var()
+            m.eq(total_i, kept_before[-1] + gpu_kept[i])
+            kept_before.append(total_i)
+
+        m.le(fixed_gb + w[0], cap)
+        for i in range(L):
+            current = x[i] + (f[i] + o[i]) * (a[i] - x[i])
+            m.le(
+                fixed_gb
+                + w[i]
+                + (w[i + 1] if i + 1 < L else 0.0)
+                + kept_before[i]
+                + (offload[i - 1] if i > 0 else 0.0)
+                + current
+                + wf[i],
+                cap,
+            )
+        m.le(
+            fixed_gb
+            + kept_before[L]
+            + offload[L - 1]
+            + x[L - 1]
+            + c.head_work_bytes / GB
+            + unit_bytes(L),
+            cap,
+        )
+        if not minimize_gpu:
+            # Cardinality cut from the head row (every GPU-kept tensor is live there): at most
+            # k layers fit kept on the GPU, k from the k smallest saved sizes. Valid, and it
+            # spares the solver proving it by branching over interchangeable layers.
+            room = cap - fixed_gb - x[L - 1] - c.head_work_bytes / GB - w[L - 1]
+            sizes = sorted(a[i] for i in range(L) if not f[i].is_zero())
+            k = int(np.searchsorted(np.cumsum(sizes), room, side="right"))
+            if k < len(sizes):
+                m.le(total(f), float(k))
+        for i in range(L):
+            weights = (f[i] + o[i]) * w[i] + total(seg[u] * span(w, u[0], i) for u in covering[i])
+            cache = total(
+                seg[u] * span(x, u[0] + 1, i - 1) + held[u] * x[u[0]]
+                for u in covering[i]
+                if u[0] < i
+            )
+            m.le(
+                fixed_gb + kept_before[i] + cache + a[i] + wb[i] + weights + grads + prefetch[i],
+                cap,
+            )
+            rebuilds = [u for u in ending[i + 1] if u[0] < i]
+            if rebuilds:
+                # Each re-forward j of the rebuild: inputs rebuilt so far + its working set,
+                # with every weight of the segment loaded.
+                peak = total(
+                    seg[u]
+                    * (max(span(x, u[0] + 1, j) + wf[j] for j in range(u[0], i)) + span(w, u[0], i))
+                    + held[u] * x[u[0]]
+                    for u in rebuilds
+                )
+                m.le(fixed_gb + kept_before[i] + peak + grads, cap)
+        m.le(fixed_gb + grads, cap)
+        m.le(
+            total(o[i] * a[i] + p[i] * x[i] for i in range(L)),
+            max(c.host_bytes / GB - _MARGIN_GB, 0.0),
+        )
+        m.le(total(n[i] * x[i] for i in range(L)), max(c.nvme_bytes / GB - _MARGIN_GB, 0.0))
+
+    return _Built(model=m, layer_modes=modes, segments=seg, gpu_var=gpu_var, num_binaries=nbin)
+
+
+def _value(e: _Expr, sol: np.ndarray) -> float:
+    return e.const + sum(v * sol[k] for k, v in e.terms.items())
+
+
+def _decode(built: _Built, sol: np.ndarray, num_layers: int) -> list[LayerPlan]:
+    letters: list[str] = [""] * num_layers
+    for i, modes in enumerate(built.layer_modes):
+        for k in "fo":
+            if _value(modes[k], sol) > 0.5:
+                letters[i] = k
+    for (s, e), v in built.segments.items():
+        if _value(v, sol) > 0.5:
+            letters[s] = max("gpn", key=lambda k: _value(built.layer_modes[s][k], sol))
+            for i in range(s + 1, e):
+                letters[i] = "d"
+    if not all(letters):
+        raise RuntimeError(f"MILP solution leaves layers without a mode: {letters}")
+    return [LayerPlan(mode=MODE_LAYER[k][0], tier=MODE_LAYER[k][1], prefetch=1) for k in letters]
+
+
+@dataclass(kw_only=True, slots=True)
+class SolveStats:
+    """What the solver did (also stored in ``Plan.notes["milp"]``)."""
+
+    status: str
+    solve_time_s: float
+    objective_s: float
+    mip_gap: float
+    num_binaries: int
+    num_rows: int
+    num_columns: int
+
+
+def solve_plan(
+    costs: CostTable,
+    *,
+    gpu_bytes: int | None = None,
+    tiers: tuple[str, ...] = ("gpu", "host", "nvme"),
+    optimizer_overlap: bool = False,
+    head_chunk_tokens: int = 4096,
+    max_segment: int = DEFAULT_MAX_SEGMENT,
+    time_limit_s: float = 10.0,
+    mip_rel_gap: float = 1e-4,
+) -> Plan:
+    """The plan with the least predicted step time at ``costs``' batch shape.
+
+    ``gpu_bytes`` overrides ``costs.gpu_bytes`` (a memory cap); ``tiers`` limits where
+    activations may live; ``max_segment`` bounds a recompute segment's length (checkpoint +
+    drop layers). The plan is optimal within ``mip_rel_gap`` (relative), or the best found
+    in ``time_limit_s`` (``notes["milp"]["status"] == "time limit"``, with its gap). Raises
+    `PlanInfeasible` when no plan fits.
+    """
+    start = time.perf_counter()
+    built = _build(
+        costs, gpu_bytes=gpu_bytes, tiers=tiers, overlap=optimizer_overlap, max_segment=max_segment
+    )
+    res = built.model.solve(time_limit_s, mip_rel_gap)
+    elapsed = time.perf_counter() - start
+    if res.x is None:
+        if res.status == 2:
+            raise PlanInfeasible(_infeasible_message(costs, gpu_bytes, tiers, max_segment))
+        raise RuntimeError(f"MILP solver failed: {res.message}")
+    layers = _decode(built, res.x, costs.num_layers)
+    objective_ms = float(res.fun) + built.model.objective_const
+    stats = SolveStats(
+        status={0: "optimal", 1: "time limit"}.get(res.status, f"status {res.status}"),
+        solve_time_s=elapsed,
+        objective_s=objective_ms * 1e-3,
+        mip_gap=float(getattr(res, "mip_gap", 0.0) or 0.0),
+        num_binaries=built.num_binaries,
+        num_rows=len(built.model.rows),
+        num_columns=len(built.model.lb),
+    )
+    return Plan(
+        policy="solved",
+        batch_size=costs.batch_size,
+        seq_len=costs.seq_len,
+        layers=layers,
+        head_chunk_tokens=head_chunk_tokens,
+        weight_prefetch=1,
+        predicted_step_time_s=objective_ms * 1e-3,
+        notes={
+            "optimizer_overlap": optimizer_overlap,
+            "milp": {k: getattr(stats, k) for k in SolveStats.__slots__},
+        },
+    )
+
+
+def milp_evaluate(
+    plan: Plan, costs: CostTable, optimizer_overlap: bool | None = None
+) -> tuple[float, int]:
+    """(step time s, peak GPU bytes) of a fixed plan as the MILP models them.
+
+    A check of the model against the simulator; host and NVMe capacities are ignored.
+    """
+    if plan.weight_prefetch != 1 or any(lp.prefetch != 1 for lp in plan.layers):
+        raise ValueError("the MILP models prefetch distance 1 only")
+    plan.check(costs.num_layers)
+    if optimizer_overlap is None:
+        optimizer_overlap = bool(plan.notes.get("optimizer_overlap", False))
+    unbounded = replace(costs, host_bytes=2**62, nvme_bytes=2**62)
+    kw = {
+        "gpu_bytes": None,
+        "tiers": ("gpu", "host", "nvme"),
+        "overlap": optimizer_overlap,
+        "max_segment": 0,
+        "fixed": plan,
+    }
+    timed = _build(unbounded, memory=False, **kw)
+    res = timed.model.solve(30.0, 1e-9)
+    sized = _build(unbounded, minimize_gpu=True, **kw)
+    res_gpu = sized.model.solve(30.0, 1e-9)
+    if res.x is None or res_gpu.x is None:
+        raise RuntimeError(f"MILP evaluation failed: {res.message} / {res_gpu.message}")
+    step_s = (float(res.fun) + timed.model.objective_const) * 1e-3
+    return step_s, round(_value(sized.gpu_var, res_gpu.x) * GB)
+
+
+def min_gpu_bytes(
+    costs: CostTable,
+    *,
+    tiers: tuple[str, ...] = ("gpu", "host", "nvme"),
+    max_segment: int = DEFAULT_MAX_SEGMENT,
+    time_limit_s: float = 30.0,
+) -> int:
+    """The least GPU memory (fixed part included) any plan needs at ``costs``' batch shape,
+    within the host and NVMe capacities."""
+    built = _build(
+        costs,
+        gpu_bytes=None,
+        tiers=tiers,
+        overlap=False,
+        max_segment=max_segment,
+        minimize_gpu=True,
+    )
+    res = built.model.solve(time_limit_s, 1e-6)
+    if res.x is None:
+        raise RuntimeError(f"MILP solver failed while minimising GPU memory: {res.message}")
+    return math.ceil((_value(built.gpu_var, res.x) + _MARGIN_GB) * GB)
+
+
+def _infeasible_message(
+    costs: CostTable, gpu_bytes: int | None, tiers: tuple[str, ...], max_segment: int
+) -> str:
+    budget = costs.gpu_bytes if gpu_bytes is None else gpu_bytes
+    need = min_gpu_bytes(costs, tiers=tiers, max_segment=max_segment)
+    return (
+        f"GPU memory: no plan fits batch {costs.batch_size} x seq {costs.seq_len} in "
+        f"{budget / GiB:.2f} GiB; the cheapest plan needs {need / GiB:.2f} GiB (with "
+        f"{costs.host_bytes / GiB:.1f} GiB host and {costs.nvme_bytes / GiB:.1f} GiB NVMe for "
+        f"activations, tiers {list(tiers)}); lower the batch size or sequence length, allow "
+        "host/NVMe activation tiers, or raise the GPU memory cap"
+    )

@@ -1,0 +1,161 @@
+"""A plan and its simulated step, for people: a terminal table and a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lazytrain.plan.costs import CostTable
+from lazytrain.plan.plan import Plan
+from lazytrain.plan.simulate import STREAMS, SimResult
+
+GiB = 2**30
+MiB = 2**20
+COLORS = {
+    ("keep", "gpu"): "#1b7837",
+    ("keep", "host"): "#7fbf7b",
+    ("keep", "nvme"): "#d9f0d3",
+    ("checkpoint", "gpu"): "#2166ac",
+    ("checkpoint", "host"): "#67a9cf",
+    ("checkpoint", "nvme"): "#d1e5f0",
+    ("drop", "gpu"): "#b2182b",
+}
+STREAM_COLORS = {
+    "compute": "#4d4d4d",
+    "h2d": "#2166ac",
+    "d2h": "#b2182b",
+    "nvme": "#e08214",
+    "cpu": "#1b7837",
+}
+
+
+def _decision(plan: Plan, i: int) -> tuple[str, str]:
+    lp = plan.layers[i]
+    return (lp.mode, "gpu" if lp.mode == "drop" else lp.tier)
+
+
+def _layer_bytes(plan: Plan, costs: CostTable, i: int) -> int:
+    lp, lc = plan.layers[i], costs.layers[i]
+    if lp.mode == "keep":
+        return lc.saved_bytes
+    return lc.input_bytes if lp.mode == "checkpoint" else 0
+
+
+def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None) -> str:
+    """Per-layer decisions (runs of equal layers on one row), predicted time, memory by tier.
+
+    With ``costs``, each row also shows the bytes one layer keeps until backward.
+    """
+    tokens = plan.batch_size * plan.seq_len
+    lines = [
+        (
+            f"plan {plan.policy!r}: batch {plan.batch_size} x seq {plan.seq_len} "
+            f"({tokens} tokens), {plan.num_layers} layers, weight prefetch {plan.weight_prefetch}"
+        ),
+        f"step {sim.step_time_s:.4f} s simulated"
+        + (
+            f", {plan.predicted_step_time_s:.4f} s by the planner"
+            if plan.predicted_step_time_s is not None
+            else ""
+        )
+        + f"; {sim.tokens_per_s:,.0f} tokens/s",
+        "",
+        f"{'layers':>9}  {'mode':<10}  {'tier':<4}  {'prefetch':>8}"
+        + (f"  {'kept/layer':>10}" if costs else ""),
+    ]
+    rows: list[tuple[int, int, tuple]] = []
+    for i, lp in enumerate(plan.layers):
+        key = (
+            lp.mode,
+            "-" if lp.mode == "drop" else lp.tier,
+            lp.prefetch,
+            _layer_bytes(plan, costs, i) if costs else None,
+        )
+        if rows and rows[-1][2] == key and rows[-1][1] == i - 1:
+            rows[-1] = (rows[-1][0], i, key)
+        else:
+            rows.append((i, i, key))
+    for first, last, (mode, tier, prefetch, nbytes) in rows:
+        span = f"{first}" if first == last else f"{first}-{last}"
+        line = f"{span:>9}  {mode:<10}  {tier:<4}  {prefetch:>8}"
+        if costs:
+            line += f"  {nbytes / MiB:>6.0f} MiB"
+        lines.append(line)
+    lines += ["", f"{'stream':<8}  {'busy s':>8}  {'on critical path s':>18}"]
+    for s in STREAMS:
+        lines.append(f"{s:<8}  {sim.busy_s[s]:>8.4f}  {sim.exposed_s.get(s, 0.0):>18.4f}")
+    if sim.exposed_s.get("idle", 0.0) > 0:
+        lines.append(f"{'idle':<8}  {'':>8}  {sim.exposed_s['idle']:>18.4f}")
+
+    def tier(name: str, peak: int, cap: int) -> str:
+        flag = "  OVER" if peak > cap else ""
+        return f"{name:<5} peak {peak / GiB:8.2f} GiB of {cap / GiB:8.2f} GiB{flag}"
+
+    lines += [
+        "",
+        tier("GPU", sim.peak_gpu_bytes, sim.gpu_capacity_bytes) + f"  (at {sim.peak_gpu_stage})",
+        tier("host", sim.peak_host_bytes, sim.host_capacity_bytes) + "  (activations)",
+        tier("NVMe", sim.peak_nvme_bytes, sim.nvme_capacity_bytes),
+    ]
+    lines += [f"! {v}" for v in sim.violations]
+    return "\n".join(lines)
+
+
+def render_plan_png(plan: Plan, sim: SimResult, path: str | Path) -> None:
+    """Per-layer decision strip, GPU memory by stage and a stream timeline, as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as e:
+        raise ImportError(
+            "render_plan_png needs matplotlib: pip install matplotlib "
+            "(or print format_plan_table instead)"
+        ) from e
+
+    fig, (ax_plan, ax_mem, ax_time) = plt.subplots(
+        3, 1, figsize=(14, 7), gridspec_kw={"height_ratios": [1, 2, 3]}, constrained_layout=True
+    )
+    for i in range(plan.num_layers):
+        ax_plan.add_patch(plt.Rectangle((i, 0), 1, 1, color=COLORS[_decision(plan, i)]))
+    ax_plan.set_xlim(0, plan.num_layers)
+    ax_plan.set_ylim(0, 1)
+    ax_plan.set_yticks([])
+    ax_plan.set_xlabel("layer")
+    used = sorted({_decision(plan, i) for i in range(plan.num_layers)}, key=list(COLORS).index)
+    ax_plan.legend(
+        handles=[
+            Patch(color=COLORS[d], label=f"{d[0]}" + ("" if d[0] == "drop" else f"/{d[1]}"))
+            for d in used
+        ],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.6),
+        ncol=len(used),
+        fontsize=8,
+    )
+    ax_plan.set_title(
+        f"plan {plan.policy!r}: batch {plan.batch_size} x seq {plan.seq_len}, "
+        f"step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s"
+    )
+
+    gib = [b / GiB for b in sim.gpu_bytes_by_stage]
+    ax_mem.step(range(len(gib)), gib, where="mid", color="#4d4d4d")
+    ax_mem.axhline(
+        sim.gpu_capacity_bytes / GiB, color="#b2182b", linestyle="--", label="GPU capacity"
+    )
+    ax_mem.set_ylabel("GPU GiB")
+    ax_mem.set_xlabel("stage (embed, forward, head, backward, embed bwd)")
+    ax_mem.legend(loc="lower right", fontsize=8)
+
+    lanes = {s: k for k, s in enumerate(STREAMS)}
+    for stream, start, end, _ in sim.timeline:
+        ax_time.broken_barh(
+            [(start, end - start)], (lanes[stream] - 0.4, 0.8), color=STREAM_COLORS[stream]
+        )
+    ax_time.set_yticks(range(len(STREAMS)), STREAMS)
+    ax_time.invert_yaxis()
+    ax_time.set_xlim(0, sim.step_time_s)
+    ax_time.set_xlabel("seconds")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

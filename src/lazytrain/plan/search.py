@@ -1,0 +1,122 @@
+"""Outer search over the batch size: solve the MILP at each candidate batch, keep the best.
+
+Memory grows with the batch (every activation size is linear in tokens), so the search walks
+the candidates upwards and stops at the first batch no plan fits. `scipy.optimize.milp` takes
+no starting solution, so each solve starts cold (at L = 64 one solve is well under a second).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lazytrain.plan.costs import CostTable
+from lazytrain.plan.milp import DEFAULT_MAX_SEGMENT, PlanInfeasible, min_gpu_bytes, solve_plan
+from lazytrain.plan.plan import Plan
+from lazytrain.plan.simulate import SimResult, simulate
+
+GOALS = ("throughput", "max_batch")
+
+
+def candidate_batches(max_batch: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, 16, 24, ...: powers of two and the midpoints between them."""
+    out, b = [1], 2
+    while b <= max_batch:
+        out.append(b)
+        if b + b // 2 <= max_batch and b >= 2:
+            out.append(b + b // 2)
+        b *= 2
+    return sorted(set(out))
+
+
+@dataclass(kw_only=True, slots=True)
+class SearchResult:
+    plan: Plan
+    sim: SimResult
+    costs: CostTable
+    """The cost table at the chosen batch shape."""
+    tried: list[dict] = field(default_factory=list)
+    """One record per batch tried: batch_size, feasible, step_time_s, tokens_per_s, ..."""
+
+
+def search_batch(
+    costs: CostTable,
+    seq_len: int,
+    *,
+    goal: str = "throughput",
+    batch_sizes: Sequence[int] | None = None,
+    max_batch: int = 256,
+    gpu_bytes: int | None = None,
+    tiers: tuple[str, ...] = ("gpu", "host", "nvme"),
+    optimizer_overlap: bool = False,
+    max_segment: int = DEFAULT_MAX_SEGMENT,
+    head_chunk_tokens: int = 4096,
+    time_limit_s: float = 10.0,
+    mip_rel_gap: float = 1e-4,
+) -> SearchResult:
+    """Pick the batch size (and its plan) for ``seq_len``.
+
+    ``goal="throughput"`` maximises predicted tokens/s; ``goal="max_batch"`` takes the
+    largest batch that fits ``gpu_bytes`` (default: the table's GPU memory). Raises
+    `PlanInfeasible` when not even the smallest candidate fits.
+    """
+    if goal not in GOALS:
+        raise ValueError(f"search goal {goal!r} is not one of {GOALS}")
+    batches = sorted(set(batch_sizes or candidate_batches(max_batch)))
+    if not batches or batches[0] < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {batches}")
+    budget = costs.gpu_bytes if gpu_bytes is None else gpu_bytes
+    solve_kw = {
+        "gpu_bytes": gpu_bytes,
+        "tiers": tiers,
+        "optimizer_overlap": optimizer_overlap,
+        "max_segment": max_segment,
+        "head_chunk_tokens": head_chunk_tokens,
+        "time_limit_s": time_limit_s,
+        "mip_rel_gap": mip_rel_gap,
+    }
+    tried: list[dict] = []
+
+    if goal == "max_batch":
+        # Feasibility is monotone in the batch: bisect on the least-memory MILP.
+        lo, hi = -1, len(batches)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            table = costs.at(batches[mid], seq_len)
+            need = min_gpu_bytes(table, tiers=tiers, max_segment=max_segment)
+            tried.append(
+                {"batch_size": batches[mid], "min_gpu_bytes": need, "feasible": need <= budget}
+            )
+            lo, hi = (mid, hi) if need <= budget else (lo, mid)
+        if lo < 0:
+            solve_plan(costs.at(batches[0], seq_len), **solve_kw)  # raises PlanInfeasible
+        table = costs.at(batches[lo], seq_len)
+        plan = solve_plan(table, **solve_kw)
+        sim = simulate(plan, table)
+        return SearchResult(plan=plan, sim=sim, costs=table, tried=tried)
+
+    best: SearchResult | None = None
+    for batch in batches:
+        table = costs.at(batch, seq_len)
+        try:
+            plan = solve_plan(table, **solve_kw)
+        except PlanInfeasible:
+            if best is None:
+                raise
+            tried.append({"batch_size": batch, "feasible": False})
+            break
+        sim = simulate(plan, table)
+        tried.append(
+            {
+                "batch_size": batch,
+                "feasible": True,
+                "step_time_s": sim.step_time_s,
+                "tokens_per_s": sim.tokens_per_s,
+                "solve_time_s": plan.notes["milp"]["solve_time_s"],
+            }
+        )
+        if best is None or sim.tokens_per_s > best.sim.tokens_per_s:
+            best = SearchResult(plan=plan, sim=sim, costs=table)
+    assert best is not None
+    best.tried = tried
+    return best

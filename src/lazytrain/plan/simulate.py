@@ -1,0 +1,539 @@
+"""Event model of one training step: what a `Plan` costs on the machine a `CostTable` describes.
+
+The step is a list of *stages*, one compute op each, in the order the executor runs them::
+
+    embed, fwd 0 .. fwd L-1, head, bwd L-1 .. bwd 0, embed bwd, [optimizer]
+
+A stage may also issue copies (H2D, D2H), NVMe reads and writes and CPU work. Every op runs on
+one stream (compute, h2d, d2h, nvme, cpu); a stream runs its ops one at a time, in issue order.
+An op starts when its stream is free, the compute of its issue stage has started (that is when
+the executor enqueues it) and the ops it depends on have finished. Rates are fluid: a copy runs
+at the single-direction bandwidth, or at ``bidir_gbps`` while the other direction is busy too;
+compute runs ``copy_slowdown`` times slower while any PCIe copy is in flight.
+
+Executor rules the dependencies encode (a stage "waits" = its compute does not start before):
+
+- Weights: forward layer j's weights are copied ``weight_prefetch`` stages ahead; a backward
+  unit's weights (one layer, or every layer of a recompute segment) arrive ``weight_prefetch``
+  stages before the unit's first backward stage. The consuming stage waits for them.
+- Offloaded tensors (tier host/nvme) stay on the GPU during the next stage, which copies them
+  out; the stage after waits for that copy (the GPU buffer is then freed). NVMe writes run one
+  stage after the copy, from a pinned bounce buffer that the following stage waits for.
+- Backward fetches them back ``LayerPlan.prefetch`` stages before the unit's first stage (an
+  NVMe read one stage before that copy; the stage issuing the copy waits for the read).
+- Each layer's gradient goes D2H in the stage after its backward; the stage after that waits.
+- The CPU optimizer runs after backward, or (``optimizer_overlap``) during the next step's
+  forward: then layer j's weights are copied only after its update, and the embedding/head
+  after theirs (so this model's step starts with the previous step's optimizer).
+
+With every prefetch distance 1 each stage waits for everything the previous stage issued, so
+the step time is a sum of per-stage maxima; that is what the MILP (``milp.py``) optimises.
+
+GPU memory is counted per stage: the fixed part, every buffer live in that stage and the
+largest transient phase of the stage (a layer's working set; in a segment's first backward
+stage also each re-forward of the segment rebuild).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from lazytrain.plan.costs import CostTable
+from lazytrain.plan.plan import Plan
+
+STREAMS = ("compute", "h2d", "d2h", "nvme", "cpu")
+GiB = 2**30
+
+
+@dataclass(kw_only=True, slots=True)
+class SimResult:
+    """Predicted time and memory of one step (times in seconds, sizes in bytes)."""
+
+    step_time_s: float
+    tokens_per_s: float
+    busy_s: dict[str, float]
+    """Wall time each stream is busy (compute stretched by copy_slowdown included)."""
+    exposed_s: dict[str, float]
+    """Step time by what the critical path ran on: compute, or the stream compute waited on."""
+    peak_gpu_bytes: int
+    peak_gpu_stage: str
+    peak_host_bytes: int
+    peak_nvme_bytes: int
+    stage_names: list[str]
+    stage_start_s: list[float]
+    """When each stage's compute started."""
+    gpu_bytes_by_stage: list[int]
+    timeline: list[tuple[str, float, float, str]]
+    """(stream, start_s, end_s, label) of every op."""
+    gpu_capacity_bytes: int = 0
+    host_capacity_bytes: int = 0
+    nvme_capacity_bytes: int = 0
+    violations: list[str] = field(default_factory=list)
+    """Capacities the plan exceeds (empty: the plan fits)."""
+
+    @property
+    def feasible(self) -> bool:
+        return not self.violations
+
+
+@dataclass(eq=False, slots=True)
+class _Op:
+    stream: str
+    work: float
+    """ms for compute and cpu, bytes for copies and NVMe."""
+    label: str
+    issue: int | None
+    """Stage whose compute start this op waits for (None: ready at time 0)."""
+    key: tuple = ()
+    """Order on its stream."""
+    after: list[_Op] = field(default_factory=list)
+    nvme_write: bool = False
+    start: float = math.nan
+    end: float = math.nan
+    left: float = 0.0
+
+
+class _Stages:
+    """Stage indices of a step with ``num_layers`` decoder layers."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.L = num_layers
+        self.embed = 0
+        self.head = num_layers + 1
+        self.embed_bwd = 2 * num_layers + 2
+        self.optimizer = 2 * num_layers + 3
+
+    def fwd(self, j: int) -> int:
+        return 1 + j
+
+    def bwd(self, j: int) -> int:
+        return 2 * self.L + 1 - j
+
+    def names(self) -> list[str]:
+        return (
+            ["embed"]
+            + [f"fwd {j}" for j in range(self.L)]
+            + ["head"]
+            + [f"bwd {j}" for j in range(self.L - 1, -1, -1)]
+            + ["embed bwd", "optimizer"]
+        )
+
+
+def units(plan: Plan) -> list[tuple[int, int]]:
+    """Backward units as [start, end): a keep layer alone, or a checkpoint and its drop layers."""
+    return plan.segments()
+
+
+def simulate(plan: Plan, costs: CostTable, optimizer_overlap: bool | None = None) -> SimResult:
+    """Predict step time, stream usage and peak memories of ``plan`` on ``costs``.
+
+    ``optimizer_overlap`` defaults to ``plan.notes["optimizer_overlap"]`` (False if absent).
+    """
+    plan.check(costs.num_layers)
+    if (plan.batch_size, plan.seq_len) != (costs.batch_size, costs.seq_len):
+        raise ValueError(
+            f"plan is for batch shape ({plan.batch_size}, {plan.seq_len}), the cost table for "
+            f"({costs.batch_size}, {costs.seq_len}); use costs.at({plan.batch_size}, "
+            f"{plan.seq_len})"
+        )
+    if optimizer_overlap is None:
+        optimizer_overlap = bool(plan.notes.get("optimizer_overlap", False))
+    step = _StepModel(plan, costs, optimizer_overlap)
+    return step.run()
+
+
+class _StepModel:
+    def __init__(self, plan: Plan, costs: CostTable, overlap: bool) -> None:
+        self.plan, self.costs, self.overlap = plan, costs, overlap
+        self.st = _Stages(costs.num_layers)
+        self.compute: dict[int, _Op] = {}
+        self.transfers: list[_Op] = []
+        self.waits: dict[int, list[_Op]] = defaultdict(list)
+        self.gpu: list[tuple[int, int, int]] = []
+        self.host: list[tuple[int, int, int]] = []
+        self.nvme: list[tuple[int, int, int]] = []
+        self.phases: dict[int, list[int]] = defaultdict(list)
+        self._build()
+
+    # -- building ---------------------------------------------------------------------------
+
+    def _copy(
+        self,
+        stream: str,
+        nbytes: float,
+        label: str,
+        issue: int | None,
+        *,
+        prio: int = 0,
+        order: int = 0,
+        after: tuple[_Op | None, ...] = (),
+        nvme_write: bool = False,
+    ) -> _Op | None:
+        if nbytes <= 0:
+            return None
+        op = _Op(
+            stream=stream,
+            work=float(nbytes),
+            label=label,
+            issue=issue,
+            key=(-1 if issue is None else issue, order, prio, len(self.transfers)),
+            after=[a for a in after if a is not None],
+            nvme_write=nvme_write,
+        )
+        self.transfers.append(op)
+        return op
+
+    def _wait(self, stage: int, op: _Op | None) -> None:
+        if op is not None:
+            self.waits[stage].append(op)
+
+    def _build(self) -> None:
+        plan, c, st = self.plan, self.costs, self.st
+        L, layers = c.num_layers, c.layers
+        k = plan.weight_prefetch
+
+        compute_ms = {st.embed: c.embed_forward_ms, st.head: c.head_ms}
+        compute_ms.update({st.fwd(j): layers[j].forward_ms for j in range(L)})
+        compute_ms[st.embed_bwd] = c.embed_backward_ms
+
+        opt_ops: list[_Op | None] = [None] * L
+        const_upload: _Op | None = None
+        if self.overlap:
+            ns = c.optimizer_ns_per_param * 1e-6
+            opt_const = _Op(
+                stream="cpu",
+                work=ns * c.const_params,
+                label="optim embed/head",
+                issue=None,
+                key=(-1, 0, -1, -1),
+            )
+            cpu = [opt_const]
+            for j in range(L):
+                cpu.append(
+                    _Op(
+                        stream="cpu",
+                        work=ns * layers[j].params,
+                        label=f"optim {j}",
+                        issue=None,
+                        key=(-1, 0, j, -1),
+                    )
+                )
+            opt_ops = cpu[1:]
+            self.cpu_ops = cpu
+            const_upload = self._copy(
+                "h2d", c.const_weight_bytes, "w embed/head", None, after=(opt_const,)
+            )
+            self._wait(st.embed, const_upload)
+        else:
+            self.cpu_ops = []
+
+        # Forward weights: slot for layer j is free once layer j-k-1 is done, i.e. when the
+        # compute of stage fwd(j)-k starts.
+        for j in range(L):
+            issue = max(st.embed, st.fwd(j) - k)
+            op = self._copy(
+                "h2d", layers[j].weight_bytes, f"w {j}", issue, order=st.fwd(j), after=(opt_ops[j],)
+            )
+            self._wait(st.fwd(j), op)
+            self.gpu.append((layers[j].weight_bytes, issue, st.fwd(j)))
+            self.phases[st.fwd(j)].append(
+                layers[j].forward_work_bytes
+                + (layers[j].input_bytes if plan.layers[j].mode == "drop" else 0)
+            )
+
+        self.phases[st.head].append(layers[L - 1].input_bytes + c.head_work_bytes)
+
+        for start, end in units(plan):
+            self._unit(start, end, compute_ms)
+
+        w_max = max(lc.weight_bytes for lc in layers)
+        self.gpu.append((2 * w_max, st.bwd(L - 1), st.embed_bwd))
+        for j in range(L):
+            issue = st.bwd(j) + 1
+            op = self._copy("d2h", layers[j].weight_bytes, f"grad {j}", issue)
+            self._wait(issue + 1, op)
+        self._wait(
+            st.embed_bwd + 1, self._copy("d2h", c.const_grad_bytes, "grad embed/head", st.embed_bwd)
+        )
+
+        for stage, ms in compute_ms.items():
+            self.compute[stage] = _Op(
+                stream="compute", work=ms, label=self.st.names()[stage], issue=None, key=(stage,)
+            )
+        if not self.overlap:
+            optimizer = _Op(
+                stream="cpu",
+                work=c.optimizer_ms,
+                label="optimizer",
+                issue=None,
+                key=(st.optimizer,),
+            )
+            optimizer.after = [self.compute[st.embed_bwd]] + [
+                op for op in self.transfers if op.stream == "d2h"
+            ]
+            self.cpu_ops = [optimizer]
+            upload = self._copy(
+                "h2d", c.const_weight_bytes, "w embed/head", None, after=(optimizer,)
+            )
+            if upload is not None:
+                upload.key = (st.optimizer, 0, 0, 0)
+
+    def _unit(self, start: int, end: int, compute_ms: dict[int, float]) -> None:
+        """Backward of layers [start, end): a keep layer, or a checkpoint and its drops."""
+        plan, c, st = self.plan, self.costs, self.st
+        layers = c.layers
+        lp = plan.layers[start]
+        first = st.bwd(end - 1)
+        keep = lp.mode == "keep"
+
+        for j in range(start, end):
+            ms = layers[j].backward_ms + (0.0 if keep else layers[j].recompute_ms)
+            compute_ms[st.bwd(j)] = ms
+            self.phases[st.bwd(j)].append(layers[j].saved_bytes + layers[j].backward_work_bytes)
+
+        if end - start >= 2:
+            # Segment: the first stage re-runs (no grad) start..end-2 to rebuild their inputs,
+            # which stay on the GPU (segment cache) until each layer's own backward.
+            compute_ms[first] += sum(layers[j].forward_ms for j in range(start, end - 1))
+            cache = [layers[j].input_bytes for j in range(start + 1, end - 1)]
+            self.phases[first] = [
+                sum(cache) + layers[end - 1].saved_bytes + layers[end - 1].backward_work_bytes
+            ]
+            for j in range(start, end - 1):
+                built = sum(layers[i].input_bytes for i in range(start + 1, j + 1))
+                self.phases[first].append(built + layers[j].forward_work_bytes)
+            for j in range(start + 1, end - 2):
+                self.gpu.append((layers[j].input_bytes, first + 1, st.bwd(j) - 1))
+
+        issue_w = max(st.head, first - plan.weight_prefetch)
+        for j in range(start, end):
+            op = self._copy("h2d", layers[j].weight_bytes, f"w {j} bwd", issue_w, order=first)
+            self._wait(first, op)
+            self.gpu.append((layers[j].weight_bytes, issue_w, st.bwd(j)))
+
+        nbytes = layers[start].saved_bytes if keep else layers[start].input_bytes
+        what = "acts" if keep else "ckpt"
+        fwd = st.fwd(start)
+        last_gpu = st.bwd(start) - 1
+        if lp.tier == "gpu":
+            self.gpu.append((nbytes, fwd, last_gpu))
+            return
+        self.gpu.append((nbytes, fwd, fwd + 1))
+        out = self._copy("d2h", nbytes, f"{what} {start}", fwd + 1, order=fwd)
+        self._wait(fwd + 2, out)
+        if lp.tier == "host":
+            fetch_at = max(first - lp.prefetch, st.head, fwd + 1)
+            self.host.append((nbytes, fwd + 1, fetch_at))
+            fetch = self._copy(
+                "h2d", nbytes, f"{what} {start}", fetch_at, prio=1, order=first, after=(out,)
+            )
+        else:
+            write_at = fwd + 2
+            fetch_at = max(first - lp.prefetch, st.head, write_at)
+            if fetch_at >= first:
+                raise ValueError(
+                    f"layer {start}: tier 'nvme' is too close to the end of the forward for its "
+                    "tensors to reach the disk and come back before backward needs them; use "
+                    "tier 'host' or 'gpu' for this layer"
+                )
+            write = self._copy(
+                "nvme",
+                nbytes,
+                f"write {what} {start}",
+                write_at,
+                order=fwd,
+                after=(out,),
+                nvme_write=True,
+            )
+            self._wait(write_at + 1, write)
+            read_at = max(fetch_at - 1, write_at)
+            self.nvme.append((nbytes, write_at, read_at))
+            read = self._copy(
+                "nvme", nbytes, f"read {what} {start}", read_at, prio=1, order=first, after=(write,)
+            )
+            if read_at < fetch_at:
+                self._wait(fetch_at, read)
+            fetch = self._copy(
+                "h2d", nbytes, f"{what} {start}", fetch_at, prio=1, order=first, after=(read,)
+            )
+        self._wait(first, fetch)
+        self.gpu.append((nbytes, fetch_at, last_gpu))
+
+    # -- running ----------------------------------------------------------------------------
+
+    def _rate(self, op: _Op, active: dict[str, _Op]) -> float:
+        """Work per millisecond of ``op`` given the other active ops."""
+        c = self.costs
+        if op.stream == "compute":
+            copying = "h2d" in active or "d2h" in active
+            return 1.0 / c.copy_slowdown if copying else 1.0
+        if op.stream == "cpu":
+            return 1.0
+        if op.stream == "nvme":
+            return (c.nvme_write_gbps if op.nvme_write else c.nvme_read_gbps) * 1e6
+        both = "h2d" in active and "d2h" in active
+        if both:
+            return c.bidir_gbps * 1e6
+        return (c.h2d_gbps if op.stream == "h2d" else c.d2h_gbps) * 1e6
+
+    def _schedule(self) -> list[_Op]:
+        queues: dict[str, list[_Op]] = {s: [] for s in STREAMS}
+        for stage in sorted(self.compute):
+            op = self.compute[stage]
+            op.after = op.after + self.waits.get(stage, [])
+            queues["compute"].append(op)
+        for op in sorted(self.transfers, key=lambda o: o.key):
+            queues[op.stream].append(op)
+        queues["cpu"] = sorted(self.cpu_ops, key=lambda o: o.key)
+        all_ops = [op for q in queues.values() for op in q]
+        for op in all_ops:
+            op.left = op.work
+        head = {s: 0 for s in STREAMS}
+        active: dict[str, _Op] = {}
+        t = 0.0
+        done = 0
+        while done < len(all_ops):
+            started = True
+            while started:
+                started = False
+                for s in STREAMS:
+                    if s in active or head[s] >= len(queues[s]):
+                        continue
+                    op = queues[s][head[s]]
+                    if op.issue is not None and math.isnan(self.compute[op.issue].start):
+                        continue
+                    if any(math.isnan(a.end) for a in op.after):
+                        continue
+                    op.start = t
+                    head[s] += 1
+                    if op.left <= 0:
+                        op.end = t
+                        done += 1
+                    else:
+                        active[s] = op
+                    started = True
+            if not active:
+                if done < len(all_ops):
+                    stuck = [queues[s][head[s]].label for s in STREAMS if head[s] < len(queues[s])]
+                    raise RuntimeError(f"step model deadlocked at {t:.3f} ms waiting in {stuck}")
+                break
+            rates = {s: self._rate(op, active) for s, op in active.items()}
+            dt = min(op.left / rates[s] for s, op in active.items())
+            t += dt
+            for s in list(active):
+                op = active[s]
+                op.left -= rates[s] * dt
+                if op.left <= 1e-9 * max(op.work, 1.0):
+                    op.left = 0.0
+                    op.end = t
+                    del active[s]
+                    done += 1
+        return all_ops
+
+    def _exposure(self, ops: list[_Op], step_ms: float) -> dict[str, float]:
+        """Split the step along its critical path: compute time, and what compute waited on."""
+        exposed = dict.fromkeys(STREAMS, 0.0)
+        exposed["idle"] = 0.0
+        prev_on_stream: dict[int, _Op] = {}
+        by_stream: dict[str, list[_Op]] = defaultdict(list)
+        for op in ops:
+            by_stream[op.stream].append(op)
+        for q in by_stream.values():
+            q.sort(key=lambda o: o.start)
+            for a, b in itertools.pairwise(q):
+                prev_on_stream[id(b)] = a
+
+        def blame(lo: float, hi: float, op: _Op) -> None:
+            # [lo, hi] ends inside op: op's stream gets the part op ran, the rest goes to
+            # whatever op waited for (a dependency, or the op before it on its stream).
+            while hi - lo > 1e-12:
+                begin = max(lo, op.start)
+                exposed[op.stream] += hi - begin
+                if begin <= lo:
+                    return
+                hi = begin
+                preds = list(op.after)
+                if id(op) in prev_on_stream:
+                    preds.append(prev_on_stream[id(op)])
+                preds = [p for p in preds if p.end <= hi + 1e-9 * max(hi, 1.0)]
+                if not preds:
+                    exposed["idle"] += hi - lo
+                    return
+                op = max(preds, key=lambda p: p.end)
+                if op.end < hi:
+                    exposed["idle"] += hi - max(op.end, lo)
+                    hi = op.end
+
+        compute = sorted((op for op in ops if op.stream == "compute"), key=lambda o: o.start)
+        t = 0.0
+        for op in compute:
+            if op.start > t:
+                preds = [p for p in op.after if p.end <= op.start + 1e-9 * max(op.start, 1.0)]
+                if preds:
+                    blame(t, op.start, max(preds, key=lambda p: p.end))
+                else:
+                    exposed["idle"] += op.start - t
+            exposed["compute"] += op.end - op.start
+            t = op.end
+        if step_ms > t:
+            blame(t, step_ms, max(ops, key=lambda o: o.end))
+        return exposed
+
+    def _memory(self) -> tuple[list[int], list[int], list[int]]:
+        n = self.st.embed_bwd + 1
+        gpu = [self.costs.gpu_fixed_bytes + max(self.phases.get(s, [0])) for s in range(n)]
+        host, nvme = [0] * n, [0] * n
+        for buffers, out in ((self.gpu, gpu), (self.host, host), (self.nvme, nvme)):
+            for nbytes, first, last in buffers:
+                for s in range(first, last + 1):
+                    out[s] += nbytes
+        return gpu, host, nvme
+
+    def run(self) -> SimResult:
+        ops = self._schedule()
+        step_ms = max(op.end for op in ops)
+        busy = dict.fromkeys(STREAMS, 0.0)
+        for op in ops:
+            busy[op.stream] += (op.end - op.start) * 1e-3
+        exposed = {k: v * 1e-3 for k, v in self._exposure(ops, step_ms).items()}
+        gpu, host, nvme = self._memory()
+        names = self.st.names()
+        peak_stage = max(range(len(gpu)), key=gpu.__getitem__)
+        c = self.costs
+        violations = []
+        for tier, peak, cap in (
+            ("GPU", max(gpu), c.gpu_bytes),
+            ("host", max(host), c.host_bytes),
+            ("NVMe", max(nvme), c.nvme_bytes),
+        ):
+            if peak > cap:
+                violations.append(
+                    f"{tier} memory: plan needs {peak / GiB:.2f} GiB, {cap / GiB:.2f} GiB available"
+                )
+        step_s = step_ms * 1e-3
+        stages = sorted(self.compute)
+        return SimResult(
+            step_time_s=step_s,
+            tokens_per_s=c.tokens / step_s if step_s > 0 else math.inf,
+            busy_s=busy,
+            exposed_s=exposed,
+            peak_gpu_bytes=max(gpu),
+            peak_gpu_stage=names[peak_stage],
+            peak_host_bytes=max(host),
+            peak_nvme_bytes=max(nvme),
+            stage_names=[names[s] for s in stages],
+            stage_start_s=[self.compute[s].start * 1e-3 for s in stages],
+            gpu_bytes_by_stage=gpu,
+            timeline=[
+                (op.stream, op.start * 1e-3, op.end * 1e-3, op.label)
+                for op in sorted(ops, key=lambda o: (o.start, STREAMS.index(o.stream)))
+                if op.end > op.start
+            ],
+            gpu_capacity_bytes=c.gpu_bytes,
+            host_capacity_bytes=c.host_bytes,
+            nvme_capacity_bytes=c.nvme_bytes,
+            violations=violations,
+        )

@@ -1,0 +1,193 @@
+"""Synthetic cost tables from model dimensions and machine numbers (no profiling).
+
+For benchmarks and tests of the planner, and as a first guess before `lazytrain profile` has
+run. Times come from FLOP counts at an assumed matmul rate; activation sizes from the tensors a
+Llama/Qwen2-style decoder layer saves for backward with fused (flash) attention.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+from lazytrain.plan.costs import CostTable, LayerCosts, ShapeFit
+
+GB = 1e9
+
+
+@dataclass(kw_only=True, slots=True)
+class DecoderShape:
+    """Dimensions of a Llama/Qwen2-style decoder-only model."""
+
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    vocab: int
+    qkv_bias: bool = True
+    tied_embeddings: bool = False
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.num_heads * self.num_kv_heads
+
+    @property
+    def layer_params(self) -> int:
+        h, kv = self.hidden, self.kv_dim
+        attention = 2 * h * h + 2 * h * kv + ((h + 2 * kv) if self.qkv_bias else 0)
+        return attention + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def const_params(self) -> int:
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return embeddings + self.hidden
+
+
+QWEN25_32B = DecoderShape(
+    num_layers=64, hidden=5120, intermediate=27648, num_heads=40, num_kv_heads=8, vocab=152064
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class MachineGuess:
+    """Rough numbers of a machine (defaults: one H200 on PCIe Gen5, a large host, NVMe RAID)."""
+
+    matmul_tflops: float = 550.0
+    """Sustained bf16 rate of the layer's kernels."""
+    h2d_gbps: float = 53.0
+    d2h_gbps: float = 53.0
+    bidir_gbps: float = 45.0
+    nvme_read_gbps: float = 12.0
+    nvme_write_gbps: float = 8.0
+    optimizer_ns_per_param: float = 0.2
+    copy_slowdown: float = 1.03
+    gpu_bytes: int = 140 * 10**9
+    gpu_reserve_bytes: int = 2 * 10**9
+    """CUDA context, allocator slack and the like: part of the fixed GPU bytes."""
+    host_bytes: int = 400 * 10**9
+    nvme_bytes: int = 4 * 10**12
+    device: str = "synthetic H200 (PCIe Gen5)"
+
+
+def synthetic_cost_table(
+    shape: DecoderShape,
+    batch_size: int,
+    seq_len: int,
+    machine: MachineGuess | None = None,
+    head_chunk_tokens: int = 4096,
+) -> CostTable:
+    """A `CostTable` for ``shape`` at (batch_size, seq_len) on ``machine`` (estimates only)."""
+    mc = machine or MachineGuess()
+    h, i, kv = shape.hidden, shape.intermediate, shape.kv_dim
+    tokens = batch_size * seq_len
+    rate = mc.matmul_tflops * 1e12 / 1e3  # FLOPs per ms
+    params = shape.layer_params
+    # Causal attention: QK^T and AV, half the score matrix.
+    attention_flops = 2 * seq_len * h
+    forward_ms = tokens * (2 * params + attention_flops) / rate + 0.2  # + launch overhead
+    bf16 = 2
+    layer = LayerCosts(
+        params=params,
+        weight_bytes=params * bf16,
+        forward_ms=forward_ms,
+        backward_ms=2 * forward_ms,
+        recompute_ms=1.05 * forward_ms,
+        input_bytes=tokens * h * bf16,
+        # norm in/out, q/k/v, attention out, MLP norm in/out, gate, up, act, product.
+        saved_bytes=tokens * (6 * h + 2 * kv + 4 * i) * bf16,
+        forward_work_bytes=tokens * (3 * i + h) * bf16,
+        backward_work_bytes=tokens * (4 * i + 4 * h) * bf16,
+    )
+    const = shape.const_params
+    head_flops = 6 * shape.vocab * h * tokens
+    chunk = min(head_chunk_tokens, tokens)
+    time_fit = ShapeFit(per_token=2 * params / rate, per_token_seq=2 * h / rate, const=0.2)
+    return CostTable.uniform(
+        shape.num_layers,
+        layer,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        embed_forward_ms=0.5 + tokens * h * bf16 / 2e9,
+        embed_backward_ms=1.0 + tokens * h * 4 / 1e9,
+        head_ms=head_flops / rate,
+        head_work_bytes=chunk * shape.vocab * 6,
+        const_params=const,
+        const_weight_bytes=const * bf16,
+        const_grad_bytes=const * bf16,
+        h2d_gbps=mc.h2d_gbps,
+        d2h_gbps=mc.d2h_gbps,
+        bidir_gbps=mc.bidir_gbps,
+        nvme_read_gbps=mc.nvme_read_gbps,
+        nvme_write_gbps=mc.nvme_write_gbps,
+        optimizer_ns_per_param=mc.optimizer_ns_per_param,
+        copy_slowdown=mc.copy_slowdown,
+        gpu_bytes=mc.gpu_bytes,
+        gpu_fixed_bytes=2 * const * bf16 + mc.gpu_reserve_bytes,
+        host_bytes=mc.host_bytes,
+        nvme_bytes=mc.nvme_bytes,
+        fits={
+            "forward_ms": time_fit,
+            "backward_ms": time_fit,
+            "recompute_ms": time_fit,
+            "head_work_bytes": ShapeFit(per_token=0.0, const=1.0),
+        },
+        device=mc.device,
+        notes={"synthetic": True, "matmul_tflops": mc.matmul_tflops},
+    )
+
+
+def random_cost_table(seed: int, num_layers: int, *, uniform: bool = False) -> CostTable:
+    """A random but self-consistent table, for fuzzing the planner (capacities unconstrained:
+    GPU memory is set to fit every plan; tests shrink it)."""
+    rng = random.Random(seed)
+
+    def u(lo: float, hi: float) -> float:
+        return rng.uniform(lo, hi)
+
+    def layer() -> LayerCosts:
+        forward = u(1, 50)
+        input_bytes = int(u(0.01, 0.5) * GB)
+        weights = int(u(0.05, 2.0) * GB)
+        return LayerCosts(
+            params=weights // 2,
+            weight_bytes=weights,
+            forward_ms=forward,
+            backward_ms=forward * u(1.5, 2.5),
+            recompute_ms=forward * u(1.0, 1.2),
+            input_bytes=input_bytes,
+            saved_bytes=int(input_bytes * u(1, 30)),
+            forward_work_bytes=int(input_bytes * u(0, 20)),
+            backward_work_bytes=int(input_bytes * u(0, 30)),
+        )
+
+    first = layer()
+    layers = [replace(first) if uniform else layer() for _ in range(num_layers)]
+    h2d, d2h = u(10, 60), u(10, 60)
+    serial = h2d * d2h / (h2d + d2h)
+    saved = sum(lc.saved_bytes for lc in layers)
+    const_params = int(u(0.01, 1.0) * GB)
+    return CostTable(
+        batch_size=rng.choice([1, 2, 4, 8]),
+        seq_len=rng.choice([512, 1024, 4096]),
+        layers=layers,
+        embed_forward_ms=u(0.1, 5),
+        embed_backward_ms=u(0.1, 5),
+        head_ms=u(1, 100),
+        head_work_bytes=int(u(0, 2) * GB),
+        const_params=const_params,
+        const_weight_bytes=2 * const_params,
+        const_grad_bytes=2 * const_params,
+        h2d_gbps=h2d,
+        d2h_gbps=d2h,
+        bidir_gbps=u(serial, min(h2d, d2h)),
+        nvme_read_gbps=u(1, 15),
+        nvme_write_gbps=u(1, 15),
+        optimizer_ns_per_param=u(0, 1),
+        copy_slowdown=u(1.0, 1.3),
+        gpu_bytes=10**15,
+        gpu_fixed_bytes=int(u(1, 10) * GB),
+        host_bytes=rng.choice([0, int(u(0, 1) * saved), 10 * saved]),
+        nvme_bytes=rng.choice([0, int(u(0, 1) * saved), 10 * saved]),
+        device="random",
+    )

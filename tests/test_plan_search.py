@@ -1,0 +1,70 @@
+"""Batch-size search and rendering."""
+
+import sys
+
+import pytest
+
+from lazytrain.plan.milp import PlanInfeasible, min_gpu_bytes
+from lazytrain.plan.render import format_plan_table, render_plan_png
+from lazytrain.plan.search import candidate_batches, search_batch
+from lazytrain.plan.simulate import simulate
+from lazytrain.plan.synthetic import QWEN25_32B, DecoderShape, synthetic_cost_table
+
+SMALL = DecoderShape(
+    num_layers=8, hidden=2048, intermediate=5632, num_heads=16, num_kv_heads=4, vocab=32000
+)
+
+
+def small_table(gpu_gb: float = 24.0):
+    table = synthetic_cost_table(SMALL, 1, 2048)
+    table.gpu_bytes = int(gpu_gb * 1e9)
+    return table
+
+
+def test_candidate_batches():
+    assert candidate_batches(16) == [1, 2, 3, 4, 6, 8, 12, 16]
+
+
+def test_throughput_search_picks_the_fastest_feasible_batch():
+    result = search_batch(small_table(), 2048, max_batch=16)
+    feasible = [t for t in result.tried if t["feasible"]]
+    assert result.sim.tokens_per_s == max(t["tokens_per_s"] for t in feasible)
+    assert result.plan.batch_size == result.costs.batch_size
+    assert result.sim.feasible
+
+
+def test_max_batch_search_finds_the_largest_batch_that_fits():
+    table = small_table()
+    result = search_batch(table, 2048, goal="max_batch", max_batch=64)
+    batches = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    b = result.plan.batch_size
+    assert min_gpu_bytes(table.at(b, 2048)) <= table.gpu_bytes
+    if b != batches[-1]:
+        bigger = batches[batches.index(b) + 1]
+        assert min_gpu_bytes(table.at(bigger, 2048)) > table.gpu_bytes
+    assert simulate(result.plan, result.costs).feasible
+
+
+def test_nothing_fits_is_a_clear_error():
+    with pytest.raises(PlanInfeasible, match="the cheapest plan needs"):
+        search_batch(small_table(gpu_gb=1.0), 2048, max_batch=4)
+
+
+def test_table_and_png(tmp_path):
+    table = synthetic_cost_table(QWEN25_32B, 1, 4096)
+    result = search_batch(table, 4096, batch_sizes=[1])
+    text = format_plan_table(result.plan, result.sim, result.costs)
+    assert "plan 'solved': batch 1 x seq 4096" in text
+    assert "GPU   peak" in text and "compute" in text
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    render_plan_png(result.plan, result.sim, path)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_png_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
+    table = small_table()
+    result = search_batch(table, 2048, batch_sizes=[1])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        render_plan_png(result.plan, result.sim, tmp_path / "x.png")

@@ -1,0 +1,120 @@
+"""The step simulator: consistent accounting, executor rules, and agreement with the MILP model
+on every plan the MILP can express."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lazytrain.plan.milp import MODE_LAYER, NVME_TAIL, milp_evaluate
+from lazytrain.plan.plan import (
+    LayerPlan,
+    Plan,
+    checkpoint_all_plan,
+    keep_all_plan,
+    megatrain_plan,
+)
+from lazytrain.plan.simulate import simulate
+from lazytrain.plan.synthetic import random_cost_table
+
+
+def random_plan(seed: int, num_layers: int, batch: int, seq: int, milp_only: bool) -> Plan:
+    """A valid plan; with milp_only, one the MILP can express (prefetch 1, tier rules)."""
+    rng = random.Random(seed)
+    layers = []
+    for i in range(num_layers):
+        letters = ["f", "g"] + (["d"] if i > 0 and layers[-1].mode != "keep" else [])
+        if not milp_only or i < num_layers - 1:
+            letters += ["o", "p"]
+        if not milp_only or i < num_layers - NVME_TAIL:
+            letters += ["n"]
+        mode, tier = MODE_LAYER[rng.choice(letters)]
+        if not milp_only and mode == "keep" and rng.random() < 0.2:
+            tier = "nvme"
+        prefetch = 1 if milp_only else rng.choice([1, 1, 2, 3])
+        layers.append(LayerPlan(mode=mode, tier=tier, prefetch=prefetch))
+    if not milp_only:
+        # NVMe needs a few stages between the write and the read: keep the tail off NVMe.
+        for lp in layers[-3:]:
+            if lp.tier == "nvme":
+                lp.tier = "host"
+    return Plan(
+        policy="random",
+        batch_size=batch,
+        seq_len=seq,
+        layers=layers,
+        weight_prefetch=1 if milp_only else rng.choice([1, 2, 3]),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(1, 10), overlap=st.booleans())
+def test_simulator_matches_milp_model(seed, num_layers, overlap):
+    table = random_cost_table(seed, num_layers)
+    plan = random_plan(seed, num_layers, table.batch_size, table.seq_len, milp_only=True)
+    sim = simulate(plan, table, optimizer_overlap=overlap)
+    step_s, peak_gpu = milp_evaluate(plan, table, optimizer_overlap=overlap)
+    # Without overlap the two model the same stages exactly; with it the MILP ignores how a
+    # copy delayed by the CPU update shares PCIe with the other direction.
+    assert step_s == pytest.approx(sim.step_time_s, rel=1e-6 if not overlap else 0.05)
+    assert peak_gpu == pytest.approx(sim.peak_gpu_bytes, abs=4096)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(1, 10), overlap=st.booleans())
+def test_exposure_adds_up_to_step_time(seed, num_layers, overlap):
+    table = random_cost_table(seed, num_layers)
+    plan = random_plan(seed, num_layers, table.batch_size, table.seq_len, milp_only=False)
+    sim = simulate(plan, table, optimizer_overlap=overlap)
+    assert sum(sim.exposed_s.values()) == pytest.approx(sim.step_time_s, rel=1e-9)
+    assert sim.exposed_s["compute"] == pytest.approx(sim.busy_s["compute"], rel=1e-9)
+    assert sim.step_time_s >= max(sim.busy_s.values()) * (1 - 1e-9)
+    assert len(sim.gpu_bytes_by_stage) == len(sim.stage_names) == 2 * num_layers + 3
+    if all(lp.tier == "gpu" or lp.mode == "drop" for lp in plan.layers):
+        assert sim.peak_host_bytes == sim.peak_nvme_bytes == 0
+
+
+def test_prefetch_further_ahead_never_slower():
+    table = random_cost_table(7, 8)
+    base = checkpoint_all_plan(8, table.batch_size, table.seq_len, tier="host")
+    ahead = Plan.from_dict(base.to_dict())
+    ahead.weight_prefetch = 2
+    for lp in ahead.layers:
+        lp.prefetch = 2
+    assert simulate(ahead, table).step_time_s <= simulate(base, table).step_time_s * (1 + 1e-9)
+    assert simulate(ahead, table).peak_gpu_bytes >= simulate(base, table).peak_gpu_bytes
+
+
+def test_keep_all_is_fastest_and_largest_when_nothing_is_offloaded():
+    table = random_cost_table(3, 6)
+    keep = simulate(keep_all_plan(6, table.batch_size, table.seq_len), table)
+    ckpt = simulate(checkpoint_all_plan(6, table.batch_size, table.seq_len), table)
+    mega = simulate(megatrain_plan(6, table.batch_size, table.seq_len, every=3), table)
+    assert keep.step_time_s < ckpt.step_time_s < mega.step_time_s
+    assert keep.peak_gpu_bytes > ckpt.peak_gpu_bytes
+
+
+def test_optimizer_overlap_hides_cpu_time():
+    table = random_cost_table(11, 6)
+    plan = checkpoint_all_plan(6, table.batch_size, table.seq_len)
+    serial = simulate(plan, table, optimizer_overlap=False)
+    overlapped = simulate(plan, table, optimizer_overlap=True)
+    assert overlapped.step_time_s < serial.step_time_s
+    assert serial.exposed_s["cpu"] == pytest.approx(table.optimizer_ms * 1e-3)
+
+
+def test_capacity_violations_are_reported():
+    table = random_cost_table(5, 4)
+    plan = keep_all_plan(4, table.batch_size, table.seq_len)
+    peak = simulate(plan, table).peak_gpu_bytes
+    table.gpu_bytes = peak - 1
+    sim = simulate(plan, table)
+    assert not sim.feasible and "GPU memory: plan needs" in sim.violations[0]
+
+
+def test_plan_for_another_shape_is_rejected():
+    table = random_cost_table(5, 4)
+    plan = keep_all_plan(4, table.batch_size + 1, table.seq_len)
+    with pytest.raises(ValueError, match=r"costs\.at"):
+        simulate(plan, table)
