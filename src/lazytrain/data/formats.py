@@ -10,8 +10,8 @@ Schemas (``DataSource.format``):
 - ``auto``: chosen from the first record's keys, in the order above.
 
 Files are read by their kind: ``.parquet`` with pyarrow, ``.jsonl`` as JSON Lines, anything
-else as JSON, an array when it starts with ``[`` and JSON Lines otherwise. A folder written by ``datasets``'
-``save_to_disk`` is read with ``load_from_disk``; any other folder is read as the
+else as JSON, an array when it starts with ``[`` and JSON Lines otherwise. A folder written by
+``datasets``' ``save_to_disk`` is read with ``load_from_disk``; any other folder is read as the
 concatenation of the ``.json``, ``.jsonl`` and ``.parquet`` files directly inside it (a hub
 snapshot, say). Nothing is ever downloaded.
 """

@@ -29,9 +29,9 @@ _ITEMS = ("apples", "books", "marbles", "stickers", "coins", "pencils", "cards",
 # uses them.
 _WORDINGS = {
     "add": (
-        "{name} has {a} {item} and buys {b} more. How many {item} now?",
+        "{name} has {a} {item} and buys {b} more. How many now?",
         "{name} had {a} {item} and found {b} more. How many in all?",
-        "A box has {a} {item} and a bag has {b}. How many {item} in total?",
+        "A box has {a} {item} and a bag {b}. How many in total?",
         "{name} read {a} pages, then {b} more. How many pages in all?",
         "What is {a} plus {b}?",
     ),
@@ -47,7 +47,7 @@ _WORDINGS = {
         "What is {a} times {b}?",
     ),
     "add_sub": (
-        "{name} has {a} {item}, buys {b} more and gives away {c}. How many are left?",
+        "{name} has {a} {item}, buys {b} and gives away {c}. How many are left?",
         "A box had {a} {item}; {b} were added and {c} taken out. How many now?",
     ),
     "mul_add": (
