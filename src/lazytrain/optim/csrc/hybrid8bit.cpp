@@ -1,0 +1,658 @@
+// Fused AdamW step with blockwise 8-bit states, for lazytrain/optim/hybrid8bit.py.
+//
+// One pass over memory per 256-element block: read the gradient (bf16 or fp32) and scale it
+// by the clip coefficient, dequantize m and v, update them and the fp32 master, write the new
+// weight, keep the new m and v in a stack buffer while tracking their absmax, then requantize
+// from that buffer. Blocks are independent, so they are spread over torch's intra-op threads.
+//
+// Nearest codes are found as quant.py describes: with AVX-512 VBMI by the "pieces" method,
+// whose table look-ups are register byte shuffles (no gathers, which are slow on AMD Zen 4 and
+// on Intel CPUs with the gather-data-sampling fix); elsewhere by the bucket table, one gather
+// (AVX2, AVX-512) or one load (scalar) per element. Dequantization is the same split: byte
+// shuffles with VBMI, gathers otherwise.
+//
+// Built at first use with -march=native on the machine that runs it, so the SIMD path is
+// chosen at compile time from what that machine has.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define LAZYTRAIN_VBMI 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 256;
+// Bucket tables (quant.py): bucket = clamp(|bits| >> shift - (kLutExpMin << (23 - shift)),
+// 0, buckets - 1), plus `buckets` for negative numbers. 6 mantissa bits for the signed map,
+// 7 for the unsigned one.
+constexpr int32_t kLutExpMin = 103;
+constexpr int32_t kLutBinades = 128 - kLutExpMin;
+constexpr int32_t lut_shift(bool is_signed) { return is_signed ? 17 : 16; }
+constexpr int32_t lut_buckets(bool is_signed) { return kLutBinades << (23 - lut_shift(is_signed)); }
+// Piece tables (quant.py): binade index = clamp(biased exponent - kPieceExpMin, 0, 31).
+constexpr int32_t kPieceExpMin = 104;
+constexpr int64_t kPieceTableSize = 128;
+// Smallest normal float: blocks with a smaller absmax are stored as zeros.
+constexpr float kTiny = 1.17549435e-38f;
+
+struct MapTables {
+  const float* qmap;       // [256] sorted code values
+  const float* midpoints;  // [256] halfway between code k and k+1; [255] = inf
+  const int32_t* lut;      // bucket table
+  // piece tables
+  float first[16], inv_spacing[16];
+  int32_t base[16], span[16], binade_piece[32];
+  float binade_next[32];
+  // byte q of qmap[c] / midpoints[c] at [q][c]: tables for byte shuffles
+  alignas(64) uint8_t value_planes[4][256];
+  alignas(64) uint8_t midpoint_planes[4][256];
+};
+
+struct Hyper {
+  float clip, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_bc2_sqrt;
+};
+
+inline float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+// Round to nearest even, NaN to a quiet NaN: c10::BFloat16's own rounding.
+inline uint16_t float_to_bf16(float f) {
+  if (std::isnan(f)) return 0x7fc0;
+  const uint32_t b = float_to_bits(f);
+  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+struct Scalar {
+  static constexpr int W = 1;
+  static constexpr int kChunk = 1;       // elements dequantized at once
+  static constexpr int kQuantChunk = 1;  // elements quantized at once
+  using F = float;
+  static F set(float x) { return x; }
+  static F load(const float* p) { return *p; }
+  static F load(const uint16_t* p) { return bits_to_float(static_cast<uint32_t>(*p) << 16); }
+  static void store(float* p, F x) { *p = x; }
+  static void store(uint16_t* p, F x) { *p = float_to_bf16(x); }
+  template <class T>
+  static void stream(T* p, F x) { store(p, x); }
+  // 1 / (sqrt(v) * inv_bc2 + eps)
+  static F inv_denominator(F v, F inv_bc2, F eps) { return 1.0f / (std::sqrt(v) * inv_bc2 + eps); }
+  static F abs(F x) { return std::fabs(x); }
+  static F max(F a, F b) { return a > b ? a : b; }
+  static float reduce_max(F x) { return x; }
+  static void dequantize(const uint8_t* codes, const MapTables& t, F* out) { *out = t.qmap[*codes]; }
+
+  template <bool kSigned>
+  static void quantize(const float* values, float inv_absmax, uint8_t* codes, const MapTables& t) {
+    constexpr int32_t shift = lut_shift(kSigned), buckets = lut_buckets(kSigned);
+    constexpr int32_t low_mask = (1 << shift) - 1;
+    const uint32_t bits = float_to_bits(*values * inv_absmax);
+    const int32_t negative = static_cast<int32_t>(bits >> 31);
+    int32_t bucket = static_cast<int32_t>((bits & 0x7fffffffu) >> shift) - (kLutExpMin << (23 - shift));
+    bucket = std::min(std::max(bucket, 0), buckets - 1) + negative * buckets;
+    const int32_t entry = t.lut[bucket];
+    const int32_t key = static_cast<int32_t>(bits & low_mask) ^ (negative ? low_mask : 0);
+    *codes = static_cast<uint8_t>((entry & 0xff) + (key > (entry >> 8) ? 1 : 0));
+  }
+};
+
+#if defined(__AVX512F__)
+struct Simd {
+  static constexpr int W = 16;
+  using F = __m512;
+  static F set(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static __m256i to_bf16(F x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+    r = _mm512_srli_epi32(r, 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+  }
+  static void store(uint16_t* p, F x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
+  // non-temporal stores, for the weights: written once, read next by a copy to the GPU
+  static void stream(float* p, F x) { _mm512_stream_ps(p, x); }
+  static void stream(uint16_t* p, F x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
+  // 1 / (sqrt(v) * inv_bc2 + eps) from the 14-bit estimates and one Newton step each (about
+  // an ulp off): the divide and square-root units would otherwise bound the whole step.
+  // max(v, tiny) keeps v = 0 finite: 0 * rsqrt(tiny) = 0.
+  static F inv_denominator(F v, F inv_bc2, F eps) {
+    const F r = _mm512_rsqrt14_ps(_mm512_max_ps(v, set(kTiny)));
+    const F root = v * r;
+    const F sqrt_v = root + root * (set(0.5f) - root * (r * set(0.5f)));
+    const F d = sqrt_v * inv_bc2 + eps;
+    const F q = _mm512_rcp14_ps(d);
+    return q + q * (set(1.0f) - d * q);
+  }
+  static F abs(F x) { return _mm512_abs_ps(x); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static float reduce_max(F x) { return _mm512_reduce_max_ps(x); }
+
+#if defined(LAZYTRAIN_VBMI)
+  static constexpr int kChunk = 64;
+  static constexpr int kQuantChunk = 64;
+
+  // table[codes[i]] for 64 codes: each byte of the 32-bit entries is a 256-entry byte table,
+  // looked up with two 128-entry shuffles; unpacking the four byte planes gives the entries.
+  // The codes are first put in the order that makes the unpacks come out in element order.
+  static void lookup64(__m512i codes, const uint8_t (*planes)[256], __m512* out) {
+    alignas(64) static constexpr uint8_t kOrder[64] = {
+        0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+        4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+        8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+        12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+    const __m512i c = _mm512_permutexvar_epi8(_mm512_load_si512(kOrder), codes);
+    const __mmask64 upper = _mm512_movepi8_mask(c);  // code >= 128
+    __m512i plane[4];
+    for (int q = 0; q < 4; ++q) {
+      const uint8_t* p = planes[q];
+      const __m512i low = _mm512_permutex2var_epi8(_mm512_load_si512(p), c, _mm512_load_si512(p + 64));
+      const __m512i high = _mm512_permutex2var_epi8(_mm512_load_si512(p + 128), c, _mm512_load_si512(p + 192));
+      plane[q] = _mm512_mask_blend_epi8(upper, low, high);
+    }
+    const __m512i lo01 = _mm512_unpacklo_epi8(plane[0], plane[1]);
+    const __m512i hi01 = _mm512_unpackhi_epi8(plane[0], plane[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(plane[2], plane[3]);
+    const __m512i hi23 = _mm512_unpackhi_epi8(plane[2], plane[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
+  }
+
+  static void dequantize(const uint8_t* codes, const MapTables& t, F* out) {
+    lookup64(_mm512_loadu_si512(codes), t.value_planes, out);
+  }
+
+  // 64 codes by the pieces method (quant.py): the binade and one compare pick the piece, the
+  // piece's arithmetic run gives e with the code in {e, e + 1}, one compare with midpoints[e]
+  // decides. Works on |x|; negative x of the signed map take the mirrored code.
+  template <bool kSigned>
+  static void quantize(const float* values, float inv_absmax, uint8_t* codes, const MapTables& t) {
+    const __m512 first = _mm512_loadu_ps(t.first), inv_spacing = _mm512_loadu_ps(t.inv_spacing);
+    const __m512i base = _mm512_loadu_si512(t.base), span = _mm512_loadu_si512(t.span);
+    const __m512i piece_a = _mm512_loadu_si512(t.binade_piece);
+    const __m512i piece_b = _mm512_loadu_si512(t.binade_piece + 16);
+    const __m512 next_a = _mm512_loadu_ps(t.binade_next), next_b = _mm512_loadu_ps(t.binade_next + 16);
+    const __m512 inv = _mm512_set1_ps(inv_absmax);
+    __m512 mag[4];
+    __m512i estimate[4];
+    __mmask16 negative[4];
+    for (int r = 0; r < 4; ++r) {
+      __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(values + 16 * r), inv));
+      negative[r] = _mm512_movepi32_mask(bits);
+      bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+      mag[r] = _mm512_castsi512_ps(bits);
+      // max(exponent - kPieceExpMin, 0) by a saturating subtract; |x| <= 1 + rounding keeps it
+      // below 32 (NaN wraps around, to a garbage code for a garbage value)
+      const __m512i binade = _mm512_subs_epu16(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(kPieceExpMin));
+      __m512i piece = _mm512_permutex2var_epi32(piece_a, binade, piece_b);
+      const __mmask16 next = _mm512_cmp_ps_mask(mag[r], _mm512_permutex2var_ps(next_a, binade, next_b), _CMP_GE_OQ);
+      piece = _mm512_mask_add_epi32(piece, next, piece, _mm512_set1_epi32(1));
+      const __m512 run = _mm512_mul_ps(_mm512_sub_ps(mag[r], _mm512_permutexvar_ps(piece, first)),
+                                       _mm512_permutexvar_ps(piece, inv_spacing));
+      __m512i e = _mm512_cvt_roundps_epi32(run, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+      // |x| >= first, so e >= 0
+      e = _mm512_min_epi32(e, _mm512_permutexvar_epi32(piece, span));
+      estimate[r] = _mm512_add_epi32(e, _mm512_permutexvar_epi32(piece, base));
+    }
+    const __m256i e01 = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm512_cvtepi32_epi8(estimate[0])), _mm512_cvtepi32_epi8(estimate[1]), 1);
+    const __m256i e23 = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm512_cvtepi32_epi8(estimate[2])), _mm512_cvtepi32_epi8(estimate[3]), 1);
+    const __m512i packed = _mm512_inserti64x4(_mm512_castsi256_si512(e01), e23, 1);
+    __m512 mid[4];
+    lookup64(packed, t.midpoint_planes, mid);
+    __mmask16 above[4];
+    for (int r = 0; r < 4; ++r) {
+      // |x| above the midpoint, or on it for negative x: a tie goes to the lower code, as
+      // counting the midpoints below x does. Positive floats compare as integers.
+      const __m512i key = _mm512_add_epi32(_mm512_castps_si512(mag[r]),
+                                           _mm512_maskz_set1_epi32(negative[r], 1));
+      above[r] = _mm512_cmpgt_epi32_mask(key, _mm512_castps_si512(mid[r]));
+    }
+    // the last steps on all 64 codes as bytes
+    const __mmask64 up = _mm512_kunpackd(_mm512_kunpackw(above[3], above[2]),
+                                         _mm512_kunpackw(above[1], above[0]));
+    __m512i c = _mm512_mask_add_epi8(packed, up, packed, _mm512_set1_epi8(1));
+    if constexpr (kSigned) {
+      // negative codes mirror the positive ones around 127; -1.0 does not exist
+      const __mmask64 minus = _mm512_kunpackd(_mm512_kunpackw(negative[3], negative[2]),
+                                              _mm512_kunpackw(negative[1], negative[0]));
+      const __m512i top = _mm512_set1_epi8(static_cast<char>(254));
+      c = _mm512_mask_sub_epi8(c, minus, top, _mm512_min_epu8(c, top));
+    }
+    _mm512_storeu_si512(codes, c);
+  }
+#else
+  static constexpr int kChunk = 16;
+  static constexpr int kQuantChunk = 16;
+  static __m512i load_codes(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void dequantize(const uint8_t* codes, const MapTables& t, F* out) {
+    *out = _mm512_i32gather_ps(load_codes(codes), t.qmap, 4);
+  }
+  template <bool kSigned>
+  static void quantize(const float* values, float inv_absmax, uint8_t* codes, const MapTables& t) {
+    constexpr int32_t shift = lut_shift(kSigned), buckets = lut_buckets(kSigned);
+    const __m512i low_mask = _mm512_set1_epi32((1 << shift) - 1);
+    const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(values), _mm512_set1_ps(inv_absmax)));
+    const __m512i negative = _mm512_srai_epi32(bits, 31);  // all ones for negative x
+    __m512i bucket = _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), shift);
+    bucket = _mm512_sub_epi32(bucket, _mm512_set1_epi32(kLutExpMin << (23 - shift)));
+    bucket = _mm512_min_epi32(_mm512_max_epi32(bucket, _mm512_setzero_si512()), _mm512_set1_epi32(buckets - 1));
+    bucket = _mm512_add_epi32(bucket, _mm512_and_si512(negative, _mm512_set1_epi32(buckets)));
+    const __m512i entry = _mm512_i32gather_epi32(bucket, t.lut, 4);
+    const __m512i key = _mm512_xor_si512(_mm512_and_si512(bits, low_mask), _mm512_and_si512(negative, low_mask));
+    const __m512i code = _mm512_and_si512(entry, _mm512_set1_epi32(0xff));
+    const __mmask16 above = _mm512_cmpgt_epi32_mask(key, _mm512_srli_epi32(entry, 8));
+    const __m512i result = _mm512_mask_add_epi32(code, above, code, _mm512_set1_epi32(1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(result));
+  }
+#endif
+};
+#elif defined(__AVX2__)
+struct Simd {
+  static constexpr int W = 8;
+  static constexpr int kChunk = 8;
+  static constexpr int kQuantChunk = 8;
+  using F = __m256;
+  static F set(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static __m128i to_bf16(F x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), odd);
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  }
+  static void store(uint16_t* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
+  static void stream(float* p, F x) { _mm256_stream_ps(p, x); }
+  static void stream(uint16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
+  // as for AVX-512, from 12-bit estimates (one Newton step leaves 1-2 ulps)
+  static F inv_denominator(F v, F inv_bc2, F eps) {
+    const F r = _mm256_rsqrt_ps(_mm256_max_ps(v, set(kTiny)));
+    const F root = v * r;
+    const F sqrt_v = root + root * (set(0.5f) - root * (r * set(0.5f)));
+    const F d = sqrt_v * inv_bc2 + eps;
+    const F q = _mm256_rcp_ps(d);
+    return q + q * (set(1.0f) - d * q);
+  }
+  static F abs(F x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static float reduce_max(F x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
+  static __m256i load_codes(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void dequantize(const uint8_t* codes, const MapTables& t, F* out) {
+    *out = _mm256_i32gather_ps(t.qmap, load_codes(codes), 4);
+  }
+  template <bool kSigned>
+  static void quantize(const float* values, float inv_absmax, uint8_t* codes, const MapTables& t) {
+    constexpr int32_t shift = lut_shift(kSigned), buckets = lut_buckets(kSigned);
+    const __m256i low_mask = _mm256_set1_epi32((1 << shift) - 1);
+    const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(values), _mm256_set1_ps(inv_absmax)));
+    const __m256i negative = _mm256_srai_epi32(bits, 31);
+    __m256i bucket = _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), shift);
+    bucket = _mm256_sub_epi32(bucket, _mm256_set1_epi32(kLutExpMin << (23 - shift)));
+    bucket = _mm256_min_epi32(_mm256_max_epi32(bucket, _mm256_setzero_si256()), _mm256_set1_epi32(buckets - 1));
+    bucket = _mm256_add_epi32(bucket, _mm256_and_si256(negative, _mm256_set1_epi32(buckets)));
+    const __m256i entry = _mm256_i32gather_epi32(t.lut, bucket, 4);
+    const __m256i key = _mm256_xor_si256(_mm256_and_si256(bits, low_mask), _mm256_and_si256(negative, low_mask));
+    const __m256i code = _mm256_and_si256(entry, _mm256_set1_epi32(0xff));
+    // the compare is -1 where x lies above the bucket's midpoint
+    const __m256i result = _mm256_sub_epi32(code, _mm256_cmpgt_epi32(key, _mm256_srli_epi32(entry, 8)));
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(result), _mm256_extracti128_si256(result, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), _mm_packus_epi16(words, words));
+  }
+};
+#else
+using Simd = Scalar;
+#endif
+
+struct Group8bit {
+  int64_t numel;
+  int64_t decay_numel;
+  float decay;  // 1 - lr * weight_decay
+  float* master;
+  uint8_t* m_codes;
+  float* m_absmax;
+  uint8_t* v_codes;
+  float* v_absmax;
+};
+
+struct BlockScratch {
+  alignas(64) float m[kBlock];
+  alignas(64) float v[kBlock];
+  float m_max = 0.0f, v_max = 0.0f;
+};
+
+// Adam update of elements [lo, hi) of the block starting at `start`: master and weight_out
+// written, the new m and v left in the scratch buffers with their running maxima.
+template <class S, bool kStream, class G, class O>
+inline void update_range(const Group8bit& g, const G* grad, O* out, const Hyper& h,
+                         const MapTables& tm, const MapTables& tv, int64_t start, int64_t lo,
+                         int64_t hi, float decay, float m_scale, float v_scale, BlockScratch& s) {
+  using F = typename S::F;
+  const F clip = S::set(h.clip), b1 = S::set(h.beta1), omb1 = S::set(h.one_minus_beta1);
+  const F b2 = S::set(h.beta2), omb2 = S::set(h.one_minus_beta2), eps = S::set(h.eps);
+  const F step_size = S::set(h.step_size), inv_bc2 = S::set(h.inv_bc2_sqrt);
+  const F dec = S::set(decay), ms = S::set(m_scale), vs = S::set(v_scale);
+  F m_max = S::set(0.0f), v_max = S::set(0.0f);
+  constexpr int kVectors = S::kChunk / S::W;
+  int64_t i = lo;
+  for (; i + S::kChunk <= hi; i += S::kChunk) {
+    F m_old[kVectors], v_old[kVectors];
+    S::dequantize(g.m_codes + start + i, tm, m_old);
+    S::dequantize(g.v_codes + start + i, tv, v_old);
+    for (int r = 0; r < kVectors; ++r) {
+      const int64_t j = i + r * S::W;
+      const int64_t k = start + j;
+      const F gr = S::load(grad + k) * clip;
+      const F m = b1 * (m_old[r] * ms) + omb1 * gr;
+      const F v = b2 * (v_old[r] * vs) + omb2 * (gr * gr);
+      const F w = S::load(g.master + k) * dec - step_size * (m * S::inv_denominator(v, inv_bc2, eps));
+      S::store(g.master + k, w);
+      if constexpr (std::is_same_v<O, void>) {
+      } else if constexpr (kStream) {
+        S::stream(out + k, w);
+      } else {
+        S::store(out + k, w);
+      }
+      S::store(s.m + j, m);
+      S::store(s.v + j, v);
+      m_max = S::max(m_max, S::abs(m));
+      v_max = S::max(v_max, v);
+    }
+  }
+  s.m_max = std::max(s.m_max, S::reduce_max(m_max));
+  s.v_max = std::max(s.v_max, S::reduce_max(v_max));
+  if constexpr (S::kChunk > 1) {
+    update_range<Scalar, false>(g, grad, out, h, tm, tv, start, i, hi, decay, m_scale, v_scale, s);
+  }
+}
+
+template <class S, bool kSigned>
+inline void quantize_range(const float* values, int64_t lo, int64_t hi, float inv_absmax,
+                           uint8_t* codes, const MapTables& t) {
+  int64_t i = lo;
+  for (; i + S::kQuantChunk <= hi; i += S::kQuantChunk) {
+    S::template quantize<kSigned>(values + i, inv_absmax, codes + i, t);
+  }
+  if constexpr (S::kQuantChunk > 1) quantize_range<Scalar, kSigned>(values, i, hi, inv_absmax, codes, t);
+}
+
+// bitsandbytes divides by the new absmax; one reciprocal per block moves x by at most an ulp,
+// which matters only for values on a code boundary. Denormal blocks become zeros, so the
+// reciprocal stays finite.
+inline float store_absmax(float& slot, float absmax) {
+  if (!(absmax >= kTiny)) absmax = 0.0f;
+  slot = absmax;
+  return absmax > 0.0f ? 1.0f / absmax : 0.0f;
+}
+
+template <bool kStream, class G, class O>
+void step_block(const Group8bit& g, const G* grad, O* out, const Hyper& h, const MapTables& tm,
+                const MapTables& tv, int64_t block) {
+  BlockScratch s;
+  const int64_t start = block * kBlock;
+  const int64_t len = std::min(kBlock, g.numel - start);
+  const int64_t decay_end = std::clamp<int64_t>(g.decay_numel - start, 0, len);
+  const float m_scale = g.m_absmax[block], v_scale = g.v_absmax[block];
+  update_range<Simd, kStream>(g, grad, out, h, tm, tv, start, 0, decay_end, g.decay, m_scale, v_scale, s);
+  if (decay_end % Simd::kChunk == 0) {
+    update_range<Simd, kStream>(g, grad, out, h, tm, tv, start, decay_end, len, 1.0f, m_scale, v_scale, s);
+  } else {  // the block where decay stops: its second part starts off the stores' alignment
+    update_range<Simd, false>(g, grad, out, h, tm, tv, start, decay_end, len, 1.0f, m_scale, v_scale, s);
+  }
+  const float m_inv = store_absmax(g.m_absmax[block], s.m_max);
+  const float v_inv = store_absmax(g.v_absmax[block], s.v_max);
+  quantize_range<Simd, true>(s.m, 0, len, m_inv, g.m_codes + start, tm);
+  quantize_range<Simd, false>(s.v, 0, len, v_inv, g.v_codes + start, tv);
+}
+
+template <class G, class O>
+void step_8bit_typed(const Group8bit& g, const G* grad, O* out, const Hyper& h,
+                     const MapTables& tm, const MapTables& tv) {
+  const int64_t blocks = (g.numel + kBlock - 1) / kBlock;
+  // at least 32 blocks (8192 elements, a few microseconds) per task
+  // Streaming stores need the weights aligned (every block then starts on a cache line).
+  bool stream = false;
+  if constexpr (!std::is_same_v<O, void> && Simd::W > 1) {
+    stream = reinterpret_cast<uintptr_t>(out) % 64 == 0;
+  }
+  at::parallel_for(0, blocks, 32, [&](int64_t b0, int64_t b1) {
+    if (stream) {
+      for (int64_t b = b0; b < b1; ++b) step_block<true>(g, grad, out, h, tm, tv, b);
+#if defined(__AVX2__) || defined(__AVX512F__)
+      _mm_sfence();  // streamed weights visible before this task counts as done
+#endif
+    } else {
+      for (int64_t b = b0; b < b1; ++b) step_block<false>(g, grad, out, h, tm, tv, b);
+    }
+  });
+}
+
+// fp32 states, for groups too small to quantize.
+template <class G, class O>
+void step_fp32_typed(int64_t numel, int64_t decay_numel, float decay, float* master,
+                     float* exp_avg, float* exp_avg_sq, const G* grad, O* out, const Hyper& h) {
+  for (int64_t k = 0; k < numel; ++k) {
+    const float gr = Scalar::load(grad + k) * h.clip;
+    const float m = h.beta1 * exp_avg[k] + h.one_minus_beta1 * gr;
+    const float v = h.beta2 * exp_avg_sq[k] + h.one_minus_beta2 * (gr * gr);
+    const float denom = std::sqrt(v) * h.inv_bc2_sqrt + h.eps;
+    const float w = master[k] * (k < decay_numel ? decay : 1.0f) - h.step_size * (m / denom);
+    exp_avg[k] = m;
+    exp_avg_sq[k] = v;
+    master[k] = w;
+    if constexpr (!std::is_same_v<O, void>) Scalar::store(out + k, w);
+  }
+}
+
+void check_flat(const at::Tensor& t, at::ScalarType dtype, int64_t numel, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.numel() == numel, name, " has ", t.numel(), " elements, expected ", numel);
+}
+
+// One map's tables from quant.QuantTables: qmap, midpoints, bucket table, piece tables.
+void fill_tables(MapTables& t, const at::Tensor* tensors, bool is_signed) {
+  check_flat(tensors[0], at::kFloat, 256, "qmap");
+  check_flat(tensors[1], at::kFloat, 256, "midpoints");
+  check_flat(tensors[2], at::kInt, 2 * lut_buckets(is_signed),
+             "bucket table (quant.py and the kernel disagree: rebuild the kernel)");
+  check_flat(tensors[3], at::kInt, kPieceTableSize,
+             "piece table (quant.py and the kernel disagree: rebuild the kernel)");
+  t.qmap = tensors[0].data_ptr<float>();
+  t.midpoints = tensors[1].data_ptr<float>();
+  t.lut = tensors[2].data_ptr<int32_t>();
+  const int32_t* p = tensors[3].data_ptr<int32_t>();
+  std::memcpy(t.first, p, 16 * 4);
+  std::memcpy(t.inv_spacing, p + 16, 16 * 4);
+  std::memcpy(t.base, p + 32, 16 * 4);
+  std::memcpy(t.span, p + 48, 16 * 4);
+  std::memcpy(t.binade_piece, p + 64, 32 * 4);
+  std::memcpy(t.binade_next, p + 96, 32 * 4);
+  for (int c = 0; c < 256; ++c) {
+    const uint32_t value = float_to_bits(t.qmap[c]), mid = float_to_bits(t.midpoints[c]);
+    for (int q = 0; q < 4; ++q) {
+      t.value_planes[q][c] = static_cast<uint8_t>(value >> (8 * q));
+      t.midpoint_planes[q][c] = static_cast<uint8_t>(mid >> (8 * q));
+    }
+  }
+}
+
+Hyper make_hyper(double clip, double beta1, double beta2, double eps, double step_size,
+                 double inv_bc2_sqrt) {
+  return {static_cast<float>(clip),        static_cast<float>(beta1),
+          static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
+          static_cast<float>(1.0 - beta2), static_cast<float>(eps),
+          static_cast<float>(step_size),   static_cast<float>(inv_bc2_sqrt)};
+}
+
+void check_io(const at::Tensor& grad, const std::optional<at::Tensor>& weight_out, int64_t numel) {
+  const auto gt = grad.scalar_type();
+  TORCH_CHECK(gt == at::kBFloat16 || gt == at::kFloat, "gradient must be bf16 or fp32, got ", gt);
+  check_flat(grad, gt, numel, "gradient");
+  if (weight_out.has_value()) {
+    const auto ot = weight_out->scalar_type();
+    TORCH_CHECK(ot == at::kBFloat16 || ot == at::kFloat, "weight_out must be bf16 or fp32, got ", ot);
+    check_flat(*weight_out, ot, numel, "weight_out");
+  }
+}
+
+// Calls fn(grad_ptr, out_ptr) with pointers typed by the gradient's and weight_out's dtypes
+// (bf16 as uint16_t; no weight_out as void*).
+template <class Fn>
+void dispatch_types(const at::Tensor& grad, const std::optional<at::Tensor>& weight_out, Fn&& fn) {
+  auto with_out = [&](auto* grad_ptr) {
+    if (!weight_out.has_value()) {
+      fn(grad_ptr, static_cast<void*>(nullptr));
+    } else if (weight_out->scalar_type() == at::kBFloat16) {
+      fn(grad_ptr, reinterpret_cast<uint16_t*>(weight_out->data_ptr()));
+    } else {
+      fn(grad_ptr, weight_out->data_ptr<float>());
+    }
+  };
+  if (grad.scalar_type() == at::kBFloat16) {
+    with_out(reinterpret_cast<const uint16_t*>(grad.data_ptr()));
+  } else {
+    with_out(grad.data_ptr<float>());
+  }
+}
+
+void step_8bit(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& m_codes,
+               const at::Tensor& m_absmax, const at::Tensor& v_codes, const at::Tensor& v_absmax,
+               const std::optional<at::Tensor>& weight_out, const std::vector<at::Tensor>& tables,
+               double clip, double beta1, double beta2, double eps, double step_size,
+               double inv_bc2_sqrt, double decay, int64_t decay_numel) {
+  const int64_t n = master.numel();
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  check_flat(master, at::kFloat, n, "master");
+  check_io(grad, weight_out, n);
+  check_flat(m_codes, at::kByte, n, "m_codes");
+  check_flat(v_codes, at::kByte, n, "v_codes");
+  check_flat(m_absmax, at::kFloat, blocks, "m_absmax");
+  check_flat(v_absmax, at::kFloat, blocks, "v_absmax");
+  TORCH_CHECK(tables.size() == 8, "expected 4 tables of the signed map, then 4 of the unsigned one");
+  MapTables tm, tv;
+  fill_tables(tm, tables.data(), true);
+  fill_tables(tv, tables.data() + 4, false);
+  const Hyper h = make_hyper(clip, beta1, beta2, eps, step_size, inv_bc2_sqrt);
+  const Group8bit g{n,
+                    std::clamp<int64_t>(decay_numel, 0, n),
+                    static_cast<float>(decay),
+                    master.data_ptr<float>(),
+                    m_codes.data_ptr<uint8_t>(),
+                    m_absmax.data_ptr<float>(),
+                    v_codes.data_ptr<uint8_t>(),
+                    v_absmax.data_ptr<float>()};
+  dispatch_types(grad, weight_out, [&](auto* grad_ptr, auto* out_ptr) {
+    using G = std::remove_const_t<std::remove_pointer_t<decltype(grad_ptr)>>;
+    using O = std::remove_pointer_t<decltype(out_ptr)>;
+    step_8bit_typed<G, O>(g, grad_ptr, out_ptr, h, tm, tv);
+  });
+}
+
+void step_fp32(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
+               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& weight_out,
+               double clip, double beta1, double beta2, double eps, double step_size,
+               double inv_bc2_sqrt, double decay, int64_t decay_numel) {
+  const int64_t n = master.numel();
+  check_flat(master, at::kFloat, n, "master");
+  check_io(grad, weight_out, n);
+  check_flat(exp_avg, at::kFloat, n, "exp_avg");
+  check_flat(exp_avg_sq, at::kFloat, n, "exp_avg_sq");
+  const Hyper h = make_hyper(clip, beta1, beta2, eps, step_size, inv_bc2_sqrt);
+  dispatch_types(grad, weight_out, [&](auto* grad_ptr, auto* out_ptr) {
+    using G = std::remove_const_t<std::remove_pointer_t<decltype(grad_ptr)>>;
+    using O = std::remove_pointer_t<decltype(out_ptr)>;
+    step_fp32_typed<G, O>(n, std::clamp<int64_t>(decay_numel, 0, n), static_cast<float>(decay),
+                          master.data_ptr<float>(), exp_avg.data_ptr<float>(),
+                          exp_avg_sq.data_ptr<float>(), grad_ptr, out_ptr, h);
+  });
+}
+
+// Quantize float32 values in [-1, 1] with the kernel's nearest-code search (for tests).
+at::Tensor nearest_codes(const at::Tensor& x, const std::vector<at::Tensor>& tables, bool is_signed) {
+  check_flat(x, at::kFloat, x.numel(), "x");
+  TORCH_CHECK(tables.size() == 4, "expected the 4 tables of one map");
+  MapTables t;
+  fill_tables(t, tables.data(), is_signed);
+  at::Tensor codes = at::empty({x.numel()}, x.options().dtype(at::kByte));
+  const float* values = x.data_ptr<float>();
+  uint8_t* out = codes.data_ptr<uint8_t>();
+  if (is_signed) {
+    quantize_range<Simd, true>(values, 0, x.numel(), 1.0f, out, t);
+  } else {
+    quantize_range<Simd, false>(values, 0, x.numel(), 1.0f, out, t);
+  }
+  return codes;
+}
+
+const char* simd_name() {
+#if defined(LAZYTRAIN_VBMI)
+  return "avx512vbmi";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lazytrain fused 8-bit AdamW kernel";
+  // The executor steps groups from worker threads: never hold the GIL inside a step.
+  m.def("step_8bit", &step_8bit, py::call_guard<py::gil_scoped_release>());
+  m.def("step_fp32", &step_fp32, py::call_guard<py::gil_scoped_release>());
+  m.def("nearest_codes", &nearest_codes, py::call_guard<py::gil_scoped_release>());
+  m.def("simd", &simd_name);
+}

@@ -1,0 +1,314 @@
+"""Hybrid 8-bit AdamW: blockwise 8-bit m and v on the CPU, fused with clipping and the bf16 write.
+
+Per group the optimizer keeps Adam's first moment m and second moment v as one byte per
+element (an index into bitsandbytes' signed / unsigned dynamic map, see ``quant.py``) plus one
+fp32 absmax per block of 256 elements: 2.03 bytes per parameter instead of 8. Groups under
+``MIN_8BIT_NUMEL`` elements keep fp32 states, as bitsandbytes does.
+
+One step of a group is one pass over memory (``csrc/hybrid8bit.cpp``): gradient times clip
+coefficient, dequantize, AdamW update of the fp32 master (decoupled weight decay on the first
+``decay_numel`` elements), new weight cast to ``weight_out``'s dtype, requantize with the absmax
+of the new block values. The update itself uses the new m and v before they are quantized,
+as bitsandbytes' blockwise kernel does. Where the kernel cannot be built, ``torch_step_8bit``
+runs the same float32 math with torch ops (the kernel's vector path takes 1 / (sqrt(v) + eps)
+from hardware estimates refined by a Newton step, so the two differ by about an ulp).
+
+Steps of different groups may run concurrently from several threads (each group's state is
+its own and the kernel holds no GIL); one group must not be stepped by two threads at once.
+Each step spreads its blocks over torch's intra-op threads (``torch.get_num_threads()``), so
+two concurrent steps run two such teams at once: one optimizer thread uses the cores best.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lazytrain.optim.base import AdamWConfig, HostOptimizer
+from lazytrain.optim.kernel import kernel_choice, load_kernel
+from lazytrain.optim.quant import (
+    BLOCK,
+    dequantize_blockwise,
+    num_blocks,
+    quantize_blockwise,
+    signed_tables,
+    unsigned_tables,
+)
+
+MIN_8BIT_NUMEL = 4096
+"""Groups with fewer elements keep fp32 m and v."""
+
+STATE_FORMAT = "dynamic8-block256"
+"""Names the maps and block size of saved codes; a checkpoint of another format is refused."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepScalars:
+    """The per-step numbers of one group's AdamW update (bias corrections folded in)."""
+
+    clip: float
+    beta1: float
+    beta2: float
+    eps: float
+    step_size: float
+    """lr / (1 - beta1**t)"""
+    inv_bc2_sqrt: float
+    """1 / sqrt(1 - beta2**t)"""
+    decay: float
+    """1 - lr * weight_decay, applied to the first decay_numel elements."""
+    decay_numel: int
+
+    @classmethod
+    def of(
+        cls, config: AdamWConfig, step: int, lr: float, clip_coef: float, decay_numel: int
+    ) -> StepScalars:
+        beta1, beta2 = config.betas
+        return cls(
+            clip=float(clip_coef),
+            beta1=beta1,
+            beta2=beta2,
+            eps=config.eps,
+            step_size=lr / (1.0 - beta1**step),
+            inv_bc2_sqrt=1.0 / math.sqrt(1.0 - beta2**step),
+            decay=1.0 - lr * config.weight_decay,
+            decay_numel=decay_numel,
+        )
+
+
+@dataclass(slots=True)
+class QuantizedState:
+    m_codes: torch.Tensor
+    m_absmax: torch.Tensor
+    v_codes: torch.Tensor
+    v_absmax: torch.Tensor
+
+    @classmethod
+    def zeros(cls, numel: int) -> QuantizedState:
+        blocks = num_blocks(numel)
+        return cls(
+            m_codes=torch.full((numel,), signed_tables().zero_code, dtype=torch.uint8),
+            m_absmax=torch.zeros(blocks, dtype=torch.float32),
+            v_codes=torch.full((numel,), unsigned_tables().zero_code, dtype=torch.uint8),
+            v_absmax=torch.zeros(blocks, dtype=torch.float32),
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            "m_codes": self.m_codes,
+            "m_absmax": self.m_absmax,
+            "v_codes": self.v_codes,
+            "v_absmax": self.v_absmax,
+        }
+
+
+@dataclass(slots=True)
+class Fp32State:
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+    @classmethod
+    def zeros(cls, numel: int) -> Fp32State:
+        return cls(exp_avg=torch.zeros(numel), exp_avg_sq=torch.zeros(numel))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+
+TORCH_CHUNK = 256 * BLOCK
+"""Elements per piece of the pure-torch path: its temporaries then stay in cache."""
+
+
+def _adam_update(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    s: StepScalars,
+    decay_numel: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New (m, v), and the master updated in place (decay on its first decay_numel elements)."""
+    g = grad.float() * s.clip
+    m = s.beta1 * m + (1.0 - s.beta1) * g
+    v = s.beta2 * v + (1.0 - s.beta2) * (g * g)
+    denom = v.sqrt() * s.inv_bc2_sqrt + s.eps
+    master[:decay_numel].mul_(s.decay)
+    master.sub_(s.step_size * (m / denom))
+    return m, v
+
+
+def torch_step_8bit(
+    grad: torch.Tensor,
+    master: torch.Tensor,
+    state: QuantizedState,
+    weight_out: torch.Tensor | None,
+    s: StepScalars,
+) -> None:
+    """The kernel's step with torch ops, a piece of TORCH_CHUNK elements at a time (the
+    fallback where the kernel does not build)."""
+    mt, vt = signed_tables(), unsigned_tables()
+    n = master.numel()
+    for lo in range(0, n, TORCH_CHUNK):
+        hi = min(n, lo + TORCH_CHUNK)
+        blocks = slice(lo // BLOCK, num_blocks(hi))
+        m_codes, v_codes = state.m_codes[lo:hi], state.v_codes[lo:hi]
+        m_absmax, v_absmax = state.m_absmax[blocks], state.v_absmax[blocks]
+        m = dequantize_blockwise(m_codes, m_absmax, mt)
+        v = dequantize_blockwise(v_codes, v_absmax, vt)
+        decay_numel = min(max(s.decay_numel - lo, 0), hi - lo)
+        m, v = _adam_update(master[lo:hi], grad[lo:hi], m, v, s, decay_numel)
+        for codes, absmax, x, tables in ((m_codes, m_absmax, m, mt), (v_codes, v_absmax, v, vt)):
+            new_codes, new_absmax = quantize_blockwise(x, tables)
+            codes.copy_(new_codes)
+            absmax.copy_(new_absmax)
+        if weight_out is not None:
+            weight_out[lo:hi].copy_(master[lo:hi])
+
+
+def torch_step_fp32(
+    grad: torch.Tensor,
+    master: torch.Tensor,
+    state: Fp32State,
+    weight_out: torch.Tensor | None,
+    s: StepScalars,
+) -> None:
+    m, v = _adam_update(master, grad, state.exp_avg, state.exp_avg_sq, s, s.decay_numel)
+    state.exp_avg.copy_(m)
+    state.exp_avg_sq.copy_(v)
+    if weight_out is not None:
+        weight_out.copy_(master)
+
+
+class Hybrid8bitAdamW(HostOptimizer):
+    """AdamW with blockwise 8-bit states (2.03 bytes per parameter), fused on the CPU.
+
+    Interchangeable with ``FusedAdamW``. ``kernel`` is ``"auto"`` (the C++ kernel, built at
+    first use, else the pure-torch path with a warning), ``"cpp"`` (the kernel or an error) or
+    ``"torch"``; ``None`` reads ``LAZYTRAIN_OPTIM_KERNEL``.
+    """
+
+    def __init__(
+        self,
+        masters: list[torch.Tensor],
+        decay_numel: list[int],
+        config: AdamWConfig,
+        *,
+        kernel: str | None = None,
+    ):
+        super().__init__(masters, decay_numel, config)
+        choice = kernel_choice(kernel)
+        self._kernel = None if choice == "torch" else load_kernel(required=choice == "cpp")
+        self.states: list[QuantizedState | Fp32State] = [
+            QuantizedState.zeros(m.numel())
+            if m.numel() >= MIN_8BIT_NUMEL
+            else Fp32State.zeros(m.numel())
+            for m in masters
+        ]
+        mt, vt = signed_tables(), unsigned_tables()
+        self._tables = [
+            t
+            for tables in (mt, vt)
+            for t in (tables.qmap, tables.midpoints, tables.lut, tables.pieces)
+        ]
+
+    @property
+    def backend(self) -> str:
+        """``"cpp"`` when steps run in the fused kernel, ``"torch"`` otherwise."""
+        return "torch" if self._kernel is None else "cpp"
+
+    def step_group(
+        self,
+        group: int,
+        grad: torch.Tensor,
+        clip_coef: float,
+        lr: float,
+        weight_out: torch.Tensor | None,
+    ) -> None:
+        master = self.masters[group]
+        n = master.numel()
+        if grad.numel() != n:
+            raise ValueError(f"group {group}: gradient has {grad.numel()} elements, master {n}")
+        if grad.dtype not in (torch.bfloat16, torch.float32) or grad.device.type != "cpu":
+            raise ValueError(
+                f"group {group}: gradient must be a bf16 or fp32 CPU tensor, got "
+                f"{grad.dtype} on {grad.device}"
+            )
+        if weight_out is not None and (
+            weight_out.numel() != n
+            or weight_out.dtype not in (torch.bfloat16, torch.float32)
+            or not weight_out.is_contiguous()
+        ):
+            raise ValueError(
+                f"group {group}: weight_out must be a contiguous bf16 or fp32 tensor of {n} "
+                f"elements, got {weight_out.dtype} with {weight_out.numel()}"
+            )
+        grad = grad.reshape(-1).contiguous()
+        out = None if weight_out is None else weight_out.view(-1)
+        step = self.steps[group] + 1
+        s = StepScalars.of(self.config, step, lr, clip_coef, self.decay_numel[group])
+        state = self.states[group]
+        scalars = (s.clip, s.beta1, s.beta2, s.eps, s.step_size, s.inv_bc2_sqrt, s.decay)
+        if isinstance(state, QuantizedState):
+            if self._kernel is None:
+                torch_step_8bit(grad, master, state, out, s)
+            else:
+                self._kernel.step_8bit(
+                    grad, master, state.m_codes, state.m_absmax, state.v_codes, state.v_absmax,
+                    out, self._tables, *scalars, s.decay_numel,
+                )  # fmt: skip
+        elif self._kernel is None:
+            torch_step_fp32(grad, master, state, out, s)
+        else:
+            self._kernel.step_fp32(
+                grad, master, state.exp_avg, state.exp_avg_sq, out, *scalars, s.decay_numel
+            )
+        self.steps[group] = step
+
+    def state_dict(self) -> dict:
+        return {
+            "kind": "hybrid8bit",
+            "format": STATE_FORMAT,
+            "steps": list(self.steps),
+            "groups": [state.tensors() for state in self.states],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "hybrid8bit":
+            raise ValueError(
+                f"optimizer state is of kind {state.get('kind')!r}, this optimizer is "
+                "'hybrid8bit'; resume with the optimizer the checkpoint was made with"
+            )
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"8-bit optimizer state has format {state.get('format')!r}, this version "
+                f"reads {STATE_FORMAT!r}"
+            )
+        groups = state["groups"]
+        if len(groups) != len(self.states) or len(state["steps"]) != len(self.states):
+            raise ValueError(
+                f"optimizer state has {len(groups)} groups, the model has {len(self.states)}"
+            )
+        for g, (saved, own) in enumerate(zip(groups, self.states)):
+            tensors = own.tensors()
+            if set(saved) != set(tensors):
+                raise ValueError(
+                    f"group {g}: saved state holds {sorted(saved)}, expected {sorted(tensors)} "
+                    "(8-bit and fp32 groups differ: was the model's grouping changed?)"
+                )
+            for name, dst in tensors.items():
+                src = saved[name]
+                if src.shape != dst.shape or src.dtype != dst.dtype:
+                    raise ValueError(
+                        f"group {g}: saved {name} is {src.dtype}{list(src.shape)}, "
+                        f"expected {dst.dtype}{list(dst.shape)}"
+                    )
+        for saved, own in zip(groups, self.states):
+            for name, dst in own.tensors().items():
+                dst.copy_(saved[name])
+        self.steps = [int(s) for s in state["steps"]]
+
+    def state_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size() for state in self.states for t in state.tensors().values()
+        )

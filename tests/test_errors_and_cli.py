@@ -1,0 +1,107 @@
+"""Bad inputs give errors that say what and what to do; the CLI runs end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from lazytrain.cli.main import main
+from lazytrain.config import ConfigError, load_config
+from lazytrain.memory.host_store import HostMemoryError, HostStore
+from lazytrain.model.adapter import ModelAdapter, UnsupportedModelError, load_hf_config
+from lazytrain.model.build import model_config
+
+
+def test_hub_id_is_refused_with_what_to_do():
+    with pytest.raises(UnsupportedModelError, match="does not download from the hub"):
+        load_hf_config("Qwen/Qwen2.5-7B")
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM"):
+        load_hf_config(tmp_path)
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(UnsupportedModelError, match="no config.json"):
+        load_hf_config(tmp_path)
+
+
+def test_unknown_builtin_shape():
+    with pytest.raises(UnsupportedModelError, match="unknown built-in model shape 'qwen9'"):
+        model_config("builtin:qwen9")
+
+
+def test_host_memory_is_counted_before_allocating():
+    adapter = ModelAdapter(model_config("builtin:qwen2.5-7b"), torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(HostMemoryError, match=r"needs 11[0-9]\.\d GiB .* optimizer.kind=hybrid8bit"):
+        HostStore(adapter.layouts, torch.bfloat16, pin=False, host_limit_bytes=64 * 2**30)
+    assert adapter.num_params() == 7_615_616_512
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="training.steps='abc' is not a valid int"):
+        load_config(None, ["training.steps=abc"])
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(None, ["training.stepz=3"])
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config(None, ["steps"])
+    with pytest.raises(ConfigError, match="optimizer.kind must be fp32 or hybrid8bit"):
+        load_config(None, ["optimizer.kind=adam"])
+
+
+def test_yaml_config_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  steps: 7\n  batch_size: 4\noptimizer:\n  lr: 0.01\n")
+    config = load_config(path, ["training.steps=9"])
+    assert (config.training.steps, config.training.batch_size, config.optimizer.lr) == (9, 4, 0.01)
+
+
+def test_cli_reports_errors_without_traceback(capsys):
+    assert main(["train", "model.source=/nonexistent/model"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err and "/nonexistent/model" in err
+
+
+def test_cli_train_writes_an_hf_model_and_metrics(tmp_path):
+    out = tmp_path / "run"
+    code = main([
+        "train", "training.steps=3", "training.batch_size=4", "training.progress=false",
+        f"training.output_dir={out}", "data.builtin_train_size=64", "data.heldout_size=4",
+    ])
+    assert code == 0
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["tokens_per_s"] > 0 and r["tflops_model"] > 0 for r in steps)
+    assert "eval_exact_match" in lines[-1]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert model.config.num_hidden_layers == 4
+    assert tokenizer.decode(tokenizer("Q: 1 + 2\nA: ")["input_ids"]) == "Q: 1 + 2\nA: "
+    assert (out / "lazytrain_config.yaml").exists() and (out / "lazytrain_template.json").exists()
+
+
+def test_resume_continues_exactly(tmp_path):
+    """3 steps, then 3 more resumed, equal 6 uninterrupted (same losses, same weights)."""
+    common = ["training.batch_size=4", "training.progress=false", "data.builtin_train_size=64",
+              "data.heldout_size=2", "optimizer.warmup_steps=2"]
+    main(["train", "training.steps=6", f"training.output_dir={tmp_path / 'a'}", *common])
+    main(["train", "training.steps=3", f"training.output_dir={tmp_path / 'b'}", *common])
+    main(["train", "training.steps=6", f"training.output_dir={tmp_path / 'b'}", "training.resume=true", *common])
+
+    def losses(run):
+        records = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(r)["loss"] for r in records if '"loss"' in r]
+
+    assert losses("b") == pytest.approx(losses("a"), rel=1e-6)
+    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b")
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name

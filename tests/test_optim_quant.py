@@ -1,0 +1,149 @@
+"""Blockwise 8-bit quantization: the maps, the exact nearest-code methods, round-trip error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lazytrain.optim import quant
+from lazytrain.optim.kernel import load_kernel
+from lazytrain.optim.quant import (
+    BLOCK,
+    build_tables,
+    create_dynamic_map,
+    dequantize_blockwise,
+    nearest_code,
+    nearest_code_by_pieces,
+    quantize_blockwise,
+)
+
+SIGNS = pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+
+
+def _adversarial(tables: quant.QuantTables, seed: int = 0) -> torch.Tensor:
+    """Uniform and log-uniform values, every code and midpoint and their float neighbours."""
+    gen = torch.Generator().manual_seed(seed)
+    uniform = torch.rand(1 << 16, generator=gen) * 2 - 1
+    log_uniform = torch.exp(-torch.rand(1 << 16, generator=gen) * 40) * uniform.sign()
+    near = torch.cat([tables.qmap, tables.midpoints[:255], -tables.midpoints[:255]])
+    probes = [uniform, log_uniform, near, torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45])]
+    up, down = near, near
+    for _ in range(2):
+        up, down = torch.nextafter(up, torch.tensor(2.0)), torch.nextafter(down, torch.tensor(-2.0))
+        probes += [up, down]
+    x = torch.cat(probes).clamp(-1.0, 1.0)
+    return x if tables.signed else x.abs()
+
+
+def _by_count(x: torch.Tensor, tables: quant.QuantTables) -> torch.Tensor:
+    """The definition: the number of midpoints strictly below x."""
+    return torch.bucketize(x, tables.midpoints[:255], right=False)
+
+
+def test_signed_map_is_bitsandbytes_dynamic():
+    q = create_dynamic_map(signed=True)
+    assert q.numel() == 256 and bool((q[1:] > q[:-1]).all())
+    assert int((q < 0).sum()) == 127 and int((q == 0).sum()) == 1 and float(q[-1]) == 1.0
+    # decade levels of 1, 2, ..., 64 codes; the smallest is 1e-6 * (0.1 + 1) / 2
+    assert float(q[128]) == pytest.approx(0.55e-6, rel=1e-6)
+    assert float(q[0]) == pytest.approx(-(1 - 0.9 / 128), rel=1e-6)
+    assert torch.equal(q[:127], -q[128:255].flip(0))
+
+
+def test_unsigned_map_is_bitsandbytes_dynamic():
+    q = create_dynamic_map(signed=False)
+    assert q.numel() == 256 and bool((q[1:] > q[:-1]).all())
+    assert float(q[0]) == 0.0 and float(q[-1]) == 1.0
+    assert float(q[1]) == pytest.approx(0.325e-6, rel=1e-6)  # 1e-6 * (0.1 + 0.55) / 2
+    assert float(q[-2]) == pytest.approx(1 - 0.9 / 256, rel=1e-6)
+
+
+@SIGNS
+def test_bucket_table_finds_the_nearest_code_exactly(signed):
+    tables = build_tables(signed)
+    x = _adversarial(tables)
+    assert torch.equal(nearest_code(x, tables).long(), _by_count(x, tables))
+
+
+@SIGNS
+def test_pieces_find_the_nearest_code_exactly(signed):
+    tables = build_tables(signed)
+    x = _adversarial(tables, seed=1)
+    assert torch.equal(nearest_code_by_pieces(x, tables).long(), _by_count(x, tables))
+
+
+@SIGNS
+def test_kernel_finds_the_nearest_code_exactly(signed):
+    kernel = load_kernel()
+    if kernel is None:
+        pytest.skip("the C++ kernel did not build here")
+    tables = build_tables(signed)
+    # an odd length, so that the SIMD path and the scalar tail both run
+    x = torch.cat([_adversarial(tables, seed=2), torch.rand(77) * 2 - 1])
+    x = x if signed else x.abs()
+    tensors = [tables.qmap, tables.midpoints, tables.lut, tables.pieces]
+    assert torch.equal(kernel.nearest_codes(x, tensors, signed).long(), _by_count(x, tables))
+
+
+@SIGNS
+def test_nearest_code_is_nearest_in_float64(signed):
+    tables = build_tables(signed)
+    x = _adversarial(tables, seed=3)
+    code = nearest_code(x, tables).long()
+    distance = (x.double()[:, None] - tables.qmap.double()[None, :]).abs()
+    best = distance.min(dim=1).values
+    # nearest up to the float32 rounding of the midpoints (half an ulp, 2**-24 relative)
+    excess = distance.gather(1, code[:, None])[:, 0] - best
+    assert bool((excess <= 2.0**-23 * x.abs() + 1e-12).all())
+
+
+def _blocks(signed: bool, numel: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen) * torch.exp(torch.randn(numel, generator=gen) * 2)
+    return x if signed else x * x
+
+
+@SIGNS
+@pytest.mark.parametrize("numel", [BLOCK, 10 * BLOCK + 37])
+def test_round_trip_error_is_at_most_half_a_code_gap(signed, numel):
+    tables = build_tables(signed)
+    x = _blocks(signed, numel, seed=numel)
+    codes, absmax = quantize_blockwise(x, tables)
+    assert absmax.numel() == -(-numel // BLOCK)
+    back = dequantize_blockwise(codes, absmax, tables)
+    scale = absmax.repeat_interleave(BLOCK)[:numel]
+    error = (back - x).abs() / scale
+    # half the widest gap between neighbouring codes: 0.9 / 64 (signed), 0.9 / 128 (unsigned)
+    widest = 0.9 / 64 if signed else 0.9 / 128
+    assert float(error.max()) <= widest / 2 * (1 + 1e-5)
+    # and per element, no other code is closer (up to float32 rounding)
+    normalized = (x / scale).double()
+    gap = (normalized[:, None] - tables.qmap.double()[None, :]).abs().min(dim=1).values
+    assert bool(((normalized - tables.qmap[codes.long()].double()).abs() - gap <= 1e-6).all())
+    # the block maximum is exact
+    blocks = torch.nn.functional.pad(x, (0, absmax.numel() * BLOCK - numel)).view(-1, BLOCK)
+    assert torch.equal(absmax, blocks.abs().amax(dim=1))
+
+
+def test_first_moment_keeps_its_sign():
+    tables = build_tables(True)
+    x = _blocks(True, 64 * BLOCK, seed=5)
+    codes, absmax = quantize_blockwise(x, tables)
+    back = dequantize_blockwise(codes, absmax, tables)
+    scale = absmax.repeat_interleave(BLOCK)
+    # below half the smallest code, a value rounds to zero; above, its sign survives
+    zero_below = float(tables.midpoints[tables.zero_code]) * scale
+    large = x.abs() > zero_below
+    assert torch.equal(back[large].sign(), x[large].sign())
+    assert bool((back[~large] == 0).all())
+    assert bool((back.sign() * x.sign() >= 0).all())
+
+
+def test_zero_and_denormal_blocks_are_stored_as_zero():
+    tables = build_tables(True)
+    x = torch.zeros(3 * BLOCK)
+    x[BLOCK:] = torch.randn(2 * BLOCK) * 1e-39  # denormal: 1 / absmax would overflow
+    x[2 * BLOCK :] = torch.randn(BLOCK)
+    codes, absmax = quantize_blockwise(x, tables)
+    assert absmax[0] == 0 and absmax[1] == 0 and absmax[2] > 0
+    assert bool((codes[: 2 * BLOCK] == tables.zero_code).all())
