@@ -64,7 +64,7 @@ class DataConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainingConfig:
-    steps: int = 600
+    steps: int = 1000
     """Optimizer steps."""
     batch_size: int = 32
     """Sequences per step (the plan may be solved for it)."""
@@ -98,7 +98,7 @@ class TrainingConfig:
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig(AdamWConfig):
     lr: float = -1.0
-    """Peak learning rate; -1 (auto): 1e-3 for the built-in tiny model (trained from
+    """Peak learning rate; -1 (auto): 2e-3 for the built-in tiny model (trained from
     scratch), 1e-5 for every other model (fine-tuning)."""
     kind: str = "fp32"
     """fp32 (torch fused AdamW, 8 B/param of state) or hybrid8bit (8-bit blockwise, ~2 B/param)."""
@@ -123,8 +123,9 @@ class OptimizerConfig(AdamWConfig):
 
 @dataclass(kw_only=True, slots=True)
 class PlanConfig:
-    policy: str = "megatrain"
-    """megatrain | keep_all | checkpoint_all, or a path to a plan.json."""
+    policy: str = "auto"
+    """auto | megatrain | keep_all | checkpoint_all, or a path to a plan.json. auto: keep_all
+    when its activations (estimated) fit in half the device memory, else megatrain."""
     megatrain_every: int = 4
     """Checkpoint interval of the megatrain policy."""
     checkpoint_tier: str = "gpu"
@@ -161,7 +162,7 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.optimizer.lr == -1.0:
-            self.optimizer.lr = 1e-3 if self.model.source == "builtin:tiny" else 1e-5
+            self.optimizer.lr = 2e-3 if self.model.source == "builtin:tiny" else 1e-5
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -12,7 +12,7 @@ SHAPES: dict[str, dict] = {
         "architectures": ["Qwen2ForCausalLM"],
         "hidden_size": 128,
         "intermediate_size": 384,
-        "num_hidden_layers": 4,
+        "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 512,
