@@ -65,7 +65,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         model=args.model, data=args.data, format=args.format, builtin_tier=args.tier,
         num_samples=args.num_samples, seed=args.seed, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, device=args.device, mode=args.mode, template=args.template,
-        output=args.output,
+        output=args.output, **({"stop": tuple(args.stop)} if args.stop is not None else {}),
     )
     report = evaluate(cfg)
     print(json.dumps(report, indent=1))
@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--mode", default="auto", choices=["auto", "resident", "streamed"])
     ev.add_argument("--template", default="saved", help="'saved' (the model's) or a template name")
     ev.add_argument("--output", default=None, help="predictions JSONL path")
+    ev.add_argument("--stop", action="append", default=None,
+                    help="cut generations at this string (repeatable; default: blank lines, "
+                    "a new '### Instruction' or 'Q:')")
     return parser
 
 

@@ -21,7 +21,7 @@ from lazytrain.data.formats import DataError, DataSource, Sample, load_samples
 from lazytrain.data.synthetic import make_samples
 from lazytrain.data.template import PromptTemplate, get_template
 from lazytrain.eval.answers import exact_match_report
-from lazytrain.eval.generate import generate_resident, generate_streamed
+from lazytrain.eval.generate import cut_at_stop, generate_resident, generate_streamed
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ class EvalConfig:
     """saved (the template stored with the model), or a built-in template name."""
     output: str | None = None
     """Predictions JSONL (default: MODEL/eval_predictions.jsonl)."""
+    stop: tuple[str, ...] = ("\n\n\n", "### Instruction", "\nQ: ")
+    """Generation is cut at the first of these strings (and at the tokenizer's eos)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "resident", "streamed"):
@@ -72,7 +74,7 @@ def _fits_on_device(folder: Path, device: torch.device) -> bool:
 
 
 def exact_match(samples: list[Sample], tokenizer, template: PromptTemplate, run, batch_size: int,
-                desc: str = "eval") -> tuple[dict, list[str]]:
+                desc: str = "eval", stop: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
     """Generate for every sample with ``run(list of prompt ids) -> list of new ids``, score."""
     prompts = encode_prompts(samples, tokenizer, template)
     # similar lengths in each batch keep padding low; outputs go back in sample order
@@ -81,7 +83,7 @@ def exact_match(samples: list[Sample], tokenizer, template: PromptTemplate, run,
     for start in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
         idx = order[start : start + batch_size]
         for i, tokens in zip(idx, run([prompts[i] for i in idx])):
-            outputs[i] = tokenizer.decode(tokens, skip_special_tokens=True)
+            outputs[i] = cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), stop)
     report = exact_match_report(outputs, [s.response for s in samples], [s.type for s in samples])
     return report, outputs
 
@@ -109,7 +111,8 @@ def evaluate(cfg: EvalConfig) -> dict:
 
         adapter, store = build_model(str(folder), device, dtype)
         run = lambda batch: generate_streamed(adapter, store, batch, cfg.max_new_tokens, pad_id, eos_id)  # noqa: E731
-    report, outputs = exact_match(samples, tokenizer, template, run, cfg.batch_size, mode)
+    report, outputs = exact_match(samples, tokenizer, template, run, cfg.batch_size, f"eval ({mode})",
+                                  cfg.stop)
     report["mode"] = mode
     out_path = Path(cfg.output) if cfg.output else folder / "eval_predictions.jsonl"
     with out_path.open("w") as f:

@@ -34,6 +34,12 @@ def _cut(tokens: list[int], eos_id: int | None) -> list[int]:
     return tokens
 
 
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """``text`` up to the first stop string (the stop string itself removed)."""
+    ends = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[: min(ends)] if ends else text
+
+
 @torch.no_grad()
 def generate_resident(
     model: transformers.PreTrainedModel,
