@@ -124,8 +124,12 @@ class OptimizerConfig(AdamWConfig):
 @dataclass(kw_only=True, slots=True)
 class PlanConfig:
     policy: str = "auto"
-    """auto | megatrain | keep_all | checkpoint_all, or a path to a plan.json. auto: keep_all
+    """auto | solved | megatrain | keep_all | checkpoint_all, or a path to a plan.json.
+    solved: profile this machine and solve the MILP (see `lazytrain plan`). auto: keep_all
     when its activations (estimated) fit in half the device memory, else megatrain."""
+    costs: str | None = None
+    """A cost table (costs.json from `lazytrain profile`) for the solved policy; None:
+    profile at start-up."""
     megatrain_every: int = 4
     """Checkpoint interval of the megatrain policy."""
     checkpoint_tier: str = "gpu"
@@ -149,6 +153,9 @@ class MemoryConfig:
     """Page-lock the host weight and gradient arenas (needed for async full-speed copies)."""
     host_limit_gb: float | None = None
     """Host memory LazyTrain may plan for (default: 95% of RAM)."""
+    gpu_gb: float | None = None
+    """GPU memory cap for the step (the solved plan must fit in it; on CUDA the allocator is
+    capped too). Default: the whole device."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -77,7 +77,73 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval}
+def _setup_without_data(config):
+    """A trainer with model, optimizer and plan inputs, for profile and plan."""
+    from lazytrain.train.trainer import Trainer
+
+    config.plan.policy = "keep_all"  # the executor built at setup is not used
+    trainer = Trainer(config)
+    trainer.setup()
+    return trainer
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    path, overrides = _split_args(args.items)
+    config = load_config(path, overrides)
+    config.plan.costs = None
+    trainer = _setup_without_data(config)
+    costs = trainer.cost_table()
+    out = trainer.out_dir / "costs.json"
+    costs.save(out)
+    layer = costs.layers[0]
+    print(
+        f"profiled {trainer.adapter.arch} on {costs.device} at batch {costs.batch_size} x seq "
+        f"{costs.seq_len}: layer forward {layer.forward_ms:.2f} ms, recompute {layer.recompute_ms:.2f} ms, "
+        f"backward {layer.backward_ms:.2f} ms, saved {layer.saved_bytes / 2**20:.1f} MiB; H2D "
+        f"{costs.h2d_gbps:.1f} GB/s, D2H {costs.d2h_gbps:.1f} GB/s, optimizer "
+        f"{costs.optimizer_ns_per_param:.2f} ns/param; written to {out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from lazytrain.plan.plan import checkpoint_all_plan, keep_all_plan, megatrain_plan
+    from lazytrain.plan.render import format_plan_table, render_plan_png
+    from lazytrain.plan.simulate import simulate
+    from lazytrain.train.trainer import solved_plan
+
+    path, overrides = _split_args(args.items)
+    config = load_config(path, overrides)
+    trainer = _setup_without_data(config)
+    costs = trainer.cost_table()
+    if config.memory.gpu_gb:
+        costs.gpu_bytes = int(config.memory.gpu_gb * 2**30)
+    plan = solved_plan(config, costs)
+    overlap = config.plan.overlap_optimizer
+    sim = simulate(plan, costs, optimizer_overlap=overlap)
+    print(format_plan_table(plan, sim, costs))
+    L, b, s = costs.num_layers, costs.batch_size, costs.seq_len
+    chunk = config.plan.head_chunk_tokens
+    print("\nbaselines (same cost table, same simulator):")
+    for baseline in (megatrain_plan(L, b, s, config.plan.megatrain_every, chunk), keep_all_plan(L, b, s, chunk),
+                     checkpoint_all_plan(L, b, s, "gpu", chunk), checkpoint_all_plan(L, b, s, "host", chunk)):
+        result = simulate(baseline, costs, optimizer_overlap=overlap)
+        verdict = "fits" if result.feasible else "does not fit: " + "; ".join(result.violations)
+        print(f"  {baseline.policy:16s} {result.step_time_s:8.3f} s  peak GPU "
+              f"{result.peak_gpu_bytes / 2**30:7.2f} GiB  ({verdict})")
+    trainer.out_dir.mkdir(parents=True, exist_ok=True)
+    plan.save(trainer.out_dir / "plan.json")
+    try:
+        render_plan_png(plan, sim, trainer.out_dir / "plan.png")
+        drawn = f" and {trainer.out_dir / 'plan.png'}"
+    except ImportError as error:
+        drawn = f" (no plan.png: {error})"
+    print(f"\nwritten: {trainer.out_dir / 'plan.json'}{drawn}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "profile": cmd_profile, "plan": cmd_plan}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="fine-tune a model (default: built-in tiny model and data)")
     train.add_argument("items", nargs="*", help="[config.yaml] [section.key=value ...]")
+    prof = sub.add_parser("profile", help="measure this machine and model: writes OUTPUT_DIR/costs.json")
+    prof.add_argument("items", nargs="*", help="[config.yaml] [section.key=value ...]")
+    plan = sub.add_parser("plan", help="solve the per-layer plan (MILP): prints it, writes plan.json, plan.png")
+    plan.add_argument("items", nargs="*", help="[config.yaml] [section.key=value ...] (plan.costs=costs.json)")
     ev = sub.add_parser("eval", help="exact-match evaluation of a saved model")
     ev.add_argument("--model", required=True, help="model folder (a training run's output_dir)")
     ev.add_argument("--data", default="builtin", help="'builtin' (held-out split) or a local data file")

@@ -208,6 +208,47 @@ class Executor:
         if event is not None:
             event.synchronize()
 
+    def head_loss_backward(
+        self,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        head_weight: torch.Tensor,
+        valid: torch.Tensor,
+        targets: torch.Tensor,
+        num_targets: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Final norm, chunked LM head and cross-entropy over the target positions only,
+        with backward per chunk: the full logits never exist.
+
+        Returns the gradient of the last hidden states, of the norm weight and of the head
+        weight, and the loss (mean over target tokens) as a device scalar.
+        """
+        adapter = self.adapter
+        batch, seq, hidden_size = x.shape
+        x_last = x.detach().requires_grad_()
+        with torch.enable_grad():
+            normed = adapter.final_norm(norm_weight, x_last)
+        hidden = normed.detach().reshape(-1, hidden_size).index_select(0, valid)
+        grad_hidden = torch.empty_like(hidden)
+        head_grad = torch.zeros_like(head_weight)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
+        chunk = self.plan.head_chunk_tokens
+        for a in range(0, num_targets, chunk):
+            xc = hidden[a : a + chunk].detach().requires_grad_()
+            with torch.enable_grad():
+                logits = F.linear(xc, head_weight)
+                loss = F.cross_entropy(logits.float(), targets[a : a + chunk], reduction="sum") / num_targets
+                gx, gw = torch.autograd.grad(loss, [xc, head_weight])
+            grad_hidden[a : a + chunk] = gx
+            head_grad += gw
+            loss_sum += loss.detach()
+            del logits, loss, gx, gw
+        grad_normed = torch.zeros(batch * seq, hidden_size, dtype=x.dtype, device=x.device)
+        grad_normed.index_copy_(0, valid, grad_hidden)
+        del hidden, grad_hidden
+        g, g_norm = torch.autograd.grad(normed, [x_last, norm_weight], grad_normed.view(batch, seq, -1))
+        return g, g_norm, head_grad, loss_sum
+
     # -- the step -------------------------------------------------------------------------
 
     def forward_backward(
@@ -286,31 +327,9 @@ class Executor:
         final_leaf = self._leaves(layouts[final], self._resident_weights(final))
         head_w = adapter.head_weight(embed_leaf, final_leaf)
         span = self.trace.begin()
-        x_last = x.requires_grad_()
-        with torch.enable_grad():
-            normed = adapter.final_norm(final_leaf["model.norm.weight"], x_last)
-        hidden = normed.detach().reshape(-1, adapter.hidden_size).index_select(0, valid)
-        grad_hidden = torch.empty_like(hidden)
-        head_grad = torch.zeros_like(head_w)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
-        chunk = plan.head_chunk_tokens
-        for a in range(0, num_targets, chunk):
-            xc = hidden[a : a + chunk].detach().requires_grad_()
-            with torch.enable_grad():
-                logits = F.linear(xc, head_w)
-                loss = F.cross_entropy(logits.float(), targets[a : a + chunk], reduction="sum") / num_targets
-                gx, gw = torch.autograd.grad(loss, [xc, head_w])
-            grad_hidden[a : a + chunk] = gx
-            head_grad += gw
-            loss_sum += loss.detach()
-            del logits, loss, gx, gw
-        grad_normed = torch.zeros(batch * seq, adapter.hidden_size, dtype=self.dtype, device=dev)
-        grad_normed.index_copy_(0, valid, grad_hidden)
-        del hidden, grad_hidden
-        g, g_norm = torch.autograd.grad(
-            normed, [x_last, final_leaf["model.norm.weight"]], grad_normed.view(batch, seq, -1)
+        g, g_norm, head_grad, loss_sum = self.head_loss_backward(
+            x, final_leaf["model.norm.weight"], head_w, valid, targets, num_targets
         )
-        del normed, grad_normed
         self.trace.end("compute", span)
         final_grads = {"model.norm.weight": g_norm}
         if not adapter.tied:

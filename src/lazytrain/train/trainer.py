@@ -30,6 +30,7 @@ from lazytrain.model.flops import flops_6nt, model_flops
 from lazytrain.model.loading import save_hf
 from lazytrain.optim.adamw import FusedAdamW
 from lazytrain.optim.base import HostOptimizer
+from lazytrain.plan.costs import CostTable
 from lazytrain.plan.plan import Plan, checkpoint_all_plan, keep_all_plan, megatrain_plan
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.update import HostUpdater
@@ -98,6 +99,18 @@ def make_plan(config: Config, adapter, seq_len: int, device: torch.device, dtype
     return plan
 
 
+def solved_plan(config: Config, costs: CostTable) -> Plan:
+    """The MILP's plan for ``costs`` (GPU and pinned-host tiers: the executor has no NVMe tier)."""
+    from lazytrain.plan.milp import solve_plan
+
+    plan = solve_plan(
+        costs, gpu_bytes=costs.gpu_bytes, tiers=("gpu", "host"),
+        optimizer_overlap=config.plan.overlap_optimizer, head_chunk_tokens=config.plan.head_chunk_tokens,
+    )
+    plan.weight_prefetch = config.plan.weight_prefetch
+    return plan
+
+
 def make_optimizer(config: Config, masters: list[torch.Tensor], decay_numel: list[int]) -> HostOptimizer:
     oc = config.optimizer
     if oc.kind == "hybrid8bit":
@@ -143,16 +156,40 @@ class Trainer:
             optimizer_bytes_per_param=state_bytes,
             host_limit_bytes=int(cfg.memory.host_limit_gb * 2**30) if cfg.memory.host_limit_gb else None,
         )
-        self.plan = make_plan(cfg, self.adapter, cfg.data.max_seq_len, self.device, self.dtype)
-        self.executor = Executor(self.adapter, self.store, self.plan, self.device)
+        if cfg.memory.gpu_gb and self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory.gpu_gb * 2**30 / total), self.device)
         decay = [layout.decay_numel for layout in self.adapter.layouts]
         self.optimizer = make_optimizer(cfg, self.store.masters, decay)
+        if cfg.plan.policy == "solved":
+            self.costs = self.cost_table()
+            self.plan = solved_plan(cfg, self.costs)
+        else:
+            self.costs = None
+            self.plan = make_plan(cfg, self.adapter, cfg.data.max_seq_len, self.device, self.dtype)
+        self.executor = Executor(self.adapter, self.store, self.plan, self.device)
         self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
         if cfg.training.resume and (self.out_dir / "checkpoint").exists():
             self._load_checkpoint(self.out_dir / "checkpoint")
         self.metrics = MetricsWriter(self.out_dir, append=self.step > 0)
         cfg.save(self.out_dir / "lazytrain_config.yaml")
         self.template.save(self.out_dir)
+
+    def cost_table(self) -> CostTable:
+        """The cost table of ``plan.costs``, or one profiled now at the training shape."""
+        cfg = self.config
+        if cfg.plan.costs:
+            costs = CostTable.load(cfg.plan.costs)
+            return costs.at(cfg.training.batch_size, cfg.data.max_seq_len)
+        from lazytrain.runtime.profiler import profile
+
+        return profile(
+            self.adapter, self.store, self.device, cfg.training.batch_size, cfg.data.max_seq_len,
+            lambda masters, decay: make_optimizer(cfg, masters, decay),
+            gpu_bytes=int(cfg.memory.gpu_gb * 2**30) if cfg.memory.gpu_gb else None,
+            optimizer_state_bytes=self.optimizer.state_bytes(),
+            head_chunk_tokens=cfg.plan.head_chunk_tokens,
+        )
 
     def _template(self) -> PromptTemplate:
         name = self.config.data.template
@@ -190,6 +227,7 @@ class Trainer:
         while self.step < tc.steps:
             batch = next(self.batches)
             stats = self.executor.forward_backward(batch.input_ids, batch.labels, batch.attention_mask)
+            waited = self.updater.wait_seconds  # this forward waiting for the last CPU update
             lr = learning_rate(self.step, tc.steps, oc.lr, oc.warmup_steps, oc.schedule, oc.min_lr_ratio)
             if not math.isfinite(stats.grad_norm) or not math.isfinite(stats.loss):
                 # a non-finite gradient: no state is touched, the step is counted and logged
@@ -218,7 +256,8 @@ class Trainer:
                 "tokens_per_s": stats.num_tokens / step_time,
                 "tflops_model": model_flops(self.adapter, stats.num_tokens, seq) / step_time / 1e12,
                 "tflops_6nt": flops_6nt(self.adapter, stats.num_tokens) / step_time / 1e12,
-                "optimizer_wait_s": self.updater.wait_seconds,
+                "predicted_step_time_s": self.plan.predicted_step_time_s,
+                "optimizer_wait_s": waited,
                 "h2d_weight_gb": stats.h2d_weight_bytes / 1e9,
                 "host_rss_gb": host_rss_bytes() / 1e9,
                 **gpu_memory(self.device),

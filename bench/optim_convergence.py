@@ -1,0 +1,91 @@
+"""8-bit against fp32 AdamW states on the built-in default: final loss and held-out exact match.
+
+Trains the built-in default (`lazytrain train` with no arguments) twice, once per optimizer
+kind, everything else equal, and compares the mean loss of the last ``--tail`` steps and the
+exact match on the built-in held-out split. Writes a JSON record and a Markdown report.
+
+    python bench/optim_convergence.py --steps 1000 --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lazytrain.config import load_config
+from lazytrain.train.trainer import Trainer
+
+
+def run(kind: str, steps: int, out_dir: Path) -> dict:
+    config = load_config(None, [f"optimizer.kind={kind}", f"training.steps={steps}",
+                                f"training.output_dir={out_dir}", "training.progress=false"])
+    start = time.perf_counter()
+    trainer = Trainer(config)
+    trainer.setup()
+    summary = trainer.train()
+    losses = [json.loads(line)["loss"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    return {"kind": kind, "losses": losses, "exact_match": summary["eval"]["eval_exact_match"],
+            "no_answer": summary["eval"]["eval_no_answer"], "seconds": time.perf_counter() - start,
+            "optimizer_backend": getattr(trainer.optimizer, "backend", "torch-fused")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--tail", type=int, default=100, help="steps whose mean loss is compared")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {kind: run(kind, args.steps, Path(tmp) / kind) for kind in ("fp32", "hybrid8bit")}
+    tail = {k: sum(r["losses"][-args.tail:]) / args.tail for k, r in runs.items()}
+    record = {
+        "name": f"optim_convergence_builtin_{args.steps}",
+        "date": date,
+        "device": f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)",
+        "torch": torch.__version__,
+        "model": "builtin:tiny",
+        "steps": args.steps,
+        "tail_steps": args.tail,
+        "tail_loss_fp32": tail["fp32"],
+        "tail_loss_8bit": tail["hybrid8bit"],
+        "tail_loss_ratio": tail["hybrid8bit"] / tail["fp32"],
+        "exact_match_fp32": runs["fp32"]["exact_match"],
+        "exact_match_8bit": runs["hybrid8bit"]["exact_match"],
+        "seconds_fp32": runs["fp32"]["seconds"],
+        "seconds_8bit": runs["hybrid8bit"]["seconds"],
+        "optimizer_backend_8bit": runs["hybrid8bit"]["optimizer_backend"],
+        "loss_at": {str(s): [runs["fp32"]["losses"][s - 1], runs["hybrid8bit"]["losses"][s - 1]]
+                    for s in (1, 100, 200, 400, 600, 800, args.steps) if s <= args.steps},
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"optim_convergence_{date}"
+    (out / f"{stem}.json").write_text(json.dumps([record], indent=1))
+    lines = [
+        f"# 8-bit vs fp32 AdamW states on the built-in default ({args.steps} steps)",
+        "",
+        f"{date}, {record['device']}, torch {record['torch']}, 8-bit backend "
+        f"{record['optimizer_backend_8bit']}. Command: `python bench/optim_convergence.py --steps {args.steps}`",
+        "",
+        "| | fp32 states | 8-bit states |",
+        "| --- | --- | --- |",
+        f"| mean loss, last {args.tail} steps | {tail['fp32']:.5f} | {tail['hybrid8bit']:.5f} |",
+        f"| held-out exact match (200 problems) | {record['exact_match_fp32']:.1%} | {record['exact_match_8bit']:.1%} |",
+        f"| wall time s | {record['seconds_fp32']:.0f} | {record['seconds_8bit']:.0f} |",
+    ]
+    lines += [f"| loss at step {s} | {a:.4f} | {b:.4f} |" for s, (a, b) in record["loss_at"].items()]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

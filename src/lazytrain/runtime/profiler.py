@@ -1,0 +1,296 @@
+"""Measure a `CostTable` from the executor's own pieces on this machine.
+
+Times are medians over repeats after warm-up, with CUDA events on a GPU (perf_counter on the
+CPU). Per layer: the no-grad forward (what a segment rebuild runs), the forward under autograd
+(a recompute), its backward, the bytes autograd saves (counted through saved_tensors_hooks,
+storages de-duplicated, weights and step constants left out) and the working sets from the
+allocator's peaks. Constants: the embedding and the chunked head + loss. Machine: H2D, D2H
+and both-directions bandwidth at one layer's transfer size, the slowdown of compute while a
+copy runs, and the CPU optimizer's time per parameter. Times are measured at several batch
+shapes and fitted (`ShapeFit`), so `CostTable.at` can rescale without profiling again.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from lazytrain.memory.host_store import HostStore, host_memory_total
+from lazytrain.model.adapter import ModelAdapter
+from lazytrain.optim.base import HostOptimizer
+from lazytrain.plan.costs import CostTable, LayerCosts, ShapeFit, default_fits
+from lazytrain.plan.plan import keep_all_plan
+from lazytrain.runtime.executor import Executor
+
+
+def _timer(device: torch.device, fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn``."""
+    times = []
+    for r in range(warmup + repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        if r >= warmup:
+            times.append(ms)
+    return statistics.median(times)
+
+
+class _Peak:
+    """Peak allocated bytes above the level at entry (CUDA only; 0 on the CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bytes = 0
+
+    def __enter__(self) -> _Peak:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self.base
+
+
+def _layer_shape_costs(executor: Executor, slot: torch.Tensor, batch: int, seq: int, repeats: int) -> dict:
+    adapter, device, dtype = executor.adapter, executor.device, executor.dtype
+    layout = adapter.layouts[1]
+    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
+    rope = adapter.rotary_embeddings(position_ids, dtype)
+    x = torch.randn(batch, seq, adapter.hidden_size, device=device, dtype=dtype)
+    excluded = {slot.untyped_storage().data_ptr(), rope[0].untyped_storage().data_ptr(),
+                rope[1].untyped_storage().data_ptr()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in excluded:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    def forward_no_grad():
+        with torch.no_grad():
+            return adapter.layer_forward(layout.views(slot), x, rope, None)
+
+    def forward_grad():
+        leaves = executor._leaves(layout, slot)
+        x_in = x.detach().requires_grad_()
+        with torch.enable_grad():
+            return adapter.layer_forward(leaves, x_in, rope, None), x_in, leaves
+
+    state = {}
+
+    def run_forward_grad():
+        state["out"] = forward_grad()
+
+    def run_backward():
+        out, x_in, leaves = state["out"]
+        torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
+
+    forward_ms = _timer(device, forward_no_grad, repeats)
+    recompute_ms = _timer(device, run_forward_grad, repeats)
+    backward = []
+    for _ in range(repeats + 2):
+        state["out"] = forward_grad()
+        backward.append(_timer(device, run_backward, 1, warmup=0))
+    backward_ms = statistics.median(backward[2:])
+    with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t):
+        out, x_in, leaves = forward_grad()
+    input_bytes = x.numel() * x.element_size()
+    saved_bytes = max(sum(saved.values()), input_bytes)
+    with _Peak(device) as fwd_peak:
+        forward_no_grad()
+    state["out"] = (out, x_in, leaves)
+    with _Peak(device) as bwd_peak:
+        run_backward()
+    return {
+        "forward_ms": forward_ms,
+        "recompute_ms": recompute_ms,
+        "backward_ms": backward_ms,
+        "input_bytes": input_bytes,
+        "saved_bytes": saved_bytes,
+        "forward_work_bytes": fwd_peak.bytes,
+        "backward_work_bytes": bwd_peak.bytes,
+    }
+
+
+def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int) -> dict:
+    """GB/s of H2D, D2H and each direction when both run, at one layer's size."""
+    nbytes = host.numel() * host.element_size()
+    if device.type != "cuda":
+        dst = torch.empty_like(host)
+        ms = _timer(device, lambda: dst.copy_(host), repeats)
+        gbps = nbytes / ms / 1e6
+        return {"h2d_gbps": gbps, "d2h_gbps": gbps, "bidir_gbps": gbps / 2, "copy_slowdown": 1.0}
+    gpu = torch.empty(host.numel(), dtype=host.dtype, device=device)
+    back = torch.empty_like(host)
+    h2d_stream, d2h_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def h2d():
+        gpu.copy_(host, non_blocking=True)
+
+    def d2h():
+        back.copy_(gpu, non_blocking=True)
+
+    def both():
+        with torch.cuda.stream(h2d_stream):
+            gpu.copy_(host, non_blocking=True)
+        with torch.cuda.stream(d2h_stream):
+            back.copy_(gpu2, non_blocking=True)
+        torch.cuda.current_stream(device).wait_stream(h2d_stream)
+        torch.cuda.current_stream(device).wait_stream(d2h_stream)
+
+    gpu2 = torch.empty_like(gpu)
+    h2d_ms = _timer(device, h2d, repeats)
+    d2h_ms = _timer(device, d2h, repeats)
+    both_ms = _timer(device, both, repeats)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+
+    def matmuls():
+        for _ in range(8):
+            a @ a
+
+    alone = _timer(device, matmuls, repeats)
+
+    def matmuls_with_copy():
+        with torch.cuda.stream(h2d_stream):
+            for _ in range(4):
+                gpu.copy_(host, non_blocking=True)
+        matmuls()
+        torch.cuda.current_stream(device).wait_stream(h2d_stream)
+
+    together = _timer(device, matmuls_with_copy, repeats)
+    h2d_gbps, d2h_gbps = nbytes / h2d_ms / 1e6, nbytes / d2h_ms / 1e6
+    serial = h2d_gbps * d2h_gbps / (h2d_gbps + d2h_gbps)
+    bidir = min(max(nbytes / both_ms / 1e6, serial), min(h2d_gbps, d2h_gbps))
+    return {"h2d_gbps": h2d_gbps, "d2h_gbps": d2h_gbps, "bidir_gbps": bidir,
+            "copy_slowdown": max(1.0, together / alone)}
+
+
+def _optimizer_ns_per_param(optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer],
+                            store: HostStore, adapter: ModelAdapter, repeats: int) -> float:
+    """One layer group stepped by a scratch optimizer of the same kind (the real state is untouched)."""
+    layout = adapter.layouts[1]
+    master = store.masters[1].clone()
+    scratch = optimizer_factory([master], [layout.decay_numel])
+    grad = torch.randn(master.numel()).to(store.dtype)
+    out = torch.empty(master.numel(), dtype=store.dtype)
+    ms = _timer(torch.device("cpu"), lambda: scratch.step_group(0, grad, 0.5, 1e-5, out), repeats)
+    return ms * 1e6 / master.numel()
+
+
+def profile(
+    adapter: ModelAdapter,
+    store: HostStore,
+    device: torch.device,
+    batch_size: int,
+    seq_len: int,
+    optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer],
+    *,
+    gpu_bytes: int | None = None,
+    optimizer_state_bytes: int = 0,
+    head_chunk_tokens: int = 4096,
+    repeats: int = 5,
+) -> CostTable:
+    """A `CostTable` for this model on this machine at ``(batch_size, seq_len)``."""
+    executor = Executor(adapter, store, keep_all_plan(adapter.num_layers, batch_size, seq_len, head_chunk_tokens),
+                        device)
+    slot = store.weights[1].to(device)
+    shapes = [(batch_size, seq_len), (max(1, batch_size // 2), seq_len), (batch_size, max(8, seq_len // 2))]
+    shapes = list(dict.fromkeys(shapes))
+    measured = {shape: _layer_shape_costs(executor, slot, *shape, repeats) for shape in shapes}
+    ref = measured[(batch_size, seq_len)]
+    fits = default_fits()
+    if len(shapes) >= 3:
+        for name in ("forward_ms", "backward_ms", "recompute_ms"):
+            fits[name] = ShapeFit.fit([(b, s, m[name]) for (b, s), m in measured.items()])
+
+    # constants: embedding forward/backward, chunked head + loss (forward and backward)
+    tokens = batch_size * seq_len
+    ids = torch.randint(0, adapter.vocab_size, (batch_size, seq_len), device=device)
+    embed = store.weights[0].to(device)
+    final = store.weights[-1].to(device)
+    embed_leaf = executor._leaves(adapter.layouts[0], embed)
+    final_leaf = executor._leaves(adapter.final_layout, final)
+    head_w = adapter.head_weight(embed_leaf, final_leaf)
+    x = torch.randn(batch_size, seq_len, adapter.hidden_size, device=device, dtype=store.dtype)
+    valid = torch.arange(tokens, device=device)
+    targets = torch.randint(0, adapter.vocab_size, (tokens,), device=device)
+    embed_state = {}
+
+    def embed_forward():
+        with torch.enable_grad():
+            embed_state["h"] = adapter.embed(embed_leaf["embed_tokens.weight"], ids)
+
+    def embed_backward():
+        torch.autograd.grad(embed_state["h"], [embed_leaf["embed_tokens.weight"]], torch.ones_like(embed_state["h"]))
+
+    embed_forward_ms = _timer(device, embed_forward, repeats)
+    embed_backward_times = []
+    for _ in range(repeats + 1):
+        embed_forward()
+        embed_backward_times.append(_timer(device, embed_backward, 1, warmup=0))
+    with _Peak(device) as head_peak:
+        head_ms = _timer(device, lambda: executor.head_loss_backward(
+            x, final_leaf["model.norm.weight"], head_w, valid, targets, tokens), repeats)
+    layer = adapter.layouts[1]
+    esize = store.weights[1].element_size()
+    layer_costs = LayerCosts(
+        params=layer.numel,
+        weight_bytes=layer.numel * esize,
+        forward_ms=ref["forward_ms"],
+        backward_ms=ref["backward_ms"],
+        recompute_ms=ref["recompute_ms"],
+        input_bytes=ref["input_bytes"],
+        saved_bytes=ref["saved_bytes"],
+        forward_work_bytes=ref["forward_work_bytes"],
+        backward_work_bytes=ref["backward_work_bytes"],
+    )
+    const_params = adapter.layouts[0].numel + adapter.final_layout.numel
+    if device.type == "cuda":
+        total_gpu = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total_gpu = host_memory_total() // 4
+    machine = _bandwidths(store.weights[1], device, repeats)
+    host_free = host_memory_total() * 0.95 - store.bytes(optimizer_state_bytes).total
+    return CostTable.uniform(
+        adapter.num_layers,
+        layer_costs,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        embed_forward_ms=embed_forward_ms,
+        embed_backward_ms=statistics.median(embed_backward_times[1:]),
+        head_ms=head_ms,
+        head_work_bytes=head_peak.bytes,
+        const_params=const_params,
+        const_weight_bytes=const_params * esize,
+        const_grad_bytes=const_params * esize,
+        nvme_read_gbps=1.0,
+        nvme_write_gbps=1.0,
+        optimizer_ns_per_param=_optimizer_ns_per_param(optimizer_factory, store, adapter, repeats),
+        gpu_bytes=gpu_bytes or total_gpu,
+        # resident embedding and final group, their gradients, and ~1 GiB for the CUDA
+        # context and allocator slack
+        gpu_fixed_bytes=2 * (embed.numel() + final.numel()) * esize + (2**30 if device.type == "cuda" else 0),
+        host_bytes=max(int(host_free), 0),
+        nvme_bytes=0,
+        fits=fits,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        notes={"profiled_shapes": [list(s) for s in shapes], "nvme": "no NVMe tier in the executor yet"},
+        **machine,
+    )
