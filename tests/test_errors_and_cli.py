@@ -83,7 +83,7 @@ def test_cli_train_writes_an_hf_model_and_metrics(tmp_path):
     assert "eval_exact_match" in lines[-1]
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    assert model.config.num_hidden_layers == 4
+    assert model.config.num_hidden_layers == 2
     assert tokenizer.decode(tokenizer("Q: 1 + 2\nA: ")["input_ids"]) == "Q: 1 + 2\nA: "
     assert (out / "lazytrain_config.yaml").exists() and (out / "lazytrain_template.json").exists()
 
