@@ -82,7 +82,8 @@ def random_plans(draw, num_layers: int):
         modes = ["keep", "checkpoint"]
         if i > 0 and layers[-1].mode != "keep":
             modes.append("drop")
-        layers.append(LayerPlan(mode=draw(st.sampled_from(modes)), tier=draw(st.sampled_from(["gpu", "host"]))))
+        layers.append(LayerPlan(mode=draw(st.sampled_from(modes)), tier=draw(st.sampled_from(["gpu", "host"])),
+                                prefetch=draw(st.integers(1, 3))))
     return Plan(
         policy="random",
         batch_size=2,

@@ -336,8 +336,16 @@ class Executor:
             final_grads["lm_head.weight"] = head_grad
         self._emit_grads(final, final_grads)
 
-        # backward: segments from the last
-        for start, end in reversed(plan.segments()):
+        # backward: segments from the last; tensors on a slower tier are fetched back on the
+        # H2D stream `prefetch` segments ahead of their use
+        order = list(reversed(plan.segments()))
+        for k, (start, end) in enumerate(order):
+            for ahead in range(k, min(k + 1 + max(lp.prefetch for lp in plan.layers), len(order))):
+                first = order[ahead][0]
+                if ahead - k <= plan.layers[first].prefetch and saved[first] is not None:
+                    entry = saved[first]
+                    for handle in entry[3] if plan.layers[first].mode == "keep" else [entry]:
+                        self.activations.prefetch(handle)
             if plan.layers[start].mode == "keep":
                 slot = self.weights.acquire(start)
                 x_in, out, leaves, handles = saved[start]
