@@ -82,7 +82,8 @@ def random_plans(draw, num_layers: int):
         modes = ["keep", "checkpoint"]
         if i > 0 and layers[-1].mode != "keep":
             modes.append("drop")
-        layers.append(LayerPlan(mode=draw(st.sampled_from(modes)), tier=draw(st.sampled_from(["gpu", "host"])),
+        layers.append(LayerPlan(mode=draw(st.sampled_from(modes)),
+                                tier=draw(st.sampled_from(["gpu", "host", "nvme"])),
                                 prefetch=draw(st.integers(1, 3))))
     return Plan(
         policy="random",
@@ -92,6 +93,13 @@ def random_plans(draw, num_layers: int):
         head_chunk_tokens=draw(st.integers(1, 30)),
         weight_prefetch=draw(st.integers(1, 3)),
     )
+
+
+@pytest.fixture(scope="module")
+def nvme(tmp_path_factory):
+    from lazytrain.memory.nvme import NvmeStore
+
+    return NvmeStore(tmp_path_factory.mktemp("nvme"))
 
 
 @pytest.fixture(scope="module")
@@ -107,14 +115,14 @@ def qwen2_setup(tmp_path_factory):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_random_plans_match_hf_autograd(qwen2_setup, data):
+def test_random_plans_match_hf_autograd(qwen2_setup, nvme, data):
     adapter, store, batch, ref = qwen2_setup
     plan = data.draw(random_plans(adapter.num_layers))
-    store.grads[0].fill_(float("nan"))
     for g in store.grads:
         g.fill_(float("nan"))
-    Executor(adapter, store, plan, CPU).forward_backward(*batch)
+    Executor(adapter, store, plan, CPU, nvme=nvme).forward_backward(*batch)
     assert_grads_equal(adapter, store, ref)
+    assert not list(nvme.folder.glob("*.act")), "activation files must be removed after backward"
 
 
 def test_weights_cross_at_most_twice(qwen2_setup):

@@ -133,7 +133,7 @@ class PlanConfig:
     megatrain_every: int = 4
     """Checkpoint interval of the megatrain policy."""
     checkpoint_tier: str = "gpu"
-    """Where checkpoint_all keeps layer inputs: gpu or host."""
+    """Where checkpoint_all keeps layer inputs: gpu, host or nvme (needs memory.nvme_dir)."""
     head_chunk_tokens: int = 4096
     weight_prefetch: int = 1
     """Layers of weights copied ahead (1 = double buffering)."""
@@ -143,8 +143,8 @@ class PlanConfig:
     def __post_init__(self) -> None:
         if self.megatrain_every < 1 or self.head_chunk_tokens < 1 or self.weight_prefetch < 1:
             raise ConfigError("plan.megatrain_every, head_chunk_tokens, weight_prefetch must be >= 1")
-        if self.checkpoint_tier not in ("gpu", "host"):
-            raise ConfigError(f"plan.checkpoint_tier must be gpu or host, got {self.checkpoint_tier!r}")
+        if self.checkpoint_tier not in ("gpu", "host", "nvme"):
+            raise ConfigError(f"plan.checkpoint_tier must be gpu, host or nvme, got {self.checkpoint_tier!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -153,6 +153,8 @@ class MemoryConfig:
     """Page-lock the host weight and gradient arenas (needed for async full-speed copies)."""
     host_limit_gb: float | None = None
     """Host memory LazyTrain may plan for (default: 95% of RAM)."""
+    nvme_dir: str | None = None
+    """Folder for the NVMe activation tier (files are removed when freed and at exit)."""
     gpu_gb: float | None = None
     """GPU memory cap for the step (the solved plan must fit in it; on CUDA the allocator is
     capped too). Default: the whole device."""

@@ -1,4 +1,4 @@
-"""Where saved activations live between forward and backward: GPU or pinned host memory.
+"""Where saved activations live between forward and backward: GPU, pinned host or NVMe.
 
 ``put`` stores a tensor on a tier and returns a handle; ``prefetch`` starts bringing it back
 to the GPU (on the H2D stream) ahead of use; ``get`` returns it on the GPU, with the compute
@@ -8,10 +8,13 @@ produced the tensor, so forward compute never waits for them.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
+from lazytrain.memory.nvme import NvmeStore
 from lazytrain.runtime.streams import Streams, StreamTrace
 
 
@@ -24,15 +27,22 @@ class Handle:
     stored: torch.cuda.Event | None = None  # host copy complete
     fetched: torch.Tensor | None = None  # GPU copy being prefetched
     fetched_event: torch.cuda.Event | None = None
+    nbytes: int = 0
+    written: Future | None = None  # nvme: the file write (-> NvmeRecord)
+    read: Future | None = None  # nvme: the file read into read_buffer
+    read_buffer: torch.Tensor | None = None
 
 
 class ActivationStore:
-    def __init__(self, streams: Streams, device: torch.device, trace: StreamTrace | None = None):
+    def __init__(self, streams: Streams, device: torch.device, trace: StreamTrace | None = None,
+                 nvme: NvmeStore | None = None):
         self.streams = streams
         self.trace = trace
         self.device = device
-        self.bytes_by_tier = {"gpu": 0, "host": 0}
-        self.peak_by_tier = {"gpu": 0, "host": 0}
+        self.nvme = nvme
+        self.bytes_by_tier = {"gpu": 0, "host": 0, "nvme": 0}
+        self.peak_by_tier = {"gpu": 0, "host": 0, "nvme": 0}
+        self._pool_lock = threading.Lock()
         # pinned buffers to reuse, each with the event after which nothing reads it any more
         self._pool: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
 
@@ -41,46 +51,75 @@ class ActivationStore:
         self.peak_by_tier[tier] = max(self.peak_by_tier[tier], self.bytes_by_tier[tier])
 
     def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        free = self._pool.get((numel, dtype))
-        if free:
-            buf, last_read = free.pop()
+        with self._pool_lock:
+            free = self._pool.get((numel, dtype))
+            entry = free.pop() if free else None
+        if entry is not None:
+            buf, last_read = entry
             self.streams.wait(last_read, self.streams.d2h)
             return buf
         return torch.empty(numel, dtype=dtype, pin_memory=self.streams.cuda)
+
+    def _release(self, buf: torch.Tensor, last_read: torch.cuda.Event | None) -> None:
+        with self._pool_lock:
+            self._pool.setdefault((buf.numel(), buf.dtype), []).append((buf, last_read))
+
+    def _offload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Copy ``tensor`` into a pinned buffer on the D2H stream; -> (buffer, copy done)."""
+        src = tensor.detach().contiguous()
+        buf = self._host_buffer(src.numel(), src.dtype)
+        produced = self.streams.record()
+        self.streams.wait(produced, self.streams.d2h)
+        span = self.trace.begin(self.streams.d2h) if self.trace else None
+        with self.streams.on(self.streams.d2h):
+            buf.copy_(src.view(-1), non_blocking=True)
+        if self.trace:
+            self.trace.end("d2h", span, self.streams.d2h)
+        self.streams.keep_alive(src, self.streams.d2h)
+        return buf, self.streams.record(self.streams.d2h)
 
     def put(self, tensor: torch.Tensor, tier: str) -> Handle:
         nbytes = tensor.numel() * tensor.element_size()
         if tier == "gpu":
             self._account("gpu", nbytes)
-            return Handle(tier="gpu", tensor=tensor)
+            return Handle(tier="gpu", tensor=tensor, nbytes=nbytes)
         if tier == "host":
-            src = tensor.detach().contiguous()
-            buf = self._host_buffer(src.numel(), src.dtype)
-            produced = self.streams.record()
-            self.streams.wait(produced, self.streams.d2h)
-            span = self.trace.begin(self.streams.d2h) if self.trace else None
-            with self.streams.on(self.streams.d2h):
-                buf.copy_(src.view(-1), non_blocking=True)
-            if self.trace:
-                self.trace.end("d2h", span, self.streams.d2h)
-            self.streams.keep_alive(src, self.streams.d2h)
+            buf, stored = self._offload(tensor)
             self._account("host", nbytes)
-            return Handle(
-                tier="host", tensor=buf, shape=tuple(src.shape), dtype=src.dtype,
-                stored=self.streams.record(self.streams.d2h),
-            )
-        raise ValueError(
-            f"activation tier {tier!r} is not available in this executor; use 'gpu' or 'host'"
-        )
+            return Handle(tier="host", tensor=buf, shape=tuple(tensor.shape), dtype=tensor.dtype,
+                          stored=stored, nbytes=nbytes)
+        if tier == "nvme":
+            if self.nvme is None:
+                raise ValueError(
+                    "the plan keeps activations on the 'nvme' tier but no NVMe folder is set; "
+                    "set memory.nvme_dir=/path/on/a/fast/disk"
+                )
+            buf, stored = self._offload(tensor)
+            written = self.nvme.write(buf, stored)
+            written.add_done_callback(lambda _: self._release(buf, None))
+            self._account("nvme", nbytes)
+            return Handle(tier="nvme", shape=tuple(tensor.shape), dtype=tensor.dtype,
+                          written=written, nbytes=nbytes)
+        raise ValueError(f"activation tier {tier!r} is not one of gpu, host, nvme")
 
     def prefetch(self, handle: Handle) -> None:
+        if handle.tier == "nvme":
+            if handle.read is None:
+                record = handle.written.result()
+                numel = handle.nbytes // torch.empty((), dtype=handle.dtype).element_size()
+                handle.read_buffer = self._host_buffer(numel, handle.dtype)
+                handle.read = self.nvme.read(record, handle.read_buffer)
+            return
         if handle.tier != "host" or handle.fetched is not None:
             return
-        self.streams.wait(handle.stored, self.streams.h2d)
+        self._to_device(handle, handle.tensor, handle.stored)
+
+    def _to_device(self, handle: Handle, buf: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        self.streams.wait(ready, self.streams.h2d)
         span = self.trace.begin(self.streams.h2d) if self.trace else None
         with self.streams.on(self.streams.h2d):
             out = torch.empty(handle.shape, dtype=handle.dtype, device=self.device)
-            out.view(-1).copy_(handle.tensor, non_blocking=True)
+            out.view(-1).copy_(buf, non_blocking=True)
         if self.trace:
             self.trace.end("h2d", span, self.streams.h2d)
         handle.fetched = out
@@ -90,22 +129,27 @@ class ActivationStore:
         if handle.tier == "gpu":
             return handle.tensor
         self.prefetch(handle)
+        if handle.tier == "nvme" and handle.fetched is None:
+            self._to_device(handle, handle.read.result(), None)
         self.streams.wait(handle.fetched_event)
         out = handle.fetched
         self.streams.keep_alive(out, self.streams.compute)
         return out
 
     def free(self, handle: Handle) -> None:
-        """Drop the stored copy (its pinned buffer goes back to the pool)."""
-        if handle.tensor is None:
+        """Drop the stored copy (pinned buffers go back to the pool, files are removed)."""
+        if handle.nbytes == 0:
             return
-        nbytes = handle.tensor.numel() * handle.tensor.element_size()
-        self.bytes_by_tier[handle.tier] -= nbytes
+        self.bytes_by_tier[handle.tier] -= handle.nbytes
         if handle.tier == "host":
-            key = (handle.tensor.numel(), handle.tensor.dtype)
-            self._pool.setdefault(key, []).append((handle.tensor, handle.fetched_event))
-        handle.tensor = None
-        handle.fetched = None
+            self._release(handle.tensor, handle.fetched_event)
+        elif handle.tier == "nvme":
+            if handle.read is not None:
+                handle.read.result()
+                self._release(handle.read_buffer, handle.fetched_event)
+            self.nvme.remove(handle.written.result())
+        handle.tensor = handle.fetched = handle.read_buffer = None
+        handle.nbytes = 0
 
     def reset_peaks(self) -> None:
         self.peak_by_tier = dict(self.bytes_by_tier)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
 from lazytrain.memory.host_store import HostStore
+from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.adapter import ModelAdapter, attention_mask_4d
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.activations import ActivationStore, Handle
@@ -81,6 +82,7 @@ class Executor:
         plan: Plan,
         device: torch.device,
         before_load: Callable[[int], None] | None = None,
+        nvme: NvmeStore | None = None,
     ):
         plan.check(adapter.num_layers)
         self.adapter = adapter
@@ -105,7 +107,7 @@ class Executor:
             before_load=self._before_layer_load,
             trace=self.trace,
         )
-        self.activations = ActivationStore(self.streams, device, self.trace)
+        self.activations = ActivationStore(self.streams, device, self.trace, nvme)
         # Resident groups: the embedding (group 0) and the final norm + head (last group).
         self.resident = {
             0: torch.empty(store.weights[0].numel(), dtype=self.dtype, device=device),

@@ -25,6 +25,7 @@ from lazytrain.data.formats import DataSource, load_samples
 from lazytrain.data.synthetic import make_samples
 from lazytrain.data.template import PromptTemplate, get_template
 from lazytrain.data.tokenizer import builtin_tokenizer
+from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.build import build_model, resolve_dtype
 from lazytrain.model.flops import flops_6nt, model_flops
 from lazytrain.model.loading import save_hf
@@ -167,7 +168,8 @@ class Trainer:
         else:
             self.costs = None
             self.plan = make_plan(cfg, self.adapter, cfg.data.max_seq_len, self.device, self.dtype)
-        self.executor = Executor(self.adapter, self.store, self.plan, self.device)
+        nvme = NvmeStore(cfg.memory.nvme_dir) if cfg.memory.nvme_dir else None
+        self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=nvme)
         self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
         if cfg.training.resume and (self.out_dir / "checkpoint").exists():
             self._load_checkpoint(self.out_dir / "checkpoint")
