@@ -291,6 +291,6 @@ def profile(
         nvme_bytes=0,
         fits=fits,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        notes={"profiled_shapes": [list(s) for s in shapes], "nvme": "no NVMe tier in the executor yet"},
+        notes={"profiled_shapes": [list(s) for s in shapes], "nvme": "disk bandwidth not measured: nvme_bytes=0 keeps the MILP off that tier"},
         **machine,
     )
