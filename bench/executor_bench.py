@@ -20,7 +20,6 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import platform
 import statistics
 import time
@@ -193,7 +192,7 @@ def run_one(adapter, store, optimizer, policy, batch, seq, args, device) -> dict
     step_time = statistics.median(step_times)
     tokens = batch * seq
     compute = compute_only_ms(executor, batch, seq)
-    med = lambda key: statistics.median(s[2].get(key, 0.0) for s in steps) / 1e3  # noqa: E731
+    med = lambda key: statistics.median(s[2].get(key, 0.0) for s in steps) / 1e3
     record = {
         "policy": policy,
         "batch_size": batch,
@@ -247,7 +246,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("executor_bench needs a CUDA device")
     device = torch.device("cuda")
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     common = {
         "date": date,
         "device": device_name(device),

@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--tail", type=int, default=100, help="steps whose mean loss is compared")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     with tempfile.TemporaryDirectory() as tmp:
         runs = {kind: run(kind, args.steps, Path(tmp) / kind) for kind in ("fp32", "hybrid8bit")}
     tail = {k: sum(r["losses"][-args.tail:]) / args.tail for k, r in runs.items()}

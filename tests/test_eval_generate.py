@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import make_hf_model
+
 from lazytrain.cli.main import main
 from lazytrain.config import load_config
 from lazytrain.eval.generate import cut_at_stop, generate_resident, generate_streamed

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_hf_model, random_batch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import make_hf_model, random_batch
 from lazytrain.memory.host_store import HostStore
 from lazytrain.model.adapter import ModelAdapter, load_hf_config
 from lazytrain.model.loading import load_safetensors

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from conftest import make_hf_model, random_batch
+
 from lazytrain.memory.host_store import HostStore
 from lazytrain.model.adapter import ModelAdapter, load_hf_config
 from lazytrain.model.loading import load_safetensors, save_hf

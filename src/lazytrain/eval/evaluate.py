@@ -105,12 +105,12 @@ def evaluate(cfg: EvalConfig) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if mode == "resident":
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-        run = lambda batch: generate_resident(model, batch, cfg.max_new_tokens, pad_id, eos_id)  # noqa: E731
+        run = lambda batch: generate_resident(model, batch, cfg.max_new_tokens, pad_id, eos_id)
     else:
         from lazytrain.model.build import build_model
 
         adapter, store = build_model(str(folder), device, dtype)
-        run = lambda batch: generate_streamed(adapter, store, batch, cfg.max_new_tokens, pad_id, eos_id)  # noqa: E731
+        run = lambda batch: generate_streamed(adapter, store, batch, cfg.max_new_tokens, pad_id, eos_id)
     report, outputs = exact_match(samples, tokenizer, template, run, cfg.batch_size, f"eval ({mode})",
                                   cfg.stop)
     report["mode"] = mode

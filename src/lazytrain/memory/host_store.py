@@ -36,7 +36,8 @@ def host_memory_total() -> int:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
-            raw = open(path).read().strip()
+            with open(path) as f:
+                raw = f.read().strip()
         except OSError:
             continue
         if raw.isdigit() and 0 < int(raw) < total:

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from torch import nn
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 
@@ -87,7 +86,7 @@ def load_hf_config(source: str | Path | dict | transformers.PretrainedConfig) ->
         model_type = d.pop("model_type", None)
         if model_type is None:
             raise UnsupportedModelError(
-                f"model config dict has no 'model_type'; set it to one of qwen2, qwen3, llama"
+                "model config dict has no 'model_type'; set it to one of qwen2, qwen3, llama"
             )
         config = transformers.AutoConfig.for_model(model_type, **d)
     else:
@@ -234,17 +233,8 @@ def attention_mask_4d(attention_mask: torch.Tensor | None, dtype: torch.dtype) -
     """
     if attention_mask is None or bool(attention_mask.all()):
         return None
-    b, s = attention_mask.shape
+    s = attention_mask.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril_()
     mask = causal[None, None] & attention_mask.bool()[:, None, None, :]
     mask |= torch.eye(s, dtype=torch.bool, device=attention_mask.device)[None, None]
     return mask
-
-
-def is_local_model(path: str | Path) -> bool:
-    return Path(path).expanduser().is_dir() and (Path(path).expanduser() / "config.json").exists()
-
-
-def nn_module_for_reference(config: transformers.PretrainedConfig) -> nn.Module:
-    """A plain HF model of ``config`` (used by tests and the export check)."""
-    return transformers.AutoModelForCausalLM.from_config(config)

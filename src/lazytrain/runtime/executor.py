@@ -26,8 +26,8 @@ reads two numbers per step: the loss and the gradient norm.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

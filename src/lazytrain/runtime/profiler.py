@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks

@@ -7,8 +7,8 @@ synchronous, so the same code runs with these methods doing nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Iterator
 
 import torch
 

@@ -11,7 +11,7 @@ furthest in the future.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
