@@ -13,7 +13,7 @@ import transformers
 from transformers import DynamicCache
 
 from lazytrain.memory.host_store import HostStore
-from lazytrain.model.adapter import ModelAdapter
+from lazytrain.model.adapter import ModelAdapter, attention_mask_4d
 from lazytrain.runtime.streams import Streams
 from lazytrain.runtime.weights import WeightStreamer
 
@@ -63,17 +63,6 @@ def generate_resident(
     return [_cut(tokens, eos_id) for tokens in new]
 
 
-def _decode_mask(valid: torch.Tensor, query: int) -> torch.Tensor:
-    """Boolean [B, 1, query, keys] mask: causal over the last ``query`` positions, no padding."""
-    keys = valid.shape[1]
-    causal = torch.ones(query, keys, dtype=torch.bool, device=valid.device).tril_(keys - query)
-    mask = causal[None, None] & valid.bool()[:, None, None, :]
-    # a left-pad query row has no key; let it see itself so sdpa gives no NaN (never read)
-    diagonal = torch.zeros(query, keys, dtype=torch.bool, device=valid.device)
-    diagonal[torch.arange(query), torch.arange(keys - query, keys)] = True
-    return mask | diagonal[None, None]
-
-
 @torch.no_grad()
 def generate_streamed(
     adapter: ModelAdapter,
@@ -106,7 +95,7 @@ def generate_streamed(
     x = adapter.embed(embed_params["embed_tokens.weight"], ids)
     query_positions = positions
     for step in range(max_new_tokens + 1):
-        mask = _decode_mask(valid, x.shape[1])
+        mask = attention_mask_4d(valid, x.shape[1])
         rope = adapter.rotary_embeddings(query_positions, dtype)
         for i in range(L):
             slot = weights.acquire(i)

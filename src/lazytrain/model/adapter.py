@@ -223,18 +223,23 @@ class ModelAdapter:
         return final_params["lm_head.weight"]
 
 
-def attention_mask_4d(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """Causal + key-padding mask for sdpa, or None for an unpadded batch (is_causal path).
+def attention_mask_4d(attention_mask: torch.Tensor, queries: int | None = None) -> torch.Tensor:
+    """Causal + key-padding mask for sdpa, built on ``attention_mask``'s device.
 
-    A boolean [B, 1, S, S] mask, True where a query may attend. HF layers called directly
-    need this 4-D form: a 2-D tokenizer mask would be misread. A query row with no allowed
-    key (a padded position before any real token) may attend to itself, so sdpa never sees
-    an all-masked row (which gives NaN); such positions carry no loss.
+    ``attention_mask`` is [B, keys] (1 = real token); the mask is for the last ``queries``
+    positions (all of them by default; 1 when decoding with a KV cache). Only for padded
+    batches: an unpadded one passes None and takes sdpa's is_causal path.
+
+    A boolean [B, 1, queries, keys] mask, True where a query may attend. HF layers called
+    directly need this 4-D form: a 2-D tokenizer mask would be misread. A query row with no
+    allowed key (a padded position before any real token) may attend to itself, so sdpa never
+    sees an all-masked row (which gives NaN); such positions carry no loss and are never read.
     """
-    if attention_mask is None or bool(attention_mask.all()):
-        return None
-    s = attention_mask.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril_()
+    keys = attention_mask.shape[1]
+    queries = keys if queries is None else queries
+    device = attention_mask.device
+    causal = torch.ones(queries, keys, dtype=torch.bool, device=device).tril_(keys - queries)
     mask = causal[None, None] & attention_mask.bool()[:, None, None, :]
-    mask |= torch.eye(s, dtype=torch.bool, device=attention_mask.device)[None, None]
-    return mask
+    diagonal = torch.zeros(queries, keys, dtype=torch.bool, device=device)
+    diagonal[torch.arange(queries), torch.arange(keys - queries, keys)] = True
+    return mask | diagonal[None, None]

@@ -279,9 +279,9 @@ class Executor:
         ids = input_ids.to(dev, non_blocking=True)
         valid = valid_cpu.to(dev, non_blocking=True)
         targets = targets_cpu.to(dev, non_blocking=True).index_select(0, valid)
-        mask = attention_mask_4d(attention_mask, self.dtype)
-        if mask is not None:
-            mask = mask.to(dev, non_blocking=True)
+        # decided on the CPU copy (no device sync); the [B, 1, S, S] mask is built on the device
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        mask = attention_mask_4d(attention_mask.to(dev, non_blocking=True)) if padded else None
         position_ids = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, -1)
         cos, sin = adapter.rotary_embeddings(position_ids, self.dtype)
         self._consts = [cos, sin] + ([mask] if mask is not None else [])
