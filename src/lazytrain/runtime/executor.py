@@ -278,7 +278,7 @@ class Executor:
         dev = self.device
         ids = input_ids.to(dev, non_blocking=True)
         valid = valid_cpu.to(dev, non_blocking=True)
-        targets = targets_cpu.to(dev, non_blocking=True).index_select(0, valid)
+        targets = targets_cpu[valid_cpu].to(dev, non_blocking=True)
         # decided on the CPU copy (no device sync); the [B, 1, S, S] mask is built on the device
         padded = attention_mask is not None and not bool(attention_mask.all())
         mask = attention_mask_4d(attention_mask.to(dev, non_blocking=True)) if padded else None
