@@ -139,29 +139,39 @@ def compute_only_ms(executor: Executor, batch: int, seq: int, repeats: int = 5) 
     rope = adapter.rotary_embeddings(position_ids, dtype)
     x = torch.randn(batch, seq, adapter.hidden_size, device=dev, dtype=dtype)
     times = []
+    cuda = dev.type == "cuda"
     for r in range(repeats + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         leaves = executor._leaves(adapter.layouts[1], slot)
         x_in = x.detach().requires_grad_()
-        start.record()
+        t0 = time.perf_counter()
+        if cuda:
+            start.record()
         with torch.enable_grad():
             out = adapter.layer_forward(leaves, x_in, rope, None)
             torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
-        end.record()
-        end.synchronize()
+        if cuda:
+            end.record()
+            end.synchronize()
         if r >= 2:
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) if cuda else (time.perf_counter() - t0) * 1e3)
         del out
     layer_ms = statistics.median(times)
     del slot, x
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return {"layer_fwd_bwd_ms": layer_ms, "layers_fwd_bwd_ms": layer_ms * adapter.num_layers}
 
 
-def run_one(adapter, store, optimizer, policy, batch, seq, args, device) -> dict:
-    plan = make_plan(policy, adapter.num_layers, batch, seq, args.every, args.head_chunk)
-    torch.cuda.reset_peak_memory_stats(device)
-    executor = Executor(adapter, store, plan, device)
+def run_one(adapter, store, optimizer, policy, batch, seq, args, device, plan=None, nvme=None) -> dict:
+    """Train ``args.warmup + args.steps`` steps of ``plan`` (default: ``policy``'s) on random tokens."""
+    if plan is None:
+        plan = make_plan(policy, adapter.num_layers, batch, seq, args.every, args.head_chunk)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    executor = Executor(adapter, store, plan, device, nvme=nvme)
     updater = HostUpdater(executor, optimizer, overlap=not args.serial_optimizer)
     executor.trace.enabled = True
     steps = []
@@ -203,8 +213,8 @@ def run_one(adapter, store, optimizer, policy, batch, seq, args, device) -> dict
         "step_time_s": step_time,
         "step_times_s": step_times,
         "predicted_step_time_s": None,
-        "peak_gpu_alloc_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-        "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9,
+        "peak_gpu_alloc_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else 0.0,
+        "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9 if cuda else 0.0,
         "host_rss_gb": host_rss_bytes() / 1e9,
         "gpu_mem_cap_gb": None,
         "loss": steps[-1][1].loss,
@@ -218,12 +228,14 @@ def run_one(adapter, store, optimizer, policy, batch, seq, args, device) -> dict
         "optimizer_wait_s": statistics.median(s[3] for s in steps),
         "cpu_optimizer_s": updater.last_step_seconds,
         "h2d_weight_gb_per_step": steps[-1][1].h2d_weight_bytes / 1e9,
+        "act_peak_gb": {tier: b / 1e9 for tier, b in steps[-1][1].peak_activation_bytes.items()},
         "compute_only_layers_s": compute["layers_fwd_bwd_ms"] / 1e3,
         "compute_only_layer_ms": compute["layer_fwd_bwd_ms"],
     }
     del executor, updater
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return record
 
 

@@ -125,8 +125,9 @@ class OptimizerConfig(AdamWConfig):
 class PlanConfig:
     policy: str = "auto"
     """auto | solved | megatrain | keep_all | checkpoint_all, or a path to a plan.json.
-    solved: profile this machine and solve the MILP (see `lazytrain plan`). auto: keep_all
-    when its activations (estimated) fit in half the device memory, else megatrain."""
+    solved: profile this machine and solve the MILP (see `lazytrain plan`). auto: solved on a
+    GPU; on the CPU (no streams to overlap) keep_all when its activations (estimated) fit in
+    an eighth of RAM, else megatrain."""
     costs: str | None = None
     """A cost table (costs.json from `lazytrain profile`) for the solved policy; None:
     profile at start-up."""

@@ -6,8 +6,10 @@ CPU). Per layer: the no-grad forward (what a segment rebuild runs), the forward 
 storages de-duplicated, weights and step constants left out) and the working sets from the
 allocator's peaks. Constants: the embedding and the chunked head + loss. Machine: H2D, D2H
 and both-directions bandwidth at one layer's transfer size, the slowdown of compute while a
-copy runs, and the CPU optimizer's time per parameter. Times are measured at several batch
-shapes and fitted (`ShapeFit`), so `CostTable.at` can rescale without profiling again.
+copy runs, the CPU optimizer's time per parameter, and (given an `NvmeStore`) the disk's
+write and read bandwidth through the NVMe tier's own path (pinned buffer, thread pool, CRC) at
+one checkpoint's size. Times are measured at several batch shapes and fitted (`ShapeFit`), so
+`CostTable.at` can rescale without profiling again.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from lazytrain.memory.host_store import HostStore, host_memory_total
+from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.plan.costs import CostTable, LayerCosts, ShapeFit, default_fits
@@ -194,6 +197,30 @@ def _optimizer_ns_per_param(optimizer_factory: Callable[[list[torch.Tensor], lis
     return ms * 1e6 / master.numel()
 
 
+def _nvme_bandwidths(nvme: NvmeStore, nbytes: int, files: int = 4) -> dict:
+    """GB/s of writing then reading ``files`` files of ``nbytes`` each through ``nvme``.
+
+    The same calls the activation tier makes: one file per checkpoint from a pinned buffer,
+    issued together on the store's pool, CRC on both sides. Buffered I/O, so a write that
+    fits the page cache is faster than the disk: what the executor will see at that size.
+    """
+    bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()) for _ in range(files)]
+    for b in bufs:
+        b.fill_(7)
+    t0 = time.perf_counter()
+    records = [f.result() for f in [nvme.write(b) for b in bufs]]
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for f in [nvme.read(r, b) for r, b in zip(records, bufs)]:
+        f.result()
+    read_s = time.perf_counter() - t0
+    for r in records:
+        nvme.remove(r)
+    total = nbytes * files
+    return {"nvme_write_gbps": total / write_s / 1e9, "nvme_read_gbps": total / read_s / 1e9,
+            "nvme_bytes": int(nvme.free_bytes() * 0.9)}
+
+
 def profile(
     adapter: ModelAdapter,
     store: HostStore,
@@ -206,8 +233,12 @@ def profile(
     optimizer_state_bytes: int = 0,
     head_chunk_tokens: int = 4096,
     repeats: int = 5,
+    nvme: NvmeStore | None = None,
 ) -> CostTable:
-    """A `CostTable` for this model on this machine at ``(batch_size, seq_len)``."""
+    """A `CostTable` for this model on this machine at ``(batch_size, seq_len)``.
+
+    Without ``nvme`` the table has no NVMe capacity (``nvme_bytes=0``), so no plan uses that tier.
+    """
     executor = Executor(adapter, store, keep_all_plan(adapter.num_layers, batch_size, seq_len, head_chunk_tokens),
                         device)
     slot = store.weights[1].to(device)
@@ -268,6 +299,12 @@ def profile(
         total_gpu = host_memory_total() // 4
     machine = _bandwidths(store.weights[1], device, repeats)
     host_free = host_memory_total() * 0.95 - store.bytes(optimizer_state_bytes).total
+    if nvme is not None:
+        disk = _nvme_bandwidths(nvme, ref["input_bytes"])
+        disk_note = f"NVMe bandwidth measured in {nvme.folder} at {ref['input_bytes']} bytes per file"
+    else:
+        disk = {"nvme_read_gbps": 1.0, "nvme_write_gbps": 1.0, "nvme_bytes": 0}
+        disk_note = "no NVMe folder given: nvme_bytes=0 keeps the planner off that tier"
     return CostTable.uniform(
         adapter.num_layers,
         layer_costs,
@@ -280,17 +317,15 @@ def profile(
         const_params=const_params,
         const_weight_bytes=const_params * esize,
         const_grad_bytes=const_params * esize,
-        nvme_read_gbps=1.0,
-        nvme_write_gbps=1.0,
+        **disk,
         optimizer_ns_per_param=_optimizer_ns_per_param(optimizer_factory, store, adapter, repeats),
         gpu_bytes=gpu_bytes or total_gpu,
         # resident embedding and final group, their gradients, and ~1 GiB for the CUDA
         # context and allocator slack
         gpu_fixed_bytes=2 * (embed.numel() + final.numel()) * esize + (2**30 if device.type == "cuda" else 0),
         host_bytes=max(int(host_free), 0),
-        nvme_bytes=0,
         fits=fits,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        notes={"profiled_shapes": [list(s) for s in shapes], "nvme": "disk bandwidth not measured: nvme_bytes=0 keeps the MILP off that tier"},
+        notes={"profiled_shapes": [list(s) for s in shapes], "nvme": disk_note},
         **machine,
     )

@@ -101,15 +101,48 @@ def make_plan(config: Config, adapter, seq_len: int, device: torch.device, dtype
 
 
 def solved_plan(config: Config, costs: CostTable) -> Plan:
-    """The MILP's plan for ``costs`` (GPU and pinned-host tiers: the executor has no NVMe tier)."""
+    """The MILP's plan for ``costs``: GPU and pinned-host tiers, and NVMe with ``memory.nvme_dir``."""
     from lazytrain.plan.milp import solve_plan
 
+    tiers = ("gpu", "host", "nvme") if config.memory.nvme_dir else ("gpu", "host")
     plan = solve_plan(
-        costs, gpu_bytes=costs.gpu_bytes, tiers=("gpu", "host"),
+        costs, gpu_bytes=costs.gpu_bytes, tiers=tiers,
         optimizer_overlap=config.plan.overlap_optimizer, head_chunk_tokens=config.plan.head_chunk_tokens,
     )
     plan.weight_prefetch = config.plan.weight_prefetch
     return plan
+
+
+def prediction(plan: Plan, costs: CostTable, overlap: bool) -> dict[str, float]:
+    """The simulator's step for ``plan``, as the per-step metrics name the measured figures."""
+    from lazytrain.plan.simulate import simulate
+
+    sim = simulate(plan, costs, optimizer_overlap=overlap)
+    e = sim.exposed_s
+    return {
+        "predicted_step_time_s": sim.step_time_s,
+        "predicted_gpu_compute_s": e["compute"],
+        "predicted_exposed_h2d_s": e["h2d"],
+        "predicted_exposed_d2h_s": e["d2h"],
+        # the trace sees no NVMe or CPU stream: their waits are GPU idle without a copy
+        "predicted_gpu_idle_other_s": e["cpu"] + e["nvme"] + e["idle"],
+        "predicted_peak_gpu_gb": sim.peak_gpu_bytes / 1e9,
+        "predicted_act_host_gb": sim.peak_host_bytes / 1e9,
+        "predicted_act_nvme_gb": sim.peak_nvme_bytes / 1e9,
+    }
+
+
+def measured_streams(stats, trace: dict[str, float]) -> dict[str, float]:
+    """Per-step stream figures from the executor's trace (GPU only) and its activation peaks."""
+    out = {f"act_{tier}_gb": nbytes / 1e9 for tier, nbytes in stats.peak_activation_bytes.items()}
+    if trace:
+        out.update({
+            "gpu_compute_s": trace["compute_ms"] / 1e3,
+            "exposed_h2d_s": trace["h2d_exposed_ms"] / 1e3,
+            "exposed_d2h_s": trace["d2h_exposed_ms"] / 1e3,
+            "gpu_idle_other_s": trace["other_idle_ms"] / 1e3,
+        })
+    return out
 
 
 def make_optimizer(config: Config, masters: list[torch.Tensor], decay_numel: list[int]) -> HostOptimizer:
@@ -162,14 +195,23 @@ class Trainer:
             torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory.gpu_gb * 2**30 / total), self.device)
         decay = [layout.decay_numel for layout in self.adapter.layouts]
         self.optimizer = make_optimizer(cfg, self.store.masters, decay)
-        if cfg.plan.policy == "solved":
+        self.nvme = NvmeStore(cfg.memory.nvme_dir) if cfg.memory.nvme_dir else None
+        policy = cfg.plan.policy
+        if policy == "auto" and self.device.type == "cuda":
+            policy = "solved"
+        self.costs = None
+        if policy == "solved":
             self.costs = self.cost_table()
             self.plan = solved_plan(cfg, self.costs)
         else:
-            self.costs = None
             self.plan = make_plan(cfg, self.adapter, cfg.data.max_seq_len, self.device, self.dtype)
-        nvme = NvmeStore(cfg.memory.nvme_dir) if cfg.memory.nvme_dir else None
-        self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=nvme)
+            if cfg.plan.costs:
+                self.costs = self.cost_table()
+        # what the planner predicts for this plan, logged beside the measured figures each step
+        self.predicted = (prediction(self.plan, self.costs, cfg.plan.overlap_optimizer)
+                          if self.costs is not None else {"predicted_step_time_s": self.plan.predicted_step_time_s})
+        self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=self.nvme)
+        self.executor.trace.enabled = self.device.type == "cuda"
         self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
         if cfg.training.resume and (self.out_dir / "checkpoint").exists():
             self._load_checkpoint(self.out_dir / "checkpoint")
@@ -191,6 +233,7 @@ class Trainer:
             gpu_bytes=int(cfg.memory.gpu_gb * 2**30) if cfg.memory.gpu_gb else None,
             optimizer_state_bytes=self.optimizer.state_bytes(),
             head_chunk_tokens=cfg.plan.head_chunk_tokens,
+            nvme=self.nvme,
         )
 
     def _template(self) -> PromptTemplate:
@@ -229,6 +272,7 @@ class Trainer:
         while self.step < tc.steps:
             batch = next(self.batches)
             stats = self.executor.forward_backward(batch.input_ids, batch.labels, batch.attention_mask)
+            streams = measured_streams(stats, self.executor.trace.summary())
             waited = self.updater.wait_seconds  # this forward waiting for the last CPU update
             lr = learning_rate(self.step, tc.steps, oc.lr, oc.warmup_steps, oc.schedule, oc.min_lr_ratio)
             if not math.isfinite(stats.grad_norm) or not math.isfinite(stats.loss):
@@ -258,7 +302,8 @@ class Trainer:
                 "tokens_per_s": stats.num_tokens / step_time,
                 "tflops_model": model_flops(self.adapter, stats.num_tokens, seq) / step_time / 1e12,
                 "tflops_6nt": flops_6nt(self.adapter, stats.num_tokens) / step_time / 1e12,
-                "predicted_step_time_s": self.plan.predicted_step_time_s,
+                **self.predicted,
+                **streams,
                 "optimizer_wait_s": waited,
                 "h2d_weight_gb": stats.h2d_weight_bytes / 1e9,
                 "host_rss_gb": host_rss_bytes() / 1e9,

@@ -1,0 +1,342 @@
+"""The planner against the executor on a real shape: profile, solve, run, predicted vs measured.
+
+One process, one model in host memory (random init of a real config):
+
+    python bench/plan_bench.py --model qwen2.5-7b --optimizer hybrid8bit --seq 1024 --batch 64 \
+        --runs solved megatrain keep_all:max --cap-gb 24 --out bench/results
+
+1. ``lazytrain profile``'s measurement (`runtime.profiler.profile`) at ``--batch x --seq``;
+   the `CostTable` is written next to the results.
+2. Each run in ``--runs`` at ``--batch``: ``solved`` (the MILP's plan), ``megatrain``,
+   ``keep_all``, ``checkpoint_gpu|host``; ``POLICY:max`` runs the largest batch <= ``--batch``
+   the simulator says fits the GPU (and walks down on out-of-memory). Per run: tokens/s,
+   TFLOPS by both formulas, step time, the stream breakdown from CUDA events, peak GPU memory
+   and activation bytes per tier, host RSS, each next to the simulator's prediction.
+3. With ``--cap-gb``: the allocator is capped (``torch.cuda.set_per_process_memory_fraction``)
+   and, per policy in ``--cap-runs``, the largest batch is found by running one step at the
+   planner's predicted maximum and walking up until out-of-memory (or down until it fits);
+   ``--cap-measure`` then times the solved and megatrain plans at their largest batches.
+
+JSON (written after every run, so a cut-off call keeps what finished) and Markdown to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from executor_bench import _opt_config, device_name, make_plan, random_batch, run_one  # noqa: E402
+
+from lazytrain.memory.nvme import NvmeStore  # noqa: E402
+from lazytrain.model.build import build_model  # noqa: E402
+from lazytrain.optim.adamw import FusedAdamW  # noqa: E402
+from lazytrain.plan.costs import CostTable  # noqa: E402
+from lazytrain.plan.milp import PlanInfeasible, solve_plan  # noqa: E402
+from lazytrain.plan.search import search_batch  # noqa: E402
+from lazytrain.plan.simulate import simulate  # noqa: E402
+from lazytrain.runtime.executor import Executor  # noqa: E402
+from lazytrain.runtime.profiler import profile  # noqa: E402
+from lazytrain.train.trainer import prediction  # noqa: E402
+
+GiB = 2**30
+
+
+def policy_plan(policy: str, table: CostTable, args, gpu_bytes: int | None = None):
+    """The plan of ``policy`` at ``table``'s batch shape (the MILP's for ``solved``)."""
+    if policy == "solved":
+        plan = solve_plan(table, gpu_bytes=gpu_bytes, tiers=tuple(args.tiers), optimizer_overlap=True,
+                          head_chunk_tokens=args.head_chunk)
+        return plan
+    return make_plan(policy, table.num_layers, table.batch_size, table.seq_len, args.every, args.head_chunk)
+
+
+def predicted_max_batch(policy: str, costs: CostTable, seq: int, cap: int, args, limit: int) -> int:
+    """The largest batch <= ``limit`` whose ``policy`` plan the simulator fits in ``cap`` bytes."""
+    if policy == "solved":
+        try:
+            return search_batch(costs, seq, goal="max_batch", batch_sizes=range(1, limit + 1), gpu_bytes=cap,
+                                tiers=tuple(args.tiers), optimizer_overlap=True,
+                                head_chunk_tokens=args.head_chunk).plan.batch_size
+        except PlanInfeasible:
+            return 0
+    best = 0
+    for b in range(1, limit + 1):
+        table = dataclasses.replace(costs.at(b, seq), gpu_bytes=cap)
+        if not simulate(policy_plan(policy, table, args), table, optimizer_overlap=True).feasible:
+            break
+        best = b
+    return best
+
+
+def probe(adapter, store, plan, device, nvme) -> tuple[bool, str, float]:
+    """One forward+backward of ``plan``: (fits, out-of-memory message, peak allocated GB)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    executor = None
+    try:
+        executor = Executor(adapter, store, plan, device, nvme=nvme)
+        ids, labels = random_batch(plan.batch_size, plan.seq_len, adapter.vocab_size, seed=0)
+        executor.forward_backward(ids, labels)
+        torch.cuda.synchronize(device)
+        return True, "", torch.cuda.max_memory_allocated(device) / 1e9
+    except torch.OutOfMemoryError as error:
+        return False, str(error).split("\n")[0], torch.cuda.max_memory_allocated(device) / 1e9
+    finally:
+        del executor
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def largest_batch(policy, costs, seq, cap, args, adapter, store, device, nvme) -> dict:
+    """Predicted and measured largest batch of ``policy`` under the cap."""
+    predicted = predicted_max_batch(policy, costs, seq, cap, args, args.cap_max_batch)
+    tries = []
+
+    def attempt(b: int) -> bool:
+        table = dataclasses.replace(costs.at(b, seq), gpu_bytes=cap)
+        try:
+            plan = policy_plan(policy, table, args, gpu_bytes=cap)
+        except PlanInfeasible as error:
+            tries.append({"batch_size": b, "fits": False, "why": f"no plan: {error}"[:200]})
+            return False
+        ok, why, peak = probe(adapter, store, plan, device, nvme)
+        tries.append({"batch_size": b, "fits": ok, "peak_alloc_gb": peak, **({"why": why} if why else {})})
+        print(f"  cap {args.cap_gb} GiB {policy} b{b}: {'fits' if ok else 'OOM'} (peak {peak:.1f} GB) {why}",
+              flush=True)
+        return ok
+
+    b = max(predicted, 1)
+    if attempt(b):
+        measured = b
+        for up in range(b + 1, b + 1 + args.cap_up):
+            if not attempt(up):
+                break
+            measured = up
+    else:
+        measured = 0
+        for down in range(b - 1, 0, -1):
+            if attempt(down):
+                measured = down
+                break
+    return {"policy": policy, "cap_gb": args.cap_gb, "predicted_max_batch": predicted,
+            "measured_max_batch": measured, "tries": tries,
+            "capped_search": measured == b + args.cap_up and measured > 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-7b")
+    parser.add_argument("--optimizer", choices=["fp32", "hybrid8bit"], default="hybrid8bit")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--runs", nargs="*", default=["solved", "megatrain", "keep_all:max"])
+    parser.add_argument("--tiers", nargs="+", default=["gpu", "host"], help="activation tiers the MILP may use")
+    parser.add_argument("--nvme-dir", default=None, help="profile the NVMe tier here (and let runs use it)")
+    parser.add_argument("--every", type=int, default=4, help="megatrain checkpoint interval")
+    parser.add_argument("--head-chunk", type=int, default=4096)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--cap-gb", type=float, default=None)
+    parser.add_argument("--cap-runs", nargs="*", default=["solved", "megatrain", "keep_all"])
+    parser.add_argument("--cap-max-batch", type=int, default=64)
+    parser.add_argument("--cap-up", type=int, default=3, help="batches tried above the first that fits")
+    parser.add_argument("--cap-measure", action="store_true", help="time solved and megatrain at their cap batch")
+    parser.add_argument("--costs", default=None, help="use this costs.json instead of profiling")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args()
+    args.serial_optimizer = False
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("plan_bench needs a CUDA device (--device cpu runs a smoke test of the script)")
+    device = torch.device(args.device)
+    if device.type != "cuda" and args.cap_gb:
+        raise SystemExit("--cap-gb needs a CUDA device")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = "h200" if "H200" in device_name(device) else device.type
+    stem = f"plan_{args.model}_{dev}_{date}_s{args.seq}{args.tag}"
+    common = {"date": date, "device": device_name(device), "torch": torch.__version__, "model": args.model,
+              "optimizer": args.optimizer, "overlap_optimizer": True, "cpu_threads": torch.get_num_threads()}
+    records: list[dict] = []
+
+    def save() -> None:
+        (out / f"{stem}.json").write_text(json.dumps(records, indent=1))
+        (out / f"{stem}.md").write_text(markdown(records, args))
+
+    t0 = time.perf_counter()
+    state_bpp = 2.1 if args.optimizer == "hybrid8bit" else 8.0
+    adapter, store = build_model(f"builtin:{args.model}", device, torch.bfloat16, seed=0,
+                                 optimizer_bytes_per_param=state_bpp, vocab_size=512)  # vocab for 'tiny' only
+    decay = [layout.decay_numel for layout in adapter.layouts]
+
+    def make_optimizer(masters, decay_numel):
+        if args.optimizer == "hybrid8bit":
+            from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
+
+            return Hybrid8bitAdamW(masters, decay_numel, _opt_config())
+        return FusedAdamW(masters, decay_numel, _opt_config())
+
+    optimizer = make_optimizer(store.masters, decay)
+    host = store.bytes(optimizer.state_bytes())
+    common["num_params"] = store.num_params
+    common["host_bytes_per_param"] = host.per_param()
+    print(f"model {args.model}: {store.num_params / 1e9:.2f}B params, built in {time.perf_counter() - t0:.0f} s; "
+          f"host bytes/param {host.per_param()}", flush=True)
+    nvme = NvmeStore(args.nvme_dir) if args.nvme_dir else None
+
+    t0 = time.perf_counter()
+    if args.costs:
+        costs = CostTable.load(args.costs).at(args.batch, args.seq)
+    else:
+        costs = profile(adapter, store, device, args.batch, args.seq, make_optimizer,
+                        optimizer_state_bytes=optimizer.state_bytes(), head_chunk_tokens=args.head_chunk, nvme=nvme)
+        costs.save(out / f"costs_{args.model}_{dev}_{date}_s{args.seq}_b{args.batch}{args.tag}.json")
+    lc = costs.layers[0]
+    print(f"profiled in {time.perf_counter() - t0:.0f} s: layer fwd {lc.forward_ms:.1f} ms, bwd {lc.backward_ms:.1f} ms, "
+          f"recompute {lc.recompute_ms:.1f} ms, saved {lc.saved_bytes / 1e9:.2f} GB, input {lc.input_bytes / 1e9:.2f} GB; "
+          f"H2D {costs.h2d_gbps:.1f} D2H {costs.d2h_gbps:.1f} both {costs.bidir_gbps:.1f} GB/s, slowdown "
+          f"{costs.copy_slowdown:.3f}; optimizer {costs.optimizer_ns_per_param:.3f} ns/param; NVMe write "
+          f"{costs.nvme_write_gbps:.2f} read {costs.nvme_read_gbps:.2f} GB/s", flush=True)
+    records.append({"name": "costs", **common, "costs": costs.to_dict()})
+    save()
+
+    for spec in args.runs:
+        policy, _, size = spec.partition(":")
+        batch = args.batch
+        if size == "max":
+            batch = predicted_max_batch(policy, costs, args.seq, costs.gpu_bytes, args, args.batch)
+            print(f"{policy}: largest batch the simulator fits: {batch}", flush=True)
+        while batch >= 1:
+            table = costs.at(batch, args.seq)
+            plan = policy_plan(policy, table, args)
+            name = f"{args.model}_{policy}_b{batch}_s{args.seq}{args.tag}"
+            try:
+                record = run_one(adapter, store, optimizer, policy, batch, args.seq, args, device, plan=plan, nvme=nvme)
+            except torch.OutOfMemoryError as error:
+                message = str(error).split("\n")[0]
+                print(f"{name}: out of memory: {message}", flush=True)
+                records.append({"name": name, **common, "policy": policy, "batch_size": batch,
+                                "seq_len": args.seq, "oom": message})
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                save()
+                if size != "max":
+                    break
+                batch -= 1
+                continue
+            record.update(prediction(plan, table, True))
+            record["prediction_error"] = record["predicted_step_time_s"] / record["step_time_s"] - 1
+            record["plan"] = plan.to_dict()
+            records.append({"name": name, **common, **record})
+            print(json.dumps({k: v for k, v in records[-1].items() if k not in ("plan", "step_times_s")}), flush=True)
+            save()
+            break
+
+    if args.cap_gb:
+        cap = int(args.cap_gb * GiB)
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap / total, device)
+        found = {}
+        for policy in args.cap_runs:
+            result = largest_batch(policy, costs, args.seq, cap, args, adapter, store, device, nvme)
+            found[policy] = result["measured_max_batch"]
+            records.append({"name": f"cap{args.cap_gb:g}_{policy}_s{args.seq}{args.tag}", **common,
+                            "seq_len": args.seq, **result})
+            print(json.dumps(records[-1]), flush=True)
+            save()
+        if args.cap_measure:
+            for policy in ("solved", "megatrain"):
+                b = found.get(policy, 0)
+                if b < 1:
+                    continue
+                table = dataclasses.replace(costs.at(b, args.seq), gpu_bytes=cap)
+                plan = policy_plan(policy, table, args, gpu_bytes=cap)
+                record = run_one(adapter, store, optimizer, policy, b, args.seq, args, device, plan=plan, nvme=nvme)
+                record.update(prediction(plan, table, True))
+                record["prediction_error"] = record["predicted_step_time_s"] / record["step_time_s"] - 1
+                record["gpu_mem_cap_gb"] = args.cap_gb
+                record["plan"] = plan.to_dict()
+                records.append({"name": f"{args.model}_{policy}_b{b}_s{args.seq}_cap{args.cap_gb:g}{args.tag}",
+                                **common, **record})
+                print(json.dumps({k: v for k, v in records[-1].items() if k not in ("plan", "step_times_s")}),
+                      flush=True)
+                save()
+    save()
+    print(markdown(records, args))
+
+
+def markdown(records: list[dict], args) -> str:
+    head = records[0] if records else {}
+    lines = [
+        f"# Planner vs executor: {args.model}, seq {args.seq}",
+        "",
+        f"{head.get('date')}, {head.get('device')}, torch {head.get('torch')}, optimizer {args.optimizer} "
+        f"(overlapped), {args.warmup} warm-up + {args.steps} measured steps (median), random tokens. Command: "
+        f"`python bench/plan_bench.py --model {args.model} --optimizer {args.optimizer} --seq {args.seq} "
+        f"--batch {args.batch} --runs {' '.join(args.runs)}"
+        + (f" --cap-gb {args.cap_gb:g} --cap-runs {' '.join(args.cap_runs)}" if args.cap_gb else "")
+        + (" --cap-measure" if args.cap_measure else "") + "`",
+        "",
+    ]
+    costs = next((r for r in records if r["name"] == "costs"), None)
+    if costs:
+        c = costs["costs"]
+        layer = c["layers"][0]
+        lines += [
+            f"Profiled at batch {c['batch_size']} x seq {c['seq_len']}: layer forward {layer['forward_ms']:.1f} ms, "
+            f"backward {layer['backward_ms']:.1f} ms, recompute {layer['recompute_ms']:.1f} ms, saved "
+            f"{layer['saved_bytes'] / 1e9:.2f} GB, input {layer['input_bytes'] / 1e9:.2f} GB; head+loss "
+            f"{c['head_ms']:.1f} ms; H2D {c['h2d_gbps']:.1f}, D2H {c['d2h_gbps']:.1f}, both {c['bidir_gbps']:.1f} "
+            f"GB/s; compute slowdown under copies {c['copy_slowdown']:.3f}; CPU optimizer "
+            f"{c['optimizer_ns_per_param']:.3f} ns/param; NVMe write {c['nvme_write_gbps']:.2f} / read "
+            f"{c['nvme_read_gbps']:.2f} GB/s.",
+            "",
+        ]
+    lines += [
+        "| run | tokens/s | TFLOPS 6NT | TFLOPS model | step s (predicted) | error | GPU compute s (pred.) | "
+        "exposed H2D s (pred.) | exposed D2H s (pred.) | GPU idle other s (pred.) | optimizer wait s | "
+        "peak GPU alloc GB (pred.) | host acts GB (pred.) | host RSS GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if "oom" in r:
+            lines.append(f"| {r['name']} | out of memory: {r['oom']} |" + " |" * 12)
+        if "tokens_per_s" not in r:
+            continue
+        acts = r.get("act_peak_gb", {})
+        lines.append(
+            f"| {r['name']} | {r['tokens_per_s']:.0f} | {r['tflops_6nt']:.1f} | {r['tflops_model']:.1f} | "
+            f"{r['step_time_s']:.2f} ({r['predicted_step_time_s']:.2f}) | {100 * r['prediction_error']:+.1f}% | "
+            f"{r['gpu_compute_s']:.2f} ({r['predicted_gpu_compute_s']:.2f}) | {r['exposed_h2d_s']:.3f} "
+            f"({r['predicted_exposed_h2d_s']:.3f}) | {r['exposed_d2h_s']:.3f} ({r['predicted_exposed_d2h_s']:.3f}) | "
+            f"{r['other_idle_s']:.2f} ({r['predicted_gpu_idle_other_s']:.2f}) | {r['optimizer_wait_s']:.2f} | "
+            f"{r['peak_gpu_alloc_gb']:.1f} ({r['predicted_peak_gpu_gb']:.1f}) | {acts.get('host', 0):.1f} "
+            f"({r['predicted_act_host_gb']:.1f}) | {r['host_rss_gb']:.1f} |"
+        )
+    caps = [r for r in records if "measured_max_batch" in r]
+    if caps:
+        lines += ["", f"Largest batch with the GPU capped at {caps[0]['cap_gb']:g} GiB "
+                  "(`torch.cuda.set_per_process_memory_fraction`), seq " + str(args.seq) + ":", "",
+                  "| policy | predicted | measured (one fwd+bwd runs) | tries |", "|---|---|---|---|"]
+        for r in caps:
+            tries = ", ".join(f"b{t['batch_size']} {'ok' if t['fits'] else 'OOM'}" for t in r["tries"])
+            lines.append(f"| {r['policy']} | {r['predicted_max_batch']} | {r['measured_max_batch']}"
+                         f"{' (search capped)' if r['capped_search'] else ''} | {tries} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
