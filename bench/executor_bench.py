@@ -185,18 +185,19 @@ def run_one(adapter, store, optimizer, policy, batch, seq, args, device, plan=No
             updater.start(min(1.0, 1.0 / (stats.grad_norm + 1e-6)), 1e-5)
             if args.serial_optimizer:
                 updater.finish()
+            end = time.perf_counter()  # when the next step would start
             if step >= args.warmup:
                 steps.append((t0, stats, breakdown, waited))
         updater.finish()
-        end = time.perf_counter()
     except BaseException:
         try:
             updater.finish()
         except RuntimeError:
             pass
         raise
-    # step time: start of one measured step to the start of the next (the last one to the
-    # end of its optimizer update), so overlapped CPU work is counted where it is exposed
+    # step time: start of one measured step to the start of the next. A step's overlapped
+    # CPU update runs in the next forward, so each step counts the previous step's exposed
+    # update (the warm-up's for the first), as in steady state.
     starts = [s[0] for s in steps] + [end]
     step_times = [b - a for a, b in zip(starts, starts[1:])]
     step_time = statistics.median(step_times)

@@ -39,7 +39,7 @@ from executor_bench import _opt_config, device_name, make_plan, random_batch, ru
 from lazytrain.memory.nvme import NvmeStore  # noqa: E402
 from lazytrain.model.build import build_model  # noqa: E402
 from lazytrain.optim.adamw import FusedAdamW  # noqa: E402
-from lazytrain.plan.costs import CostTable  # noqa: E402
+from lazytrain.plan.costs import CostTable, usable_gpu_bytes  # noqa: E402
 from lazytrain.plan.milp import PlanInfeasible, solve_plan  # noqa: E402
 from lazytrain.plan.search import search_batch  # noqa: E402
 from lazytrain.plan.simulate import simulate  # noqa: E402
@@ -246,9 +246,9 @@ def main() -> None:
             break
 
     if args.cap_gb:
-        cap = int(args.cap_gb * GiB)
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(cap / total, device)
+        torch.cuda.set_per_process_memory_fraction(args.cap_gb * GiB / total, torch.cuda.current_device())
+        cap = usable_gpu_bytes(int(args.cap_gb * GiB))  # what the planner may fill
         found = {}
         for policy in args.cap_runs:
             result = largest_batch(policy, costs, args.seq, cap, args, adapter, store, device, nvme)

@@ -25,7 +25,7 @@ from lazytrain.memory.host_store import HostStore, host_memory_total
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.optim.base import HostOptimizer
-from lazytrain.plan.costs import CostTable, LayerCosts, ShapeFit, default_fits
+from lazytrain.plan.costs import CostTable, LayerCosts, ShapeFit, default_fits, usable_gpu_bytes
 from lazytrain.plan.plan import keep_all_plan
 from lazytrain.runtime.executor import Executor
 
@@ -133,7 +133,8 @@ def _layer_shape_costs(executor: Executor, slot: torch.Tensor, batch: int, seq: 
 
 
 def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int) -> dict:
-    """GB/s of H2D, D2H and each direction when both run, at one layer's size."""
+    """GB/s of H2D, D2H and each direction when both run, at one layer's size (pinned both
+    ways, as the executor copies), and how much slower compute runs while a copy is in flight."""
     nbytes = host.numel() * host.element_size()
     if device.type != "cuda":
         dst = torch.empty_like(host)
@@ -141,8 +142,11 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int) -> dict:
         gbps = nbytes / ms / 1e6
         return {"h2d_gbps": gbps, "d2h_gbps": gbps, "bidir_gbps": gbps / 2, "copy_slowdown": 1.0}
     gpu = torch.empty(host.numel(), dtype=host.dtype, device=device)
-    back = torch.empty_like(host)
+    gpu2 = torch.empty_like(gpu)
+    # torch.empty_like(host) would be pageable (a third of the speed): pin the D2H target
+    back = torch.empty(host.numel(), dtype=host.dtype, pin_memory=True)
     h2d_stream, d2h_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    compute = torch.cuda.current_stream(device)
 
     def h2d():
         gpu.copy_(host, non_blocking=True)
@@ -151,17 +155,21 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int) -> dict:
         back.copy_(gpu, non_blocking=True)
 
     def both():
+        h2d_stream.wait_stream(compute)
+        d2h_stream.wait_stream(compute)
         with torch.cuda.stream(h2d_stream):
             gpu.copy_(host, non_blocking=True)
         with torch.cuda.stream(d2h_stream):
             back.copy_(gpu2, non_blocking=True)
-        torch.cuda.current_stream(device).wait_stream(h2d_stream)
-        torch.cuda.current_stream(device).wait_stream(d2h_stream)
+        compute.wait_stream(h2d_stream)
+        compute.wait_stream(d2h_stream)
 
-    gpu2 = torch.empty_like(gpu)
     h2d_ms = _timer(device, h2d, repeats)
     d2h_ms = _timer(device, d2h, repeats)
     both_ms = _timer(device, both, repeats)
+
+    # compute alone, then the same compute while H2D copies keep the link busy throughout;
+    # events on the compute stream time the matmuls only
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
 
     def matmuls():
@@ -169,15 +177,17 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int) -> dict:
             a @ a
 
     alone = _timer(device, matmuls, repeats)
+    copies = 2 + int(alone / h2d_ms)
 
-    def matmuls_with_copy():
+    def matmuls_under_copies():
+        h2d_stream.wait_stream(compute)
         with torch.cuda.stream(h2d_stream):
-            for _ in range(4):
+            for _ in range(copies):
                 gpu.copy_(host, non_blocking=True)
         matmuls()
-        torch.cuda.current_stream(device).wait_stream(h2d_stream)
 
-    together = _timer(device, matmuls_with_copy, repeats)
+    together = _timer(device, matmuls_under_copies, repeats)
+    torch.cuda.synchronize(device)
     h2d_gbps, d2h_gbps = nbytes / h2d_ms / 1e6, nbytes / d2h_ms / 1e6
     serial = h2d_gbps * d2h_gbps / (h2d_gbps + d2h_gbps)
     bidir = min(max(nbytes / both_ms / 1e6, serial), min(h2d_gbps, d2h_gbps))
@@ -319,7 +329,7 @@ def profile(
         const_grad_bytes=const_params * esize,
         **disk,
         optimizer_ns_per_param=_optimizer_ns_per_param(optimizer_factory, store, adapter, repeats),
-        gpu_bytes=gpu_bytes or total_gpu,
+        gpu_bytes=usable_gpu_bytes(gpu_bytes or total_gpu),
         # resident embedding and final group, their gradients, and ~1 GiB for the CUDA
         # context and allocator slack
         gpu_fixed_bytes=2 * (embed.numel() + final.numel()) * esize + (2**30 if device.type == "cuda" else 0),

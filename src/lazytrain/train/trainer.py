@@ -31,7 +31,7 @@ from lazytrain.model.flops import flops_6nt, model_flops
 from lazytrain.model.loading import save_hf
 from lazytrain.optim.adamw import FusedAdamW
 from lazytrain.optim.base import HostOptimizer
-from lazytrain.plan.costs import CostTable
+from lazytrain.plan.costs import CostTable, usable_gpu_bytes
 from lazytrain.plan.plan import Plan, checkpoint_all_plan, keep_all_plan, megatrain_plan
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.update import HostUpdater
@@ -192,7 +192,9 @@ class Trainer:
         )
         if cfg.memory.gpu_gb and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory.gpu_gb * 2**30 / total), self.device)
+            # the device needs an index here (torch 2.11 rejects a bare 'cuda')
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory.gpu_gb * 2**30 / total), index)
         decay = [layout.decay_numel for layout in self.adapter.layouts]
         self.optimizer = make_optimizer(cfg, self.store.masters, decay)
         self.nvme = NvmeStore(cfg.memory.nvme_dir) if cfg.memory.nvme_dir else None
@@ -223,8 +225,10 @@ class Trainer:
         """The cost table of ``plan.costs``, or one profiled now at the training shape."""
         cfg = self.config
         if cfg.plan.costs:
-            costs = CostTable.load(cfg.plan.costs)
-            return costs.at(cfg.training.batch_size, cfg.data.max_seq_len)
+            costs = CostTable.load(cfg.plan.costs).at(cfg.training.batch_size, cfg.data.max_seq_len)
+            if cfg.memory.gpu_gb:
+                costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(cfg.memory.gpu_gb * 2**30)))
+            return costs
         from lazytrain.runtime.profiler import profile
 
         return profile(
