@@ -27,6 +27,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ from lazytrain.plan.search import search_batch  # noqa: E402
 from lazytrain.plan.simulate import simulate  # noqa: E402
 from lazytrain.runtime.executor import Executor  # noqa: E402
 from lazytrain.runtime.profiler import profile  # noqa: E402
+from lazytrain.runtime.streams import prefer_expandable_segments  # noqa: E402
 from lazytrain.train.trainer import prediction  # noqa: E402
 
 GiB = 2**30
@@ -111,7 +113,7 @@ def largest_batch(policy, costs, seq, cap, args, adapter, store, device, nvme) -
             return False
         ok, why, peak = probe(adapter, store, plan, device, nvme)
         tries.append({"batch_size": b, "fits": ok, "peak_alloc_gb": peak, **({"why": why} if why else {})})
-        print(f"  cap {args.cap_gb} GiB {policy} b{b}: {'fits' if ok else 'OOM'} (peak {peak:.1f} GB) {why}",
+        print(f"  cap {args.cap_gb} GiB {policy} b{b}: {'fits' if ok else 'OOM'} (peak {peak:.1f} GB) {why[:120]}",
               flush=True)
         return ok
 
@@ -123,11 +125,11 @@ def largest_batch(policy, costs, seq, cap, args, adapter, store, device, nvme) -
                 break
             measured = up
     else:
-        measured = 0
-        for down in range(b - 1, 0, -1):
-            if attempt(down):
-                measured = down
-                break
+        lo, hi = 0, b  # lo fits (0: nothing known to), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if attempt(mid) else (lo, mid)
+        measured = lo
     return {"policy": policy, "cap_gb": args.cap_gb, "predicted_max_batch": predicted,
             "measured_max_batch": measured, "tries": tries,
             "capped_search": measured == b + args.cap_up and measured > 0}
@@ -157,6 +159,7 @@ def main() -> None:
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     args.serial_optimizer = False
+    prefer_expandable_segments()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("plan_bench needs a CUDA device (--device cpu runs a smoke test of the script)")
     device = torch.device(args.device)
@@ -168,7 +171,8 @@ def main() -> None:
     dev = "h200" if "H200" in device_name(device) else device.type
     stem = f"plan_{args.model}_{dev}_{date}_s{args.seq}{args.tag}"
     common = {"date": date, "device": device_name(device), "torch": torch.__version__, "model": args.model,
-              "optimizer": args.optimizer, "overlap_optimizer": True, "cpu_threads": torch.get_num_threads()}
+              "optimizer": args.optimizer, "overlap_optimizer": True, "cpu_threads": torch.get_num_threads(),
+              "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     records: list[dict] = []
 
     def save() -> None:
@@ -264,7 +268,18 @@ def main() -> None:
                     continue
                 table = dataclasses.replace(costs.at(b, args.seq), gpu_bytes=cap)
                 plan = policy_plan(policy, table, args, gpu_bytes=cap)
-                record = run_one(adapter, store, optimizer, policy, b, args.seq, args, device, plan=plan, nvme=nvme)
+                try:
+                    record = run_one(adapter, store, optimizer, policy, b, args.seq, args, device, plan=plan,
+                                     nvme=nvme)
+                except torch.OutOfMemoryError as error:
+                    # one step fitted, a few in a row did not: say so rather than lose the run
+                    records.append({"name": f"{args.model}_{policy}_b{b}_s{args.seq}_cap{args.cap_gb:g}{args.tag}",
+                                    **common, "policy": policy, "batch_size": b, "seq_len": args.seq,
+                                    "oom": str(error).split("\n")[0]})
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    save()
+                    continue
                 record.update(prediction(plan, table, True))
                 record["prediction_error"] = record["predicted_step_time_s"] / record["step_time_s"] - 1
                 record["gpu_mem_cap_gb"] = args.cap_gb

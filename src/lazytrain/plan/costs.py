@@ -200,6 +200,9 @@ class CostTable:
     """Pinned host memory available for activations beyond the fixed model state."""
     nvme_bytes: int = 0
     """NVMe space for activations (0: no NVMe tier)."""
+    head_chunk_tokens: int = 0
+    """Tokens per head + loss chunk when ``head_work_bytes`` was measured: the head's working
+    set grows with the tokens up to one chunk, then stays (0: unknown, held constant)."""
 
     fits: dict[str, ShapeFit] = field(default_factory=default_fits)
     device: str = ""
@@ -295,10 +298,16 @@ class CostTable:
             embed_forward_ms=self.embed_forward_ms * scaled["embed_ms"],
             embed_backward_ms=self.embed_backward_ms * scaled["embed_ms"],
             head_ms=self.head_ms * scaled["head_ms"],
-            head_work_bytes=round(self.head_work_bytes * scaled["head_work_bytes"]),
+            head_work_bytes=round(self.head_work_bytes * self._head_work_ratio(batch_size * seq_len)),
             fits={k: replace(v) for k, v in self.fits.items()},
             notes=dict(self.notes),
         )
+
+    def _head_work_ratio(self, tokens: int) -> float:
+        if self.head_chunk_tokens <= 0:
+            return self.fits["head_work_bytes"].ratio(tokens, 1, self.tokens, 1)
+        chunk = self.head_chunk_tokens
+        return min(tokens, chunk) / min(self.tokens, chunk)
 
     def to_dict(self) -> dict:
         return asdict(self)

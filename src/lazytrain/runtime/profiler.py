@@ -324,6 +324,7 @@ def profile(
         embed_backward_ms=statistics.median(embed_backward_times[1:]),
         head_ms=head_ms,
         head_work_bytes=head_peak.bytes,
+        head_chunk_tokens=head_chunk_tokens,
         const_params=const_params,
         const_weight_bytes=const_params * esize,
         const_grad_bytes=const_params * esize,

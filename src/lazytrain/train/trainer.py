@@ -34,6 +34,7 @@ from lazytrain.optim.base import HostOptimizer
 from lazytrain.plan.costs import CostTable, usable_gpu_bytes
 from lazytrain.plan.plan import Plan, checkpoint_all_plan, keep_all_plan, megatrain_plan
 from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.streams import prefer_expandable_segments
 from lazytrain.runtime.update import HostUpdater
 from lazytrain.train.metrics import MetricsWriter, gpu_memory, host_rss_bytes
 from lazytrain.train.schedule import learning_rate
@@ -172,6 +173,7 @@ class Trainer:
 
     def setup(self) -> None:
         cfg = self.config
+        prefer_expandable_segments()
         if cfg.training.eval_every and cfg.data.dataset != "builtin":
             raise ValueError(
                 "training.eval_every needs held-out data, which only the built-in data has here; "
