@@ -273,7 +273,7 @@ def main() -> None:
                                      nvme=nvme)
                 except torch.OutOfMemoryError as error:
                     # one step fitted, a few in a row did not: say so rather than lose the run
-                    records.append({"name": f"{args.model}_{policy}_b{b}_s{args.seq}_cap{args.cap_gb:g}{args.tag}",
+                    records.append({"name": f"{args.model}_{policy}_b{b}_s{args.seq}_cap{args.cap_gb:g}",
                                     **common, "policy": policy, "batch_size": b, "seq_len": args.seq,
                                     "oom": str(error).split("\n")[0]})
                     gc.collect()
@@ -284,7 +284,7 @@ def main() -> None:
                 record["prediction_error"] = record["predicted_step_time_s"] / record["step_time_s"] - 1
                 record["gpu_mem_cap_gb"] = args.cap_gb
                 record["plan"] = plan.to_dict()
-                records.append({"name": f"{args.model}_{policy}_b{b}_s{args.seq}_cap{args.cap_gb:g}{args.tag}",
+                records.append({"name": f"{args.model}_{policy}_b{b}_s{args.seq}_cap{args.cap_gb:g}",
                                 **common, **record})
                 print(json.dumps({k: v for k, v in records[-1].items() if k not in ("plan", "step_times_s")}),
                       flush=True)

@@ -56,3 +56,14 @@ def test_validation_says_what_to_do():
         replace(table.layers[0], saved_bytes=table.layers[0].input_bytes - 1)
     with pytest.raises(ValueError, match="refit"):
         ShapeFit(per_token=0.0)
+
+
+def test_head_working_set_grows_with_tokens_up_to_one_chunk():
+    costs = replace(synthetic_cost_table(QWEN25_32B, 8, 1024), head_chunk_tokens=4096)
+    assert costs.at(8, 1024).head_work_bytes == costs.head_work_bytes
+    # 8192 tokens fill two chunks; 2048 tokens fill half of one
+    assert costs.at(2, 1024).head_work_bytes == round(costs.head_work_bytes / 2)
+    assert costs.at(64, 1024).head_work_bytes == costs.head_work_bytes
+    unknown = replace(costs, head_chunk_tokens=0)
+    assert unknown.at(2, 1024).head_work_bytes == round(
+        unknown.head_work_bytes * unknown.fits["head_work_bytes"].ratio(2048, 1, 8192, 1))

@@ -36,3 +36,50 @@ def test_profile_then_plan_then_train_with_the_solved_plan(tmp_path, capsys):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert len(steps) == 2 and all(r["predicted_step_time_s"] > 0 for r in steps)
+    # each step: the simulator's exposure per stream and activation peaks next to what ran
+    # (the stream trace itself needs CUDA; the activation peaks are measured on any device)
+    for r in steps:
+        assert r["predicted_step_time_s"] >= r["predicted_gpu_compute_s"] > 0
+        assert {"predicted_exposed_h2d_s", "predicted_exposed_d2h_s", "predicted_gpu_idle_other_s",
+                "predicted_peak_gpu_gb", "predicted_act_host_gb", "predicted_act_nvme_gb"} <= r.keys()
+        assert r["act_gpu_gb"] + r["act_host_gb"] > 0 and r["act_nvme_gb"] == 0
+
+
+def test_profile_measures_the_nvme_tier_through_its_own_path(tmp_path):
+    import torch
+
+    from lazytrain.config import load_config
+    from lazytrain.memory.nvme import NvmeStore
+    from lazytrain.plan.costs import GPU_RESERVE_FRACTION
+    from lazytrain.runtime.profiler import profile
+    from lazytrain.train.trainer import Trainer, make_optimizer
+
+    config = load_config(None, [f"training.output_dir={tmp_path / 'run'}", "plan.policy=keep_all", *COMMON])
+    trainer = Trainer(config)
+    trainer.setup()
+    nvme = NvmeStore(tmp_path / "nvme")
+    costs = profile(trainer.adapter, trainer.store, torch.device("cpu"), 4, 96,
+                    lambda m, d: make_optimizer(config, m, d), gpu_bytes=2**30, repeats=1, nvme=nvme)
+    assert costs.nvme_write_gbps > 0 and costs.nvme_read_gbps > 0
+    assert 0 < costs.nvme_bytes <= nvme.free_bytes()
+    assert "measured" in costs.notes["nvme"]
+    assert not list((tmp_path / "nvme").iterdir())  # the probe files are gone
+    # a GPU cap leaves the allocator's reserve unplanned
+    assert costs.gpu_bytes == int(2**30 * (1 - GPU_RESERVE_FRACTION))
+    assert costs.head_chunk_tokens == config.plan.head_chunk_tokens
+    without = profile(trainer.adapter, trainer.store, torch.device("cpu"), 4, 96,
+                      lambda m, d: make_optimizer(config, m, d), repeats=1)
+    assert without.nvme_bytes == 0
+
+
+def test_expandable_segments_only_when_the_user_set_nothing(monkeypatch):
+    from lazytrain.runtime.streams import prefer_expandable_segments
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert prefer_expandable_segments()
+    import os
+
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert not prefer_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"

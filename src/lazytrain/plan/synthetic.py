@@ -112,6 +112,7 @@ def synthetic_cost_table(
         embed_backward_ms=1.0 + tokens * h * 4 / 1e9,
         head_ms=head_flops / rate,
         head_work_bytes=chunk * shape.vocab * 6,
+        head_chunk_tokens=head_chunk_tokens,
         const_params=const,
         const_weight_bytes=const * bf16,
         const_grad_bytes=const * bf16,

@@ -331,9 +331,9 @@ def profile(
         **disk,
         optimizer_ns_per_param=_optimizer_ns_per_param(optimizer_factory, store, adapter, repeats),
         gpu_bytes=usable_gpu_bytes(gpu_bytes or total_gpu),
-        # resident embedding and final group, their gradients, and ~1 GiB for the CUDA
-        # context and allocator slack
-        gpu_fixed_bytes=2 * (embed.numel() + final.numel()) * esize + (2**30 if device.type == "cuda" else 0),
+        # resident embedding and final group and their gradients; the CUDA context and the
+        # allocator's slack come out of gpu_bytes (usable_gpu_bytes), not here
+        gpu_fixed_bytes=2 * (embed.numel() + final.numel()) * esize,
         host_bytes=max(int(host_free), 0),
         fits=fits,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
