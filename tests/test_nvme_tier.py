@@ -15,26 +15,50 @@ from lazytrain.runtime.streams import Streams
 CPU = torch.device("cpu")
 
 
-def stored(tmp_path):
-    nvme = NvmeStore(tmp_path / "acts")
+# both I/O paths: O_DIRECT where this folder's filesystem takes it, and buffered
+IO_PATHS = [pytest.param(None, id="direct-if-possible"), pytest.param(False, id="buffered")]
+
+
+def stored(tmp_path, direct=None):
+    nvme = NvmeStore(tmp_path / "acts", direct=direct)
     store = ActivationStore(Streams(CPU), CPU, nvme=nvme)
-    x = torch.randn(64, 33)
+    x = torch.randn(64, 33)  # 8448 bytes: not a multiple of the 4 KiB O_DIRECT unit
     handle = store.put(x, "nvme")
     record = handle.written.result()
     return nvme, store, x, handle, record
 
 
-def test_round_trip_and_cleanup(tmp_path):
-    nvme, store, x, handle, record = stored(tmp_path)
+@pytest.mark.parametrize("direct", IO_PATHS)
+def test_round_trip_and_cleanup(tmp_path, direct):
+    nvme, store, x, handle, record = stored(tmp_path, direct)
     assert record.path.exists() and record.nbytes == x.numel() * 4
+    if nvme.direct:  # the file is padded to whole 4 KiB blocks
+        assert record.path.stat().st_size == 12288
+    else:
+        assert record.path.stat().st_size == record.nbytes
     assert torch.equal(store.get(handle), x)
     store.free(handle)
     assert not record.path.exists()
     assert store.bytes_by_tier["nvme"] == 0
 
 
-def test_flipped_byte_is_detected(tmp_path):
-    _, store, _, handle, record = stored(tmp_path)
+def test_direct_io_is_used_where_the_filesystem_allows_it(tmp_path):
+    from lazytrain.memory.nvme import ALIGN, O_DIRECT, _direct_region, aligned_empty
+
+    buf = aligned_empty(1000, torch.float32)
+    assert buf.data_ptr() % ALIGN == 0 and buf.numel() == 1000
+    assert _direct_region(buf).nbytes == ALIGN  # 4000 bytes, padded to one block
+    assert _direct_region(torch.randn(1000)[1:]) is None  # unaligned: buffered I/O
+    nvme = NvmeStore(tmp_path / "acts")
+    if not O_DIRECT:
+        assert not nvme.direct
+    # no probe file is left behind either way
+    assert not list((tmp_path / "acts").iterdir())
+
+
+@pytest.mark.parametrize("direct", IO_PATHS)
+def test_flipped_byte_is_detected(tmp_path, direct):
+    _, store, _, handle, record = stored(tmp_path, direct)
     raw = bytearray(record.path.read_bytes())
     raw[100] ^= 0x40
     record.path.write_bytes(bytes(raw))
@@ -43,8 +67,9 @@ def test_flipped_byte_is_detected(tmp_path):
     assert str(record.path) in str(e.value)
 
 
-def test_short_read_is_detected(tmp_path):
-    _, store, _, handle, record = stored(tmp_path)
+@pytest.mark.parametrize("direct", IO_PATHS)
+def test_short_read_is_detected(tmp_path, direct):
+    _, store, _, handle, record = stored(tmp_path, direct)
     with open(record.path, "r+b") as f:
         f.truncate(record.nbytes - 7)
     with pytest.raises(NvmeError, match="short read") as e:
@@ -77,19 +102,35 @@ def test_disk_full(tmp_path, monkeypatch):
     assert e.value.errno == errno.ENOSPC
 
 
-def test_failed_write(tmp_path, monkeypatch):
-    nvme = NvmeStore(tmp_path / "acts")
-    real_open = open
+@pytest.mark.parametrize("direct", IO_PATHS)
+def test_failed_write(tmp_path, monkeypatch, direct):
+    nvme = NvmeStore(tmp_path / "acts", direct=direct)
+    real_write = os.write
 
-    def failing_open(path, mode="r", *args, **kwargs):
-        if "w" in mode and str(path).endswith(".act"):
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real_open(path, mode, *args, **kwargs)
+    def failing_write(fd, data):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr("builtins.open", failing_open)
+    monkeypatch.setattr(os, "write", failing_write)
     handle = ActivationStore(Streams(CPU), CPU, nvme=nvme).put(torch.randn(100), "nvme")
-    with pytest.raises(NvmeError, match="writing activations failed"):
+    with pytest.raises(NvmeError, match="writing activations failed") as e:
         handle.written.result()
+    assert ".act" in str(e.value)
+    monkeypatch.setattr(os, "write", real_write)
+
+
+def test_a_step_that_cannot_fit_on_the_disk_fails_before_writing(tmp_path, monkeypatch):
+    nvme = NvmeStore(tmp_path / "acts")
+    store = ActivationStore(Streams(CPU), CPU, nvme=nvme)
+    store.start_step(nvme_bytes=1000)  # room enough
+    handle = store.put(torch.randn(4096), "nvme")
+    handle.written.result()
+    store.free(handle)
+    monkeypatch.setattr(nvme, "free_bytes", lambda: 8000)
+    # the last step's peak (16 KiB) is checked even when the caller knows of less
+    with pytest.raises(NvmeError, match="NVMe folder full: this step needs") as e:
+        store.start_step(nvme_bytes=0)
+    assert e.value.errno == errno.ENOSPC and str(tmp_path / "acts") in str(e.value)
+    assert not list((tmp_path / "acts").iterdir())
 
 
 def test_nvme_tier_without_a_folder_is_a_clear_error():

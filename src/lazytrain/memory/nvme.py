@@ -4,7 +4,12 @@ Writes and reads run on a small thread pool through pinned host buffers the call
 the GPU copies on either side stay asynchronous. Every file carries a CRC-32 that is checked
 on every read; a missing, unwritable or full folder, a short read or a corrupted file raises
 `NvmeError` naming the path, never a silent wrong gradient. Files are removed when freed and
-at exit. Plain buffered I/O is used (no O_DIRECT).
+at exit.
+
+I/O bypasses the page cache (``O_DIRECT``) where the filesystem allows it and the buffer is
+4 KiB-aligned with storage up to the next 4 KiB (`aligned_empty` makes such buffers; the
+file is then padded to 4 KiB); otherwise it is ordinary buffered I/O. Without the cache, a
+write costs what the disk costs and the host memory the cache would take stays free.
 """
 
 from __future__ import annotations
@@ -34,12 +39,81 @@ class NvmeRecord:
     crc: int
 
 
+ALIGN = 4096
+"""O_DIRECT needs this alignment of the memory address, the file offset and the length."""
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
 def _bytes_view(t: torch.Tensor):
     return t.view(-1).view(torch.uint8).numpy()
 
 
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+    """``numel`` elements at a 4 KiB-aligned address, with storage up to the next 4 KiB."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(_round_up(nbytes) + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    start = (-raw.data_ptr()) % ALIGN
+    return raw[start : start + nbytes].view(dtype)
+
+
+def _direct_region(buf: torch.Tensor):
+    """The aligned, padded bytes holding ``buf`` (a numpy view), or None if it has none."""
+    nbytes = buf.numel() * buf.element_size()
+    start = buf.storage_offset() * buf.element_size()
+    padded = _round_up(nbytes)
+    storage = buf.untyped_storage()
+    if buf.data_ptr() % ALIGN or storage.nbytes() - start < padded or not buf.is_contiguous():
+        return None
+    region = torch.empty(0, dtype=torch.uint8).set_(storage, start, (padded,), (1,))
+    return region.numpy()
+
+
+def _probe_direct(folder: Path) -> bool:
+    """Whether ``folder``'s filesystem takes O_DIRECT writes (tmpfs, for one, does not)."""
+    if not O_DIRECT:
+        return False
+    probe = folder / f".lazytrain-direct-{os.getpid()}"
+    buf = aligned_empty(ALIGN, torch.uint8)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o600)
+        try:
+            return os.write(fd, _direct_region(buf)) == ALIGN
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _write_all(fd: int, data) -> None:
+    view, done = memoryview(data), 0
+    while done < len(view):
+        n = os.write(fd, view[done:])
+        if n <= 0:
+            raise OSError(errno.EIO, f"write returned {n} after {done} of {len(view)} bytes")
+        done += n
+
+
+def _read_all(fd: int, data) -> int:
+    view, done = memoryview(data), 0
+    while done < len(view):
+        n = os.readv(fd, [view[done:]])
+        if n == 0:
+            break
+        done += n
+    return done
+
+
 class NvmeStore:
-    def __init__(self, folder: str | Path, workers: int = 4):
+    """Activation files in ``folder``. ``direct``: None probes whether O_DIRECT works there,
+    False forces buffered I/O."""
+
+    def __init__(self, folder: str | Path, workers: int = 4, direct: bool | None = None):
         self.folder = Path(folder).expanduser()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -51,6 +125,7 @@ class NvmeStore:
                 f"NVMe activation folder {self.folder} is not usable ({e.strerror or e}); set "
                 "memory.nvme_dir to a writable folder on a fast disk"
             ) from None
+        self.direct = _probe_direct(self.folder) if direct is None else (direct and bool(O_DIRECT))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lazytrain-nvme")
         self._counter = itertools.count()
         self._live: set[Path] = set()
@@ -77,9 +152,14 @@ class NvmeStore:
             raise NvmeError(errno.ENOSPC, f"NVMe folder full: {nbytes / 2**20:.1f} MiB needed, "
                             f"{self.free_bytes() / 2**20:.1f} MiB free; free space or lower the "
                             "plan's NVMe use", str(path))
+        region = _direct_region(buf) if self.direct else None
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (O_DIRECT if region is not None else 0)
         try:
-            with open(path, "wb") as f:
-                f.write(memoryview(data))
+            fd = os.open(path, flags, 0o600)
+            try:
+                _write_all(fd, data if region is None else region)
+            finally:
+                os.close(fd)
         except OSError as e:
             raise NvmeError(e.errno, f"writing activations failed: {e.strerror or e}", str(path)) from None
         with self._lock:
@@ -92,9 +172,13 @@ class NvmeStore:
 
     def _read(self, record: NvmeRecord, out: torch.Tensor) -> torch.Tensor:
         data = _bytes_view(out)
+        region = _direct_region(out) if self.direct else None
         try:
-            with open(record.path, "rb") as f:
-                got = f.readinto(memoryview(data))
+            fd = os.open(record.path, os.O_RDONLY | (O_DIRECT if region is not None else 0))
+            try:
+                got = min(_read_all(fd, data if region is None else region), record.nbytes)
+            finally:
+                os.close(fd)
         except OSError as e:
             raise NvmeError(e.errno, f"reading activations failed: {e.strerror or e}", str(record.path)) from None
         if got != record.nbytes:

@@ -8,13 +8,15 @@ produced the tensor, so forward compute never waits for them.
 
 from __future__ import annotations
 
+import errno
+
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from lazytrain.memory.nvme import NvmeStore
+from lazytrain.memory.nvme import NvmeError, NvmeStore, aligned_empty
 from lazytrain.runtime.streams import Streams, StreamTrace
 
 
@@ -58,7 +60,8 @@ class ActivationStore:
             buf, last_read = entry
             self.streams.wait(last_read, self.streams.d2h)
             return buf
-        return torch.empty(numel, dtype=dtype, pin_memory=self.streams.cuda)
+        # 4 KiB-aligned and padded, so the NVMe tier can write and read it with O_DIRECT
+        return aligned_empty(numel, dtype, pin=self.streams.cuda)
 
     def _release(self, buf: torch.Tensor, last_read: torch.cuda.Event | None) -> None:
         with self._pool_lock:
@@ -154,7 +157,23 @@ class ActivationStore:
     def reset_peaks(self) -> None:
         self.peak_by_tier = dict(self.bytes_by_tier)
 
-    def start_step(self) -> None:
-        """Nothing is stored between steps (an abandoned step's handles are garbage)."""
+    def start_step(self, nvme_bytes: int = 0) -> None:
+        """Nothing is stored between steps (an abandoned step's handles are garbage).
+
+        With an NVMe tier, checks before anything is written that the folder has room for
+        ``nvme_bytes`` (what the plan puts there, as far as the caller knows it) and for the
+        NVMe peak of the last step.
+        """
+        need = max(nvme_bytes, self.peak_by_tier["nvme"])
+        if self.nvme is not None and need > 0:
+            free = self.nvme.free_bytes()
+            if free < need:
+                raise NvmeError(
+                    errno.ENOSPC,
+                    f"NVMe folder full: this step needs {need / 2**30:.2f} GiB for activations, "
+                    f"{free / 2**30:.2f} GiB free; free space there, point memory.nvme_dir at a "
+                    "larger disk, or plan with less on the NVMe tier",
+                    str(self.nvme.folder),
+                )
         self.bytes_by_tier = {tier: 0 for tier in self.bytes_by_tier}
         self.reset_peaks()

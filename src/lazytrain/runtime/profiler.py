@@ -22,7 +22,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from lazytrain.memory.host_store import HostStore, host_memory_total
-from lazytrain.memory.nvme import NvmeStore
+from lazytrain.memory.nvme import NvmeStore, aligned_empty
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.plan.costs import CostTable, LayerCosts, ShapeFit, default_fits, usable_gpu_bytes
@@ -210,11 +210,12 @@ def _optimizer_ns_per_param(optimizer_factory: Callable[[list[torch.Tensor], lis
 def _nvme_bandwidths(nvme: NvmeStore, nbytes: int, files: int = 4) -> dict:
     """GB/s of writing then reading ``files`` files of ``nbytes`` each through ``nvme``.
 
-    The same calls the activation tier makes: one file per checkpoint from a pinned buffer,
-    issued together on the store's pool, CRC on both sides. Buffered I/O, so a write that
-    fits the page cache is faster than the disk: what the executor will see at that size.
+    The same calls the activation tier makes: one file per checkpoint from an aligned pinned
+    buffer, issued together on the store's pool, CRC on both sides, O_DIRECT where the
+    filesystem takes it (else buffered, and then a write that fits the page cache is faster
+    than the disk: what the executor would see at that size).
     """
-    bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()) for _ in range(files)]
+    bufs = [aligned_empty(nbytes, torch.uint8, pin=torch.cuda.is_available()) for _ in range(files)]
     for b in bufs:
         b.fill_(7)
     t0 = time.perf_counter()
@@ -311,7 +312,8 @@ def profile(
     host_free = host_memory_total() * 0.95 - store.bytes(optimizer_state_bytes).total
     if nvme is not None:
         disk = _nvme_bandwidths(nvme, ref["input_bytes"])
-        disk_note = f"NVMe bandwidth measured in {nvme.folder} at {ref['input_bytes']} bytes per file"
+        disk_note = (f"NVMe bandwidth measured in {nvme.folder} at {ref['input_bytes']} bytes per file, "
+                     f"{'O_DIRECT' if nvme.direct else 'buffered'} I/O")
     else:
         disk = {"nvme_read_gbps": 1.0, "nvme_write_gbps": 1.0, "nvme_bytes": 0}
         disk_note = "no NVMe folder given: nvme_bytes=0 keeps the planner off that tier"
