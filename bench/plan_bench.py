@@ -345,9 +345,10 @@ def markdown(records: list[dict], args) -> str:
     if caps:
         lines += ["", f"Largest batch with the GPU capped at {caps[0]['cap_gb']:g} GiB "
                   "(`torch.cuda.set_per_process_memory_fraction`), seq " + str(args.seq) + ":", "",
-                  "| policy | predicted | measured (one fwd+bwd runs) | tries |", "|---|---|---|---|"]
+                  "| policy | predicted | measured (one fwd+bwd runs) | tries (no plan: the MILP finds none in the cap) |", "|---|---|---|---|"]
         for r in caps:
-            tries = ", ".join(f"b{t['batch_size']} {'ok' if t['fits'] else 'OOM'}" for t in r["tries"])
+            tries = ", ".join(f"b{t['batch_size']} " + ("ok" if t["fits"] else "no plan" if t.get("why", "").startswith("no plan")
+                                                       else "OOM") for t in r["tries"])
             lines.append(f"| {r['policy']} | {r['predicted_max_batch']} | {r['measured_max_batch']}"
                          f"{' (search capped)' if r['capped_search'] else ''} | {tries} |")
     return "\n".join(lines) + "\n"
