@@ -22,6 +22,7 @@ from lazytrain.optim.hybrid8bit import (
     Fp32State,
     Hybrid8bitAdamW,
     QuantizedState,
+    state_bytes_per_param,
 )
 from lazytrain.optim.quant import (
     BLOCK,
@@ -314,6 +315,37 @@ def test_state_bytes_per_parameter():
     )
     assert opt.state_bytes() == 2 * numel + 8 * num_blocks(numel) + 8 * 100
     assert (opt.state_bytes() - 800) / numel <= 2.1
+
+
+def test_fp32_groups_keep_fp32_states():
+    sizes = [20_000, 30_000, 9000]
+    opt = Hybrid8bitAdamW(
+        [torch.zeros(n) for n in sizes], [0, 0, 0], CONFIG, kernel="torch", fp32_groups=(0, 2)
+    )
+    assert [type(s) for s in opt.states] == [Fp32State, QuantizedState, Fp32State]
+    assert opt.state_bytes() == 8 * 29_000 + 2 * 30_000 + 8 * num_blocks(30_000)
+    assert state_bytes_per_param(sizes, (0, 2)) == opt.state_bytes() / sum(sizes)
+    # Qwen2.5-7B: embedding and untied head in fp32 states cost 2.89 B/param, not 2.03
+    h, vocab, layer = 3584, 152_064, 233_057_792
+    numels = [vocab * h] + [layer] * 28 + [h + vocab * h]
+    assert state_bytes_per_param(numels) == pytest.approx(2.031, abs=1e-3)
+    assert state_bytes_per_param(numels, (0, 29)) == pytest.approx(2.886, abs=1e-3)
+
+
+def test_trainer_keeps_embedding_states_fp32_when_asked():
+    from lazytrain.config import load_config
+    from lazytrain.train.trainer import make_optimizer
+
+    sizes = [20_000, 30_000, 9000]
+    for flag, kinds in (
+        ("false", [QuantizedState] * 3),
+        ("true", [Fp32State, QuantizedState, Fp32State]),
+    ):
+        config = load_config(
+            None, ["optimizer.kind=hybrid8bit", f"optimizer.fp32_embedding_states={flag}"]
+        )
+        opt = make_optimizer(config, [torch.zeros(n) for n in sizes], [0, 0, 0])
+        assert [type(s) for s in opt.states] == kinds
 
 
 def test_rejects_mismatched_inputs():

@@ -32,6 +32,7 @@ two concurrent steps run two such teams at once: one optimizer thread uses the c
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,19 @@ from lazytrain.optim.quant import (
 
 MIN_8BIT_NUMEL = 4096
 """Groups with fewer elements keep fp32 m and v."""
+
+
+def is_8bit(numel: int) -> bool:
+    return numel >= MIN_8BIT_NUMEL
+
+
+def state_bytes_per_param(numels: Sequence[int], fp32_groups: Collection[int] = ()) -> float:
+    """Bytes of state per parameter of groups of ``numels`` elements, as Hybrid8bitAdamW keeps them."""
+    total = 0
+    for g, n in enumerate(numels):
+        total += 2 * n + 8 * num_blocks(n) if is_8bit(n) and g not in fp32_groups else 8 * n
+    return total / max(sum(numels), 1)
+
 
 STATE_FORMAT = "dynamic8-block256-sqrtv"
 """Names the maps, block size and what the second-moment codes hold (sqrt(v)) of saved codes."""
@@ -213,7 +227,9 @@ class Hybrid8bitAdamW(HostOptimizer):
 
     Interchangeable with ``FusedAdamW``. ``kernel`` is ``"auto"`` (the C++ kernel, built at
     first use, else the pure-torch path with a warning), ``"cpp"`` (the kernel or an error) or
-    ``"torch"``; ``None`` reads ``LAZYTRAIN_OPTIM_KERNEL``.
+    ``"torch"``; ``None`` reads ``LAZYTRAIN_OPTIM_KERNEL``. Groups in ``fp32_groups`` keep fp32
+    m and v whatever their size (bitsandbytes' advice for embeddings: rows of rare tokens get
+    rare, tiny gradients, the hardest values for blockwise 8-bit states).
     """
 
     def __init__(
@@ -223,15 +239,16 @@ class Hybrid8bitAdamW(HostOptimizer):
         config: AdamWConfig,
         *,
         kernel: str | None = None,
+        fp32_groups: Collection[int] = (),
     ):
         super().__init__(masters, decay_numel, config)
         choice = kernel_choice(kernel)
         self._kernel = None if choice == "torch" else load_kernel(required=choice == "cpp")
         self.states: list[QuantizedState | Fp32State] = [
             QuantizedState.zeros(m.numel())
-            if m.numel() >= MIN_8BIT_NUMEL
+            if is_8bit(m.numel()) and g not in fp32_groups
             else Fp32State.zeros(m.numel())
-            for m in masters
+            for g, m in enumerate(masters)
         ]
         mt, vt = signed_tables(), unsigned_tables()
         self._tables = [
