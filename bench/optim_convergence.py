@@ -1,8 +1,9 @@
 """8-bit against fp32 AdamW states on the built-in default: final loss and held-out exact match.
 
-Trains the built-in default (`lazytrain train` with no arguments) twice, once per optimizer
-kind, everything else equal, and compares the mean loss of the last ``--tail`` steps and the
-exact match on the built-in held-out split. Writes a JSON record and a Markdown report.
+Trains the built-in default (`lazytrain train` with no arguments) three times, everything else
+equal: fp32 states, 8-bit states, and 8-bit states with the embedding's kept in fp32
+(``optimizer.fp32_embedding_states``). Compares the mean loss of the last ``--tail`` steps and
+the exact match on the built-in held-out split. Writes a JSON record and a Markdown report.
 
     python bench/optim_convergence.py --steps 1000 --out bench/results
 """
@@ -22,9 +23,16 @@ import torch
 from lazytrain.config import load_config
 from lazytrain.train.trainer import Trainer
 
+RUNS = {
+    "fp32": ["optimizer.kind=fp32"],
+    "hybrid8bit": ["optimizer.kind=hybrid8bit"],
+    "hybrid8bit_fp32_embedding": ["optimizer.kind=hybrid8bit", "optimizer.fp32_embedding_states=true"],
+}
 
-def run(kind: str, steps: int, out_dir: Path) -> dict:
-    config = load_config(None, [f"optimizer.kind={kind}", f"training.steps={steps}",
+
+def run(kind: str, steps: int, out_dir: Path, seed: int | None = None) -> dict:
+    seeded = [] if seed is None else [f"training.seed={seed}"]
+    config = load_config(None, [*RUNS[kind], f"training.steps={steps}", *seeded,
                                 f"training.output_dir={out_dir}", "training.progress=false"])
     start = time.perf_counter()
     trainer = Trainer(config)
@@ -42,10 +50,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--tail", type=int, default=100, help="steps whose mean loss is compared")
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--note", default="", help="a line for the report: what changed since the last run")
     args = parser.parse_args()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {kind: run(kind, args.steps, Path(tmp) / kind) for kind in ("fp32", "hybrid8bit")}
+        runs = {kind: run(kind, args.steps, Path(tmp) / kind) for kind in RUNS}
     tail = {k: sum(r["losses"][-args.tail:]) / args.tail for k, r in runs.items()}
     record = {
         "name": f"optim_convergence_builtin_{args.steps}",
@@ -57,13 +66,17 @@ def main() -> None:
         "tail_steps": args.tail,
         "tail_loss_fp32": tail["fp32"],
         "tail_loss_8bit": tail["hybrid8bit"],
+        "tail_loss_8bit_fp32_embedding": tail["hybrid8bit_fp32_embedding"],
         "tail_loss_ratio": tail["hybrid8bit"] / tail["fp32"],
         "exact_match_fp32": runs["fp32"]["exact_match"],
         "exact_match_8bit": runs["hybrid8bit"]["exact_match"],
+        "exact_match_8bit_fp32_embedding": runs["hybrid8bit_fp32_embedding"]["exact_match"],
         "seconds_fp32": runs["fp32"]["seconds"],
         "seconds_8bit": runs["hybrid8bit"]["seconds"],
+        "seconds_8bit_fp32_embedding": runs["hybrid8bit_fp32_embedding"]["seconds"],
         "optimizer_backend_8bit": runs["hybrid8bit"]["optimizer_backend"],
-        "loss_at": {str(s): [runs["fp32"]["losses"][s - 1], runs["hybrid8bit"]["losses"][s - 1]]
+        "note": args.note,
+        "loss_at": {str(s): [r["losses"][s - 1] for r in runs.values()]
                     for s in (1, 100, 200, 400, 600, 800, args.steps) if s <= args.steps},
     }
     out = Path(args.out)
@@ -73,16 +86,19 @@ def main() -> None:
     lines = [
         f"# 8-bit vs fp32 AdamW states on the built-in default ({args.steps} steps)",
         "",
-        f"{date}, {record['device']}, torch {record['torch']}, 8-bit backend "
-        f"{record['optimizer_backend_8bit']}. Command: `python bench/optim_convergence.py --steps {args.steps}`",
+        (f"{date}, {record['device']}, torch {record['torch']}, 8-bit backend "
+         f"{record['optimizer_backend_8bit']}. Command: `python bench/optim_convergence.py --steps {args.steps}`"),
         "",
-        "| | fp32 states | 8-bit states |",
-        "| --- | --- | --- |",
-        f"| mean loss, last {args.tail} steps | {tail['fp32']:.5f} | {tail['hybrid8bit']:.5f} |",
-        f"| held-out exact match (200 problems) | {record['exact_match_fp32']:.1%} | {record['exact_match_8bit']:.1%} |",
-        f"| wall time s | {record['seconds_fp32']:.0f} | {record['seconds_8bit']:.0f} |",
+        *([args.note, ""] if args.note else []),
+        "| | fp32 states | 8-bit states | 8-bit, embedding fp32 |",
+        "| --- | --- | --- | --- |",
+        "| mean loss, last {} steps | {:.5f} | {:.5f} | {:.5f} |".format(args.tail, *tail.values()),
+        "| held-out exact match (200 problems) | {:.1%} | {:.1%} | {:.1%} |".format(
+            *(r["exact_match"] for r in runs.values())),
+        "| wall time s | {:.0f} | {:.0f} | {:.0f} |".format(*(r["seconds"] for r in runs.values())),
     ]
-    lines += [f"| loss at step {s} | {a:.4f} | {b:.4f} |" for s, (a, b) in record["loss_at"].items()]
+    lines += ["| loss at step {} | {:.4f} | {:.4f} | {:.4f} |".format(s, *losses)
+              for s, losses in record["loss_at"].items()]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -35,19 +35,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from executor_bench import _opt_config, device_name, make_plan, random_batch, run_one  # noqa: E402
+from executor_bench import _opt_config, device_name, make_plan, random_batch, run_one
 
-from lazytrain.memory.nvme import NvmeStore  # noqa: E402
-from lazytrain.model.build import build_model  # noqa: E402
-from lazytrain.optim.adamw import FusedAdamW  # noqa: E402
-from lazytrain.plan.costs import CostTable, usable_gpu_bytes  # noqa: E402
-from lazytrain.plan.milp import PlanInfeasible, solve_plan  # noqa: E402
-from lazytrain.plan.search import search_batch  # noqa: E402
-from lazytrain.plan.simulate import simulate  # noqa: E402
-from lazytrain.runtime.executor import Executor  # noqa: E402
-from lazytrain.runtime.profiler import profile  # noqa: E402
-from lazytrain.runtime.streams import prefer_expandable_segments  # noqa: E402
-from lazytrain.train.trainer import prediction  # noqa: E402
+from lazytrain.memory.nvme import NvmeStore
+from lazytrain.model.build import build_model
+from lazytrain.optim.adamw import FusedAdamW
+from lazytrain.plan.costs import CostTable, usable_gpu_bytes
+from lazytrain.plan.milp import PlanInfeasible, solve_plan
+from lazytrain.plan.search import search_batch
+from lazytrain.plan.simulate import simulate
+from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.profiler import profile
+from lazytrain.runtime.streams import prefer_expandable_segments
+from lazytrain.train.trainer import prediction
 
 GiB = 2**30
 
@@ -311,19 +311,19 @@ def markdown(records: list[dict], args) -> str:
         c = costs["costs"]
         layer = c["layers"][0]
         lines += [
-            f"Profiled at batch {c['batch_size']} x seq {c['seq_len']}: layer forward {layer['forward_ms']:.1f} ms, "
+            (f"Profiled at batch {c['batch_size']} x seq {c['seq_len']}: layer forward {layer['forward_ms']:.1f} ms, "
             f"backward {layer['backward_ms']:.1f} ms, recompute {layer['recompute_ms']:.1f} ms, saved "
             f"{layer['saved_bytes'] / 1e9:.2f} GB, input {layer['input_bytes'] / 1e9:.2f} GB; head+loss "
             f"{c['head_ms']:.1f} ms; H2D {c['h2d_gbps']:.1f}, D2H {c['d2h_gbps']:.1f}, both {c['bidir_gbps']:.1f} "
             f"GB/s; compute slowdown under copies {c['copy_slowdown']:.3f}; CPU optimizer "
             f"{c['optimizer_ns_per_param']:.3f} ns/param; NVMe write {c['nvme_write_gbps']:.2f} / read "
-            f"{c['nvme_read_gbps']:.2f} GB/s.",
+            f"{c['nvme_read_gbps']:.2f} GB/s."),
             "",
         ]
     lines += [
-        "| run | tokens/s | TFLOPS 6NT | TFLOPS model | step s (predicted) | error | GPU compute s (pred.) | "
-        "exposed H2D s (pred.) | exposed D2H s (pred.) | GPU idle other s (pred.) | optimizer wait s | "
-        "peak GPU alloc GB (pred.) | host acts GB (pred.) | host RSS GB |",
+        ("| run | tokens/s | TFLOPS 6NT | TFLOPS model | step s (predicted) | error | GPU compute s (pred.) | "
+         "exposed H2D s (pred.) | exposed D2H s (pred.) | GPU idle other s (pred.) | optimizer wait s | "
+         "peak GPU alloc GB (pred.) | host acts GB (pred.) | host RSS GB |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:

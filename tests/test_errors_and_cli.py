@@ -54,6 +54,8 @@ def test_config_errors():
         load_config(None, ["steps"])
     with pytest.raises(ConfigError, match="optimizer.kind must be fp32 or hybrid8bit"):
         load_config(None, ["optimizer.kind=adam"])
+    with pytest.raises(ConfigError, match="fp32_embedding_states applies to optimizer.kind=hybrid8bit"):
+        load_config(None, ["optimizer.fp32_embedding_states=true"])
 
 
 def test_yaml_config_and_overrides(tmp_path):

@@ -139,6 +139,6 @@ def test_nvme_tier_without_a_folder_is_a_clear_error():
 
 
 def test_close_removes_every_file(tmp_path):
-    nvme, store, _, handle, record = stored(tmp_path)
+    nvme, _, _, _, record = stored(tmp_path)
     nvme.close()
     assert not record.path.exists()

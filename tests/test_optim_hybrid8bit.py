@@ -22,6 +22,7 @@ from lazytrain.optim.hybrid8bit import (
     Fp32State,
     Hybrid8bitAdamW,
     QuantizedState,
+    state_bytes_per_param,
 )
 from lazytrain.optim.quant import (
     BLOCK,
@@ -50,19 +51,13 @@ def _random_moments(numel: int, gen: torch.Generator) -> tuple[torch.Tensor, tor
 
 
 def _random_quantized_state(numel: int, gen: torch.Generator) -> QuantizedState:
-    m, v = _random_moments(numel, gen)
-    m_codes, m_absmax = quantize_blockwise(m, signed_tables())
-    v_codes, v_absmax = quantize_blockwise(v, unsigned_tables())
-    return QuantizedState(m_codes=m_codes, m_absmax=m_absmax, v_codes=v_codes, v_absmax=v_absmax)
+    return QuantizedState.of_moments(*_random_moments(numel, gen))
 
 
 def _moments(state: QuantizedState | Fp32State) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(state, Fp32State):
         return state.exp_avg.clone(), state.exp_avg_sq.clone()
-    return (
-        dequantize_blockwise(state.m_codes, state.m_absmax, signed_tables()),
-        dequantize_blockwise(state.v_codes, state.v_absmax, unsigned_tables()),
-    )
+    return state.moments()
 
 
 def _check_codes(codes, reference_codes, normalized, qmap, scale):
@@ -134,7 +129,7 @@ def _check_step(opt, ref, out, m_terms):
         state.m_codes, ref.m_codes, ref.m_normalized, signed_tables().qmap, m_terms / m_absmax
     )
     _check_codes(
-        state.v_codes, ref.v_codes, ref.v_normalized, unsigned_tables().qmap, ref.v / v_absmax
+        state.v_codes, ref.v_codes, ref.v_normalized, unsigned_tables().qmap, ref.root / v_absmax
     )
 
 
@@ -279,6 +274,40 @@ def test_load_state_dict_refuses_other_states():
         opt.load_state_dict(swapped.state_dict())
 
 
+def test_small_second_moments_survive_quantization():
+    """v is stored as sqrt(v). In a block whose largest v is 1, every v down to 1e-12 keeps a
+    non-zero code (stored as v, everything under 1.6e-7 became 0 and the next update m / eps),
+    and down to 1e-8 sqrt(v), the update's divisor, comes back within 20%."""
+    v = torch.logspace(0, -12, BLOCK)
+    back = QuantizedState.of_moments(torch.zeros(BLOCK), v).moments()[1]
+    assert bool((back > 0).all())
+    ratio = (back / v).sqrt()
+    wide = v >= 1e-8
+    assert 0.8 <= float(ratio[wide].min()) and float(ratio[wide].max()) <= 1.2
+    assert 0.5 <= float(ratio.min()) and float(ratio.max()) <= 1.5
+
+
+def test_loads_states_that_stored_v_itself():
+    """Checkpoints of the previous format (codes of v) load as codes of sqrt(v)."""
+    gen = torch.Generator().manual_seed(3)
+    m, v = _random_moments(5000, gen)
+    opt = Hybrid8bitAdamW([torch.zeros(5000)], [0], CONFIG, kernel="torch")
+    v_codes, v_absmax = quantize_blockwise(v, unsigned_tables())
+    m_codes, m_absmax = quantize_blockwise(m, signed_tables())
+    old = {"m_codes": m_codes, "m_absmax": m_absmax, "v_codes": v_codes, "v_absmax": v_absmax}
+    opt.load_state_dict(
+        {"kind": "hybrid8bit", "format": "dynamic8-block256", "steps": [4], "groups": [old]}
+    )
+    root = dequantize_blockwise(v_codes, v_absmax, unsigned_tables()).sqrt()
+    root_codes, root_absmax = quantize_blockwise(root, unsigned_tables())
+    expected = {**old, "v_codes": root_codes, "v_absmax": root_absmax}
+    for name, t in expected.items():
+        assert torch.equal(opt.states[0].tensors()[name], t), name
+    assert opt.steps == [4]
+    with pytest.raises(ValueError, match="format 'dynamic4'"):
+        opt.load_state_dict({**opt.state_dict(), "format": "dynamic4"})
+
+
 def test_state_bytes_per_parameter():
     numel = 1 << 20
     opt = Hybrid8bitAdamW(
@@ -286,6 +315,37 @@ def test_state_bytes_per_parameter():
     )
     assert opt.state_bytes() == 2 * numel + 8 * num_blocks(numel) + 8 * 100
     assert (opt.state_bytes() - 800) / numel <= 2.1
+
+
+def test_fp32_groups_keep_fp32_states():
+    sizes = [20_000, 30_000, 9000]
+    opt = Hybrid8bitAdamW(
+        [torch.zeros(n) for n in sizes], [0, 0, 0], CONFIG, kernel="torch", fp32_groups=(0, 2)
+    )
+    assert [type(s) for s in opt.states] == [Fp32State, QuantizedState, Fp32State]
+    assert opt.state_bytes() == 8 * 29_000 + 2 * 30_000 + 8 * num_blocks(30_000)
+    assert state_bytes_per_param(sizes, (0, 2)) == opt.state_bytes() / sum(sizes)
+    # Qwen2.5-7B: embedding and untied head in fp32 states cost 2.89 B/param, not 2.03
+    h, vocab, layer = 3584, 152_064, 233_057_792
+    numels = [vocab * h] + [layer] * 28 + [h + vocab * h]
+    assert state_bytes_per_param(numels) == pytest.approx(2.031, abs=1e-3)
+    assert state_bytes_per_param(numels, (0, 29)) == pytest.approx(2.886, abs=1e-3)
+
+
+def test_trainer_keeps_embedding_states_fp32_when_asked():
+    from lazytrain.config import load_config
+    from lazytrain.train.trainer import make_optimizer
+
+    sizes = [20_000, 30_000, 9000]
+    for flag, kinds in (
+        ("false", [QuantizedState] * 3),
+        ("true", [Fp32State, QuantizedState, Fp32State]),
+    ):
+        config = load_config(
+            None, ["optimizer.kind=hybrid8bit", f"optimizer.fp32_embedding_states={flag}"]
+        )
+        opt = make_optimizer(config, [torch.zeros(n) for n in sizes], [0, 0, 0])
+        assert [type(s) for s in opt.states] == kinds
 
 
 def test_rejects_mismatched_inputs():

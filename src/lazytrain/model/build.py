@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,12 +46,17 @@ def build_model(
     seed: int = 0,
     vocab_size: int | None = None,
     pin: bool = True,
-    optimizer_bytes_per_param: float = 8.0,
+    optimizer_bytes_per_param: float | Callable[[list[int]], float] = 8.0,
     host_limit_bytes: int | None = None,
 ) -> tuple[ModelAdapter, HostStore]:
-    """Adapter + host store holding the weights (loaded, or random for built-in shapes)."""
+    """Adapter + host store holding the weights (loaded, or random for built-in shapes).
+
+    ``optimizer_bytes_per_param`` is a number, or a function of the groups' sizes giving one.
+    """
     config = model_config(source, vocab_size)
     adapter = ModelAdapter(config, device, dtype)
+    if callable(optimizer_bytes_per_param):
+        optimizer_bytes_per_param = optimizer_bytes_per_param([g.numel for g in adapter.layouts])
     store = HostStore(
         adapter.layouts,
         dtype,

@@ -1,17 +1,27 @@
 """Hybrid 8-bit AdamW: blockwise 8-bit m and v on the CPU, fused with clipping and the bf16 write.
 
-Per group the optimizer keeps Adam's first moment m and second moment v as one byte per
-element (an index into bitsandbytes' signed / unsigned dynamic map, see ``quant.py``) plus one
-fp32 absmax per block of 256 elements: 2.03 bytes per parameter instead of 8. Groups under
-``MIN_8BIT_NUMEL`` elements keep fp32 states, as bitsandbytes does.
+Per group the optimizer keeps Adam's first moment m and the square root of its second moment
+v as one byte per element (an index into bitsandbytes' signed / unsigned dynamic map, see
+``quant.py``) plus one fp32 absmax per block of 256 elements: 2.03 bytes per parameter instead
+of 8. Groups under ``MIN_8BIT_NUMEL`` elements keep fp32 states, as bitsandbytes does.
+
+The second moment is stored as sqrt(v), not v, because v spans twice the decades of the
+gradients it averages: in a block whose largest v is 1, a v under 1.6e-7 (a gradient 4e-4
+times the block's largest) falls below the map's smallest code and is stored as 0, and v near
+1e-6 keeps only a few codes per decade. The next step then divides m by eps or by a far too
+small sqrt(v): on the built-in model, storing v left up to 1.2% of the embedding's v at 0 and
+gave single updates of 500 times the learning rate, where AdamW's stay near 1. sqrt(v) needs
+half the decades (every v down to 1e-12 of the block's largest keeps a code) and is what the
+update divides by anyway.
 
 One step of a group is one pass over memory (``csrc/hybrid8bit.cpp``): gradient times clip
-coefficient, dequantize, AdamW update of the fp32 master (decoupled weight decay on the first
-``decay_numel`` elements), new weight cast to ``weight_out``'s dtype, requantize with the absmax
-of the new block values. The update itself uses the new m and v before they are quantized,
-as bitsandbytes' blockwise kernel does. Where the kernel cannot be built, ``torch_step_8bit``
-runs the same float32 math with torch ops (the kernel's vector path takes 1 / (sqrt(v) + eps)
-from hardware estimates refined by a Newton step, so the two differ by about an ulp).
+coefficient, dequantize (v is the stored root squared), AdamW update of the fp32 master
+(decoupled weight decay on the first ``decay_numel`` elements), new weight cast to
+``weight_out``'s dtype, requantize m and sqrt(v) with the absmax of the new block values. The
+update itself uses the new m and v before they are quantized, as bitsandbytes' blockwise
+kernel does. Where the kernel cannot be built, ``torch_step_8bit`` runs the same float32 math
+with torch ops (the kernel's vector path takes sqrt(v) and 1 / (sqrt(v) + eps) from hardware
+estimates refined by a Newton step, so the two differ by about an ulp).
 
 Steps of different groups may run concurrently from several threads (each group's state is
 its own and the kernel holds no GIL); one group must not be stepped by two threads at once.
@@ -22,6 +32,7 @@ two concurrent steps run two such teams at once: one optimizer thread uses the c
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +51,24 @@ from lazytrain.optim.quant import (
 MIN_8BIT_NUMEL = 4096
 """Groups with fewer elements keep fp32 m and v."""
 
-STATE_FORMAT = "dynamic8-block256"
-"""Names the maps and block size of saved codes; a checkpoint of another format is refused."""
+
+def is_8bit(numel: int) -> bool:
+    return numel >= MIN_8BIT_NUMEL
+
+
+def state_bytes_per_param(numels: Sequence[int], fp32_groups: Collection[int] = ()) -> float:
+    """Bytes of state per parameter of groups of ``numels`` elements, as Hybrid8bitAdamW keeps them."""
+    total = 0
+    for g, n in enumerate(numels):
+        total += 2 * n + 8 * num_blocks(n) if is_8bit(n) and g not in fp32_groups else 8 * n
+    return total / max(sum(numels), 1)
+
+
+STATE_FORMAT = "dynamic8-block256-sqrtv"
+"""Names the maps, block size and what the second-moment codes hold (sqrt(v)) of saved codes."""
+
+OLD_STATE_FORMAT = "dynamic8-block256"
+"""The format that stored v itself; loading converts it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +109,9 @@ class QuantizedState:
     m_codes: torch.Tensor
     m_absmax: torch.Tensor
     v_codes: torch.Tensor
+    """Codes of sqrt(v) in the unsigned map."""
     v_absmax: torch.Tensor
+    """Per block, the largest sqrt(v)."""
 
     @classmethod
     def zeros(cls, numel: int) -> QuantizedState:
@@ -93,6 +122,18 @@ class QuantizedState:
             v_codes=torch.full((numel,), unsigned_tables().zero_code, dtype=torch.uint8),
             v_absmax=torch.zeros(blocks, dtype=torch.float32),
         )
+
+    @classmethod
+    def of_moments(cls, m: torch.Tensor, v: torch.Tensor) -> QuantizedState:
+        """The quantized state of float moments ``m`` and ``v`` (flat)."""
+        m_codes, m_absmax = quantize_blockwise(m, signed_tables())
+        v_codes, v_absmax = quantize_blockwise(v.float().sqrt(), unsigned_tables())
+        return cls(m_codes=m_codes, m_absmax=m_absmax, v_codes=v_codes, v_absmax=v_absmax)
+
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 (m, v) that the codes stand for."""
+        root = dequantize_blockwise(self.v_codes, self.v_absmax, unsigned_tables())
+        return dequantize_blockwise(self.m_codes, self.m_absmax, signed_tables()), root * root
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {
@@ -155,10 +196,11 @@ def torch_step_8bit(
         m_codes, v_codes = state.m_codes[lo:hi], state.v_codes[lo:hi]
         m_absmax, v_absmax = state.m_absmax[blocks], state.v_absmax[blocks]
         m = dequantize_blockwise(m_codes, m_absmax, mt)
-        v = dequantize_blockwise(v_codes, v_absmax, vt)
+        root = dequantize_blockwise(v_codes, v_absmax, vt)
         decay_numel = min(max(s.decay_numel - lo, 0), hi - lo)
-        m, v = _adam_update(master[lo:hi], grad[lo:hi], m, v, s, decay_numel)
-        for codes, absmax, x, tables in ((m_codes, m_absmax, m, mt), (v_codes, v_absmax, v, vt)):
+        m, v = _adam_update(master[lo:hi], grad[lo:hi], m, root * root, s, decay_numel)
+        root = v.sqrt()
+        for codes, absmax, x, tables in ((m_codes, m_absmax, m, mt), (v_codes, v_absmax, root, vt)):
             new_codes, new_absmax = quantize_blockwise(x, tables)
             codes.copy_(new_codes)
             absmax.copy_(new_absmax)
@@ -185,7 +227,9 @@ class Hybrid8bitAdamW(HostOptimizer):
 
     Interchangeable with ``FusedAdamW``. ``kernel`` is ``"auto"`` (the C++ kernel, built at
     first use, else the pure-torch path with a warning), ``"cpp"`` (the kernel or an error) or
-    ``"torch"``; ``None`` reads ``LAZYTRAIN_OPTIM_KERNEL``.
+    ``"torch"``; ``None`` reads ``LAZYTRAIN_OPTIM_KERNEL``. Groups in ``fp32_groups`` keep fp32
+    m and v whatever their size (bitsandbytes' advice for embeddings: rows of rare tokens get
+    rare, tiny gradients, the hardest values for blockwise 8-bit states).
     """
 
     def __init__(
@@ -195,15 +239,16 @@ class Hybrid8bitAdamW(HostOptimizer):
         config: AdamWConfig,
         *,
         kernel: str | None = None,
+        fp32_groups: Collection[int] = (),
     ):
         super().__init__(masters, decay_numel, config)
         choice = kernel_choice(kernel)
         self._kernel = None if choice == "torch" else load_kernel(required=choice == "cpp")
         self.states: list[QuantizedState | Fp32State] = [
             QuantizedState.zeros(m.numel())
-            if m.numel() >= MIN_8BIT_NUMEL
+            if is_8bit(m.numel()) and g not in fp32_groups
             else Fp32State.zeros(m.numel())
-            for m in masters
+            for g, m in enumerate(masters)
         ]
         mt, vt = signed_tables(), unsigned_tables()
         self._tables = [
@@ -279,10 +324,10 @@ class Hybrid8bitAdamW(HostOptimizer):
                 f"optimizer state is of kind {state.get('kind')!r}, this optimizer is "
                 "'hybrid8bit'; resume with the optimizer the checkpoint was made with"
             )
-        if state.get("format") != STATE_FORMAT:
+        if state.get("format") not in (STATE_FORMAT, OLD_STATE_FORMAT):
             raise ValueError(
                 f"8-bit optimizer state has format {state.get('format')!r}, this version "
-                f"reads {STATE_FORMAT!r}"
+                f"reads {STATE_FORMAT!r} and {OLD_STATE_FORMAT!r}"
             )
         groups = state["groups"]
         if len(groups) != len(self.states) or len(state["steps"]) != len(self.states):
@@ -306,6 +351,12 @@ class Hybrid8bitAdamW(HostOptimizer):
         for saved, own in zip(groups, self.states):
             for name, dst in own.tensors().items():
                 dst.copy_(saved[name])
+            if state["format"] == OLD_STATE_FORMAT and isinstance(own, QuantizedState):
+                # the old codes hold v itself: requantize its square root
+                v = dequantize_blockwise(own.v_codes, own.v_absmax, unsigned_tables())
+                codes, absmax = quantize_blockwise(v.sqrt(), unsigned_tables())
+                own.v_codes.copy_(codes)
+                own.v_absmax.copy_(absmax)
         self.steps = [int(s) for s in state["steps"]]
 
     def state_bytes(self) -> int:

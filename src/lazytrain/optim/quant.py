@@ -3,9 +3,9 @@
 A state tensor is cut into blocks of ``BLOCK`` elements; each block keeps its absolute
 maximum in fp32 and one byte per element: the index of the code (in a sorted 256-entry map
 of values in [-1, 1]) nearest to ``value / absmax``. The signed dynamic map (for Adam's
-first moment) and the unsigned one (for the second) are bitsandbytes'
+first moment) and the unsigned one (for the square root of the second) are bitsandbytes'
 ``create_dynamic_map``: a decimal exponent followed by a linear fraction, so small values
-keep relative precision over seven decades, which the second moment needs.
+keep relative precision over seven decades.
 
 The nearest code of ``x`` is the number of midpoints between adjacent codes that lie below
 ``x``. Two exact ways to find it without a search, both built and checked here:
@@ -246,7 +246,7 @@ def signed_tables() -> QuantTables:
 
 
 def unsigned_tables() -> QuantTables:
-    """Tables of the unsigned dynamic map (Adam's second moment)."""
+    """Tables of the unsigned dynamic map (the square root of Adam's second moment)."""
     return build_tables(False)
 
 

@@ -22,13 +22,15 @@ class ReferenceResult:
     m: torch.Tensor
     v: torch.Tensor
     """float64, the new moments before quantization."""
+    root: torch.Tensor
+    """float64, sqrt(v): what the second-moment codes hold."""
     m_codes: torch.Tensor
     m_absmax: torch.Tensor
     v_codes: torch.Tensor
     v_absmax: torch.Tensor
     m_normalized: torch.Tensor
     v_normalized: torch.Tensor
-    """float64, m / absmax and v / absmax: what was quantized."""
+    """float64, m / absmax and sqrt(v) / absmax: what was quantized."""
 
 
 def _nearest(x: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
@@ -62,7 +64,7 @@ def reference_step(
     """One AdamW step at step count ``step`` (1-based) from moments ``m``, ``v``, in float64.
 
     ``m`` and ``v`` are the current moments (dequantized, for an 8-bit state). The result holds
-    the new master, the new moments and their blockwise quantization.
+    the new master, the new moments and the blockwise quantization of m and of sqrt(v).
     """
     beta1, beta2 = config.betas
     g = grad.reshape(-1).double() * clip_coef
@@ -72,14 +74,16 @@ def reference_step(
     bias_correction2 = 1 - beta2**step
     decay = torch.ones_like(g)
     decay[:decay_numel] = 1 - lr * config.weight_decay
-    denom = v.sqrt() / math.sqrt(bias_correction2) + config.eps
+    root = v.sqrt()
+    denom = root / math.sqrt(bias_correction2) + config.eps
     new_master = master.double() * decay - lr / bias_correction1 * m / denom
     m_codes, m_absmax, m_norm = quantize64(m, create_dynamic_map(signed=True))
-    v_codes, v_absmax, v_norm = quantize64(v, create_dynamic_map(signed=False))
+    v_codes, v_absmax, v_norm = quantize64(root, create_dynamic_map(signed=False))
     return ReferenceResult(
         master=new_master,
         m=m,
         v=v,
+        root=root,
         m_codes=m_codes,
         m_absmax=m_absmax,
         v_codes=v_codes,

@@ -9,7 +9,6 @@ produced the tensor, so forward compute never waits for them.
 from __future__ import annotations
 
 import errno
-
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass

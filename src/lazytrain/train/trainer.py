@@ -146,12 +146,25 @@ def measured_streams(stats, trace: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def fp32_state_groups(config: Config, num_groups: int) -> tuple[int, ...]:
+    """Groups whose states stay fp32 under hybrid8bit: the embedding (first) and final (last) ones."""
+    return (0, num_groups - 1) if config.optimizer.fp32_embedding_states else ()
+
+
+def optimizer_bytes_per_param(config: Config, numels: list[int]) -> float:
+    if config.optimizer.kind != "hybrid8bit":
+        return 8.0
+    from lazytrain.optim.hybrid8bit import state_bytes_per_param
+
+    return state_bytes_per_param(numels, fp32_state_groups(config, len(numels)))
+
+
 def make_optimizer(config: Config, masters: list[torch.Tensor], decay_numel: list[int]) -> HostOptimizer:
     oc = config.optimizer
     if oc.kind == "hybrid8bit":
         from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
 
-        return Hybrid8bitAdamW(masters, decay_numel, oc)
+        return Hybrid8bitAdamW(masters, decay_numel, oc, fp32_groups=fp32_state_groups(config, len(masters)))
     return FusedAdamW(masters, decay_numel, oc)
 
 
@@ -185,11 +198,10 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model.source)
         self.template = self._template()
         self.batches = self._data()
-        state_bytes = 2.1 if cfg.optimizer.kind == "hybrid8bit" else 8.0
         self.adapter, self.store = build_model(
             cfg.model.source, self.device, self.dtype,
             seed=cfg.training.seed, vocab_size=len(self.tokenizer), pin=cfg.memory.pin,
-            optimizer_bytes_per_param=state_bytes,
+            optimizer_bytes_per_param=lambda numels: optimizer_bytes_per_param(cfg, numels),
             host_limit_bytes=int(cfg.memory.host_limit_gb * 2**30) if cfg.memory.host_limit_gb else None,
         )
         if cfg.memory.gpu_gb and self.device.type == "cuda":

@@ -1,9 +1,10 @@
 // Fused AdamW step with blockwise 8-bit states, for lazytrain/optim/hybrid8bit.py.
 //
 // One pass over memory per 256-element block: read the gradient (bf16 or fp32) and scale it
-// by the clip coefficient, dequantize m and v, update them and the fp32 master, write the new
-// weight, keep the new m and v in a stack buffer while tracking their absmax, then requantize
-// from that buffer. Blocks are independent, so they are spread over torch's intra-op threads.
+// by the clip coefficient, dequantize m and sqrt(v) (the second moment is stored as its square
+// root, see hybrid8bit.py), update them and the fp32 master, write the new weight, keep the new
+// m and sqrt(v) in a stack buffer while tracking their absmax, then requantize from that
+// buffer. Blocks are independent, so they are spread over torch's intra-op threads.
 //
 // Nearest codes are found as quant.py describes: with AVX-512 VBMI by the "pieces" method,
 // whose table look-ups are register byte shuffles (no gathers, which are slow on AMD Zen 4 and
@@ -98,8 +99,8 @@ struct Scalar {
   static void store(uint16_t* p, F x) { *p = float_to_bf16(x); }
   template <class T>
   static void stream(T* p, F x) { store(p, x); }
-  // 1 / (sqrt(v) * inv_bc2 + eps)
-  static F inv_denominator(F v, F inv_bc2, F eps) { return 1.0f / (std::sqrt(v) * inv_bc2 + eps); }
+  static F sqrt(F v) { return std::sqrt(v); }
+  static F reciprocal(F d) { return 1.0f / d; }
   static F abs(F x) { return std::fabs(x); }
   static F max(F a, F b) { return a > b ? a : b; }
   static float reduce_max(F x) { return x; }
@@ -142,14 +143,15 @@ struct Simd {
   // non-temporal stores, for the weights: written once, read next by a copy to the GPU
   static void stream(float* p, F x) { _mm512_stream_ps(p, x); }
   static void stream(uint16_t* p, F x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
-  // 1 / (sqrt(v) * inv_bc2 + eps) from the 14-bit estimates and one Newton step each (about
-  // an ulp off): the divide and square-root units would otherwise bound the whole step.
+  // sqrt and 1 / x from the 14-bit estimates and one Newton step each (about an ulp off):
+  // the divide and square-root units would otherwise bound the whole step.
   // max(v, tiny) keeps v = 0 finite: 0 * rsqrt(tiny) = 0.
-  static F inv_denominator(F v, F inv_bc2, F eps) {
+  static F sqrt(F v) {
     const F r = _mm512_rsqrt14_ps(_mm512_max_ps(v, set(kTiny)));
     const F root = v * r;
-    const F sqrt_v = root + root * (set(0.5f) - root * (r * set(0.5f)));
-    const F d = sqrt_v * inv_bc2 + eps;
+    return root + root * (set(0.5f) - root * (r * set(0.5f)));
+  }
+  static F reciprocal(F d) {
     const F q = _mm512_rcp14_ps(d);
     return q + q * (set(1.0f) - d * q);
   }
@@ -307,11 +309,12 @@ struct Simd {
   static void stream(float* p, F x) { _mm256_stream_ps(p, x); }
   static void stream(uint16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
   // as for AVX-512, from 12-bit estimates (one Newton step leaves 1-2 ulps)
-  static F inv_denominator(F v, F inv_bc2, F eps) {
+  static F sqrt(F v) {
     const F r = _mm256_rsqrt_ps(_mm256_max_ps(v, set(kTiny)));
     const F root = v * r;
-    const F sqrt_v = root + root * (set(0.5f) - root * (r * set(0.5f)));
-    const F d = sqrt_v * inv_bc2 + eps;
+    return root + root * (set(0.5f) - root * (r * set(0.5f)));
+  }
+  static F reciprocal(F d) {
     const F q = _mm256_rcp_ps(d);
     return q + q * (set(1.0f) - d * q);
   }
@@ -365,12 +368,12 @@ struct Group8bit {
 
 struct BlockScratch {
   alignas(64) float m[kBlock];
-  alignas(64) float v[kBlock];
-  float m_max = 0.0f, v_max = 0.0f;
+  alignas(64) float root[kBlock];  // sqrt(v): what the second-moment codes hold
+  float m_max = 0.0f, root_max = 0.0f;
 };
 
 // Adam update of elements [lo, hi) of the block starting at `start`: master and weight_out
-// written, the new m and v left in the scratch buffers with their running maxima.
+// written, the new m and sqrt(v) left in the scratch buffers with their running maxima.
 template <class S, bool kStream, class G, class O>
 inline void update_range(const Group8bit& g, const G* grad, O* out, const Hyper& h,
                          const MapTables& tm, const MapTables& tv, int64_t start, int64_t lo,
@@ -380,20 +383,21 @@ inline void update_range(const Group8bit& g, const G* grad, O* out, const Hyper&
   const F b2 = S::set(h.beta2), omb2 = S::set(h.one_minus_beta2), eps = S::set(h.eps);
   const F step_size = S::set(h.step_size), inv_bc2 = S::set(h.inv_bc2_sqrt);
   const F dec = S::set(decay), ms = S::set(m_scale), vs = S::set(v_scale);
-  F m_max = S::set(0.0f), v_max = S::set(0.0f);
+  F m_max = S::set(0.0f), root_max = S::set(0.0f);
   constexpr int kVectors = S::kChunk / S::W;
   int64_t i = lo;
   for (; i + S::kChunk <= hi; i += S::kChunk) {
-    F m_old[kVectors], v_old[kVectors];
+    F m_old[kVectors], root_old[kVectors];
     S::dequantize(g.m_codes + start + i, tm, m_old);
-    S::dequantize(g.v_codes + start + i, tv, v_old);
+    S::dequantize(g.v_codes + start + i, tv, root_old);
     for (int r = 0; r < kVectors; ++r) {
       const int64_t j = i + r * S::W;
       const int64_t k = start + j;
       const F gr = S::load(grad + k) * clip;
       const F m = b1 * (m_old[r] * ms) + omb1 * gr;
-      const F v = b2 * (v_old[r] * vs) + omb2 * (gr * gr);
-      const F w = S::load(g.master + k) * dec - step_size * (m * S::inv_denominator(v, inv_bc2, eps));
+      const F old = root_old[r] * vs;
+      const F root = S::sqrt(b2 * (old * old) + omb2 * (gr * gr));
+      const F w = S::load(g.master + k) * dec - step_size * (m * S::reciprocal(root * inv_bc2 + eps));
       S::store(g.master + k, w);
       if constexpr (std::is_same_v<O, void>) {
       } else if constexpr (kStream) {
@@ -402,13 +406,13 @@ inline void update_range(const Group8bit& g, const G* grad, O* out, const Hyper&
         S::store(out + k, w);
       }
       S::store(s.m + j, m);
-      S::store(s.v + j, v);
+      S::store(s.root + j, root);
       m_max = S::max(m_max, S::abs(m));
-      v_max = S::max(v_max, v);
+      root_max = S::max(root_max, root);
     }
   }
   s.m_max = std::max(s.m_max, S::reduce_max(m_max));
-  s.v_max = std::max(s.v_max, S::reduce_max(v_max));
+  s.root_max = std::max(s.root_max, S::reduce_max(root_max));
   if constexpr (S::kChunk > 1) {
     update_range<Scalar, false>(g, grad, out, h, tm, tv, start, i, hi, decay, m_scale, v_scale, s);
   }
@@ -448,9 +452,9 @@ void step_block(const Group8bit& g, const G* grad, O* out, const Hyper& h, const
     update_range<Simd, false>(g, grad, out, h, tm, tv, start, decay_end, len, 1.0f, m_scale, v_scale, s);
   }
   const float m_inv = store_absmax(g.m_absmax[block], s.m_max);
-  const float v_inv = store_absmax(g.v_absmax[block], s.v_max);
+  const float root_inv = store_absmax(g.v_absmax[block], s.root_max);
   quantize_range<Simd, true>(s.m, 0, len, m_inv, g.m_codes + start, tm);
-  quantize_range<Simd, false>(s.v, 0, len, v_inv, g.v_codes + start, tv);
+  quantize_range<Simd, false>(s.root, 0, len, root_inv, g.v_codes + start, tv);
 }
 
 template <class G, class O>

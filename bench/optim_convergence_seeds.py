@@ -1,0 +1,79 @@
+"""Seed-to-seed spread of the built-in default's final loss and exact match, per optimizer kind.
+
+`optim_convergence.py` compares one fp32 run with one 8-bit run; near zero loss and at 200
+held-out problems, one run's figures move with the seed (model init and data order). This
+trains each kind with several seeds and reports mean, spread and range, so an 8-bit gap can be
+read against the fp32 runs' own variation:
+
+    python bench/optim_convergence_seeds.py --seeds 1 2 3 --kinds fp32 hybrid8bit
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from optim_convergence import RUNS, run
+
+
+def summary(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "values": values}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--tail", type=int, default=100)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--kinds", nargs="+", default=["fp32", "hybrid8bit"], choices=list(RUNS))
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in args.kinds:
+            tails, ems = [], []
+            for seed in args.seeds:
+                r = run(kind, args.steps, Path(tmp) / f"{kind}-{seed}", seed=seed)
+                tails.append(sum(r["losses"][-args.tail:]) / args.tail)
+                ems.append(r["exact_match"])
+                print(f"{kind} seed {seed}: tail loss {tails[-1]:.5f}, exact match {ems[-1]:.1%}", flush=True)
+            results[kind] = {"tail_loss": summary(tails), "exact_match": summary(ems)}
+    record = {"name": f"optim_convergence_seeds_{args.steps}", "date": date,
+              "device": f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)",
+              "torch": torch.__version__, "model": "builtin:tiny", "steps": args.steps, "tail_steps": args.tail,
+              "seeds": args.seeds, "results": results}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"optim_convergence_seeds_{date}"
+    (out / f"{stem}.json").write_text(json.dumps([record], indent=1))
+    lines = [f"# Seed spread on the built-in default ({args.steps} steps, seeds {' '.join(map(str, args.seeds))})", "",
+             (f"{date}, {record['device']}, torch {record['torch']}. Command: `python bench/optim_convergence_seeds.py "
+              f"--steps {args.steps} --seeds {' '.join(map(str, args.seeds))} --kinds {' '.join(args.kinds)}`"), "",
+             f"| kind | mean loss, last {args.tail} steps: mean (sd) [min, max] | exact match: mean (sd) [min, max] |",
+             "| --- | --- | --- |"]
+    for kind, r in results.items():
+        t, e = r["tail_loss"], r["exact_match"]
+        lines.append(f"| {kind} | {t['mean']:.5f} ({t['sd']:.5f}) [{t['min']:.5f}, {t['max']:.5f}] | "
+                     f"{e['mean']:.1%} ({e['sd']:.1%}) [{e['min']:.1%}, {e['max']:.1%}] |")
+    if "fp32" in results and "hybrid8bit" in results:
+        ratio = results["hybrid8bit"]["tail_loss"]["mean"] / results["fp32"]["tail_loss"]["mean"]
+        spread = results["fp32"]["tail_loss"]["max"] / results["fp32"]["tail_loss"]["min"]
+        lines += ["", f"8-bit mean tail loss / fp32 mean tail loss: {ratio:.2f}; fp32's own max/min over seeds: "
+                  f"{spread:.2f}."]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
