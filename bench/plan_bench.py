@@ -55,9 +55,8 @@ GiB = 2**30
 def policy_plan(policy: str, table: CostTable, args, gpu_bytes: int | None = None):
     """The plan of ``policy`` at ``table``'s batch shape (the MILP's for ``solved``)."""
     if policy == "solved":
-        plan = solve_plan(table, gpu_bytes=gpu_bytes, tiers=tuple(args.tiers), optimizer_overlap=True,
+        return solve_plan(table, gpu_bytes=gpu_bytes, tiers=tuple(args.tiers), optimizer_overlap=True,
                           head_chunk_tokens=args.head_chunk)
-        return plan
     return make_plan(policy, table.num_layers, table.batch_size, table.seq_len, args.every, args.head_chunk)
 
 

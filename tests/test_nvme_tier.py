@@ -42,7 +42,7 @@ def test_round_trip_and_cleanup(tmp_path, direct):
     assert store.bytes_by_tier["nvme"] == 0
 
 
-def test_direct_io_is_used_where_the_filesystem_allows_it(tmp_path):
+def test_aligned_buffers_and_when_o_direct_applies(tmp_path):
     from lazytrain.memory.nvme import ALIGN, O_DIRECT, _direct_region, aligned_empty
 
     buf = aligned_empty(1000, torch.float32)
@@ -105,7 +105,6 @@ def test_disk_full(tmp_path, monkeypatch):
 @pytest.mark.parametrize("direct", IO_PATHS)
 def test_failed_write(tmp_path, monkeypatch, direct):
     nvme = NvmeStore(tmp_path / "acts", direct=direct)
-    real_write = os.write
 
     def failing_write(fd, data):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
@@ -115,7 +114,6 @@ def test_failed_write(tmp_path, monkeypatch, direct):
     with pytest.raises(NvmeError, match="writing activations failed") as e:
         handle.written.result()
     assert ".act" in str(e.value)
-    monkeypatch.setattr(os, "write", real_write)
 
 
 def test_a_step_that_cannot_fit_on_the_disk_fails_before_writing(tmp_path, monkeypatch):

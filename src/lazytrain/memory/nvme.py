@@ -54,7 +54,7 @@ def _round_up(n: int) -> int:
 
 def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
     """``numel`` elements at a 4 KiB-aligned address, with storage up to the next 4 KiB."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     raw = torch.empty(_round_up(nbytes) + ALIGN, dtype=torch.uint8, pin_memory=pin)
     start = (-raw.data_ptr()) % ALIGN
     return raw[start : start + nbytes].view(dtype)

@@ -291,7 +291,7 @@ class Executor:
         # the layer inputs the plan writes to NVMe (a keep layer's saved tensors add to it;
         # after the first step the measured peak is checked too)
         nvme_inputs = sum(1 for lp in plan.layers if lp.tier == "nvme") * batch * seq * adapter.hidden_size
-        self.activations.start_step(nvme_inputs * torch.empty((), dtype=self.dtype).element_size())
+        self.activations.start_step(nvme_inputs * self.dtype.itemsize)
         layouts = adapter.layouts
         L = adapter.num_layers
 
