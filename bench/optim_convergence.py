@@ -55,7 +55,7 @@ def main() -> None:
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     with tempfile.TemporaryDirectory() as tmp:
         runs = {kind: run(kind, args.steps, Path(tmp) / kind) for kind in RUNS}
-    tail = {k: sum(r["losses"][-args.tail:]) / args.tail for k, r in runs.items()}
+    tail = {k: sum(r["losses"][-args.tail:]) / len(r["losses"][-args.tail:]) for k, r in runs.items()}
     record = {
         "name": f"optim_convergence_builtin_{args.steps}",
         "date": date,

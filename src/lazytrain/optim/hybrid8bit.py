@@ -2,7 +2,7 @@
 
 Per group the optimizer keeps Adam's first moment m and the square root of its second moment
 v as one byte per element (an index into bitsandbytes' signed / unsigned dynamic map, see
-``quant.py``) plus one fp32 absmax per block of 256 elements: 2.03 bytes per parameter instead
+``quant.py``) plus one fp32 absmax per block of 128 elements: 2.06 bytes per parameter instead
 of 8. Groups under ``MIN_8BIT_NUMEL`` elements keep fp32 states, as bitsandbytes does.
 
 The second moment is stored as sqrt(v), not v, because v spans twice the decades of the
@@ -64,11 +64,12 @@ def state_bytes_per_param(numels: Sequence[int], fp32_groups: Collection[int] = 
     return total / max(sum(numels), 1)
 
 
-STATE_FORMAT = "dynamic8-block256-sqrtv"
+STATE_FORMAT = f"dynamic8-block{BLOCK}-sqrtv"
 """Names the maps, block size and what the second-moment codes hold (sqrt(v)) of saved codes."""
 
-OLD_STATE_FORMAT = "dynamic8-block256"
-"""The format that stored v itself; loading converts it."""
+OLD_STATE_FORMATS = {"dynamic8-block256-sqrtv": (256, True), "dynamic8-block256": (256, False)}
+"""Earlier formats that loading converts: their block size, and whether the second-moment
+codes hold sqrt(v) (the oldest held v itself)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +224,7 @@ def torch_step_fp32(
 
 
 class Hybrid8bitAdamW(HostOptimizer):
-    """AdamW with blockwise 8-bit states (2.03 bytes per parameter), fused on the CPU.
+    """AdamW with blockwise 8-bit states (2.06 bytes per parameter), fused on the CPU.
 
     Interchangeable with ``FusedAdamW``. ``kernel`` is ``"auto"`` (the C++ kernel, built at
     first use, else the pure-torch path with a warning), ``"cpp"`` (the kernel or an error) or
@@ -324,11 +325,13 @@ class Hybrid8bitAdamW(HostOptimizer):
                 f"optimizer state is of kind {state.get('kind')!r}, this optimizer is "
                 "'hybrid8bit'; resume with the optimizer the checkpoint was made with"
             )
-        if state.get("format") not in (STATE_FORMAT, OLD_STATE_FORMAT):
+        fmt = state.get("format")
+        if fmt != STATE_FORMAT and fmt not in OLD_STATE_FORMATS:
             raise ValueError(
-                f"8-bit optimizer state has format {state.get('format')!r}, this version "
-                f"reads {STATE_FORMAT!r} and {OLD_STATE_FORMAT!r}"
+                f"8-bit optimizer state has format {fmt!r}, this version reads "
+                f"{[STATE_FORMAT, *OLD_STATE_FORMATS]}"
             )
+        block, holds_root = (BLOCK, True) if fmt == STATE_FORMAT else OLD_STATE_FORMATS[fmt]
         groups = state["groups"]
         if len(groups) != len(self.states) or len(state["steps"]) != len(self.states):
             raise ValueError(
@@ -343,20 +346,26 @@ class Hybrid8bitAdamW(HostOptimizer):
                 )
             for name, dst in tensors.items():
                 src = saved[name]
-                if src.shape != dst.shape or src.dtype != dst.dtype:
+                shape = dst.shape
+                if name.endswith("absmax"):  # one per block of the saved format
+                    shape = torch.Size([num_blocks(own.m_codes.numel(), block)])
+                if src.shape != shape or src.dtype != dst.dtype:
                     raise ValueError(
                         f"group {g}: saved {name} is {src.dtype}{list(src.shape)}, "
-                        f"expected {dst.dtype}{list(dst.shape)}"
+                        f"expected {dst.dtype}{list(shape)}"
                     )
         for saved, own in zip(groups, self.states):
+            if fmt == STATE_FORMAT or not isinstance(own, QuantizedState):
+                for name, dst in own.tensors().items():
+                    dst.copy_(saved[name])
+                continue
+            # an earlier format: dequantize with its blocks, requantize with this one's
+            mt, vt = signed_tables(), unsigned_tables()
+            m = dequantize_blockwise(saved["m_codes"], saved["m_absmax"], mt, block)
+            root = dequantize_blockwise(saved["v_codes"], saved["v_absmax"], vt, block)
+            converted = QuantizedState.of_moments(m, root * root if holds_root else root)
             for name, dst in own.tensors().items():
-                dst.copy_(saved[name])
-            if state["format"] == OLD_STATE_FORMAT and isinstance(own, QuantizedState):
-                # the old codes hold v itself: requantize its square root
-                v = dequantize_blockwise(own.v_codes, own.v_absmax, unsigned_tables())
-                codes, absmax = quantize_blockwise(v.sqrt(), unsigned_tables())
-                own.v_codes.copy_(codes)
-                own.v_absmax.copy_(absmax)
+                dst.copy_(converted.tensors()[name])
         self.steps = [int(s) for s in state["steps"]]
 
     def state_bytes(self) -> int:

@@ -1,6 +1,6 @@
 // Fused AdamW step with blockwise 8-bit states, for lazytrain/optim/hybrid8bit.py.
 //
-// One pass over memory per 256-element block: read the gradient (bf16 or fp32) and scale it
+// One pass over memory per 128-element block: read the gradient (bf16 or fp32) and scale it
 // by the clip coefficient, dequantize m and sqrt(v) (the second moment is stored as its square
 // root, see hybrid8bit.py), update them and the fp32 master, write the new weight, keep the new
 // m and sqrt(v) in a stack buffer while tracking their absmax, then requantize from that
@@ -37,7 +37,7 @@
 
 namespace {
 
-constexpr int64_t kBlock = 256;
+constexpr int64_t kBlock = 128;  // quant.BLOCK
 // Bucket tables (quant.py): bucket = clamp(|bits| >> shift - (kLutExpMin << (23 - shift)),
 // 0, buckets - 1), plus `buckets` for negative numbers. 6 mantissa bits for the signed map,
 // 7 for the unsigned one.
@@ -461,13 +461,13 @@ template <class G, class O>
 void step_8bit_typed(const Group8bit& g, const G* grad, O* out, const Hyper& h,
                      const MapTables& tm, const MapTables& tv) {
   const int64_t blocks = (g.numel + kBlock - 1) / kBlock;
-  // at least 32 blocks (8192 elements, a few microseconds) per task
+  // at least 64 blocks (8192 elements, a few microseconds) per task
   // Streaming stores need the weights aligned (every block then starts on a cache line).
   bool stream = false;
   if constexpr (!std::is_same_v<O, void> && Simd::W > 1) {
     stream = reinterpret_cast<uintptr_t>(out) % 64 == 0;
   }
-  at::parallel_for(0, blocks, 32, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
     if (stream) {
       for (int64_t b = b0; b < b1; ++b) step_block<true>(g, grad, out, h, tm, tv, b);
 #if defined(__AVX2__) || defined(__AVX512F__)
