@@ -38,10 +38,18 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["fp32", "hybrid8bit"], choices=list(RUNS))
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
+    parser.add_argument("--fp32-from", default=None, help="an earlier record (JSON) whose fp32 runs "
+                        "(same steps and seeds; fp32 AdamW unchanged since) to reuse instead of rerunning them")
     parser.add_argument("--note", default="", help="a line for the report: what changed since the last run")
     args = parser.parse_args()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     results: dict[str, dict] = {}
+    if args.fp32_from:
+        earlier = json.loads(Path(args.fp32_from).read_text())[0]
+        if earlier["steps"] != args.steps or earlier["seeds"] != args.seeds or "fp32" not in earlier["results"]:
+            raise SystemExit(f"{args.fp32_from} has no fp32 runs of {args.steps} steps on seeds {args.seeds}")
+        results["fp32"] = {**earlier["results"]["fp32"], "from": args.fp32_from}
+        args.kinds = [k for k in args.kinds if k != "fp32"]
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.kinds:
             tails, ems, secs = [], [], []
@@ -63,13 +71,16 @@ def main() -> None:
     (out / f"{stem}.json").write_text(json.dumps([record], indent=1))
     lines = [f"# Seed spread on the built-in default ({args.steps} steps, seeds {' '.join(map(str, args.seeds))})", "",
              (f"{date}, {record['device']}, torch {record['torch']}. Command: `python bench/optim_convergence_seeds.py "
-              f"--steps {args.steps} --seeds {' '.join(map(str, args.seeds))} --kinds {' '.join(args.kinds)}`"), "",
+              f"--steps {args.steps} --seeds {' '.join(map(str, args.seeds))} --kinds {' '.join(args.kinds)}"
+              + (f" --fp32-from {args.fp32_from}" if args.fp32_from else "") + "`"), "",
              f"| kind | mean loss, last {args.tail} steps: mean (sd) [min, max] | exact match: mean (sd) [min, max] |",
              "| --- | --- | --- |"]
     for kind, r in results.items():
         t, e = r["tail_loss"], r["exact_match"]
         lines.append(f"| {kind} | {t['mean']:.5f} ({t['sd']:.5f}) [{t['min']:.5f}, {t['max']:.5f}] | "
                      f"{e['mean']:.1%} ({e['sd']:.1%}) [{e['min']:.1%}, {e['max']:.1%}] |")
+    if args.fp32_from:
+        lines[4:4] = [f"The fp32 rows are the runs recorded in `{args.fp32_from}` (fp32 AdamW has not changed since).", ""]
     if args.note:
         lines[4:4] = [args.note, ""]
     lines += ["", "| seed | " + " | ".join(f"{k} tail loss | {k} exact match" for k in results) + " |",

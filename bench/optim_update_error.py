@@ -47,6 +47,8 @@ def _code(x: torch.Tensor, qmap: torch.Tensor, rounding: str, gen: torch.Generat
     if rounding == "floor":  # toward zero
         return torch.where((x >= b) | ((x < 0) & (x > a)), lo + 1, lo)
     p_up = ((x - a) / (b - a)).clamp(0, 1)
+    if rounding == "stochastic-reciprocal":  # E[1 / code value] = 1 / x
+        p_up = torch.where(x > 0, p_up * b / x.clamp(min=1e-30), torch.zeros_like(x))
     return lo + (torch.rand(x.shape, generator=gen) < p_up).long()
 
 
@@ -103,6 +105,7 @@ SCHEMES: dict[str, Callable[[], Scheme]] = {
     "block128-v-geo5": lambda: Scheme(DYN_M, geometric_map(False, 5), block=128, v_nonzero=True),
     "block128-v-geo3": lambda: Scheme(DYN_M, geometric_map(False, 3), block=128, v_nonzero=True),
     "block128-v-stochastic": lambda: Scheme(DYN_M, DYN_V, block=128, v_round="stochastic"),
+    "block128-v-stochastic-reciprocal": lambda: Scheme(DYN_M, DYN_V, block=128, v_round="stochastic-reciprocal"),
 }
 """Name -> quantization of m and sqrt(v): bitsandbytes' dynamic maps (DYN_M, DYN_V) with
 nearest rounding unless named otherwise; "-m-only" / "-v-only" quantize one moment and keep

@@ -22,6 +22,7 @@ from lazytrain.optim.hybrid8bit import (
     Fp32State,
     Hybrid8bitAdamW,
     QuantizedState,
+    rounding_seed,
     state_bytes_per_param,
 )
 from lazytrain.optim.quant import (
@@ -77,6 +78,19 @@ def _check_codes(codes, reference_codes, normalized, qmap, scale):
     )
 
 
+def _check_stochastic_codes(codes, ref):
+    """Stochastically rounded codes equal the float64 ones, or differ by one where the uniform
+    number lies within float32 rounding of the fraction (the position between two codes, which
+    float32 carries to ~1e-5 of a code's spacing in the top decade)."""
+    codes, reference_codes = codes.long(), ref.v_codes
+    differ = codes != reference_codes
+    if not bool(differ.any()):
+        return
+    assert int((codes - reference_codes)[differ].abs().max()) == 1
+    near = (ref.v_uniform - ref.v_fraction).abs() <= 1e-4
+    assert bool(near[differ].all()), f"{int((differ & ~near).sum())} codes differ beyond rounding"
+
+
 def _one_step(backend, numel, decay_numel, grad_dtype, out_dtype, clip, step, seed):
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(numel, generator=gen)
@@ -96,8 +110,9 @@ def _one_step(backend, numel, decay_numel, grad_dtype, out_dtype, clip, step, se
     m, v = _moments(state)
     lr = 3e-3
     ref = reference_step(
-        master, grad, m, v, step=step, clip_coef=clip, lr=lr, config=CONFIG, decay_numel=decay_numel
-    )
+        master, grad, m, v, step=step, clip_coef=clip, lr=lr, config=CONFIG,
+        decay_numel=decay_numel, seed=rounding_seed(0, step),
+    )  # fmt: skip
     out = None if out_dtype is None else torch.full((numel,), float("nan"), dtype=out_dtype)
     opt.step_group(0, grad, clip, lr, out)
     assert opt.steps[0] == step
@@ -128,9 +143,7 @@ def _check_step(opt, ref, out, m_terms):
     _check_codes(
         state.m_codes, ref.m_codes, ref.m_normalized, signed_tables().qmap, m_terms / m_absmax
     )
-    _check_codes(
-        state.v_codes, ref.v_codes, ref.v_normalized, unsigned_tables().qmap, ref.root / v_absmax
-    )
+    _check_stochastic_codes(state.v_codes, ref)
 
 
 SHAPES = [
@@ -447,10 +460,10 @@ def test_failed_build_falls_back_to_torch_with_a_warning(monkeypatch):
         Hybrid8bitAdamW([torch.zeros(5000)], [0], CONFIG, kernel="cpp")
 
 
-def _mlp_losses(make_optimizer, steps: int = 200) -> list[float]:
+def _mlp_losses(make_optimizer, steps: int = 200, seed: int = 0) -> list[float]:
     """Full-batch regression with a 2-layer MLP whose parameters are one flat group
     (matrices first, with weight decay; biases last), stepped the executor's way."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     inputs = torch.randn(512, 32, generator=gen)
     teacher = torch.randn(32, 8, generator=gen) / math.sqrt(32)
     targets = torch.tanh(inputs @ teacher * 2) + 0.05 * torch.randn(512, 8, generator=gen)
@@ -477,20 +490,25 @@ def _mlp_losses(make_optimizer, steps: int = 200) -> list[float]:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_converges_like_fp32_adamw(backend):
+    """Final loss over three problems (one 8-bit run lands a few percent either side of fp32)."""
     config = AdamWConfig(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
-    ours = _mlp_losses(lambda m, d: Hybrid8bitAdamW(m, d, config, kernel=backend))
-    theirs = _mlp_losses(lambda m, d: FusedAdamW(m, d, config))
-    assert ours[-1] < 0.2 * ours[0]
-    final_ours, final_theirs = sum(ours[-10:]) / 10, sum(theirs[-10:]) / 10
-    # no more than 2% worse; and the same kind of run (8-bit noise may land a little lower)
-    assert 0.9 * final_theirs <= final_ours <= 1.02 * final_theirs, (final_ours, final_theirs)
+    ours, theirs = 0.0, 0.0
+    for seed in range(3):
+        losses = _mlp_losses(lambda m, d: Hybrid8bitAdamW(m, d, config, kernel=backend), seed=seed)
+        assert losses[-1] < 0.2 * losses[0]
+        ours += sum(losses[-10:]) / 10
+        theirs += sum(_mlp_losses(lambda m, d: FusedAdamW(m, d, config), seed=seed)[-10:]) / 10
+    # no more than 2% worse; and the same kind of run (not a lot lower either)
+    assert 0.95 * theirs <= ours <= 1.02 * theirs, (ours / 3, theirs / 3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_weights_stay_near_fp32_on_one_gradient_stream(backend):
     """Fed the same gradients (3 decades of scale, a persistent mean, elements active at
-    different rates), 8-bit and fp32 states move the weights to nearly the same place: the
-    quantization error does not add up along the run (as a stuck or biased code would)."""
+    different rates, some almost never), 8-bit and fp32 states move the weights to nearly the
+    same place. Measured: 0.088 of the distance moved (0.064 with nearest rounding of sqrt(v),
+    which is biased but quieter on elements idle for hundreds of steps; ~1.0 when sqrt(v) may
+    round to 0 and the next step divides m by eps)."""
     gen = torch.Generator().manual_seed(0)
     n, steps = 1 << 14, 200
     config = AdamWConfig(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
@@ -506,4 +524,4 @@ def test_weights_stay_near_fp32_on_one_gradient_stream(backend):
             opt.step_group(0, grad, 1.0, config.lr, None)
     moved = theirs.masters[0].norm()
     drift = float((ours.masters[0] - theirs.masters[0]).norm() / moved)
-    assert drift < 0.075, drift
+    assert drift < 0.1, drift

@@ -147,3 +147,49 @@ def test_zero_and_denormal_blocks_are_stored_as_zero():
     codes, absmax = quantize_blockwise(x, tables)
     assert absmax[0] == 0 and absmax[1] == 0 and absmax[2] > 0
     assert bool((codes[: 2 * BLOCK] == tables.zero_code).all())
+
+
+def test_stochastic_codes_are_a_neighbour_and_never_zero_for_positive_values():
+    tables = build_tables(False)
+    x = _adversarial(tables, seed=4)
+    codes = quant.stochastic_code(x, quant.uniform_hash(torch.arange(x.numel()), 99), tables).long()
+    q = tables.qmap.double()
+    below = (torch.searchsorted(q, x.double(), right=True) - 1).clamp(0, 255)
+    assert bool(((codes == below) | (codes == below + 1)).all())
+    assert bool((codes[x > 0] > 0).all())  # sqrt(v) > 0 never becomes 0: no division by eps
+    assert bool((codes[x == 0] == 0).all()) and int(codes[x == 1.0].min()) == 255
+
+
+def test_stochastic_rounding_keeps_the_reciprocal_unbiased():
+    """Averaged over seeds, 1 / code value is 1 / x (what the update divides by)."""
+    tables = build_tables(False)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.exp(-torch.rand(512, generator=gen) * 9)  # 4 decades below 1
+    index = torch.arange(x.numel())
+    mean_reciprocal = torch.zeros(x.numel(), dtype=torch.float64)
+    seeds = 2000
+    for seed in range(seeds):
+        codes = quant.stochastic_code(x, quant.uniform_hash(index, seed), tables).long()
+        mean_reciprocal += 1.0 / tables.qmap[codes].double()
+    ratio = mean_reciprocal / seeds * x.double()
+    # 2000 draws: a few percent of noise where codes are coarse, none on a code
+    assert abs(float(ratio.mean()) - 1.0) < 2e-3
+    assert float((ratio - 1).abs().max()) < 0.05
+
+
+def test_uniform_hash_is_uniform_and_kernel_rounds_the_same():
+    u = quant.uniform_hash(torch.arange(1 << 18), 7)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    counts = torch.histc(u, bins=16, min=0.0, max=1.0)
+    assert float((counts / counts.mean() - 1).abs().max()) < 0.02
+    assert not torch.equal(u[:1000], quant.uniform_hash(torch.arange(1000), 8))
+    kernel = load_kernel()
+    if kernel is None:
+        pytest.skip("the C++ kernel did not build here")
+    tables = build_tables(False)
+    # an odd length, so that the SIMD path and the scalar tail both run
+    x = torch.cat([_adversarial(tables, seed=6), torch.rand(77)])
+    tensors = [tables.qmap, tables.midpoints, tables.lut, tables.pieces]
+    for seed in (0, 12345, 2**32 - 1):
+        expected = quant.stochastic_code(x, quant.uniform_hash(torch.arange(x.numel()), seed), tables)
+        assert torch.equal(kernel.stochastic_codes(x, tensors, seed), expected)
