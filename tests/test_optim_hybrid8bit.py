@@ -22,7 +22,6 @@ from lazytrain.optim.hybrid8bit import (
     Fp32State,
     Hybrid8bitAdamW,
     QuantizedState,
-    rounding_seed,
     state_bytes_per_param,
 )
 from lazytrain.optim.quant import (
@@ -78,19 +77,6 @@ def _check_codes(codes, reference_codes, normalized, qmap, scale):
     )
 
 
-def _check_stochastic_codes(codes, ref):
-    """Stochastically rounded codes equal the float64 ones, or differ by one where the uniform
-    number lies within float32 rounding of the fraction (the position between two codes, which
-    float32 carries to ~1e-5 of a code's spacing in the top decade)."""
-    codes, reference_codes = codes.long(), ref.v_codes
-    differ = codes != reference_codes
-    if not bool(differ.any()):
-        return
-    assert int((codes - reference_codes)[differ].abs().max()) == 1
-    near = (ref.v_uniform - ref.v_fraction).abs() <= 1e-4
-    assert bool(near[differ].all()), f"{int((differ & ~near).sum())} codes differ beyond rounding"
-
-
 def _one_step(backend, numel, decay_numel, grad_dtype, out_dtype, clip, step, seed):
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(numel, generator=gen)
@@ -110,9 +96,8 @@ def _one_step(backend, numel, decay_numel, grad_dtype, out_dtype, clip, step, se
     m, v = _moments(state)
     lr = 3e-3
     ref = reference_step(
-        master, grad, m, v, step=step, clip_coef=clip, lr=lr, config=CONFIG,
-        decay_numel=decay_numel, seed=rounding_seed(0, step),
-    )  # fmt: skip
+        master, grad, m, v, step=step, clip_coef=clip, lr=lr, config=CONFIG, decay_numel=decay_numel
+    )
     out = None if out_dtype is None else torch.full((numel,), float("nan"), dtype=out_dtype)
     opt.step_group(0, grad, clip, lr, out)
     assert opt.steps[0] == step
@@ -143,7 +128,9 @@ def _check_step(opt, ref, out, m_terms):
     _check_codes(
         state.m_codes, ref.m_codes, ref.m_normalized, signed_tables().qmap, m_terms / m_absmax
     )
-    _check_stochastic_codes(state.v_codes, ref)
+    _check_codes(
+        state.v_codes, ref.v_codes, ref.v_normalized, unsigned_tables().qmap, ref.root / v_absmax
+    )
 
 
 SHAPES = [
@@ -506,9 +493,8 @@ def test_converges_like_fp32_adamw(backend):
 def test_weights_stay_near_fp32_on_one_gradient_stream(backend):
     """Fed the same gradients (3 decades of scale, a persistent mean, elements active at
     different rates, some almost never), 8-bit and fp32 states move the weights to nearly the
-    same place. Measured: 0.088 of the distance moved (0.064 with nearest rounding of sqrt(v),
-    which is biased but quieter on elements idle for hundreds of steps; ~1.0 when sqrt(v) may
-    round to 0 and the next step divides m by eps)."""
+    same place. Measured: 0.064 of the distance moved (0.088 with sqrt(v) rounded
+    stochastically; ~1.0 when sqrt(v) may round to 0 and the next step divides m by eps)."""
     gen = torch.Generator().manual_seed(0)
     n, steps = 1 << 14, 200
     config = AdamWConfig(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
@@ -524,4 +510,4 @@ def test_weights_stay_near_fp32_on_one_gradient_stream(backend):
             opt.step_group(0, grad, 1.0, config.lr, None)
     moved = theirs.masters[0].norm()
     drift = float((ours.masters[0] - theirs.masters[0]).norm() / moved)
-    assert drift < 0.1, drift
+    assert drift < 0.075, drift

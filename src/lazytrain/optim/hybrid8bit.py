@@ -14,14 +14,6 @@ gave single updates of 500 times the learning rate, where AdamW's stay near 1. s
 half the decades (every v down to 1e-12 of the block's largest keeps a code) and is what the
 update divides by anyway.
 
-The sqrt(v) codes are rounded stochastically (m's to the nearest code). Rounded to nearest, a
-sqrt(v) that decays by 2.5% a step (beta2 = 0.95) stays on its code wherever codes are more
-than 5% apart, so v runs high and updates low: along a fp32 run of the built-in model such
-8-bit updates drift 3.7-4.6% from the fp32 ones, and half as far when rounded stochastically
-(``bench/optim_update_error.py``). The rounding keeps 1 / sqrt(v) unbiased (the update divides
-by it), so positive v never rounds to 0. The random numbers are a hash of (element, group,
-step): steps are deterministic and a resumed run rounds as the uninterrupted one.
-
 One step of a group is one pass over memory (``csrc/hybrid8bit.cpp``): gradient times clip
 coefficient, dequantize (v is the stored root squared), AdamW update of the fp32 master
 (decoupled weight decay on the first ``decay_numel`` elements), new weight cast to
@@ -52,7 +44,6 @@ from lazytrain.optim.quant import (
     dequantize_blockwise,
     num_blocks,
     quantize_blockwise,
-    quantize_blockwise_stochastic,
     signed_tables,
     unsigned_tables,
 )
@@ -73,7 +64,7 @@ def state_bytes_per_param(numels: Sequence[int], fp32_groups: Collection[int] = 
     return total / max(sum(numels), 1)
 
 
-STATE_FORMAT = f"dynamic8-block{BLOCK}-sqrtv"  # rounding does not change the format
+STATE_FORMAT = f"dynamic8-block{BLOCK}-sqrtv"
 """Names the maps, block size and what the second-moment codes hold (sqrt(v)) of saved codes."""
 
 OLD_STATE_FORMATS = {"dynamic8-block256-sqrtv": (256, True), "dynamic8-block256": (256, False)}
@@ -96,18 +87,10 @@ class StepScalars:
     decay: float
     """1 - lr * weight_decay, applied to the first decay_numel elements."""
     decay_numel: int
-    seed: int = 0
-    """32-bit seed of this step's stochastic rounding of the second-moment codes."""
 
     @classmethod
     def of(
-        cls,
-        config: AdamWConfig,
-        step: int,
-        lr: float,
-        clip_coef: float,
-        decay_numel: int,
-        seed: int = 0,
+        cls, config: AdamWConfig, step: int, lr: float, clip_coef: float, decay_numel: int
     ) -> StepScalars:
         beta1, beta2 = config.betas
         return cls(
@@ -119,14 +102,7 @@ class StepScalars:
             inv_bc2_sqrt=1.0 / math.sqrt(1.0 - beta2**step),
             decay=1.0 - lr * config.weight_decay,
             decay_numel=decay_numel,
-            seed=seed,
         )
-
-
-def rounding_seed(group: int, step: int) -> int:
-    """The seed of group ``group``'s stochastic rounding at step ``step``: a function of the two
-    only, so a resumed run rounds as the uninterrupted one would."""
-    return (step * 0x632BE5AB + group * 0x9E3779B9 + 0x2545F491) & 0xFFFFFFFF
 
 
 @dataclass(slots=True)
@@ -224,8 +200,9 @@ def torch_step_8bit(
         root = dequantize_blockwise(v_codes, v_absmax, vt)
         decay_numel = min(max(s.decay_numel - lo, 0), hi - lo)
         m, v = _adam_update(master[lo:hi], grad[lo:hi], m, root * root, s, decay_numel)
-        new = (quantize_blockwise(m, mt), quantize_blockwise_stochastic(v.sqrt(), s.seed, lo))
-        for codes, absmax, (new_codes, new_absmax) in zip((m_codes, v_codes), (m_absmax, v_absmax), new):
+        root = v.sqrt()
+        for codes, absmax, x, tables in ((m_codes, m_absmax, m, mt), (v_codes, v_absmax, root, vt)):
+            new_codes, new_absmax = quantize_blockwise(x, tables)
             codes.copy_(new_codes)
             absmax.copy_(new_absmax)
         if weight_out is not None:
@@ -315,9 +292,7 @@ class Hybrid8bitAdamW(HostOptimizer):
         grad = grad.reshape(-1).contiguous()
         out = None if weight_out is None else weight_out.view(-1)
         step = self.steps[group] + 1
-        s = StepScalars.of(
-            self.config, step, lr, clip_coef, self.decay_numel[group], rounding_seed(group, step)
-        )
+        s = StepScalars.of(self.config, step, lr, clip_coef, self.decay_numel[group])
         state = self.states[group]
         scalars = (s.clip, s.beta1, s.beta2, s.eps, s.step_size, s.inv_bc2_sqrt, s.decay)
         if isinstance(state, QuantizedState):
@@ -326,7 +301,7 @@ class Hybrid8bitAdamW(HostOptimizer):
             else:
                 self._kernel.step_8bit(
                     grad, master, state.m_codes, state.m_absmax, state.v_codes, state.v_absmax,
-                    out, self._tables, *scalars, s.decay_numel, s.seed,
+                    out, self._tables, *scalars, s.decay_numel,
                 )  # fmt: skip
         elif self._kernel is None:
             torch_step_fp32(grad, master, state, out, s)

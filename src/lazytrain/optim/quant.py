@@ -22,10 +22,6 @@ The nearest code of ``x`` is the number of midpoints between adjacent codes that
   answer in {e, e + 1}, and one compare with ``midpoints[e]`` decides. Negative ``x`` of the
   signed map use the mirror image of the positive codes.
 
-Stochastic rounding (``stochastic_code``, for the unsigned map of sqrt(v)) finds the code below x
-and the fraction of the way to the next one from the same pieces, and rounds up by a uniform
-number hashed from the element's index and a seed.
-
 Blocks whose absmax is below the smallest normal float32 are stored as zeros, so that
 ``1 / absmax`` is always finite.
 """
@@ -90,12 +86,10 @@ class QuantTables:
     base is the code of the bucket's lowest value; key compares with the low bits of ``x``
     (complemented for negative ``x``) and is all ones when no midpoint lies in the bucket."""
     pieces: torch.Tensor
-    """int32[192], the piece tables (float32 entries stored as their bits): first value,
+    """int32[128], the piece tables (float32 entries stored as their bits): first value,
     1 / spacing, first code, last code - first code (16 slots each), then per binade the
     piece of its lowest value and the first value of the next piece if it starts inside the
-    binade, else inf (32 slots each), then per piece its last value, 1 / (first value of the
-    next piece - last value) (0 for the last piece), the spacing of its run and the gap to the
-    next piece (16 slots each)."""
+    binade, else inf (32 slots each)."""
     zero_code: int
     """Index of 0.0 in ``qmap``: the code of an all-zero state."""
 
@@ -161,8 +155,8 @@ def _piece_table(qmap: torch.Tensor, signed: bool, zero_code: int) -> torch.Tens
     runs.append((255, 255))
     if first != 255:
         raise AssertionError("the map's levels do not add up to 256 codes")
-    x0, inv, base, span, last, tail_inv, spacing, tail_gap = [], [], [], [], [], [], [], []
-    for i, (lo, hi) in enumerate(runs):
+    x0, inv, base, span = [], [], [], []
+    for lo, hi in runs:
         values = qmap[lo : hi + 1].double()
         steps = values[1:] - values[:-1]
         if steps.numel() and float((steps / steps.mean() - 1).abs().max()) > 1e-4:
@@ -171,11 +165,6 @@ def _piece_table(qmap: torch.Tensor, signed: bool, zero_code: int) -> torch.Tens
         inv.append(0.0 if hi == lo else (hi - lo) / float(values[-1] - values[0]))
         base.append(lo)
         span.append(hi - lo)
-        last.append(float(qmap[hi]))
-        following = float(qmap[runs[i + 1][0]]) if i + 1 < len(runs) else None
-        tail_inv.append(0.0 if following is None else 1.0 / (following - float(qmap[hi])))
-        spacing.append(0.0 if hi == lo else float(values[-1] - values[0]) / (hi - lo))
-        tail_gap.append(0.0 if following is None else following - float(qmap[hi]))
     starts = torch.tensor(x0, dtype=torch.float32)
     piece_lo, next_start = [], []
     for b in range(32):
@@ -199,79 +188,19 @@ def _piece_table(qmap: torch.Tensor, signed: bool, zero_code: int) -> torch.Tens
         slots(span, torch.int32),
         torch.tensor(piece_lo, dtype=torch.int32),
         torch.tensor(next_start, dtype=torch.float32).view(torch.int32),
-        slots(last, torch.float32),
-        slots(tail_inv, torch.float32),
-        slots(spacing, torch.float32),
-        slots(tail_gap, torch.float32),
     ])  # fmt: skip
-
-
-def _piece_of(a: torch.Tensor, tables: QuantTables) -> tuple[torch.Tensor, torch.Tensor]:
-    """(piece index, float32 position in the piece's run of codes) of magnitudes ``a``."""
-    p = tables.pieces
-    x0, inv = p[0:16].view(torch.float32), p[16:32].view(torch.float32)
-    piece_lo, next_start = p[64:96], p[96:128].view(torch.float32)
-    binade = ((a.view(torch.int32) >> 23) - PIECE_EXP_MIN).clamp(0, 31).long()
-    piece = piece_lo[binade].long() + (a >= next_start[binade]).long()
-    return piece, (a - x0[piece]) * inv[piece]
 
 
 def piece_estimate(x: torch.Tensor, tables: QuantTables) -> torch.Tensor:
     """The pieces method's first guess ``e`` for ``|x|`` (int64): the code is e or e + 1."""
-    base, span = tables.pieces[32:48], tables.pieces[48:64]
-    piece, run = _piece_of(x.abs(), tables)
-    e = torch.floor(run).clamp(min=0).long()
-    return base[piece].long() + torch.minimum(e, span[piece].long())
-
-
-_M32 = 0xFFFFFFFF
-HASH_INDEX_MUL = 0x9E3779B1
-HASH_MUL_1 = 0x85EBCA6B
-HASH_MUL_2 = 0xC2B2AE35
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2**32 for int64 x in [0, 2**32), without int64 overflow."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def uniform_hash(index: torch.Tensor, seed: int) -> torch.Tensor:
-    """float32 in [0, 1) on a 2**-24 grid from (element index, 32-bit seed): murmur3's finaliser
-    of index * golden ratio + seed, as the kernel computes it. Same index and seed, same number."""
-    x = (_mul32(index.long() & _M32, HASH_INDEX_MUL) + (seed & _M32)) & _M32
-    x = x ^ (x >> 16)
-    x = _mul32(x, HASH_MUL_1)
-    x = x ^ (x >> 13)
-    x = _mul32(x, HASH_MUL_2)
-    x = x ^ (x >> 16)
-    return (x >> 8).float() * 2.0**-24
-
-
-def stochastic_code(x: torch.Tensor, u: torch.Tensor, tables: QuantTables) -> torch.Tensor:
-    """uint8 codes of float32 ``x`` in [0, 1] (the unsigned map for sqrt(v)), rounded
-    stochastically so that 1 / code value is unbiased, as the update divides by it: between
-    codes lo <= x <= hi, up with probability p = (x - lo) / (hi - lo) * hi / x, which makes
-    p / hi + (1 - p) / lo = 1 / x. Up where ``u`` (uniform in [0, 1)) < p. Positive x never
-    rounds to 0 (p = 1 there). The terms come from the pieces, in float32 as the kernel
-    computes them: inside a piece's run, the fractional part of the position; in the gap after
-    its last code, (x - last) / gap."""
-    if tables.signed or tables.zero_code != 0:
-        raise ValueError("stochastic rounding is built for the unsigned map only")
     p = tables.pieces
-    x0, base, span = p[0:16].view(torch.float32), p[32:48].long(), p[48:64].long()
-    last, tail_inv = p[128:144].view(torch.float32), p[144:160].view(torch.float32)
-    spacing, tail_gap = p[160:176].view(torch.float32), p[176:192].view(torch.float32)
-    piece, run = _piece_of(x, tables)
-    whole = torch.floor(run)
-    e = whole.long()
-    inside = e < span[piece]
-    fraction = torch.where(inside, run - whole, (x - last[piece]) * tail_inv[piece])
-    above = torch.where(inside, x0[piece] + (whole + 1) * spacing[piece], last[piece] + tail_gap[piece])
-    below = base[piece] + torch.where(inside, e, span[piece])
-    # up where u < fraction * above / x, compared without the division; positive x above the
-    # zero code always (the probability is 1 there, and the products may underflow)
-    up = (u * x < fraction * above) | ((below == 0) & (x > 0))
-    return (below + up.long()).to(torch.uint8)
+    x0, inv = p[0:16].view(torch.float32), p[16:32].view(torch.float32)
+    base, span, piece_lo, next_start = p[32:48], p[48:64], p[64:96], p[96:128].view(torch.float32)
+    a = x.abs()
+    binade = ((a.view(torch.int32) >> 23) - PIECE_EXP_MIN).clamp(0, 31).long()
+    piece = piece_lo[binade].long() + (a >= next_start[binade]).long()
+    e = torch.floor((a - x0[piece]) * inv[piece]).clamp(min=0).long()
+    return base[piece].long() + torch.minimum(e, span[piece].long())
 
 
 def _check_pieces(tables: QuantTables) -> None:
@@ -347,24 +276,6 @@ def nearest_code_by_pieces(x: torch.Tensor, tables: QuantTables) -> torch.Tensor
         mirrored = 2 * tables.zero_code - torch.minimum(code, torch.tensor(254))
         code = torch.where(negative, mirrored, code)
     return code.to(torch.uint8)
-
-
-def quantize_blockwise_stochastic(
-    x: torch.Tensor, seed: int, first_index: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, absmax) of flat non-negative ``x`` in the unsigned map with stochastic rounding:
-    element k rounds by ``uniform_hash(first_index + k, seed)``, so that the expected reciprocal
-    of the dequantized value is 1 / x (see ``stochastic_code``)."""
-    tables = unsigned_tables()
-    n = x.numel()
-    padded = torch.nn.functional.pad(x.reshape(-1).float(), (0, num_blocks(n) * BLOCK - n))
-    blocks = padded.view(-1, BLOCK)
-    absmax = blocks.amax(dim=1)
-    absmax = torch.where(absmax >= TINY, absmax, torch.zeros_like(absmax))
-    inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
-    y = (blocks * inv[:, None]).reshape(-1)[:n]
-    u = uniform_hash(torch.arange(first_index, first_index + n), seed)
-    return stochastic_code(y, u, tables), absmax
 
 
 def num_blocks(numel: int, block: int = BLOCK) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from lazytrain.optim.base import AdamWConfig
-from lazytrain.optim.quant import BLOCK, TINY, create_dynamic_map, uniform_hash
+from lazytrain.optim.quant import BLOCK, TINY, create_dynamic_map
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,6 @@ class ReferenceResult:
     m_normalized: torch.Tensor
     v_normalized: torch.Tensor
     """float64, m / absmax and sqrt(v) / absmax: what was quantized."""
-    v_fraction: torch.Tensor
-    """float64, the probability that sqrt(v) / absmax rounded up from the code below it."""
-    v_uniform: torch.Tensor
-    """The uniform numbers that rounded each element: up where uniform < fraction."""
 
 
 def _nearest(x: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
@@ -53,22 +49,6 @@ def quantize64(x: torch.Tensor, qmap: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return codes, absmax, normalized
 
 
-def stochastic64(
-    normalized: torch.Tensor, qmap: torch.Tensor, seed: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, probabilities, uniforms): non-negative ``normalized`` x rounded to the code lo
-    below it, or up to hi with probability (x - lo) / (hi - lo) * hi / x, which keeps 1 / x
-    unbiased; up where the uniform number is below that probability."""
-    q = qmap.double()
-    below = (torch.searchsorted(q, normalized, right=True) - 1).clamp(0, q.numel() - 1)
-    above = (below + 1).clamp(max=q.numel() - 1)
-    gap = q[above] - q[below]
-    fraction = torch.where(gap > 0, (normalized - q[below]) / gap.clamp(min=1e-300), 0.0)
-    fraction = torch.where(normalized > 0, fraction * q[above] / normalized.clamp(min=1e-300), 0.0)
-    uniform = uniform_hash(torch.arange(normalized.numel()), seed).double()
-    return below + (uniform < fraction).long(), fraction, uniform
-
-
 def reference_step(
     master: torch.Tensor,
     grad: torch.Tensor,
@@ -80,13 +60,11 @@ def reference_step(
     lr: float,
     config: AdamWConfig,
     decay_numel: int,
-    seed: int = 0,
 ) -> ReferenceResult:
     """One AdamW step at step count ``step`` (1-based) from moments ``m``, ``v``, in float64.
 
     ``m`` and ``v`` are the current moments (dequantized, for an 8-bit state). The result holds
-    the new master, the new moments and the blockwise quantization of m (nearest codes) and of
-    sqrt(v) (rounded stochastically by ``uniform_hash(k, seed)``).
+    the new master, the new moments and the blockwise quantization of m and of sqrt(v).
     """
     beta1, beta2 = config.betas
     g = grad.reshape(-1).double() * clip_coef
@@ -100,8 +78,7 @@ def reference_step(
     denom = root / math.sqrt(bias_correction2) + config.eps
     new_master = master.double() * decay - lr / bias_correction1 * m / denom
     m_codes, m_absmax, m_norm = quantize64(m, create_dynamic_map(signed=True))
-    _, v_absmax, v_norm = quantize64(root, create_dynamic_map(signed=False))
-    v_codes, v_fraction, v_uniform = stochastic64(v_norm, create_dynamic_map(signed=False), seed)
+    v_codes, v_absmax, v_norm = quantize64(root, create_dynamic_map(signed=False))
     return ReferenceResult(
         master=new_master,
         m=m,
@@ -113,6 +90,4 @@ def reference_step(
         v_absmax=v_absmax,
         m_normalized=m_norm,
         v_normalized=v_norm,
-        v_fraction=v_fraction,
-        v_uniform=v_uniform,
     )

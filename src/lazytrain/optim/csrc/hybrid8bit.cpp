@@ -12,9 +12,6 @@
 // (AVX2, AVX-512) or one load (scalar) per element. Dequantization is the same split: byte
 // shuffles with VBMI, gathers otherwise.
 //
-// The sqrt(v) codes are rounded stochastically (stochastic_code_scalar): the pieces give the code
-// below and the fraction to the next, a hash of (element index, seed) the uniform number.
-//
 // Built at first use with -march=native on the machine that runs it, so the SIMD path is
 // chosen at compile time from what that machine has.
 
@@ -50,10 +47,7 @@ constexpr int32_t lut_shift(bool is_signed) { return is_signed ? 17 : 16; }
 constexpr int32_t lut_buckets(bool is_signed) { return kLutBinades << (23 - lut_shift(is_signed)); }
 // Piece tables (quant.py): binade index = clamp(biased exponent - kPieceExpMin, 0, 31).
 constexpr int32_t kPieceExpMin = 104;
-constexpr int64_t kPieceTableSize = 192;
-// Stochastic rounding of the second-moment codes: the uniform number of element k at seed s is
-// murmur3's finaliser of k * kHashIndexMul + s, top 24 bits (quant.uniform_hash).
-constexpr uint32_t kHashIndexMul = 0x9E3779B1u, kHashMul1 = 0x85EBCA6Bu, kHashMul2 = 0xC2B2AE35u;
+constexpr int64_t kPieceTableSize = 128;
 // Smallest normal float: blocks with a smaller absmax are stored as zeros.
 constexpr float kTiny = 1.17549435e-38f;
 
@@ -65,8 +59,6 @@ struct MapTables {
   float first[16], inv_spacing[16];
   int32_t base[16], span[16], binade_piece[32];
   float binade_next[32];
-  // per piece: last value, 1 / gap to the next piece's first, spacing of its run, that gap
-  float last[16], tail_inv[16], spacing[16], tail_gap[16];
   // byte q of qmap[c] / midpoints[c] at [q][c]: tables for byte shuffles
   alignas(64) uint8_t value_planes[4][256];
   alignas(64) uint8_t midpoint_planes[4][256];
@@ -74,18 +66,7 @@ struct MapTables {
 
 struct Hyper {
   float clip, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_bc2_sqrt;
-  uint32_t seed;  // of this step's stochastic rounding
 };
-
-inline uint32_t hash_index(uint32_t index, uint32_t seed) {
-  uint32_t x = index * kHashIndexMul + seed;
-  x ^= x >> 16;
-  x *= kHashMul1;
-  x ^= x >> 13;
-  x *= kHashMul2;
-  x ^= x >> 16;
-  return x;
-}
 
 inline float bits_to_float(uint32_t b) {
   float f;
@@ -106,29 +87,6 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
-// The code of value * inv_absmax (>= 0) in the unsigned map, rounded stochastically by the
-// pieces (quant.stochastic_code): from the code lo below x up to hi with probability
-// (x - lo) / (hi - lo) * hi / x, which keeps 1 / x (what the update divides by) unbiased.
-inline uint8_t stochastic_code_scalar(float value, float inv_absmax, const MapTables& t,
-                                      uint32_t index, uint32_t seed) {
-  const float y = value * inv_absmax;
-  const uint32_t bits = float_to_bits(y) & 0x7fffffffu;
-  const int32_t binade = std::clamp(static_cast<int32_t>(bits >> 23) - kPieceExpMin, 0, 31);
-  const int32_t piece = t.binade_piece[binade] + (y >= t.binade_next[binade] ? 1 : 0);
-  const float run = (y - t.first[piece]) * t.inv_spacing[piece];
-  const float whole = std::floor(run);
-  const int32_t e = static_cast<int32_t>(whole);
-  const bool inside = e < t.span[piece];
-  const float fraction = inside ? run - whole : (y - t.last[piece]) * t.tail_inv[piece];
-  const float above = inside ? t.first[piece] + (whole + 1.0f) * t.spacing[piece] : t.last[piece] + t.tail_gap[piece];
-  const int32_t below = t.base[piece] + (inside ? e : t.span[piece]);
-  const float u = static_cast<float>(hash_index(index, seed) >> 8) * (1.0f / 16777216.0f);
-  // up where u < fraction * above / y, compared without the division; positive y above the
-  // zero code always (the probability is 1 there, and the products may underflow)
-  const bool up = u * y < fraction * above || (below == 0 && y > 0.0f);
-  return static_cast<uint8_t>(below + (up ? 1 : 0));
-}
-
 struct Scalar {
   static constexpr int W = 1;
   static constexpr int kChunk = 1;       // elements dequantized at once
@@ -147,15 +105,6 @@ struct Scalar {
   static F max(F a, F b) { return a > b ? a : b; }
   static float reduce_max(F x) { return x; }
   static void dequantize(const uint8_t* codes, const MapTables& t, F* out) { *out = t.qmap[*codes]; }
-  static constexpr int kStochasticChunk = 1;
-  struct StochasticTables {
-    const MapTables& t;
-    explicit StochasticTables(const MapTables& tables) : t(tables) {}
-  };
-  static void stochastic_codes(const float* values, float inv_absmax, uint8_t* codes,
-                               const StochasticTables& st, uint32_t index, uint32_t seed) {
-    *codes = stochastic_code_scalar(*values, inv_absmax, st.t, index, seed);
-  }
 
   template <bool kSigned>
   static void quantize(const float* values, float inv_absmax, uint8_t* codes, const MapTables& t) {
@@ -209,63 +158,6 @@ struct Simd {
   static F abs(F x) { return _mm512_abs_ps(x); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static float reduce_max(F x) { return _mm512_reduce_max_ps(x); }
-
-  // 16 codes of stochastic_code_scalar at a time, the piece tables held in registers and
-  // looked up with AVX-512F permutes.
-  static constexpr int kStochasticChunk = 16;
-  struct StochasticTables {
-    __m512 first, inv_spacing, last, tail_inv, spacing, tail_gap, next_a, next_b;
-    __m512i base, span, piece_a, piece_b;
-    explicit StochasticTables(const MapTables& t)
-        : first(_mm512_loadu_ps(t.first)), inv_spacing(_mm512_loadu_ps(t.inv_spacing)),
-          last(_mm512_loadu_ps(t.last)), tail_inv(_mm512_loadu_ps(t.tail_inv)),
-          spacing(_mm512_loadu_ps(t.spacing)), tail_gap(_mm512_loadu_ps(t.tail_gap)),
-          next_a(_mm512_loadu_ps(t.binade_next)), next_b(_mm512_loadu_ps(t.binade_next + 16)),
-          base(_mm512_loadu_si512(t.base)), span(_mm512_loadu_si512(t.span)),
-          piece_a(_mm512_loadu_si512(t.binade_piece)), piece_b(_mm512_loadu_si512(t.binade_piece + 16)) {}
-  };
-  static void stochastic_codes(const float* values, float inv_absmax, uint8_t* codes,
-                               const StochasticTables& t, uint32_t index, uint32_t seed) {
-    const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(values), _mm512_set1_ps(inv_absmax));
-    const __m512i bits = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7fffffff));
-    const __m512i binade = _mm512_min_epi32(
-        _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(kPieceExpMin)),
-                         _mm512_setzero_si512()),
-        _mm512_set1_epi32(31));
-    __m512i piece = _mm512_permutex2var_epi32(t.piece_a, binade, t.piece_b);
-    const __m512 next = _mm512_permutex2var_ps(t.next_a, binade, t.next_b);
-    piece = _mm512_mask_add_epi32(piece, _mm512_cmp_ps_mask(y, next, _CMP_GE_OQ), piece, _mm512_set1_epi32(1));
-    const __m512 first = _mm512_permutexvar_ps(piece, t.first);
-    const __m512 run = _mm512_mul_ps(_mm512_sub_ps(y, first), _mm512_permutexvar_ps(piece, t.inv_spacing));
-    const __m512 whole = _mm512_roundscale_ps(run, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512i e = _mm512_cvttps_epi32(whole);
-    const __m512i span = _mm512_permutexvar_epi32(piece, t.span);
-    const __mmask16 inside = _mm512_cmplt_epi32_mask(e, span);
-    const __m512 last = _mm512_permutexvar_ps(piece, t.last);
-    const __m512 tail = _mm512_mul_ps(_mm512_sub_ps(y, last), _mm512_permutexvar_ps(piece, t.tail_inv));
-    const __m512 fraction = _mm512_mask_blend_ps(inside, tail, _mm512_sub_ps(run, whole));
-    const __m512 above = _mm512_mask_blend_ps(
-        inside, _mm512_add_ps(last, _mm512_permutexvar_ps(piece, t.tail_gap)),
-        _mm512_add_ps(first, _mm512_mul_ps(_mm512_add_ps(whole, _mm512_set1_ps(1.0f)),
-                                           _mm512_permutexvar_ps(piece, t.spacing))));
-    const __m512i below = _mm512_add_epi32(_mm512_permutexvar_epi32(piece, t.base),
-                                           _mm512_mask_blend_epi32(inside, span, e));
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i x = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(index)), lanes);
-    x = _mm512_add_epi32(_mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int32_t>(kHashIndexMul))),
-                         _mm512_set1_epi32(static_cast<int32_t>(seed)));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int32_t>(kHashMul1)));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int32_t>(kHashMul2)));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 8)), _mm512_set1_ps(1.0f / 16777216.0f));
-    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, y), _mm512_mul_ps(fraction, above), _CMP_LT_OQ) |
-                         (_mm512_cmpeq_epi32_mask(below, _mm512_setzero_si512()) &
-                          _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ));
-    const __m512i code = _mm512_mask_add_epi32(below, up, below, _mm512_set1_epi32(1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(code));
-  }
 
 #if defined(LAZYTRAIN_VBMI)
   static constexpr int kChunk = 64;
@@ -440,16 +332,6 @@ struct Simd {
   static void dequantize(const uint8_t* codes, const MapTables& t, F* out) {
     *out = _mm256_i32gather_ps(t.qmap, load_codes(codes), 4);
   }
-  // stochastic rounding one element at a time (the piece tables would take 8 gathers)
-  static constexpr int kStochasticChunk = 1;
-  struct StochasticTables {
-    const MapTables& t;
-    explicit StochasticTables(const MapTables& tables) : t(tables) {}
-  };
-  static void stochastic_codes(const float* values, float inv_absmax, uint8_t* codes,
-                               const StochasticTables& st, uint32_t index, uint32_t seed) {
-    *codes = stochastic_code_scalar(*values, inv_absmax, st.t, index, seed);
-  }
   template <bool kSigned>
   static void quantize(const float* values, float inv_absmax, uint8_t* codes, const MapTables& t) {
     constexpr int32_t shift = lut_shift(kSigned), buckets = lut_buckets(kSigned);
@@ -546,19 +428,6 @@ inline void quantize_range(const float* values, int64_t lo, int64_t hi, float in
   if constexpr (S::kQuantChunk > 1) quantize_range<Scalar, kSigned>(values, i, hi, inv_absmax, codes, t);
 }
 
-template <class S>
-inline void stochastic_range(const float* values, int64_t len, float inv_absmax, uint8_t* codes,
-                             const MapTables& t, int64_t first_index, uint32_t seed) {
-  const typename S::StochasticTables registers(t);
-  int64_t i = 0;
-  for (; i + S::kStochasticChunk <= len; i += S::kStochasticChunk) {
-    S::stochastic_codes(values + i, inv_absmax, codes + i, registers, static_cast<uint32_t>(first_index + i), seed);
-  }
-  for (; i < len; ++i) {
-    codes[i] = stochastic_code_scalar(values[i], inv_absmax, t, static_cast<uint32_t>(first_index + i), seed);
-  }
-}
-
 // bitsandbytes divides by the new absmax; one reciprocal per block moves x by at most an ulp,
 // which matters only for values on a code boundary. Denormal blocks become zeros, so the
 // reciprocal stays finite.
@@ -585,7 +454,7 @@ void step_block(const Group8bit& g, const G* grad, O* out, const Hyper& h, const
   const float m_inv = store_absmax(g.m_absmax[block], s.m_max);
   const float root_inv = store_absmax(g.v_absmax[block], s.root_max);
   quantize_range<Simd, true>(s.m, 0, len, m_inv, g.m_codes + start, tm);
-  stochastic_range<Simd>(s.root, len, root_inv, g.v_codes + start, tv, start, h.seed);
+  quantize_range<Simd, false>(s.root, 0, len, root_inv, g.v_codes + start, tv);
 }
 
 template <class G, class O>
@@ -652,10 +521,6 @@ void fill_tables(MapTables& t, const at::Tensor* tensors, bool is_signed) {
   std::memcpy(t.span, p + 48, 16 * 4);
   std::memcpy(t.binade_piece, p + 64, 32 * 4);
   std::memcpy(t.binade_next, p + 96, 32 * 4);
-  std::memcpy(t.last, p + 128, 16 * 4);
-  std::memcpy(t.tail_inv, p + 144, 16 * 4);
-  std::memcpy(t.spacing, p + 160, 16 * 4);
-  std::memcpy(t.tail_gap, p + 176, 16 * 4);
   for (int c = 0; c < 256; ++c) {
     const uint32_t value = float_to_bits(t.qmap[c]), mid = float_to_bits(t.midpoints[c]);
     for (int q = 0; q < 4; ++q) {
@@ -666,12 +531,11 @@ void fill_tables(MapTables& t, const at::Tensor* tensors, bool is_signed) {
 }
 
 Hyper make_hyper(double clip, double beta1, double beta2, double eps, double step_size,
-                 double inv_bc2_sqrt, int64_t seed = 0) {
+                 double inv_bc2_sqrt) {
   return {static_cast<float>(clip),        static_cast<float>(beta1),
           static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
           static_cast<float>(1.0 - beta2), static_cast<float>(eps),
-          static_cast<float>(step_size),   static_cast<float>(inv_bc2_sqrt),
-          static_cast<uint32_t>(seed)};
+          static_cast<float>(step_size),   static_cast<float>(inv_bc2_sqrt)};
 }
 
 void check_io(const at::Tensor& grad, const std::optional<at::Tensor>& weight_out, int64_t numel) {
@@ -709,7 +573,7 @@ void step_8bit(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
                const at::Tensor& m_absmax, const at::Tensor& v_codes, const at::Tensor& v_absmax,
                const std::optional<at::Tensor>& weight_out, const std::vector<at::Tensor>& tables,
                double clip, double beta1, double beta2, double eps, double step_size,
-               double inv_bc2_sqrt, double decay, int64_t decay_numel, int64_t seed) {
+               double inv_bc2_sqrt, double decay, int64_t decay_numel) {
   const int64_t n = master.numel();
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   check_flat(master, at::kFloat, n, "master");
@@ -722,7 +586,7 @@ void step_8bit(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
   MapTables tm, tv;
   fill_tables(tm, tables.data(), true);
   fill_tables(tv, tables.data() + 4, false);
-  const Hyper h = make_hyper(clip, beta1, beta2, eps, step_size, inv_bc2_sqrt, seed);
+  const Hyper h = make_hyper(clip, beta1, beta2, eps, step_size, inv_bc2_sqrt);
   const Group8bit g{n,
                     std::clamp<int64_t>(decay_numel, 0, n),
                     static_cast<float>(decay),
@@ -755,19 +619,6 @@ void step_fp32(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
                           master.data_ptr<float>(), exp_avg.data_ptr<float>(),
                           exp_avg_sq.data_ptr<float>(), grad_ptr, out_ptr, h);
   });
-}
-
-// Stochastically rounded codes of float32 values in [0, 1] in the unsigned map, element k by
-// the uniform number of (k, seed) (for tests).
-at::Tensor stochastic_codes(const at::Tensor& x, const std::vector<at::Tensor>& tables, int64_t seed) {
-  check_flat(x, at::kFloat, x.numel(), "x");
-  TORCH_CHECK(tables.size() == 4, "expected the 4 tables of the unsigned map");
-  MapTables t;
-  fill_tables(t, tables.data(), false);
-  at::Tensor codes = at::empty({x.numel()}, x.options().dtype(at::kByte));
-  stochastic_range<Simd>(x.data_ptr<float>(), x.numel(), 1.0f, codes.data_ptr<uint8_t>(), t, 0,
-                         static_cast<uint32_t>(seed));
-  return codes;
 }
 
 // Quantize float32 values in [-1, 1] with the kernel's nearest-code search (for tests).
@@ -807,6 +658,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_8bit", &step_8bit, py::call_guard<py::gil_scoped_release>());
   m.def("step_fp32", &step_fp32, py::call_guard<py::gil_scoped_release>());
   m.def("nearest_codes", &nearest_codes, py::call_guard<py::gil_scoped_release>());
-  m.def("stochastic_codes", &stochastic_codes, py::call_guard<py::gil_scoped_release>());
   m.def("simd", &simd_name);
 }
