@@ -30,10 +30,10 @@ RUNS = {
 }
 
 
-def run(kind: str, steps: int, out_dir: Path, seed: int | None = None) -> dict:
+def run(kind: str, steps: int, out_dir: Path, seed: int | None = None, overrides: tuple[str, ...] = ()) -> dict:
     seeded = [] if seed is None else [f"training.seed={seed}"]
     config = load_config(None, [*RUNS[kind], f"training.steps={steps}", *seeded,
-                                f"training.output_dir={out_dir}", "training.progress=false"])
+                                f"training.output_dir={out_dir}", "training.progress=false", *overrides])
     start = time.perf_counter()
     trainer = Trainer(config)
     trainer.setup()

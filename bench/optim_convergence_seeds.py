@@ -38,23 +38,42 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["fp32", "hybrid8bit"], choices=list(RUNS))
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides for every run, e.g. training.device=cpu")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="train nothing: report the runs of these records (same steps, other seeds) as one")
     parser.add_argument("--fp32-from", default=None, help="an earlier record (JSON) whose fp32 runs "
                         "(same steps and seeds; fp32 AdamW unchanged since) to reuse instead of rerunning them")
     parser.add_argument("--note", default="", help="a line for the report: what changed since the last run")
     args = parser.parse_args()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     results: dict[str, dict] = {}
-    if args.fp32_from:
+    device = f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    if args.merge:
+        records = [json.loads(Path(f).read_text())[0] for f in args.merge]
+        if len({r["steps"] for r in records}) != 1 or len({tuple(r["results"]) for r in records}) != 1:
+            raise SystemExit("--merge: the records differ in steps or in optimizer kinds")
+        if len({s for r in records for s in r["seeds"]}) != sum(len(r["seeds"]) for r in records):
+            raise SystemExit("--merge: a seed appears in two records")
+        args.steps, args.seeds = records[0]["steps"], [s for r in records for s in r["seeds"]]
+        args.kinds = list(records[0]["results"])
+        device = " / ".join(sorted({r["device"] for r in records}))
+        for kind in args.kinds:
+            parts = [r["results"][kind] for r in records]
+            results[kind] = {"tail_loss": summary([v for p in parts for v in p["tail_loss"]["values"]]),
+                             "exact_match": summary([v for p in parts for v in p["exact_match"]["values"]]),
+                             "merged_from": args.merge}
+    elif args.fp32_from:
         earlier = json.loads(Path(args.fp32_from).read_text())[0]
         if earlier["steps"] != args.steps or earlier["seeds"] != args.seeds or "fp32" not in earlier["results"]:
             raise SystemExit(f"{args.fp32_from} has no fp32 runs of {args.steps} steps on seeds {args.seeds}")
         results["fp32"] = {**earlier["results"]["fp32"], "from": args.fp32_from}
         args.kinds = [k for k in args.kinds if k != "fp32"]
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in args.kinds:
+        for kind in (args.kinds if not args.merge else []):
             tails, ems, secs = [], [], []
             for seed in args.seeds:
-                r = run(kind, args.steps, Path(tmp) / f"{kind}-{seed}", seed=seed)
+                r = run(kind, args.steps, Path(tmp) / f"{kind}-{seed}", seed=seed, overrides=tuple(args.set))
                 tails.append(statistics.fmean(r["losses"][-args.tail:]))
                 ems.append(r["exact_match"])
                 secs.append(r["seconds"])
@@ -62,7 +81,7 @@ def main() -> None:
             results[kind] = {"tail_loss": summary(tails), "exact_match": summary(ems),
                              "seconds": secs, "optimizer_backend": r["optimizer_backend"]}
     record = {"name": f"optim_convergence_seeds_{args.steps}", "date": date,
-              "device": f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)",
+              "device": device, "overrides": args.set,
               "torch": torch.__version__, "model": "builtin:tiny", "steps": args.steps, "tail_steps": args.tail,
               "seeds": args.seeds, "note": args.note, "results": results}
     out = Path(args.out)
@@ -70,9 +89,11 @@ def main() -> None:
     stem = f"optim_convergence_seeds_{date}{args.tag}"
     (out / f"{stem}.json").write_text(json.dumps([record], indent=1))
     lines = [f"# Seed spread on the built-in default ({args.steps} steps, seeds {' '.join(map(str, args.seeds))})", "",
-             (f"{date}, {record['device']}, torch {record['torch']}. Command: `python bench/optim_convergence_seeds.py "
-              f"--steps {args.steps} --seeds {' '.join(map(str, args.seeds))} --kinds {' '.join(args.kinds)}"
-              + (f" --fp32-from {args.fp32_from}" if args.fp32_from else "") + "`"), "",
+             f"{date}, {record['device']}, torch {record['torch']}. Command: `python bench/optim_convergence_seeds.py "
+             + (f"--steps {args.steps} --seeds {' '.join(map(str, args.seeds))} --kinds {' '.join(args.kinds)}"
+                + (f" --fp32-from {args.fp32_from}" if args.fp32_from else "")
+                + (f" --set {' '.join(args.set)}" if args.set else "")
+                if not args.merge else f"--merge {' '.join(args.merge)}") + "`", "",
              f"| kind | mean loss, last {args.tail} steps: mean (sd) [min, max] | exact match: mean (sd) [min, max] |",
              "| --- | --- | --- |"]
     for kind, r in results.items():
