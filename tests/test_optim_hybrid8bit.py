@@ -306,7 +306,7 @@ def test_loads_earlier_formats(fmt):
     assert opt.states[0].m_absmax.numel() == num_blocks(5000) == -(-5000 // BLOCK)
     for name, t in expected.tensors().items():
         assert torch.equal(opt.states[0].tensors()[name], t), name
-    m_back, v_back = opt.states[0].moments()
+    m_back, _ = opt.states[0].moments()
     assert torch.allclose(m_back, m, rtol=0.2, atol=1e-3 * float(m.abs().max()))
     assert opt.steps == [4]
     with pytest.raises(ValueError, match="format 'dynamic4'"):

@@ -106,8 +106,8 @@ class OptimizerConfig(AdamWConfig):
     """hybrid8bit only: keep fp32 m and v for the embedding and the final group (final norm and
     untied LM head), as bitsandbytes advises for embeddings. Costs 6 B more per parameter of
     those groups: Qwen2.5-7B (2 x 545 M of 7.6 B parameters) goes from 2.06 to 2.91 B/param,
-    a tied model of the same shape (one 545 M matrix of 7.1 B) to 2.52. With 128-element
-    blocks the built-in default no longer needs it (``bench/optim_convergence_seeds.py``)."""
+    a tied model of the same shape (one 545 M matrix of 7.1 B) to 2.52. On the built-in default
+    it does not close the gap to fp32 either (``bench/optim_convergence_seeds.py``)."""
     warmup_steps: int = 20
     schedule: str = "cosine"
     """cosine (to min_lr_ratio * lr) or constant, after linear warmup."""

@@ -362,8 +362,8 @@ class Hybrid8bitAdamW(HostOptimizer):
             # an earlier format: dequantize with its blocks, requantize with this one's
             mt, vt = signed_tables(), unsigned_tables()
             m = dequantize_blockwise(saved["m_codes"], saved["m_absmax"], mt, block)
-            root = dequantize_blockwise(saved["v_codes"], saved["v_absmax"], vt, block)
-            converted = QuantizedState.of_moments(m, root * root if holds_root else root)
+            second = dequantize_blockwise(saved["v_codes"], saved["v_absmax"], vt, block)
+            converted = QuantizedState.of_moments(m, second * second if holds_root else second)
             for name, dst in own.tensors().items():
                 dst.copy_(converted.tensors()[name])
         self.steps = [int(s) for s in state["steps"]]
