@@ -11,6 +11,7 @@ the exact match on the built-in held-out split. Writes a JSON record and a Markd
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
@@ -20,14 +21,36 @@ from pathlib import Path
 
 import torch
 
+import lazytrain.optim.adamw as fp32_adamw
 from lazytrain.config import load_config
 from lazytrain.train.trainer import Trainer
 
 RUNS = {
     "fp32": ["optimizer.kind=fp32"],
+    # the same fp32 AdamW math through torch's single-tensor loop instead of its fused
+    # kernel: results differ from "fp32" only by float rounding, so fp32 against
+    # fp32_unfused shows how far two runs of one optimizer land apart (the null comparison)
+    "fp32_unfused": ["optimizer.kind=fp32"],
     "hybrid8bit": ["optimizer.kind=hybrid8bit"],
     "hybrid8bit_fp32_embedding": ["optimizer.kind=hybrid8bit", "optimizer.fp32_embedding_states=true"],
 }
+
+
+@contextlib.contextmanager
+def _unfused_fp32_adamw():
+    fused_adam = fp32_adamw.adam
+
+    def adam(params, grads, *args, fused, grad_scale, **kwargs):
+        if grad_scale is not None:  # the fused kernel divides by it; the loop does not take it
+            for g in grads:
+                g.div_(grad_scale)
+        return fused_adam(params, grads, *args, fused=False, foreach=False, grad_scale=None, **kwargs)
+
+    fp32_adamw.adam = adam
+    try:
+        yield
+    finally:
+        fp32_adamw.adam = fused_adam
 
 
 def run(kind: str, steps: int, out_dir: Path, seed: int | None = None, overrides: tuple[str, ...] = ()) -> dict:
@@ -35,9 +58,10 @@ def run(kind: str, steps: int, out_dir: Path, seed: int | None = None, overrides
     config = load_config(None, [*RUNS[kind], f"training.steps={steps}", *seeded,
                                 f"training.output_dir={out_dir}", "training.progress=false", *overrides])
     start = time.perf_counter()
-    trainer = Trainer(config)
-    trainer.setup()
-    summary = trainer.train()
+    with _unfused_fp32_adamw() if kind == "fp32_unfused" else contextlib.nullcontext():
+        trainer = Trainer(config)
+        trainer.setup()
+        summary = trainer.train()
     losses = [json.loads(line)["loss"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line]
     return {"kind": kind, "losses": losses, "exact_match": summary["eval"]["eval_exact_match"],
@@ -54,7 +78,8 @@ def main() -> None:
     args = parser.parse_args()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {kind: run(kind, args.steps, Path(tmp) / kind) for kind in RUNS}
+        runs = {kind: run(kind, args.steps, Path(tmp) / kind)
+                for kind in ("fp32", "hybrid8bit", "hybrid8bit_fp32_embedding")}
     tail = {k: sum(r["losses"][-args.tail:]) / len(r["losses"][-args.tail:]) for k, r in runs.items()}
     record = {
         "name": f"optim_convergence_builtin_{args.steps}",

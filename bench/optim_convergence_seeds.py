@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,6 +29,17 @@ from optim_convergence import RUNS, run
 def summary(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
             "min": min(values), "max": max(values), "values": values}
+
+
+def bootstrap(kind: dict, base: dict, resamples: int = 10000) -> tuple[list[float], list[float]]:
+    """90% intervals of the mean tail loss ratio and the mean exact match difference (points)
+    against ``base``, resampling the seeds (with replacement, paired: a seed brings both runs)."""
+    loss = np.array([kind["tail_loss"]["values"], base["tail_loss"]["values"]])
+    em = 100 * np.array([kind["exact_match"]["values"], base["exact_match"]["values"]])
+    pick = np.random.default_rng(0).integers(0, loss.shape[1], size=(resamples, loss.shape[1]))
+    ratio = loss[0][pick].mean(1) / loss[1][pick].mean(1)
+    diff = em[0][pick].mean(1) - em[1][pick].mean(1)
+    return [float(np.quantile(ratio, q)) for q in (0.05, 0.95)], [float(np.quantile(diff, q)) for q in (0.05, 0.95)]
 
 
 def main() -> None:
@@ -50,19 +62,44 @@ def main() -> None:
     results: dict[str, dict] = {}
     device = f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
     if args.merge:
+        # PATH or PATH:KIND=NAME[,KIND=NAME]: the record's runs of KIND are reported as NAME
+        # (e.g. fp32 runs at another thread count, which round differently, as fp32_1thread)
+        renames = []
+        for i, spec in enumerate(args.merge):
+            path, _, names = spec.partition(":")
+            args.merge[i] = path
+            try:
+                renames.append(dict(pair.split("=", 1) for pair in names.split(",")) if names else {})
+            except ValueError:
+                raise SystemExit(f"--merge {spec}: expected PATH or PATH:KIND=NAME[,KIND=NAME]") from None
         records = [json.loads(Path(f).read_text())[0] for f in args.merge]
-        if len({r["steps"] for r in records}) != 1 or len({tuple(r["results"]) for r in records}) != 1:
-            raise SystemExit("--merge: the records differ in steps or in optimizer kinds")
-        if len({s for r in records for s in r["seeds"]}) != sum(len(r["seeds"]) for r in records):
-            raise SystemExit("--merge: a seed appears in two records")
-        args.steps, args.seeds = records[0]["steps"], [s for r in records for s in r["seeds"]]
-        args.kinds = list(records[0]["results"])
+        for r, rename in zip(records, renames):
+            r["results"] = {rename.get(kind, kind): res for kind, res in r["results"].items()}
+        merge_specs = [f + (":" + ",".join(f"{k}={v}" for k, v in n.items()) if n else "")
+                       for f, n in zip(args.merge, renames)]
+        if len({r["steps"] for r in records}) != 1:
+            raise SystemExit("--merge: the records differ in steps")
+        # (kind, seed) -> (tail loss, exact match); a run found in two records (the fp32 runs
+        # an --fp32-from record reused) must hold the same figures in both
+        runs: dict[tuple[str, int], tuple[float, float]] = {}
+        for f, r in zip(args.merge, records):
+            for kind, res in r["results"].items():
+                for i, seed in enumerate(r["seeds"]):
+                    figures = (res["tail_loss"]["values"][i], res["exact_match"]["values"][i])
+                    if runs.setdefault((kind, seed), figures) != figures:
+                        raise SystemExit(f"--merge: {kind} seed {seed} has different results in {f} and another record")
+        args.steps = records[0]["steps"]
+        args.seeds = sorted({seed for _, seed in runs})
+        args.kinds = list(dict.fromkeys(kind for r in records for kind in r["results"]))
+        for kind in args.kinds:
+            missing = [seed for seed in args.seeds if (kind, seed) not in runs]
+            if missing:
+                raise SystemExit(f"--merge: no {kind} run of seeds {missing} in the records")
         device = " / ".join(sorted({r["device"] for r in records}))
         for kind in args.kinds:
-            parts = [r["results"][kind] for r in records]
-            results[kind] = {"tail_loss": summary([v for p in parts for v in p["tail_loss"]["values"]]),
-                             "exact_match": summary([v for p in parts for v in p["exact_match"]["values"]]),
-                             "merged_from": args.merge}
+            results[kind] = {"tail_loss": summary([runs[kind, seed][0] for seed in args.seeds]),
+                             "exact_match": summary([runs[kind, seed][1] for seed in args.seeds]),
+                             "merged_from": merge_specs}
     elif args.fp32_from:
         earlier = json.loads(Path(args.fp32_from).read_text())[0]
         if earlier["steps"] != args.steps or earlier["seeds"] != args.seeds or "fp32" not in earlier["results"]:
@@ -71,15 +108,17 @@ def main() -> None:
         args.kinds = [k for k in args.kinds if k != "fp32"]
     with tempfile.TemporaryDirectory() as tmp:
         for kind in (args.kinds if not args.merge else []):
-            tails, ems, secs = [], [], []
+            tails, ems, secs, curves = [], [], [], []
             for seed in args.seeds:
                 r = run(kind, args.steps, Path(tmp) / f"{kind}-{seed}", seed=seed, overrides=tuple(args.set))
                 tails.append(statistics.fmean(r["losses"][-args.tail:]))
                 ems.append(r["exact_match"])
                 secs.append(r["seconds"])
+                curves.append(r["losses"][::10])
                 print(f"{kind} seed {seed}: tail loss {tails[-1]:.5f}, exact match {ems[-1]:.1%}", flush=True)
             results[kind] = {"tail_loss": summary(tails), "exact_match": summary(ems),
-                             "seconds": secs, "optimizer_backend": r["optimizer_backend"]}
+                             "seconds": secs, "optimizer_backend": r["optimizer_backend"],
+                             "loss_every_10_steps": curves}
     record = {"name": f"optim_convergence_seeds_{args.steps}", "date": date,
               "device": device, "overrides": args.set,
               "torch": torch.__version__, "model": "builtin:tiny", "steps": args.steps, "tail_steps": args.tail,
@@ -93,7 +132,7 @@ def main() -> None:
              + (f"--steps {args.steps} --seeds {' '.join(map(str, args.seeds))} --kinds {' '.join(args.kinds)}"
                 + (f" --fp32-from {args.fp32_from}" if args.fp32_from else "")
                 + (f" --set {' '.join(args.set)}" if args.set else "")
-                if not args.merge else f"--merge {' '.join(args.merge)}") + "`", "",
+                if not args.merge else f"--merge {' '.join(merge_specs)}") + "`", "",
              f"| kind | mean loss, last {args.tail} steps: mean (sd) [min, max] | exact match: mean (sd) [min, max] |",
              "| --- | --- | --- |"]
     for kind, r in results.items():
@@ -116,7 +155,8 @@ def main() -> None:
         lines += ["", "Check against fp32, on the means over the seeds: tail loss at most 2% above fp32's, exact "
                   "match at most 2 points below (a lower loss or a higher exact match passes).", "",
                   "| against fp32 | mean tail loss ratio (<= 1.02) | mean exact match difference, points (>= -2) "
-                  "| worst seed's exact match difference | check |", "| --- | --- | --- | --- | --- |"]
+                  "| worst seed's exact match difference | check | 90% interval of the loss ratio, seeds resampled "
+                  "| 90% interval of the exact match difference |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for kind, r in results.items():
             if kind == "fp32":
                 continue
@@ -124,9 +164,12 @@ def main() -> None:
             diff = 100 * (r["exact_match"]["mean"] - base["exact_match"]["mean"])
             worst = min(100 * (a - b) for a, b in zip(r["exact_match"]["values"], base["exact_match"]["values"]))
             verdict = "pass" if ratio <= 1.02 and diff >= -2 else "fail"
+            ratio_ci, diff_ci = bootstrap(r, base)
             r["check"] = {"tail_loss_ratio": ratio, "exact_match_diff_points": diff,
-                          "worst_seed_exact_match_diff_points": worst, "verdict": verdict}
-            lines.append(f"| {kind} | {ratio:.3f} | {diff:+.1f} | {worst:+.1f} | {verdict} |")
+                          "worst_seed_exact_match_diff_points": worst, "verdict": verdict,
+                          "tail_loss_ratio_90": ratio_ci, "exact_match_diff_points_90": diff_ci}
+            lines.append(f"| {kind} | {ratio:.3f} | {diff:+.1f} | {worst:+.1f} | {verdict} | "
+                         f"[{ratio_ci[0]:.2f}, {ratio_ci[1]:.2f}] | [{diff_ci[0]:+.1f}, {diff_ci[1]:+.1f}] |")
         spread = base["tail_loss"]["max"] / base["tail_loss"]["min"]
         lines += ["", f"fp32's own tail loss max/min over the seeds: {spread:.2f}."]
         (out / f"{stem}.json").write_text(json.dumps([record], indent=1))
