@@ -42,6 +42,31 @@ def bootstrap(kind: dict, base: dict, resamples: int = 10000) -> tuple[list[floa
     return [float(np.quantile(ratio, q)) for q in (0.05, 0.95)], [float(np.quantile(diff, q)) for q in (0.05, 0.95)]
 
 
+def along_the_run(results: dict, steps: int) -> list[str]:
+    """Markdown: each kind's mean loss over the seeds in windows along the run, as a ratio to
+    fp32's with its 90% interval (seeds resampled), from the loss curves the records keep
+    (every 10th step); empty when a kind has none."""
+    if not all("loss_every_10_steps" in r for r in results.values()):
+        return []
+    window = max(steps // 10, 10)
+    ends = list(range(window, steps + 1, window))
+    kinds = [k for k in results if k != "fp32"]
+    lines = ["", f"Loss along the run: mean over the seeds of each {window}-step window's mean loss (from every "
+             "10th step's loss), fp32's and the others' as a ratio to it [90% interval, seeds resampled].", "",
+             "| steps | fp32 | " + " | ".join(kinds) + " |", "| --- |" + " --- |" * (len(kinds) + 1)]
+    curve = {k: np.array(r["loss_every_10_steps"]) for k, r in results.items()}
+    for end in ends:
+        cols = slice((end - window) // 10, end // 10)
+        base = {"tail_loss": {"values": curve["fp32"][:, cols].mean(1)}, "exact_match": {"values": [0.0] * len(curve["fp32"])}}
+        cells = [f"{base['tail_loss']['values'].mean():.4f}"]
+        for k in kinds:
+            kind = {"tail_loss": {"values": curve[k][:, cols].mean(1)}, "exact_match": base["exact_match"]}
+            (lo, hi), _ = bootstrap(kind, base)
+            cells.append(f"{kind['tail_loss']['values'].mean() / base['tail_loss']['values'].mean():.3f} [{lo:.2f}, {hi:.2f}]")
+        lines.append(f"| {end - window + 1}-{end} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
@@ -82,10 +107,13 @@ def main() -> None:
         # (kind, seed) -> (tail loss, exact match); a run found in two records (the fp32 runs
         # an --fp32-from record reused) must hold the same figures in both
         runs: dict[tuple[str, int], tuple[float, float]] = {}
+        curves: dict[tuple[str, int], list[float]] = {}
         for f, r in zip(args.merge, records):
             for kind, res in r["results"].items():
                 for i, seed in enumerate(r["seeds"]):
                     figures = (res["tail_loss"]["values"][i], res["exact_match"]["values"][i])
+                    if "loss_every_10_steps" in res:
+                        curves[kind, seed] = res["loss_every_10_steps"][i]
                     if runs.setdefault((kind, seed), figures) != figures:
                         raise SystemExit(f"--merge: {kind} seed {seed} has different results in {f} and another record")
         args.steps = records[0]["steps"]
@@ -100,6 +128,8 @@ def main() -> None:
             results[kind] = {"tail_loss": summary([runs[kind, seed][0] for seed in args.seeds]),
                              "exact_match": summary([runs[kind, seed][1] for seed in args.seeds]),
                              "merged_from": merge_specs}
+            if all((kind, seed) in curves for seed in args.seeds):
+                results[kind]["loss_every_10_steps"] = [curves[kind, seed] for seed in args.seeds]
     elif args.fp32_from:
         earlier = json.loads(Path(args.fp32_from).read_text())[0]
         if earlier["steps"] != args.steps or earlier["seeds"] != args.seeds or "fp32" not in earlier["results"]:
@@ -172,6 +202,7 @@ def main() -> None:
                          f"[{ratio_ci[0]:.2f}, {ratio_ci[1]:.2f}] | [{diff_ci[0]:+.1f}, {diff_ci[1]:+.1f}] |")
         spread = base["tail_loss"]["max"] / base["tail_loss"]["min"]
         lines += ["", f"fp32's own tail loss max/min over the seeds: {spread:.2f}."]
+        lines += along_the_run(results, args.steps)
         (out / f"{stem}.json").write_text(json.dumps([record], indent=1))
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -107,7 +107,7 @@ class OptimizerConfig(AdamWConfig):
     untied LM head), as bitsandbytes advises for embeddings. Costs 6 B more per parameter of
     those groups: Qwen2.5-7B (2 x 545 M of 7.6 B parameters) goes from 2.06 to 2.91 B/param,
     a tied model of the same shape (one 545 M matrix of 7.1 B) to 2.52. On the built-in default
-    it does not close the gap to fp32 either (``bench/optim_convergence_seeds.py``)."""
+    it measured no closer to fp32 than all-8-bit states (``bench/optim_convergence_seeds.py``)."""
     warmup_steps: int = 20
     schedule: str = "cosine"
     """cosine (to min_lr_ratio * lr) or constant, after linear warmup."""
