@@ -13,10 +13,11 @@ from pathlib import Path
 
 import yaml
 
+from lazytrain.errors import LazyTrainError
 from lazytrain.optim.base import AdamWConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(LazyTrainError, ValueError):
     pass
 
 

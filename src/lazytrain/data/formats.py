@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lazytrain.errors import LazyTrainError
+
 FORMATS = ("auto", "metamathqa", "alpaca", "json", "jsonl", "parquet", "hf")
 DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-class DataError(ValueError):
+class DataError(LazyTrainError, ValueError):
     """Bad or missing training/eval data; the message says where and what to do."""
 
 

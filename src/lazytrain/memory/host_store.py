@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from lazytrain.errors import LazyTrainError
 from lazytrain.model.adapter import GroupLayout
 
 log = logging.getLogger(__name__)
 
 
-class HostMemoryError(MemoryError):
+class HostMemoryError(LazyTrainError, MemoryError):
     pass
 
 

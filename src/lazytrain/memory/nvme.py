@@ -27,8 +27,10 @@ from pathlib import Path
 
 import torch
 
+from lazytrain.errors import LazyTrainError
 
-class NvmeError(OSError):
+
+class NvmeError(LazyTrainError, OSError):
     pass
 
 

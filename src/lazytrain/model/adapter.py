@@ -21,10 +21,12 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from lazytrain.errors import LazyTrainError
+
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(LazyTrainError, ValueError):
     pass
 
 

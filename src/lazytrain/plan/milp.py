@@ -59,6 +59,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
+from lazytrain.errors import LazyTrainError
 from lazytrain.plan.costs import CostTable
 from lazytrain.plan.plan import LayerPlan, Plan
 
@@ -80,7 +81,7 @@ _MARGIN_GB = 1e-6
 """Memory rows are tightened by this much so that solver tolerances never overshoot a cap."""
 
 
-class PlanInfeasible(ValueError):
+class PlanInfeasible(LazyTrainError, ValueError):
     """No plan fits the memory budgets; the message says how much GPU memory would do."""
 
 
