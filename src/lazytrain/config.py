@@ -7,6 +7,7 @@ Unknown keys and bad values are errors that name the key and say what is accepte
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +49,10 @@ class DataConfig:
     """Answer field for the generic json/jsonl/parquet formats."""
     template: str = "auto"
     """Prompt template: auto (compact for builtin data, alpaca otherwise), alpaca, compact, chat."""
-    max_seq_len: int = 128
-    """Samples longer than this are truncated (counted and reported)."""
+    max_seq_len: int | None = None
+    """Samples longer than this are truncated (counted and reported). Default: 128 for the
+    built-in data, 1024 for a data file (an alpaca prompt alone is ~40 tokens, ~200
+    characters with the built-in tokenizer)."""
     builtin_tier: str = "add2"
     """Difficulty tier of the built-in data."""
     builtin_train_size: int = 20000
@@ -57,7 +60,7 @@ class DataConfig:
     """Held-out problems for evaluation with the built-in data."""
 
     def __post_init__(self) -> None:
-        if self.max_seq_len < 8:
+        if self.max_seq_len is not None and self.max_seq_len < 8:
             raise ConfigError(f"data.max_seq_len must be >= 8, got {self.max_seq_len}")
         if self.builtin_train_size < 1 or self.heldout_size < 1:
             raise ConfigError("data.builtin_train_size and data.heldout_size must be >= 1")
@@ -78,20 +81,41 @@ class TrainingConfig:
     log_every: int = 10
     """Print a metrics line every N steps (metrics.jsonl gets every step)."""
     save_every: int = 0
-    """Write a resumable checkpoint every N steps (0: only at the end)."""
+    """Write a resumable checkpoint every N steps (0: by time only, see save_every_minutes)."""
+    save_every_minutes: float = 30.0
+    """Write a resumable checkpoint when this many minutes passed since the last one (0: off).
+    A checkpoint is always written at the end and on SIGINT / SIGTERM."""
+    keep_checkpoints: int = 1
+    """Complete checkpoints kept in output_dir/checkpoints; the newest is only removed once
+    the next one is complete, so the disk must hold keep_checkpoints + 1 at a save."""
+    checkpoint_in_place: bool = False
+    """Delete the previous checkpoint *before* writing the next: needs room for
+    keep_checkpoints only (e.g. a 7B model, ~46 GB a checkpoint, on a 64 GB disk), but a kill
+    or a full disk during that save leaves none."""
+    max_skipped_steps: int = 10
+    """Stop with an error after this many consecutive steps skipped for a non-finite loss or
+    gradient (the last checkpoint is kept; the model is not written)."""
+    overwrite: bool = False
+    """Train into an output_dir that holds an earlier run (its checkpoints are deleted);
+    without it that is an error (use resume=true to continue it)."""
     eval_every: int = 0
     """Exact-match evaluation on the held-out split every N steps (0: only at the end)."""
     progress: bool = True
     """Show a progress bar."""
     resume: bool = False
-    """Continue from output_dir/checkpoint when it exists (same model, data and batch size)."""
+    """Continue from the newest checkpoint in output_dir (same model, data and batch size);
+    an error when there is none."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "log_every"):
+        for name in ("steps", "batch_size", "log_every", "keep_checkpoints", "max_skipped_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"training.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_grad_norm < 0:
-            raise ConfigError(f"training.max_grad_norm must be >= 0, got {self.max_grad_norm}")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            raise ConfigError(f"training.max_grad_norm must be a finite number >= 0 (0: no clipping), "
+                              f"got {self.max_grad_norm}")
+        if not (math.isfinite(self.save_every_minutes) and self.save_every_minutes >= 0):
+            raise ConfigError(f"training.save_every_minutes must be a finite number >= 0 (0: off), "
+                              f"got {self.save_every_minutes}")
         if self.save_every < 0 or self.eval_every < 0:
             raise ConfigError("training.save_every and training.eval_every must be >= 0")
 
@@ -115,6 +139,10 @@ class OptimizerConfig(AdamWConfig):
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
+        for name in ("lr", "eps", "weight_decay", "min_lr_ratio", "betas"):
+            values = getattr(self, name)
+            if not all(math.isfinite(v) for v in (values if name == "betas" else (values,))):
+                raise ConfigError(f"optimizer.{name} must be finite, got {values}")
         lr, self.lr = self.lr, max(self.lr, 0.0) if self.lr == -1.0 else self.lr
         AdamWConfig.__post_init__(self)  # validates betas, eps, decay (and lr unless auto)
         self.lr = lr
@@ -172,6 +200,12 @@ class MemoryConfig:
     """GPU memory cap for the step (the solved plan must fit in it; on CUDA the allocator is
     capped too). Default: the whole device."""
 
+    def __post_init__(self) -> None:
+        for name in ("host_limit_gb", "gpu_gb"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"memory.{name} must be a finite number > 0 (or unset), got {value}")
+
 
 @dataclass(kw_only=True, slots=True)
 class Config:
@@ -185,6 +219,8 @@ class Config:
     def __post_init__(self) -> None:
         if self.optimizer.lr == -1.0:
             self.optimizer.lr = 2e-3 if self.model.source == "builtin:tiny" else 1e-5
+        if self.data.max_seq_len is None:
+            self.data.max_seq_len = 128 if self.data.dataset == "builtin" else 1024
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -275,7 +311,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if key.count(".") != 1:
             raise ConfigError(f"override key {key!r} must be section.key (e.g. training.steps)")
         section, name = key.split(".")
-        raw.setdefault(section, {})[name] = yaml.safe_load(value) if value != "" else ""
+        try:
+            raw.setdefault(section, {})[name] = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError:
+            raise ConfigError(
+                f"override {item!r}: {value!r} is not a valid value (YAML); quote a string, "
+                "write lists as [a, b]"
+            ) from None
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"unknown config section(s) {unknown}; sections are {sorted(SECTIONS)}")

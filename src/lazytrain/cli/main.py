@@ -13,6 +13,7 @@ import logging
 import sys
 
 from lazytrain.config import ConfigError, load_config
+from lazytrain.errors import LazyTrainError
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -184,11 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, ValueError, FileNotFoundError, MemoryError) as error:
+    except (LazyTrainError, ValueError, FileNotFoundError, MemoryError) as error:
         if args.verbose:
             raise
         print(f"lazytrain {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        return getattr(error, "exit_code", 2)  # a signal's 128 + signum
 
 
 if __name__ == "__main__":

@@ -21,9 +21,26 @@ from lazytrain.data.formats import DataError, DataSource, Sample, load_samples
 from lazytrain.data.synthetic import make_samples
 from lazytrain.data.template import PromptTemplate, get_template
 from lazytrain.eval.answers import exact_match_report
+from lazytrain.errors import LazyTrainError
 from lazytrain.eval.generate import cut_at_stop, generate_resident, generate_streamed
 
 log = logging.getLogger(__name__)
+
+
+class EvalError(LazyTrainError, ValueError):
+    """A model folder or output path that evaluation cannot use."""
+
+
+def _check_output(out_path: Path) -> None:
+    """Fail before generating (minutes on a large model) if the predictions cannot be written."""
+    if out_path.is_dir():
+        raise EvalError(f"--output {out_path} is a folder; give a file path (e.g. {out_path / 'predictions.jsonl'})")
+    try:
+        with out_path.open("a"):
+            pass
+    except OSError as e:
+        raise EvalError(f"predictions cannot be written to {out_path} ({e.strerror}); pass a writable "
+                        "--output path") from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,7 +108,9 @@ def exact_match(samples: list[Sample], tokenizer, template: PromptTemplate, run,
 def evaluate(cfg: EvalConfig) -> dict:
     folder = Path(cfg.model).expanduser()
     if not (folder / "config.json").exists():
-        raise FileNotFoundError(f"{folder} is not a model folder (no config.json); pass the output_dir of a training run")
+        raise EvalError(f"{folder} is not a model folder (no config.json); pass the output_dir of a training run")
+    out_path = Path(cfg.output) if cfg.output else folder / "eval_predictions.jsonl"
+    _check_output(out_path)
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if cfg.device == "auto" else cfg.device))
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
@@ -114,7 +133,6 @@ def evaluate(cfg: EvalConfig) -> dict:
     report, outputs = exact_match(samples, tokenizer, template, run, cfg.batch_size, f"eval ({mode})",
                                   cfg.stop)
     report["mode"] = mode
-    out_path = Path(cfg.output) if cfg.output else folder / "eval_predictions.jsonl"
     with out_path.open("w") as f:
         for s, out in zip(samples, outputs):
             f.write(json.dumps({"query": s.instruction, "gold": s.response, "prediction": out,

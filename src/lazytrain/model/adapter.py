@@ -104,7 +104,10 @@ def load_hf_config(source: str | Path | dict | transformers.PretrainedConfig) ->
             path = path.parent
         if not (path / "config.json").exists():
             raise UnsupportedModelError(f"{path} has no config.json: it is not an HF model folder")
-        config = transformers.AutoConfig.from_pretrained(path)
+        try:
+            config = transformers.AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as error:
+            raise UnsupportedModelError(f"{path / 'config.json'} cannot be read: {error}") from None
     archs = getattr(config, "architectures", None) or []
     arch = archs[0] if archs else _default_arch(config.model_type)
     if arch not in SUPPORTED_ARCHITECTURES:

@@ -3,23 +3,23 @@
 One ``Trainer`` per run: ``setup()`` builds everything, ``train()`` is the loop, and the
 output folder ends as an HF model folder (config, safetensors, tokenizer) plus the resolved
 LazyTrain config, the prompt template and ``metrics.jsonl``. A ``checkpoint/`` folder in it
-holds what ``training.resume=true`` needs to continue exactly where the run stopped.
+holds what ``training.resume=true`` needs to continue exactly where the run stopped
+(see `lazytrain.train.checkpoint`); SIGINT / SIGTERM stop the run after the current step
+with a checkpoint (`lazytrain.train.signals`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from lazytrain.config import Config
+from lazytrain.config import Config, ConfigError
 from lazytrain.data.dataset import BatchConfig, BatchIterator, tokenize_samples
 from lazytrain.data.formats import DataSource, load_samples
 from lazytrain.data.synthetic import make_samples
@@ -28,7 +28,8 @@ from lazytrain.data.tokenizer import builtin_tokenizer
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.build import build_model, resolve_dtype
 from lazytrain.model.flops import flops_6nt, model_flops
-from lazytrain.model.loading import save_hf
+from lazytrain.errors import LazyTrainError
+from lazytrain.model.loading import check_model_folder, save_hf
 from lazytrain.optim.adamw import FusedAdamW
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.plan.costs import CostTable, usable_gpu_bytes
@@ -36,8 +37,10 @@ from lazytrain.plan.plan import Plan, checkpoint_all_plan, keep_all_plan, megatr
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.streams import prefer_expandable_segments
 from lazytrain.runtime.update import HostUpdater
-from lazytrain.train.metrics import MetricsWriter, gpu_memory, host_rss_bytes
+from lazytrain.train.checkpoint import Checkpointer, gb
+from lazytrain.train.metrics import MetricsWriter, gpu_memory, host_rss_bytes, truncate_metrics
 from lazytrain.train.schedule import learning_rate
+from lazytrain.train.signals import StopRequest, TrainingInterrupted
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +171,30 @@ def make_optimizer(config: Config, masters: list[torch.Tensor], decay_numel: lis
     return FusedAdamW(masters, decay_numel, oc)
 
 
+class DivergedError(LazyTrainError, ArithmeticError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+RUN_FILES = ("metrics.jsonl", "checkpoints", "checkpoint", "config.json")
+"""What marks a folder as holding an earlier training run (profile and plan write other files)."""
+
+
+def check_output_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse an output_dir that is a file, or that holds an earlier run unless resumed or overwritten."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"training.output_dir={out_dir} is a file; give a folder (it is created if missing)")
+    if resume or overwrite or not out_dir.is_dir():
+        return
+    found = [name for name in RUN_FILES if (out_dir / name).exists()
+             and not (name == "metrics.jsonl" and (out_dir / name).stat().st_size == 0)]
+    if found:
+        raise ConfigError(
+            f"training.output_dir={out_dir} holds an earlier run ({', '.join(found)}); continue it "
+            "with training.resume=true, replace it with training.overwrite=true, or choose another "
+            "training.output_dir"
+        )
+
+
 class Trainer:
     """Full-parameter SFT of a streamed model.
 
@@ -181,6 +208,9 @@ class Trainer:
         self.out_dir = Path(config.training.output_dir)
         self.step = 0
         self.skipped_steps = 0
+        self.consecutive_skipped = 0
+        tc = config.training
+        self.checkpointer = Checkpointer(self.out_dir, keep=tc.keep_checkpoints, in_place=tc.checkpoint_in_place)
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -192,6 +222,18 @@ class Trainer:
                 "training.eval_every needs held-out data, which only the built-in data has here; "
                 "set training.eval_every=0 and run `lazytrain eval --model OUT --data FILE`"
             )
+        tc = cfg.training
+        check_output_dir(self.out_dir, tc.resume, tc.overwrite)
+        resume_from = None
+        if tc.resume:
+            resume_from = self.checkpointer.latest()
+            if resume_from is None:
+                raise ConfigError(
+                    f"training.resume=true but {self.out_dir} holds no complete checkpoint; start "
+                    "without training.resume (add training.overwrite=true if the folder holds a run)"
+                )
+        if not cfg.model.source.startswith("builtin:"):
+            check_model_folder(cfg.model.source)  # before tokenizer and data, whose errors would mislead
         torch.manual_seed(cfg.training.seed)
         self.device = resolve_device(cfg.training.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
@@ -229,8 +271,15 @@ class Trainer:
         self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=self.nvme)
         self.executor.trace.enabled = self.device.type == "cuda"
         self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
-        if cfg.training.resume and (self.out_dir / "checkpoint").exists():
-            self._load_checkpoint(self.out_dir / "checkpoint")
+        self.checkpoint_bytes = self.checkpointer.size_bytes(self.store.masters, self.optimizer.state_dict())
+        # the model export is bf16 (or fp32 on an fp32 run) of every parameter
+        export_bytes = self.store.num_params * (2 if self.dtype == torch.bfloat16 else 4)
+        self.checkpointer.check_room(self.checkpoint_bytes, extra=export_bytes, what="training.output_dir: ")
+        if resume_from is not None:
+            self._load_checkpoint(resume_from)
+            truncate_metrics(self.out_dir / "metrics.jsonl", self.step)
+        elif tc.overwrite:
+            self.checkpointer.remove_all()
         self.metrics = MetricsWriter(self.out_dir, append=self.step > 0)
         cfg.save(self.out_dir / "lazytrain_config.yaml")
         self.template.save(self.out_dir)
@@ -281,73 +330,117 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------
 
     def train(self) -> dict:
-        cfg = self.config
-        tc, oc = cfg.training, cfg.optimizer
+        tc = self.config.training
         bar = tqdm(total=tc.steps, initial=self.step, disable=not tc.progress, desc="train",
                    dynamic_ncols=True)
         last = None
-        t_prev = time.perf_counter()
-        while self.step < tc.steps:
-            batch = next(self.batches)
-            stats = self.executor.forward_backward(batch.input_ids, batch.labels, batch.attention_mask)
-            streams = measured_streams(stats, self.executor.trace.summary())
-            waited = self.updater.wait_seconds  # this forward waiting for the last CPU update
-            lr = learning_rate(self.step, tc.steps, oc.lr, oc.warmup_steps, oc.schedule, oc.min_lr_ratio)
-            if not math.isfinite(stats.grad_norm) or not math.isfinite(stats.loss):
-                # a non-finite gradient: no state is touched, the step is counted and logged
-                self.skipped_steps += 1
-                clip = None
-            else:
-                clip = 1.0
-                if tc.max_grad_norm > 0:
-                    clip = min(1.0, tc.max_grad_norm / (stats.grad_norm + 1e-6))
-                self.updater.start(clip, lr)
-            self.step += 1
-            now = time.perf_counter()
-            step_time, t_prev = now - t_prev, now
-            seq = batch.input_ids.shape[1]
-            last = {
-                "step": self.step,
-                "loss": stats.loss,
-                "grad_norm": stats.grad_norm,
-                "lr": lr,
-                "skipped": clip is None,
-                "tokens": stats.num_tokens,
-                "target_tokens": stats.num_target_tokens,
-                "batch_size": int(batch.input_ids.shape[0]),
-                "seq_len": seq,
-                "step_time_s": step_time,
-                "tokens_per_s": stats.num_tokens / step_time,
-                "tflops_model": model_flops(self.adapter, stats.num_tokens, seq) / step_time / 1e12,
-                "tflops_6nt": flops_6nt(self.adapter, stats.num_tokens) / step_time / 1e12,
-                **self.predicted,
-                **streams,
-                "optimizer_wait_s": waited,
-                "h2d_weight_gb": stats.h2d_weight_bytes / 1e9,
-                "host_rss_gb": host_rss_bytes() / 1e9,
-                **gpu_memory(self.device),
-            }
-            self.metrics.write(last)
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats.loss:.4f}", gnorm=f"{stats.grad_norm:.2f}",
-                            tok_s=f"{last['tokens_per_s']:.0f}")
-            if tc.log_every and self.step % tc.log_every == 0 and not tc.progress:
-                log.info("step %d loss %.4f grad_norm %.3f %.0f tok/s", self.step, stats.loss,
-                         stats.grad_norm, last["tokens_per_s"])
-            if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.steps:
+        t_prev = self.last_save_time = time.perf_counter()
+        with StopRequest() as stop:
+            while self.step < tc.steps and stop.signum is None:
+                last = self.train_step(next(self.batches), t_prev)
+                t_prev = time.perf_counter()
+                bar.update(1)
+                bar.set_postfix(loss=f"{last['loss']:.4f}", gnorm=f"{last['grad_norm']:.2f}",
+                                tok_s=f"{last['tokens_per_s']:.0f}")
+                if tc.log_every and self.step % tc.log_every == 0 and not tc.progress:
+                    log.info("step %d loss %.4f grad_norm %.3f %.0f tok/s", self.step, last["loss"],
+                             last["grad_norm"], last["tokens_per_s"])
+                if self.step < tc.steps and stop.signum is None and self._checkpoint_due():
+                    self.save_checkpoint()
+                if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
+                    self.metrics.write({"step": self.step, **self._eval_metrics()})
+            bar.close()
+            if stop.signum is not None and self.step < tc.steps:
                 self.save_checkpoint()
-            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
-                self.metrics.write({"step": self.step, **self._eval_metrics()})
-        bar.close()
-        self.updater.finish()
-        self.save_model(self.out_dir)
-        self.save_checkpoint()
+                self.metrics.close()
+                raise TrainingInterrupted(
+                    f"stopped by {stop.name} after step {self.step} of {tc.steps}; checkpoint written "
+                    f"to {self.checkpointer.latest().path}. Resume with:\n  lazytrain train "
+                    f"{self.out_dir / 'lazytrain_config.yaml'} training.resume=true",
+                    stop.signum,
+                )
+            self.updater.finish()
+            self.save_model(self.out_dir)
+            self.save_checkpoint()
         final_eval = None
         if self.config.data.dataset == "builtin" or tc.eval_every:
             final_eval = self._eval_metrics()
             self.metrics.write({"step": self.step, **final_eval})
         self.metrics.close()
         return {"steps": self.step, "skipped_steps": self.skipped_steps, "last": last, "eval": final_eval}
+
+    def _checkpoint_due(self) -> bool:
+        tc = self.config.training
+        if self.consecutive_skipped:  # the last checkpoint stays the last good state
+            return False
+        if tc.save_every and self.step % tc.save_every == 0:
+            return True
+        minutes = (time.perf_counter() - self.last_save_time) / 60
+        return bool(tc.save_every_minutes) and minutes >= tc.save_every_minutes
+
+    def train_step(self, batch, t_prev: float) -> dict:
+        """One step: forward, backward, the CPU update started (or the step skipped); its metrics.
+
+        ``t_prev`` is when the previous step ended. A step with a non-finite loss or gradient
+        touches no state and is logged as skipped; `DivergedError` after
+        ``training.max_skipped_steps`` of them in a row.
+        """
+        tc, oc = self.config.training, self.config.optimizer
+        stats = self.executor.forward_backward(batch.input_ids, batch.labels, batch.attention_mask)
+        streams = measured_streams(stats, self.executor.trace.summary())
+        waited = self.updater.wait_seconds  # this forward waiting for the last CPU update
+        lr = learning_rate(self.step, tc.steps, oc.lr, oc.warmup_steps, oc.schedule, oc.min_lr_ratio)
+        skipped = not math.isfinite(stats.grad_norm) or not math.isfinite(stats.loss)
+        if skipped:
+            self.skipped_steps += 1
+            self.consecutive_skipped += 1
+        else:
+            self.consecutive_skipped = 0
+            clip = 1.0
+            if tc.max_grad_norm > 0:
+                clip = min(1.0, tc.max_grad_norm / (stats.grad_norm + 1e-6))
+            self.updater.start(clip, lr)
+        self.step += 1
+        step_time = time.perf_counter() - t_prev
+        seq = batch.input_ids.shape[1]
+        record = {
+            "step": self.step,
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "lr": lr,
+            "skipped": skipped,
+            "tokens": stats.num_tokens,
+            "target_tokens": stats.num_target_tokens,
+            "batch_size": int(batch.input_ids.shape[0]),
+            "seq_len": seq,
+            "step_time_s": step_time,
+            "tokens_per_s": stats.num_tokens / step_time,
+            "tflops_model": model_flops(self.adapter, stats.num_tokens, seq) / step_time / 1e12,
+            "tflops_6nt": flops_6nt(self.adapter, stats.num_tokens) / step_time / 1e12,
+            **self.predicted,
+            **streams,
+            "optimizer_wait_s": waited,
+            "h2d_weight_gb": stats.h2d_weight_bytes / 1e9,
+            "host_rss_gb": host_rss_bytes() / 1e9,
+            **gpu_memory(self.device),
+        }
+        self.metrics.write(record)
+        if skipped:
+            log.warning("step %d skipped: loss %s, grad_norm %s (%d in a row, the run stops at %d)",
+                        self.step, stats.loss, stats.grad_norm, self.consecutive_skipped, tc.max_skipped_steps)
+            if self.consecutive_skipped >= tc.max_skipped_steps:
+                self.updater.finish()
+                self.metrics.close()
+                latest = self.checkpointer.latest()
+                kept = (f"the last checkpoint, {latest.path} (step {latest.step}), is kept" if latest
+                        else "no checkpoint was written")
+                raise DivergedError(
+                    f"{self.consecutive_skipped} consecutive steps (to step {self.step}) had a non-finite "
+                    f"loss or gradient (last: loss {stats.loss}, grad_norm {stats.grad_norm}); the run "
+                    f"diverged at optimizer.lr={oc.lr}: {kept} and the model was not written. Lower "
+                    "optimizer.lr or training.max_grad_norm and train again (or resume)"
+                )
+        return record
 
     def _eval_metrics(self) -> dict:
         """Exact match on held-out data, generating with the weights in the host store."""
@@ -380,36 +473,29 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Masters, optimizer state, data position and step: what resume needs."""
         self.updater.finish()
-        ckpt = self.out_dir / "checkpoint"
-        tmp = self.out_dir / "checkpoint.tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        save_file({f"g{g}": m for g, m in enumerate(self.store.masters)}, str(tmp / "masters.safetensors"))
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / "state.json").write_text(json.dumps({
-            "step": self.step,
+        started = time.perf_counter()
+        path = self.checkpointer.save(self.step, self.store.masters, self.optimizer.state_dict(), {
             "skipped_steps": self.skipped_steps,
             "data": self.batches.state_dict(),
             "num_params": self.store.num_params,
-        }))
-        if ckpt.exists():
-            for f in ckpt.iterdir():
-                f.unlink()
-            ckpt.rmdir()
-        tmp.rename(ckpt)
+        })
+        self.last_save_time = time.perf_counter()
+        log.info("checkpoint %s: %s in %.1f s", path, gb(self.checkpoint_bytes), self.last_save_time - started)
 
-    def _load_checkpoint(self, ckpt: Path) -> None:
-        state = json.loads((ckpt / "state.json").read_text())
+    def _load_checkpoint(self, found) -> None:
+        state = found.state
         if state["num_params"] != self.store.num_params:
-            raise ValueError(
-                f"checkpoint {ckpt} is of a model with {state['num_params']} parameters, this "
-                f"model has {self.store.num_params}; use another training.output_dir"
+            raise ConfigError(
+                f"checkpoint {found.path} is of a model with {state['num_params']} parameters, this "
+                f"model has {self.store.num_params}; resume with the same model.source or use another "
+                "training.output_dir"
             )
-        masters = load_file(str(ckpt / "masters.safetensors"))
-        for g, m in enumerate(self.store.masters):
-            m.copy_(masters[f"g{g}"])
+        optimizer_state = self.checkpointer.restore(found, self.store.masters)
+        for g in range(len(self.store.masters)):
             self.store.sync_weights_from_masters(g)
             self.executor.weights_updated(g)
-        self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=False))
+        self.optimizer.load_state_dict(optimizer_state)
         self.batches.load_state_dict(state["data"])
         self.step = state["step"]
         self.skipped_steps = state["skipped_steps"]
+        log.info("resumed from %s at step %d", found.path, self.step)
