@@ -127,18 +127,41 @@ def test_in_place_needs_room_for_one_checkpoint(tmp_path, monkeypatch):
     assert [f.step for f in Checkpointer(tmp_path).complete()] == [2]
 
 
+SAVE_TWICE = """
+import sys, torch
+from lazytrain.train.checkpoint import Checkpointer
+ckpt = Checkpointer(sys.argv[1])
+for step in (1, 2):
+    ckpt.save(step, [torch.full((300_000,), float(step))], {"m": torch.full((7,), float(step))}, {"s": step})
+"""
+
+
 @pytest.mark.parametrize("phase", SAVE_PHASES)
-def test_kill_at_each_phase_of_a_save_then_resume_exactly(tmp_path, reference, phase):
-    """Killed inside the second save (step 4): resume finds the newest complete checkpoint."""
+def test_kill_at_each_phase_of_a_save_leaves_a_complete_checkpoint(tmp_path, phase):
+    """A process killed inside its second save: the newest complete checkpoint is found, whole."""
+    proc = subprocess.run([sys.executable, "-c", SAVE_TWICE, str(tmp_path)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": SRC, EXIT_AT_ENV: f"{phase}:2"}, timeout=120)
+    assert proc.returncode == 137, proc.stderr
+    expected = 1 if SAVE_PHASES.index(phase) < SAVE_PHASES.index("renamed") else 2
+    ckpt = Checkpointer(tmp_path)
+    found = ckpt.latest()
+    assert found.step == expected and found.state["s"] == expected
+    masters = [torch.zeros(300_000)]
+    assert torch.all(ckpt.restore(found, masters)["m"] == expected) and torch.all(masters[0] == expected)
+    # the next save clears what the kill left behind
+    ckpt.save(3, masters, {}, {})
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000003"]
+
+
+def test_cli_run_killed_inside_a_save_resumes_exactly(tmp_path, reference):
     out = tmp_path / "run"
-    proc = child(train_args(out, 6, "training.save_every=2"), **{EXIT_AT_ENV: f"{phase}:2"})
+    proc = child(train_args(out, 6, "training.save_every=2"), **{EXIT_AT_ENV: "state_written:2"})
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 137, err
-    expected = 2 if SAVE_PHASES.index(phase) < SAVE_PHASES.index("renamed") else 4
-    assert Checkpointer(out).latest().step == expected
+    assert Checkpointer(out).latest().step == 2
     assert main(train_args(out, 6, "training.resume=true")) == 0
     records = step_records(out)
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # the killed run's steps 3-4 once
     assert [r["loss"] for r in records] == pytest.approx(reference, rel=1e-6)
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000006"]
 

@@ -238,7 +238,8 @@ def attention_mask_4d(attention_mask: torch.Tensor, queries: int | None = None) 
     A boolean [B, 1, queries, keys] mask, True where a query may attend. HF layers called
     directly need this 4-D form: a 2-D tokenizer mask would be misread. A query row with no
     allowed key (a padded position before any real token) may attend to itself, so sdpa never
-    sees an all-masked row (which gives NaN); such positions carry no loss and are never read.
+    sees an all-masked row (which gives NaN); real queries never attend to it, and the executor
+    rejects a target predicted from it, so its value reaches no loss or gradient.
     """
     keys = attention_mask.shape[1]
     queries = keys if queries is None else queries
