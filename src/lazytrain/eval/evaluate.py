@@ -20,8 +20,8 @@ from lazytrain.data.dataset import encode_prompts
 from lazytrain.data.formats import DataError, DataSource, Sample, load_samples
 from lazytrain.data.synthetic import make_samples
 from lazytrain.data.template import PromptTemplate, get_template
-from lazytrain.eval.answers import exact_match_report
 from lazytrain.errors import LazyTrainError
+from lazytrain.eval.answers import exact_match_report
 from lazytrain.eval.generate import cut_at_stop, generate_resident, generate_streamed
 
 log = logging.getLogger(__name__)

@@ -25,10 +25,10 @@ from lazytrain.data.formats import DataSource, load_samples
 from lazytrain.data.synthetic import make_samples
 from lazytrain.data.template import PromptTemplate, get_template
 from lazytrain.data.tokenizer import builtin_tokenizer
+from lazytrain.errors import LazyTrainError
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.build import build_model, resolve_dtype
 from lazytrain.model.flops import flops_6nt, model_flops
-from lazytrain.errors import LazyTrainError
 from lazytrain.model.loading import check_model_folder, save_hf
 from lazytrain.optim.adamw import FusedAdamW
 from lazytrain.optim.base import HostOptimizer
