@@ -190,8 +190,9 @@ def main() -> None:
     stem.with_suffix(".json").write_text(json.dumps([record], indent=1))
     lines = [
         f"# Checkpoints under interruption: {model} on {device} ({date}, torch {torch.__version__})", "",
-        f"`lazytrain train` with `optimizer.kind=hybrid8bit`, batch {record['batch_size']} x seq {record['seq_len']}, "
-        f"{args.steps} steps, a checkpoint every {args.save_every}; run folder {args.workdir} (deleted).", "",
+        (f"`lazytrain train` with `optimizer.kind=hybrid8bit`, batch {record['batch_size']} x seq "
+         f"{record['seq_len']}, {args.steps} steps, a checkpoint every {args.save_every}; run folder "
+         f"{args.workdir} (deleted)."), "",
         "| | value |", "| --- | --- |",
         f"| checkpoint size | {record['checkpoint_gb']:.2f} GB ({', '.join(f'{k} {v / 1e9:.2f} GB' for k, v in record['checkpoint_files'].items())}) |",
         f"| save times | {', '.join(f'{s:.1f} s' for s in saves)} |",
