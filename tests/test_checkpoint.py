@@ -107,11 +107,34 @@ def test_full_disk_during_the_save_keeps_the_previous_checkpoint(tmp_path, monke
     assert torch.all(restored[0] == 1.0)
 
 
+def test_cli_run_whose_disk_fills_during_a_save_stops_cleanly_and_resumes(tmp_path, monkeypatch, capsys,
+                                                                         reference):
+    out = tmp_path / "run"
+    writes = []
+
+    def filling(f, data):  # the disk is full from the second save on
+        writes.append(f.name)
+        if any("step-00000004" in name for name in writes):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        f.write(data)
+
+    monkeypatch.setattr(checkpoint, "write_chunk", filling)
+    assert main(train_args(out, 6, "training.save_every=2")) == 2
+    err = capsys.readouterr().err
+    assert "the disk filled up while writing checkpoint" in err and "step-00000002 (step 2) is intact" in err
+    assert "Traceback" not in err
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000002"]
+    monkeypatch.undo()
+    assert main(train_args(out, 6, "training.resume=true")) == 0
+    assert [r["loss"] for r in step_records(out)] == pytest.approx(reference, rel=1e-6)
+
+
 def test_too_little_space_is_refused_at_startup_with_the_sizes(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 10**6)
     assert main(train_args(tmp_path / "run", 2)) == 2
     err = capsys.readouterr().err
-    assert "a checkpoint of this run is 0.0 GB plus 0.0 GB for the model, 0.0 GB is free" in err
+    assert "a checkpoint of this run is 0.0 GB: 2 checkpoints (the next and the one kept while it is " \
+           "written) plus 0.0 GB for the model export need 1.1 GB with a margin, 0.0 GB is free" in err
     assert "training.checkpoint_in_place=true" in err and "Traceback" not in err
 
 
@@ -237,3 +260,12 @@ def test_divergence_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, capsys
     assert not (out / "config.json").exists()  # no model written
     kept = Checkpointer(out).latest()
     assert kept.step == len(records) - 3
+
+
+def test_startup_counts_the_checkpoint_kept_during_the_second_save(tmp_path, monkeypatch):
+    size = 10**9
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: checkpoint.SPACE_MARGIN_BYTES + 3 * size // 2)
+    Checkpointer(tmp_path).check_room(size)  # the first save alone fits
+    with pytest.raises(CheckpointError, match=r"1.0 GB: 2 checkpoints .* need 3.1 GB .* 2.6 GB is free"):
+        Checkpointer(tmp_path).check_room(size, whole_run=True)
+    Checkpointer(tmp_path, in_place=True).check_room(size, whole_run=True)

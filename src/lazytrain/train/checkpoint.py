@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 * 2**20
 """Bytes per write call: a full disk is noticed within one chunk, and no tensor is copied whole."""
-SPACE_MARGIN_BYTES = 256 * 2**20
-"""Free space left over after a checkpoint, for the filesystem and the logs."""
+SPACE_MARGIN_BYTES = 2**30
+"""Free space left over after a checkpoint, for the filesystem, logs and other processes (a
+machine whose disk filled up has been seen to stop answering)."""
 EXIT_AT_ENV = "LAZYTRAIN_CHECKPOINT_EXIT_AT"
 """Test hook: ``PHASE`` or ``PHASE:N`` makes the N-th save (default 1) of this process exit
 with status 137 (as SIGKILL would) at that phase; phases are `SAVE_PHASES`."""
@@ -211,31 +212,36 @@ class Checkpointer:
     def size_bytes(self, masters: list[torch.Tensor], optimizer_state: dict) -> int:
         return sum(m.numel() * m.element_size() for m in masters) + tensors_bytes(flatten_state(optimizer_state)[1])
 
-    def check_room(self, size: int, extra: int = 0, what: str = "") -> None:
-        """Raise unless the run's next save (and ``extra`` bytes, e.g. the model export) fits.
+    def check_room(self, size: int, extra: int = 0, whole_run: bool = False) -> None:
+        """Raise unless the next save (and ``extra`` bytes, e.g. the model export) fits.
 
-        Counts the checkpoints that stay on disk while the new one is written: all of them up
-        to ``keep`` unless ``in_place``.
+        The checkpoints that stay on disk while a new one is written are the newest ``keep``
+        (``keep - 1`` with ``in_place``, whose older ones are deleted first). ``whole_run``
+        (at start-up): also count the ones this run has yet to write before it reaches that
+        steady state, so a disk that would fill at the second save is refused now.
         """
         existing = self.complete()
         stay = existing[: self.keep - 1] if self.in_place else existing[: self.keep]
         reclaim = sum(folder_bytes(f.path) for f in existing[len(stay):]) if self.in_place else 0
+        copies = 1 + ((self.keep - 1 if self.in_place else self.keep) - len(stay) if whole_run else 0)
         free = free_bytes(self.out_dir) + reclaim
-        need = size + extra + SPACE_MARGIN_BYTES
+        need = copies * size + extra + SPACE_MARGIN_BYTES
         if free >= need:
             return
         held = sum(folder_bytes(f.path) for f in stay)
         options = ["free space on that disk", "set training.output_dir to a larger disk"]
-        if stay and self.keep > 1:
+        if self.keep > 1:
             options.append(f"lower training.keep_checkpoints (now {self.keep})")
         if not self.in_place:
             options.append("set training.checkpoint_in_place=true (the previous checkpoint is deleted "
-                           "before the new one is written: needs room for one, but a kill during "
-                           "that save loses it)")
-        kept = f"; {len(stay)} earlier checkpoint(s) ({gb(held)}) stay while it is written" if stay else ""
+                           "before the next is written: needs room for one, but a kill during that "
+                           "save loses it)")
+        what = f"{copies} checkpoints (the next and the one kept while it is written)" if copies > 1 else "it"
+        kept = f"; {len(stay)} earlier checkpoint(s) ({gb(held)}) stay on disk" if stay else ""
+        model = f" plus {gb(extra)} for the model export" if extra else ""
         raise CheckpointError(
-            f"{what}a checkpoint of this run is {gb(size)}{' plus ' + gb(extra) + ' for the model' if extra else ''}"
-            f", {gb(free)} is free under {self.out_dir}{kept}; {'; or '.join(options)}",
+            f"a checkpoint of this run is {gb(size)}: {what}{model} need {gb(need)} with a margin, "
+            f"{gb(free)} is free under {self.out_dir}{kept}; {'; or '.join(options)}"
         )
 
     # -- saving ----------------------------------------------------------------------------

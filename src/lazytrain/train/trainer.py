@@ -274,12 +274,12 @@ class Trainer:
         self.checkpoint_bytes = self.checkpointer.size_bytes(self.store.masters, self.optimizer.state_dict())
         # the model export is bf16 (or fp32 on an fp32 run) of every parameter
         export_bytes = self.store.num_params * (2 if self.dtype == torch.bfloat16 else 4)
-        self.checkpointer.check_room(self.checkpoint_bytes, extra=export_bytes, what="training.output_dir: ")
+        if resume_from is None and tc.overwrite:
+            self.checkpointer.remove_all()
+        self.checkpointer.check_room(self.checkpoint_bytes, extra=export_bytes, whole_run=True)
         if resume_from is not None:
             self._load_checkpoint(resume_from)
             truncate_metrics(self.out_dir / "metrics.jsonl", self.step)
-        elif tc.overwrite:
-            self.checkpointer.remove_all()
         self.metrics = MetricsWriter(self.out_dir, append=self.step > 0)
         cfg.save(self.out_dir / "lazytrain_config.yaml")
         self.template.save(self.out_dir)
