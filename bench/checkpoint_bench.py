@@ -122,7 +122,7 @@ def main() -> None:
     common = [f"model.source={args.model}", f"training.output_dir={run_dir}", f"training.steps={args.steps}",
               f"training.save_every={args.save_every}", "training.save_every_minutes=0",
               "training.progress=false", "training.log_every=1", "optimizer.kind=hybrid8bit",
-              "training.batch_size=4", "data.builtin_train_size=2000", *args.set]
+              "training.batch_size=4", "data.builtin_train_size=2000", "data.heldout_size=8", *args.set]
     deadline = time.monotonic() + args.timeout
     low_free = [shutil.disk_usage(args.workdir).free]
     record: dict = {"free_disk_start_gb": low_free[0] / 1e9}
