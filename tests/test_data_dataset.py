@@ -201,7 +201,7 @@ def test_drop_last():
 
 @pytest.mark.parametrize(("lengths", "config", "message"), [
     ([], {"batch_size": 2}, "no samples"),
-    ([5, 5], {"batch_size": 4, "drop_last": True}, "2 samples, fewer than batch_size=4"),
+    ([5, 5], {"batch_size": 4, "drop_last": True}, "2 samples .after truncation., fewer than batch_size=4"),
 ])
 def test_iterator_errors(lengths, config, message):
     dataset = _dataset(lengths) if lengths else TokenizedDataset(

@@ -174,3 +174,57 @@ def test_abandoned_step_frees_everything(qwen2_setup, monkeypatch):
     del executor
     gc.collect()
     assert alive() is None
+
+
+def left_padded_batch(vocab: int, seq: int = 11):
+    ids, labels, _ = random_batch(3, seq, vocab, padded=False, seed=4)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate((0, 3, 6)):
+        mask[row, :pad] = 0
+        labels[row, : pad + 2] = -100  # padding and each row's first real token carry no target
+    return ids, labels, mask
+
+
+SDPA_CPU = {"math": torch.nn.attention.SDPBackend.MATH, "flash": torch.nn.attention.SDPBackend.FLASH_ATTENTION}
+
+
+@pytest.mark.parametrize("backend", list(SDPA_CPU))
+def test_left_padding_matches_hf_on_cpu_attention_backends(tmp_path, backend):
+    model = make_hf_model("qwen2", layers=3)
+    model.save_pretrained(tmp_path)
+    adapter, store = streamed(tmp_path)
+    ids, labels, mask = left_padded_batch(adapter.vocab_size)
+    ref_loss, ref = reference_grads(model, ids, labels, mask)
+    with torch.nn.attention.sdpa_kernel([SDPA_CPU[backend]]):  # that backend only
+        stats = Executor(adapter, store, megatrain_plan(3, 3, 11, every=2), CPU).forward_backward(ids, labels, mask)
+    assert stats.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert_grads_equal(adapter, store, ref)
+
+
+def test_target_predicted_from_padding_is_rejected(tmp_path):
+    make_hf_model("qwen2", layers=2).save_pretrained(tmp_path)
+    adapter, store = streamed(tmp_path)
+    ids, labels, mask = left_padded_batch(adapter.vocab_size)
+    labels[1, 3] = ids[1, 3]  # row 1's first real token, after 3 padding positions
+    with pytest.raises(ValueError, match=r"labels\[1, 3\] .* padding position 2 .* pad on the right"):
+        Executor(adapter, store, keep_all_plan(2, 3, 11), CPU).forward_backward(ids, labels, mask)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_left_padding_matches_hf_on_cuda(tmp_path):
+    cuda = torch.device("cuda")
+    model = make_hf_model("qwen2", layers=3)
+    model.save_pretrained(tmp_path)
+    adapter = ModelAdapter(load_hf_config(tmp_path), cuda, torch.float32)
+    store = HostStore(adapter.layouts, torch.float32, pin=False)
+    load_safetensors(adapter, store, tmp_path)
+    ids, labels, mask = left_padded_batch(adapter.vocab_size)
+    ref_loss, ref = reference_grads(model, ids, labels, mask)
+    for backend in (torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION, torch.nn.attention.SDPBackend.MATH):
+        with torch.nn.attention.sdpa_kernel([backend]):
+            stats = Executor(adapter, store, megatrain_plan(3, 3, 11, every=2), cuda).forward_backward(ids, labels, mask)
+        assert stats.loss == pytest.approx(ref_loss, rel=1e-4)
+        for g, layout in enumerate(adapter.layouts):
+            for p in layout.params:
+                got = store.grads[g][p.offset : p.offset + p.numel].view(p.shape).float().cpu()
+                torch.testing.assert_close(got, ref[layout.hf_prefix + p.name], rtol=1e-4, atol=1e-5)

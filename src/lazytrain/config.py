@@ -39,7 +39,8 @@ def check_fields(obj, section: str) -> None:
                     raise ConfigError(
                         f"{section}.{f.name}={value!r} is not one of {', '.join(map(str, choices))}"
                     )
-        if isinstance(value, float) and not math.isfinite(value):
+        numbers = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
             raise ConfigError(f"{section}.{f.name}={value} is not a finite number")
 
 
@@ -69,8 +70,10 @@ class DataConfig:
     """Answer field for the generic json/jsonl/parquet formats."""
     template: Literal["auto", "alpaca", "compact", "chat"] = "auto"
     """Prompt template: auto (compact for builtin data, alpaca otherwise), alpaca, compact, chat."""
-    max_seq_len: int = 128
-    """Samples longer than this are truncated (counted and reported)."""
+    max_seq_len: int | None = None
+    """Samples longer than this are truncated (counted and reported). Default: 128 for the
+    built-in data, 1024 for a data file (an alpaca prompt alone is ~40 tokens, ~200
+    characters with the built-in tokenizer)."""
     builtin_tier: str = "add2"
     """Difficulty tier of the built-in data."""
     builtin_train_size: int = 20000
@@ -79,7 +82,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "data")
-        if self.max_seq_len < 8:
+        if self.max_seq_len is not None and self.max_seq_len < 8:
             raise ConfigError(f"data.max_seq_len must be >= 8, got {self.max_seq_len}")
         if self.builtin_train_size < 1 or self.heldout_size < 1:
             raise ConfigError("data.builtin_train_size and data.heldout_size must be >= 1")
@@ -100,21 +103,42 @@ class TrainingConfig:
     log_every: int = 10
     """Print a metrics line every N steps (metrics.jsonl gets every step)."""
     save_every: int = 0
-    """Write a resumable checkpoint every N steps (0: only at the end)."""
+    """Write a resumable checkpoint every N steps (0: by time only, see save_every_minutes)."""
+    save_every_minutes: float = 30.0
+    """Write a resumable checkpoint when this many minutes passed since the last one (0: off).
+    A checkpoint is always written at the end and on SIGINT / SIGTERM."""
+    keep_checkpoints: int = 1
+    """Complete checkpoints kept in output_dir/checkpoints; the newest is only removed once
+    the next one is complete, so the disk must hold keep_checkpoints + 1 at a save."""
+    checkpoint_in_place: bool = False
+    """Delete the previous checkpoint *before* writing the next: needs room for
+    keep_checkpoints only (e.g. a 7B model, ~46 GB a checkpoint, on a 64 GB disk), but a kill
+    or a full disk during that save leaves none."""
+    max_skipped_steps: int = 10
+    """Stop with an error after this many consecutive steps skipped for a non-finite loss or
+    gradient (the last checkpoint is kept; the model is not written)."""
+    overwrite: bool = False
+    """Train into an output_dir that holds an earlier run (its checkpoints are deleted);
+    without it that is an error (use resume=true to continue it)."""
     eval_every: int = 0
     """Exact-match evaluation on the held-out split every N steps (0: only at the end)."""
     progress: bool = True
     """Show a progress bar."""
     resume: bool = False
-    """Continue from output_dir/checkpoint when it exists (same model, data and batch size)."""
+    """Continue from the newest checkpoint in output_dir (same model, data and batch size);
+    an error when there is none."""
 
     def __post_init__(self) -> None:
         check_fields(self, "training")
-        for name in ("steps", "batch_size", "log_every"):
+        for name in ("steps", "batch_size", "log_every", "keep_checkpoints", "max_skipped_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"training.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_grad_norm < 0:
-            raise ConfigError(f"training.max_grad_norm must be >= 0, got {self.max_grad_norm}")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            raise ConfigError(f"training.max_grad_norm must be a finite number >= 0 (0: no clipping), "
+                              f"got {self.max_grad_norm}")
+        if not (math.isfinite(self.save_every_minutes) and self.save_every_minutes >= 0):
+            raise ConfigError(f"training.save_every_minutes must be a finite number >= 0 (0: off), "
+                              f"got {self.save_every_minutes}")
         if self.save_every < 0 or self.eval_every < 0:
             raise ConfigError("training.save_every and training.eval_every must be >= 0")
 
@@ -203,7 +227,7 @@ class MemoryConfig:
         for name in ("host_limit_gb", "gpu_gb"):
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise ConfigError(f"memory.{name} must be > 0 GiB, got {value}")
+                raise ConfigError(f"memory.{name} must be > 0 GiB (or unset), got {value}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -259,6 +283,8 @@ class Config:
                 "training.eval_every needs held-out data, which only the built-in data has here; "
                 "set training.eval_every=0 and run `lazytrain eval eval.model=OUT eval.data=FILE`"
             )
+        if self.data.max_seq_len is None:
+            self.data.max_seq_len = 128 if self.data.dataset == "builtin" else 1024
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -355,7 +381,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if key.count(".") != 1:
             raise ConfigError(f"override key {key!r} must be section.key (e.g. training.steps)")
         section, name = key.split(".")
-        raw.setdefault(section, {})[name] = yaml.safe_load(value) if value != "" else ""
+        try:
+            raw.setdefault(section, {})[name] = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError:
+            raise ConfigError(
+                f"override {item!r}: {value!r} is not a valid value (YAML); quote a string, "
+                "write lists as [a, b]"
+            ) from None
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"unknown config section(s) {unknown}; sections are {sorted(SECTIONS)}")

@@ -164,7 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:
             raise
         print(f"lazytrain {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        return getattr(error, "exit_code", 2)  # a signal's 128 + signum
+    except KeyboardInterrupt:
+        if args.verbose:
+            raise
+        # outside the training loop (set-up, or a second Ctrl-C): nothing more is saved
+        print(f"lazytrain {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -197,9 +197,9 @@ class BatchIterator:
         if n == 0:
             raise DataError("the dataset has no samples; check the data source and max_seq_len")
         if self.config.drop_last and n < batch_size:
-            raise DataError(f"the dataset has {n} samples, fewer than batch_size={batch_size}, "
-                            "and drop_last is set: no batch is left; lower batch_size or "
-                            "unset drop_last")
+            raise DataError(f"the dataset has {n} samples (after truncation), fewer than "
+                            f"batch_size={batch_size}, and every batch must be full: lower "
+                            f"training.batch_size to {n} or less, or add samples")
 
     @property
     def batches_per_epoch(self) -> int:

@@ -147,14 +147,28 @@ def _read_file(path: Path, format: str) -> Iterator[_Record]:
     elif format == "jsonl" or path.suffix == ".jsonl":
         yield from _read_jsonl(path)
     else:
-        with path.open(encoding="utf-8") as f:
+        with path.open("rb") as f:
             head = f.read(4096).lstrip()
-        yield from (_read_json_array(path) if head.startswith("[") else _read_jsonl(path))
+        yield from (_read_json_array(path) if head.startswith(b"[") else _read_jsonl(path))
+
+
+def _decode(data: bytes, path: Path, line_number: int | None = None) -> str:
+    """``data`` as UTF-8, or a `DataError` naming the file, line and column of the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if line_number is None:
+            line_number = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(f"{path} line {line_number}: not UTF-8 text (byte {data[e.start:e.start + 1]!r} "
+                        f"at column {column}); convert the file to UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+                        ) from None
 
 
 def _read_jsonl(path: Path) -> Iterator[_Record]:
-    with path.open(encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            line = _decode(raw, path, line_number)
             if not line.strip():
                 continue
             where = f"{path} line {line_number}"
@@ -168,8 +182,7 @@ def _read_jsonl(path: Path) -> Iterator[_Record]:
 
 def _read_json_array(path: Path) -> Iterator[_Record]:
     try:
-        with path.open(encoding="utf-8") as f:
-            records = json.load(f)
+        records = json.loads(_decode(path.read_bytes(), path))
     except json.JSONDecodeError as e:
         raise DataError(f"{path} line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})"
                         ) from None

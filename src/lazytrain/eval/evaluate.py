@@ -15,16 +15,33 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from lazytrain.config import ConfigError, EvalConfig
+from lazytrain.config import EvalConfig
 from lazytrain.data.dataset import encode_prompts
 from lazytrain.data.formats import DataError, DataSource, Sample, load_samples
 from lazytrain.data.synthetic import make_samples
 from lazytrain.data.template import PromptTemplate, get_template
+from lazytrain.errors import LazyTrainError
 from lazytrain.eval.answers import exact_match_report
 from lazytrain.eval.generate import cut_at_stop, generate_resident, generate_streamed
 from lazytrain.runtime.device import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
+
+
+class EvalError(LazyTrainError, ValueError):
+    """A model folder or output path that evaluation cannot use."""
+
+
+def _check_output(out_path: Path) -> None:
+    """Fail before generating (minutes on a large model) if the predictions cannot be written."""
+    if out_path.is_dir():
+        raise EvalError(f"eval.output={out_path} is a folder; give a file path (e.g. {out_path / 'predictions.jsonl'})")
+    try:
+        with out_path.open("a"):
+            pass
+    except OSError as e:
+        raise EvalError(f"predictions cannot be written to {out_path} ({e.strerror}); pass a writable "
+                        "eval.output path") from None
 
 
 def _samples(cfg: EvalConfig) -> list[Sample]:
@@ -74,10 +91,12 @@ def streamed_exact_match(adapter, store, tokenizer, template: PromptTemplate, sa
 def evaluate(cfg: EvalConfig) -> dict:
     folder = Path(cfg.model).expanduser()
     if not (folder / "config.json").exists():
-        raise ConfigError(
+        raise EvalError(
             f"eval.model={folder} is not a model folder (no config.json); pass the output_dir of a "
             "training run"
         )
+    out_path = Path(cfg.output) if cfg.output else folder / "eval_predictions.jsonl"
+    _check_output(out_path)
     device = resolve_device(cfg.device)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     template = PromptTemplate.load(folder) if cfg.template == "saved" else get_template(cfg.template)
@@ -99,7 +118,6 @@ def evaluate(cfg: EvalConfig) -> dict:
     report, outputs = exact_match(samples, tokenizer, template, run, cfg.batch_size, f"eval ({mode})",
                                   cfg.stop)
     report["mode"] = mode
-    out_path = Path(cfg.output) if cfg.output else folder / "eval_predictions.jsonl"
     with out_path.open("w") as f:
         for s, out in zip(samples, outputs):
             f.write(json.dumps({"query": s.instruction, "gold": s.response, "prediction": out,

@@ -109,7 +109,10 @@ def load_hf_config(source: str | Path | dict | transformers.PretrainedConfig) ->
             path = path.parent
         if not (path / "config.json").exists():
             raise UnsupportedModelError(f"{path} has no config.json: it is not an HF model folder")
-        config = transformers.AutoConfig.from_pretrained(path)
+        try:
+            config = transformers.AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as error:
+            raise UnsupportedModelError(f"{path / 'config.json'} cannot be read: {error}") from None
     archs = getattr(config, "architectures", None) or []
     arch = archs[0] if archs else _default_arch(config.model_type)
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -240,7 +243,8 @@ def attention_mask_4d(attention_mask: torch.Tensor, queries: int | None = None) 
     A boolean [B, 1, queries, keys] mask, True where a query may attend. HF layers called
     directly need this 4-D form: a 2-D tokenizer mask would be misread. A query row with no
     allowed key (a padded position before any real token) may attend to itself, so sdpa never
-    sees an all-masked row (which gives NaN); such positions carry no loss and are never read.
+    sees an all-masked row (which gives NaN); real queries never attend to it, and the executor
+    rejects a target predicted from it, so its value reaches no loss or gradient.
     """
     keys = attention_mask.shape[1]
     queries = keys if queries is None else queries

@@ -12,11 +12,41 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from lazytrain.errors import LazyTrainError
 from lazytrain.memory.host_store import HostStore
-from lazytrain.model.adapter import ModelAdapter, UnsupportedModelError
+from lazytrain.model.adapter import ModelAdapter, load_hf_config
+
+
+class ModelFileError(LazyTrainError, ValueError):
+    """A model folder whose weight files are missing, damaged or do not match its config."""
+
+
+def check_model_folder(folder: str | Path) -> None:
+    """Fail fast, before tokenizer and data, on a folder LazyTrain cannot train from.
+
+    Checks that it exists, holds a config.json of a supported architecture, and that every
+    ``*.safetensors`` file's header is complete and its size covers the tensors it lists
+    (a truncated download fails here, not half-way through loading).
+    """
+    folder = Path(folder).expanduser()
+    load_hf_config(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelFileError(
+            f"{folder} has no *.safetensors files; LazyTrain reads HF safetensors checkpoints "
+            "(convert .bin files with `transformers` first)"
+        )
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            raise ModelFileError(
+                f"{path} is damaged or incomplete ({error}); download or copy it again"
+            ) from None
 
 
 def _name_index(adapter: ModelAdapter) -> dict[str, tuple[int, str]]:
@@ -29,12 +59,8 @@ def _name_index(adapter: ModelAdapter) -> dict[str, tuple[int, str]]:
 
 def load_safetensors(adapter: ModelAdapter, store: HostStore, folder: str | Path) -> None:
     folder = Path(folder)
+    check_model_folder(folder)
     files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise UnsupportedModelError(
-            f"{folder} has no *.safetensors files; LazyTrain reads HF safetensors checkpoints "
-            "(convert .bin files with `transformers` first)"
-        )
     index = _name_index(adapter)
     seen: set[str] = set()
     for path in files:
@@ -45,8 +71,8 @@ def load_safetensors(adapter: ModelAdapter, store: HostStore, folder: str | Path
                         continue
                     if name == "lm_head.weight" and adapter.tied:
                         continue
-                    raise UnsupportedModelError(
-                        f"{path.name}: tensor {name!r} is not part of a {adapter.arch} with this "
+                    raise ModelFileError(
+                        f"{path}: tensor {name!r} is not part of a {adapter.arch} with this "
                         "config.json; is the folder's config the one the weights were saved with?"
                     )
                 group, pname = index[name]
@@ -55,7 +81,7 @@ def load_safetensors(adapter: ModelAdapter, store: HostStore, folder: str | Path
     missing = sorted(set(index) - seen)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise UnsupportedModelError(f"{folder}: {len(missing)} weights missing from the checkpoint: {shown}")
+        raise ModelFileError(f"{folder}: {len(missing)} weights missing from the checkpoint: {shown}")
 
 
 def random_init(adapter: ModelAdapter, store: HostStore, seed: int, device: torch.device) -> None:

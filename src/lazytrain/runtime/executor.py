@@ -256,7 +256,9 @@ class Executor:
         """Loss and gradients of one batch; gradients land in ``store.grads``.
 
         ``labels`` are unshifted (as HF takes them): position t predicts labels[t + 1];
-        -100 marks positions without loss. The loss is the mean over target tokens.
+        -100 marks positions without loss. The loss is the mean over target tokens. Padding
+        may be on either side; a target predicted from a padding position (the first real
+        token of a left-padded row) is rejected, as no real token precedes it.
         """
         adapter, plan = self.adapter, self.plan
         batch, seq = input_ids.shape
@@ -267,6 +269,17 @@ class Executor:
         num_targets = int(valid_cpu.numel())
         if num_targets == 0:
             raise ValueError("batch has no target tokens (all labels are -100)")
+        if attention_mask is not None:
+            # a target after a padding position (left padding, labelled first real token) would
+            # be predicted from that padding position, which sees no real token
+            from_padding = (targets_cpu.view(batch, seq) != -100) & (attention_mask == 0)
+            if bool(from_padding.any()):
+                row, pos = (int(i) for i in from_padding.nonzero()[0])
+                raise ValueError(
+                    f"labels[{row}, {pos + 1}] is a target whose prediction would come from padding "
+                    f"position {pos} (left padding with a label on the first real token); set the "
+                    "labels of each row's first real token to -100, or pad on the right"
+                )
         num_tokens = int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
 
         dev = self.device

@@ -63,6 +63,22 @@ def step_metrics(adapter: ModelAdapter, stats: StepStats, trace: dict[str, float
     return record
 
 
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop the records after ``step`` (a killed run's steps past its checkpoint), atomically."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except ValueError:  # a line cut short by the kill
+            continue
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+
+
 class MetricsWriter:
     def __init__(self, out_dir: Path, append: bool = False, tensorboard: bool = True):
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,8 @@ from lazytrain.data.pipeline import load_tokenizer
 from lazytrain.memory.host_store import HostStore
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.adapter import ModelAdapter
-from lazytrain.model.build import build_model, model_config
+from lazytrain.model.build import build_model
+from lazytrain.model.loading import check_model_folder
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.optim.factory import make_optimizer, state_bytes_per_param
 from lazytrain.plan.costs import CostTable, usable_gpu_bytes
@@ -131,7 +132,7 @@ def build_session(config: Config) -> Session:
     torch.manual_seed(config.training.seed)
     source = config.model.source
     if not source.startswith("builtin:"):
-        model_config(source)  # a missing or unsupported folder fails here, before tokenizer or data
+        check_model_folder(source)  # before tokenizer and data, whose errors would mislead
     device = resolve_device(config.training.device)
     dtype = resolve_dtype(config.model.dtype, device)
     tokenizer = load_tokenizer(source)

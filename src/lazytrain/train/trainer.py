@@ -2,21 +2,20 @@
 
 One ``Trainer`` per run: ``setup()`` builds everything, ``train()`` is the loop over
 ``train_step(batch)``, and the output folder ends as an HF model folder (config, safetensors,
-tokenizer) plus the resolved LazyTrain config, the prompt template and ``metrics.jsonl``. A
-``checkpoint/`` folder in it holds what ``training.resume=true`` needs to continue exactly
-where the run stopped.
+tokenizer) plus the resolved LazyTrain config, the prompt template and ``metrics.jsonl``.
+Checkpoints under ``checkpoints/`` hold what ``training.resume=true`` needs to continue exactly
+where the run stopped (`lazytrain.train.checkpoint`); SIGINT / SIGTERM stop the run after the
+current step with a checkpoint (`lazytrain.train.signals`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from lazytrain.config import Config
@@ -27,41 +26,51 @@ from lazytrain.model.loading import save_hf
 from lazytrain.plan.simulate import simulate
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.update import HostUpdater
-from lazytrain.train.metrics import MetricsWriter, step_metrics
+from lazytrain.train.checkpoint import CheckpointError, Checkpointer, check_output_dir, gb
+from lazytrain.train.metrics import MetricsWriter, step_metrics, truncate_metrics
 from lazytrain.train.schedule import learning_rate
 from lazytrain.train.session import build_session
+from lazytrain.train.signals import StopRequest, TrainingInterrupted
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(LazyTrainError, ValueError):
-    pass
+class DivergedError(LazyTrainError, ArithmeticError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
 
 
 class Trainer:
     """Full-parameter SFT of a streamed model.
 
-    Raises at setup for: an unsupported architecture or a missing model folder, host memory
-    that cannot hold the model (with the bytes), data that is empty after truncation, and a
-    plan that does not match the model's layer count.
+    Raises at setup for: an unsupported architecture or a missing model folder, an output
+    folder holding another run, host memory or disk space that cannot hold the run (with the
+    bytes), data that is empty after truncation, and a plan that does not match the model.
     """
 
     def __init__(self, config: Config):
         self.config = config
-        self.out_dir = Path(config.training.output_dir)
-        self.step = 0
-        self.skipped_steps = 0
+        tc = config.training
+        self.out_dir = Path(tc.output_dir)
+        self.step = self.skipped_steps = self.consecutive_skipped = 0
+        self.checkpointer = Checkpointer(self.out_dir, keep=tc.keep_checkpoints, in_place=tc.checkpoint_in_place)
 
     # -- setup ------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        cfg = self.config
+        cfg, tc = self.config, self.config.training
+        check_output_dir(self.out_dir, tc.resume, tc.overwrite)
+        resume_from = self.checkpointer.latest() if tc.resume else None
+        if tc.resume and resume_from is None:
+            raise CheckpointError(
+                f"training.resume=true but {self.out_dir} holds no complete checkpoint; start "
+                "without training.resume (add training.overwrite=true if the folder holds a run)"
+            )
         self.session = session = build_session(cfg)
         self.device, self.dtype, self.tokenizer = session.device, session.dtype, session.tokenizer
         self.adapter, self.store, self.optimizer = session.adapter, session.store, session.optimizer
         self.template = resolve_template(cfg.data)
         self.batches, self.data_report = training_batches(
-            cfg.data, self.tokenizer, self.template, batch_size=cfg.training.batch_size, seed=cfg.training.seed,
+            cfg.data, self.tokenizer, self.template, batch_size=tc.batch_size, seed=tc.seed,
             pad_to_multiple_of=8 if self.device.type == "cuda" else 1,
         )
         self.plan, self.costs = session.plan()
@@ -73,8 +82,15 @@ class Trainer:
         self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=session.nvme)
         self.executor.trace.enabled = self.device.type == "cuda"
         self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
-        if cfg.training.resume and (self.out_dir / "checkpoint").exists():
-            self._load_checkpoint(self.out_dir / "checkpoint")
+        self.checkpoint_bytes = self.checkpointer.size_bytes(self.store.masters, self.optimizer.state_dict())
+        if resume_from is None and tc.overwrite:
+            self.checkpointer.remove_all()
+        # the model export is bf16 (or fp32 on an fp32 run) of every parameter
+        export_bytes = self.store.num_params * self.dtype.itemsize
+        self.checkpointer.check_room(self.checkpoint_bytes, extra=export_bytes, whole_run=True)
+        if resume_from is not None:
+            self._load_checkpoint(resume_from)
+            truncate_metrics(self.out_dir / "metrics.jsonl", self.step)
         self.metrics = MetricsWriter(self.out_dir, append=self.step > 0)
         cfg.save(self.out_dir / "lazytrain_config.yaml")
         self.template.save(self.out_dir)
@@ -85,24 +101,34 @@ class Trainer:
         tc = self.config.training
         bar = tqdm(total=tc.steps, initial=self.step, disable=not tc.progress, desc="train", dynamic_ncols=True)
         record = None
-        self._step_start = time.perf_counter()
-        while self.step < tc.steps:
-            record = self.train_step(next(self.batches))
-            self.metrics.write(record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", gnorm=f"{record['grad_norm']:.2f}",
-                            tok_s=f"{record['tokens_per_s']:.0f}")
-            if tc.log_every and self.step % tc.log_every == 0 and not tc.progress:
-                log.info("step %d loss %.4f grad_norm %.3f %.0f tok/s", self.step, record["loss"],
-                         record["grad_norm"], record["tokens_per_s"])
-            if self.step < tc.steps and tc.save_every and self.step % tc.save_every == 0:
+        self._step_start = self.last_save_time = time.perf_counter()
+        with StopRequest() as stop:
+            while self.step < tc.steps and stop.signum is None:
+                record = self.train_step(next(self.batches))
+                self.metrics.write(record)
+                self._check_divergence(record)
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", gnorm=f"{record['grad_norm']:.2f}",
+                                tok_s=f"{record['tokens_per_s']:.0f}")
+                if tc.log_every and self.step % tc.log_every == 0 and not tc.progress:
+                    log.info("step %d loss %.4f grad_norm %.3f %.0f tok/s", self.step, record["loss"],
+                             record["grad_norm"], record["tokens_per_s"])
+                if self.step < tc.steps and stop.signum is None and self._checkpoint_due():
+                    self.save_checkpoint()
+                if self.step < tc.steps and tc.eval_every and self.step % tc.eval_every == 0:
+                    self.metrics.write({"step": self.step, **self.evaluate()})
+            bar.close()
+            if stop.signum is not None and self.step < tc.steps:
                 self.save_checkpoint()
-            if self.step < tc.steps and tc.eval_every and self.step % tc.eval_every == 0:
-                self.metrics.write({"step": self.step, **self.evaluate()})
-        bar.close()
-        self.updater.finish()
-        self.save_model(self.out_dir)
-        self.save_checkpoint()
+                self.metrics.close()
+                raise TrainingInterrupted(
+                    f"stopped by {stop.name} after step {self.step} of {tc.steps}; checkpoint written "
+                    f"to {self.checkpointer.latest().path}. Resume with:\n  lazytrain train "
+                    f"{self.out_dir / 'lazytrain_config.yaml'} training.resume=true",
+                    stop.signum,
+                )
+            self.save_model(self.out_dir)
+            self.save_checkpoint()
         final_eval = None
         if self.config.data.dataset == "builtin":
             final_eval = self.evaluate()
@@ -111,17 +137,19 @@ class Trainer:
         return {"steps": self.step, "skipped_steps": self.skipped_steps, "last": record, "eval": final_eval}
 
     def train_step(self, batch: Batch) -> dict:
-        """Forward + backward of ``batch``, then the (overlapped) CPU update; the step's metrics."""
+        """Forward + backward of ``batch``, then the (overlapped) CPU update; the step's metrics.
+
+        A step with a non-finite loss or gradient touches no state and is recorded as skipped.
+        """
         tc, oc = self.config.training, self.config.optimizer
         stats = self.executor.forward_backward(batch.input_ids, batch.labels, batch.attention_mask)
         trace = self.executor.trace.summary()
         waited = self.updater.wait_seconds  # this forward waiting for the last CPU update
         lr = learning_rate(self.step, tc.steps, oc.lr, oc.warmup_steps, oc.schedule, oc.min_lr_ratio)
         skipped = not (math.isfinite(stats.grad_norm) and math.isfinite(stats.loss))
-        if skipped:
-            # a non-finite gradient: no state is touched, the step is counted and logged
-            self.skipped_steps += 1
-        else:
+        self.skipped_steps += skipped
+        self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
+        if not skipped:
             clip = 1.0
             if tc.max_grad_norm > 0:
                 clip = min(1.0, tc.max_grad_norm / (stats.grad_norm + 1e-6))
@@ -129,20 +157,44 @@ class Trainer:
         self.step += 1
         now = time.perf_counter()
         step_time, self._step_start = now - self._step_start, now
+        seq = int(batch.input_ids.shape[1])
         return {
-            "step": self.step,
-            "loss": stats.loss,
-            "grad_norm": stats.grad_norm,
-            "lr": lr,
-            "skipped": skipped,
-            "tokens": stats.num_tokens,
-            "target_tokens": stats.num_target_tokens,
-            "batch_size": int(batch.input_ids.shape[0]),
-            "seq_len": int(batch.input_ids.shape[1]),
-            **step_metrics(self.adapter, stats, trace, step_time, int(batch.input_ids.shape[1]), self.device),
+            "step": self.step, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": lr, "skipped": skipped,
+            "tokens": stats.num_tokens, "target_tokens": stats.num_target_tokens,
+            "batch_size": int(batch.input_ids.shape[0]), "seq_len": seq,
+            **step_metrics(self.adapter, stats, trace, step_time, seq, self.device),
             **self.predicted,
             "optimizer_wait_s": waited,
         }
+
+    def _check_divergence(self, record: dict) -> None:
+        """Log a skipped step; stop the run after ``training.max_skipped_steps`` in a row."""
+        if not record["skipped"]:
+            return
+        limit = self.config.training.max_skipped_steps
+        log.warning("step %d skipped: loss %s, grad_norm %s (%d in a row, the run stops at %d)",
+                    self.step, record["loss"], record["grad_norm"], self.consecutive_skipped, limit)
+        if self.consecutive_skipped < limit:
+            return
+        self.updater.finish()
+        self.metrics.close()
+        latest = self.checkpointer.latest()
+        kept = f"the last checkpoint, {latest.path} (step {latest.step}), is kept" if latest else "no checkpoint was written"
+        raise DivergedError(
+            f"{self.consecutive_skipped} consecutive steps (to step {self.step}) had a non-finite loss or "
+            f"gradient (last: loss {record['loss']}, grad_norm {record['grad_norm']}); the run diverged at "
+            f"optimizer.lr={self.config.optimizer.lr}: {kept} and the model was not written. Lower "
+            "optimizer.lr or training.max_grad_norm and train again (or resume)"
+        )
+
+    def _checkpoint_due(self) -> bool:
+        tc = self.config.training
+        if self.consecutive_skipped:  # the last checkpoint stays the last good state
+            return False
+        if tc.save_every and self.step % tc.save_every == 0:
+            return True
+        minutes = (time.perf_counter() - self.last_save_time) / 60
+        return bool(tc.save_every_minutes) and minutes >= tc.save_every_minutes
 
     def evaluate(self) -> dict:
         """Exact match on the built-in held-out split, generating with the weights in the host store."""
@@ -167,36 +219,28 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Masters, optimizer state, data position and step: what resume needs."""
         self.updater.finish()
-        ckpt = self.out_dir / "checkpoint"
-        tmp = self.out_dir / "checkpoint.tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        save_file({f"g{g}": m for g, m in enumerate(self.store.masters)}, str(tmp / "masters.safetensors"))
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / "state.json").write_text(json.dumps({
-            "step": self.step,
-            "skipped_steps": self.skipped_steps,
-            "data": self.batches.state_dict(),
+        started = time.perf_counter()
+        path = self.checkpointer.save(self.step, self.store.masters, self.optimizer.state_dict(), {
+            "skipped_steps": self.skipped_steps, "data": self.batches.state_dict(),
             "num_params": self.store.num_params,
-        }))
-        if ckpt.exists():
-            for f in ckpt.iterdir():
-                f.unlink()
-            ckpt.rmdir()
-        tmp.rename(ckpt)
+        })
+        self.last_save_time = time.perf_counter()
+        log.info("checkpoint %s: %s in %.1f s", path, gb(self.checkpoint_bytes), self.last_save_time - started)
 
-    def _load_checkpoint(self, ckpt: Path) -> None:
-        state = json.loads((ckpt / "state.json").read_text())
+    def _load_checkpoint(self, found) -> None:
+        state = found.state
         if state["num_params"] != self.store.num_params:
             raise CheckpointError(
-                f"checkpoint {ckpt} is of a model with {state['num_params']} parameters, this "
-                f"model has {self.store.num_params}; use another training.output_dir"
+                f"checkpoint {found.path} is of a model with {state['num_params']} parameters, this "
+                f"model has {self.store.num_params}; resume with the same model.source or use another "
+                "training.output_dir"
             )
-        masters = load_file(str(ckpt / "masters.safetensors"))
-        for g, m in enumerate(self.store.masters):
-            m.copy_(masters[f"g{g}"])
+        optimizer_state = self.checkpointer.restore(found, self.store.masters)
+        for g in range(len(self.store.masters)):
             self.store.sync_weights_from_masters(g)
             self.executor.weights_updated(g)
-        self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=False))
+        self.optimizer.load_state_dict(optimizer_state)
         self.batches.load_state_dict(state["data"])
         self.step = state["step"]
         self.skipped_steps = state["skipped_steps"]
+        log.info("resumed from %s at step %d", found.path, self.step)
