@@ -149,7 +149,7 @@ def compute_only_ms(executor: Executor, batch: int, seq: int, repeats: int = 5) 
         if cuda:
             start.record()
         with torch.enable_grad():
-            out = adapter.layer_forward(leaves, x_in, rope, None)
+            out = adapter.layer_forward(0, leaves, x_in, rope, adapter.layer_masks(None))
             torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
         if cuda:
             end.record()
