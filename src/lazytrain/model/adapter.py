@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import transformers
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.model.kernels import KernelChoice, select_linear_attention_kernels
 
 SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
@@ -207,6 +208,10 @@ class ModelAdapter:
                 self.templates[kind] = meta.model.layers[i].requires_grad_(False)
         self.norm_module = meta.model.norm
         self.rotary = type(meta.model.rotary_emb)(config=text).to(device)
+        self.kernels: KernelChoice | None = (
+            select_linear_attention_kernels(device) if "linear_attention" in self.layer_types else None
+        )
+        """The Gated-DeltaNet kernels in use (None: no linear-attention layers)."""
         self.zero_centered_norms = self.arch in HYBRID_ARCHITECTURES
         """Qwen3.5 RMSNorms scale by (1 + weight): HF initialises their weights to 0."""
 
