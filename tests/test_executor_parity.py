@@ -102,10 +102,9 @@ def nvme(tmp_path_factory):
     return NvmeStore(tmp_path_factory.mktemp("nvme"))
 
 
-@pytest.fixture(scope="module")
-def qwen2_setup(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen2") / "model"
-    model = make_hf_model("qwen2", layers=6)
+def _setup(tmp_path_factory, family: str):
+    folder = tmp_path_factory.mktemp(family) / "model"
+    model = make_hf_model(family, layers=6)
     model.save_pretrained(folder)
     adapter, store = streamed(folder)
     ids, labels, mask = random_batch(2, 11, adapter.vocab_size, padded=True, seed=3)
@@ -113,10 +112,22 @@ def qwen2_setup(tmp_path_factory):
     return adapter, store, (ids, labels, mask), ref
 
 
+@pytest.fixture(scope="module")
+def qwen2_setup(tmp_path_factory):
+    return _setup(tmp_path_factory, "qwen2")
+
+
+@pytest.fixture(scope="module")
+def hybrid_setup(tmp_path_factory):
+    """Qwen3.5: linear- and full-attention layers (3:2), odd head counts, a padded batch."""
+    return _setup(tmp_path_factory, "qwen3_5")
+
+
+@pytest.mark.parametrize("setup", ["qwen2_setup", "hybrid_setup"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_random_plans_match_hf_autograd(qwen2_setup, nvme, data):
-    adapter, store, batch, ref = qwen2_setup
+def test_random_plans_match_hf_autograd(setup, request, nvme, data):
+    adapter, store, batch, ref = request.getfixturevalue(setup)
     plan = data.draw(random_plans(adapter.num_layers))
     for g in store.grads:
         g.fill_(float("nan"))

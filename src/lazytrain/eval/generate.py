@@ -100,7 +100,7 @@ def generate_streamed(
         for i in range(L):
             slot = weights.acquire(i)
             x = adapter.layer_forward(
-                i, adapter.layouts[i + 1].views(slot), x, rope, masks, past_key_values=cache, use_cache=True
+                i, adapter.layouts[i + 1].views(slot), x, rope, masks, use_cache=True, **{adapter.cache_kwarg: cache}
             )
             weights.release(i)
         if step == max_new_tokens:

@@ -18,6 +18,7 @@ type, and each type gets its own mask (``layer_masks``): a 4-D causal mask for a
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +246,13 @@ class ModelAdapter:
     def multimodal(self) -> bool:
         """The folder is a ConditionalGeneration one (tensors outside the language model)."""
         return self.arch in MULTIMODAL_ARCHITECTURES
+
+    @property
+    def cache_kwarg(self) -> str:
+        """The decoder layers' cache argument: ``cache`` from transformers 5.24 (which warns
+        about ``past_key_values``, gone in 5.40), ``past_key_values`` before."""
+        template = next(iter(self.templates.values()))
+        return "cache" if "cache" in inspect.signature(template.forward).parameters else "past_key_values"
 
     def layer_type_names(self) -> list[str]:
         """The distinct layer types, in order of first appearance."""
