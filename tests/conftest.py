@@ -23,18 +23,18 @@ FAMILIES = {
     # Qwen3.5/3.6 hybrids: Gated-DeltaNet and gated attention layers. Untied, odd head counts
     # (3 query heads on 1 KV head; 3 value heads on 1 key head) and a 3:2 layer pattern; and
     # tied with the published 3:1 pattern
-    "qwen3_5": dict(
-        cls=transformers.Qwen3_5TextConfig, arch="Qwen3_5ForCausalLM", tied=False, head_dim=8,
-        pattern=("linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"),
-        extra=dict(num_attention_heads=3, num_key_value_heads=1, linear_num_key_heads=1,
-                   linear_num_value_heads=3, linear_key_head_dim=8, linear_value_head_dim=8),
-    ),
-    "qwen3_5-tied": dict(
-        cls=transformers.Qwen3_5TextConfig, arch="Qwen3_5ForCausalLM", tied=True, head_dim=8,
-        pattern=("linear_attention", "linear_attention", "linear_attention", "full_attention"),
-        extra=dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                   linear_value_head_dim=4),
-    ),
+    "qwen3_5": {
+        "cls": transformers.Qwen3_5TextConfig, "arch": "Qwen3_5ForCausalLM", "tied": False, "head_dim": 8,
+        "pattern": ("linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"),
+        "extra": {"num_attention_heads": 3, "num_key_value_heads": 1, "linear_num_key_heads": 1,
+                  "linear_num_value_heads": 3, "linear_key_head_dim": 8, "linear_value_head_dim": 8},
+    },
+    "qwen3_5-tied": {
+        "cls": transformers.Qwen3_5TextConfig, "arch": "Qwen3_5ForCausalLM", "tied": True, "head_dim": 8,
+        "pattern": ("linear_attention", "linear_attention", "linear_attention", "full_attention"),
+        "extra": {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                  "linear_value_head_dim": 4},
+    },
 }
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5-tied")
 
@@ -47,17 +47,17 @@ def tiny_config(family: str, layers: int = 5) -> transformers.PretrainedConfig:
         extra["layer_types"] = [pattern[i % len(pattern)] for i in range(layers)]
         if "full_attention" not in extra["layer_types"]:
             extra["layer_types"][-1] = "full_attention"
-    kwargs = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=101,
-        max_position_embeddings=128,
-        tie_word_embeddings=spec["tied"],
+    kwargs = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 101,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": spec["tied"],
         **extra,
-    )
+    }
     kwargs.update(spec.get("extra", {}))
     config = spec["cls"](**kwargs)
     config.architectures = [spec["arch"]]

@@ -123,17 +123,27 @@ def hybrid_setup(tmp_path_factory):
     return _setup(tmp_path_factory, "qwen3_5")
 
 
-@pytest.mark.parametrize("setup", ["qwen2_setup", "hybrid_setup"])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_random_plans_match_hf_autograd(setup, request, nvme, data):
-    adapter, store, batch, ref = request.getfixturevalue(setup)
+def _check_random_plan(setup, nvme, data) -> None:
+    adapter, store, batch, ref = setup
     plan = data.draw(random_plans(adapter.num_layers))
     for g in store.grads:
         g.fill_(float("nan"))
     Executor(adapter, store, plan, CPU, nvme=nvme).forward_backward(*batch)
     assert_grads_equal(adapter, store, ref)
     assert not list(nvme.folder.glob("*.act")), "activation files must be removed after backward"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_plans_match_hf_autograd(qwen2_setup, nvme, data):
+    _check_random_plan(qwen2_setup, nvme, data)
+
+
+# fewer draws: the torch reference of the chunked delta rule pads each sequence to a chunk
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_plans_match_hf_autograd_hybrid(hybrid_setup, nvme, data):
+    _check_random_plan(hybrid_setup, nvme, data)
 
 
 def test_weights_cross_at_most_twice(qwen2_setup):

@@ -136,9 +136,9 @@ def tiny_conditional_generation(tied: bool) -> transformers.PreTrainedModel:
     text = tiny_config("qwen3_5-tied" if tied else "qwen3_5", layers=4).to_dict()
     config = transformers.Qwen3_5Config(
         text_config=text,
-        vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
-                           out_hidden_size=text["hidden_size"], patch_size=4,
-                           num_position_embeddings=16),
+        vision_config={"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32,
+                       "out_hidden_size": text["hidden_size"], "patch_size": 4,
+                       "num_position_embeddings": 16},
         tie_word_embeddings=tied,
     )
     config.architectures = ["Qwen3_5ForConditionalGeneration"]

@@ -54,7 +54,10 @@ def _version(dist: str) -> str:
 
 def _fla() -> dict[str, object] | None:
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.gated_delta_rule import (
+            chunk_gated_delta_rule,
+            fused_recurrent_gated_delta_rule,
+        )
     except Exception:  # noqa: BLE001 - any import failure (no package, no Triton) means no kernel
         return None
     return {_DELTA_RULE[0]: chunk_gated_delta_rule, _DELTA_RULE[1]: fused_recurrent_gated_delta_rule}

@@ -21,10 +21,16 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
+from lazytrain.errors import LazyTrainError
+
 GPU_RESERVE_FRACTION = 0.05
 """Share of a GPU memory capacity the planner leaves unplanned: the caching allocator's
 fragmentation and small buffers the model does not count (on the H200 a solved plan
 predicted at 97% of the card ran out of memory with 2.7 GiB reserved but unallocated)."""
+
+
+class CostTableMismatch(LazyTrainError, ValueError):
+    pass
 
 
 def usable_gpu_bytes(capacity: int) -> int:
@@ -288,6 +294,15 @@ class CostTable:
         if missing:
             raise ValueError(f"no costs for layer types {missing}; profile every type the model has")
         return cls(layers=[replace(costs[t]) for t in layer_types], layer_types=list(layer_types), **kwargs)
+
+    def check_layers(self, layer_types: Sequence[str], source: str = "the cost table") -> None:
+        """Raise `CostTableMismatch` unless this table describes a stack of ``layer_types``."""
+        if list(layer_types) != self.layer_types:
+            raise CostTableMismatch(
+                f"{source} is for {self.num_layers} layers of types {sorted(set(self.layer_types))}, "
+                f"the model has {len(layer_types)} of types {sorted(set(layer_types))}; profile "
+                "this model (`lazytrain profile`) or drop plan.costs"
+            )
 
     def type_costs(self) -> dict[str, LayerCosts]:
         """Each layer type's costs (those of its first layer), in order of first appearance."""

@@ -240,6 +240,7 @@ class Trainer:
         cfg = self.config
         if cfg.plan.costs:
             costs = CostTable.load(cfg.plan.costs).at(cfg.training.batch_size, cfg.data.max_seq_len)
+            costs.check_layers(self.adapter.layer_types, f"plan.costs={cfg.plan.costs}")
             if cfg.memory.gpu_gb:
                 costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(cfg.memory.gpu_gb * 2**30)))
             return costs
