@@ -131,37 +131,47 @@ def _bf16_copy(model):
 
 
 def compute_only_ms(executor: Executor, batch: int, seq: int, repeats: int = 5) -> dict:
-    """fwd+bwd of one decoder layer with weights resident, and of the chunked head."""
+    """fwd (under autograd) + bwd of one decoder layer of each type with weights resident;
+    the whole stack's sum counts each layer at its type's time."""
     adapter = executor.adapter
     dev, dtype = executor.device, executor.dtype
-    slot = executor.store.weights[1].to(dev)
     position_ids = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, -1)
     rope = adapter.rotary_embeddings(position_ids, dtype)
+    masks = adapter.layer_masks(None)
     x = torch.randn(batch, seq, adapter.hidden_size, device=dev, dtype=dtype)
-    times = []
     cuda = dev.type == "cuda"
-    for r in range(repeats + 2):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        leaves = executor._leaves(adapter.layouts[1], slot)
-        x_in = x.detach().requires_grad_()
-        t0 = time.perf_counter()
-        if cuda:
-            start.record()
-        with torch.enable_grad():
-            out = adapter.layer_forward(0, leaves, x_in, rope, adapter.layer_masks(None))
-            torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
-        if cuda:
-            end.record()
-            end.synchronize()
-        if r >= 2:
-            times.append(start.elapsed_time(end) if cuda else (time.perf_counter() - t0) * 1e3)
-        del out
-    layer_ms = statistics.median(times)
-    del slot, x
+    by_type = {}
+    for kind in adapter.layer_type_names():
+        layer = adapter.layer_types.index(kind)
+        slot = executor.store.weights[layer + 1].to(dev)
+        times = []
+        for r in range(repeats + 2):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            leaves = executor._leaves(adapter.layouts[layer + 1], slot)
+            x_in = x.detach().requires_grad_()
+            t0 = time.perf_counter()
+            if cuda:
+                start.record()
+            with torch.enable_grad():
+                out = adapter.layer_forward(layer, leaves, x_in, rope, masks)
+                torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
+            if cuda:
+                end.record()
+                end.synchronize()
+            if r >= 2:
+                times.append(start.elapsed_time(end) if cuda else (time.perf_counter() - t0) * 1e3)
+            del out
+        by_type[kind] = statistics.median(times)
+        del slot
+    del x
     if cuda:
         torch.cuda.empty_cache()
-    return {"layer_fwd_bwd_ms": layer_ms, "layers_fwd_bwd_ms": layer_ms * adapter.num_layers}
+    return {
+        "layer_fwd_bwd_ms": by_type[adapter.layer_types[0]],
+        "layer_fwd_bwd_ms_by_type": by_type,
+        "layers_fwd_bwd_ms": sum(by_type[kind] for kind in adapter.layer_types),
+    }
 
 
 def run_one(adapter, store, optimizer, policy, batch, seq, args, device, plan=None, nvme=None) -> dict:
@@ -232,6 +242,7 @@ def run_one(adapter, store, optimizer, policy, batch, seq, args, device, plan=No
         "act_peak_gb": {tier: b / 1e9 for tier, b in steps[-1][1].peak_activation_bytes.items()},
         "compute_only_layers_s": compute["layers_fwd_bwd_ms"] / 1e3,
         "compute_only_layer_ms": compute["layer_fwd_bwd_ms"],
+        "compute_only_layer_ms_by_type": compute["layer_fwd_bwd_ms_by_type"],
     }
     del executor, updater
     gc.collect()
