@@ -188,9 +188,6 @@ class ModelAdapter:
         self.arch = config.architectures[0]
         self.config = config.get_text_config()
         """The language model's config: what the layers, rotary and caches are built from."""
-        self.config.architectures = [
-            "Qwen3_5ForCausalLM" if self.arch in MULTIMODAL_ARCHITECTURES else self.arch
-        ]
         self.device = device
         self.dtype = dtype
         text = self.config
