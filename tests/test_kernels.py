@@ -59,3 +59,18 @@ def test_cuda_with_fla_binds_its_kernels_and_torch_overrides(monkeypatch):
     assert hf.torch_chunk_gated_delta_rule is not chunk
     with pytest.raises(KernelError, match="'auto' or 'torch'"):
         select_linear_attention_kernels(CUDA, "triton")
+
+
+def test_a_kernel_without_kwargs_gets_only_its_arguments(monkeypatch):
+    """causal-conv1d's functions take no **kwargs; transformers passes the layer's (use_cache)."""
+    def conv(x, weight, bias=None, activation=None):
+        return "conv", activation
+
+    def update(x, conv_state, weight, bias=None, activation=None):
+        return "update"
+
+    module = types.ModuleType("causal_conv1d")
+    module.causal_conv1d_fn, module.causal_conv1d_update = conv, update
+    monkeypatch.setitem(sys.modules, "causal_conv1d", module)
+    assert select_linear_attention_kernels(CUDA).conv == "causal-conv1d"
+    assert hf.causal_conv1d_fn(1, 2, None, activation="silu", use_cache=True) == ("conv", "silu")

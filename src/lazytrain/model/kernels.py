@@ -15,6 +15,7 @@ instead, and says what it chose:
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import inspect
 import logging
@@ -52,6 +53,21 @@ def _version(dist: str) -> str:
         return "?"
 
 
+def _taking_only_its_arguments(impl):
+    """``impl``, dropping keyword arguments it does not take (transformers passes the layer's
+    extra kwargs, ``use_cache`` when generating, on to these functions, as its own wrappers
+    filter them)."""
+    params = inspect.signature(impl).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return impl
+
+    @functools.wraps(impl)
+    def call(*args, **kwargs):
+        return impl(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+    return call
+
+
 def _fla() -> dict[str, object] | None:
     try:
         from fla.ops.gated_delta_rule import (
@@ -68,7 +84,8 @@ def _causal_conv1d() -> dict[str, object] | None:
         from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
     except Exception:  # noqa: BLE001
         return None
-    return {_CONV[0]: causal_conv1d_fn, _CONV[1]: causal_conv1d_update}
+    return {_CONV[0]: _taking_only_its_arguments(causal_conv1d_fn),
+            _CONV[1]: _taking_only_its_arguments(causal_conv1d_update)}
 
 
 def select_linear_attention_kernels(device: torch.device, prefer: str = "auto") -> KernelChoice:
