@@ -256,7 +256,7 @@ def main() -> None:
     else:
         costs = profile(adapter, store, device, args.batch, args.seq, make_optimizer,
                         optimizer_state_bytes=optimizer.state_bytes(), head_chunk_tokens=args.head_chunk, nvme=nvme)
-        costs.save(out / f"costs_{args.model}_{dev}_{date}_s{args.seq}_b{args.batch}{args.tag}.json")
+        costs.save(out / f"costs_{args.model}_{dev}_{date}_s{args.seq}_b{args.batch}{kernels_tag}{args.tag}.json")
     layers = "; ".join(
         f"{kind}: fwd {lc.forward_ms:.1f} ms, bwd {lc.backward_ms:.1f} ms, recompute {lc.recompute_ms:.1f} ms, "
         f"saved {lc.saved_bytes / 1e9:.2f} GB, input {lc.input_bytes / 1e9:.2f} GB"
