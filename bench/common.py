@@ -87,23 +87,28 @@ def random_batch(batch: int, seq: int, vocab: int, seed: int) -> tuple[torch.Ten
 
 
 def compute_only(executor: Executor, batch: int, seq: int, repeats: int = 5) -> dict:
-    """Forward + backward of one decoder layer with its weights resident: the floor a streamed step
-    is compared with."""
+    """Forward + backward of one decoder layer of each type with its weights resident: the floor
+    a streamed step is compared with (the stack's sum counts each layer at its type's time)."""
     adapter, dev, dtype = executor.adapter, executor.device, executor.dtype
-    slot = executor.store.weights[1].to(dev)
     position_ids = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, -1)
     rope = adapter.rotary_embeddings(position_ids, dtype)
+    masks = adapter.layer_masks(None)
     x = torch.randn(batch, seq, adapter.hidden_size, device=dev, dtype=dtype)
+    by_type = {}
+    for kind in adapter.layer_type_names():
+        index = adapter.layer_types.index(kind)
+        slot = executor.store.weights[index + 1].to(dev)
 
-    def layer() -> None:
-        leaves = adapter.layouts[1].leaves(slot)
-        x_in = x.detach().requires_grad_()
-        with torch.enable_grad():
-            out = adapter.layer_forward(leaves, x_in, rope, None)
-            torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
+        def layer(index=index, slot=slot) -> None:
+            leaves = adapter.layouts[index + 1].leaves(slot)
+            x_in = x.detach().requires_grad_()
+            with torch.enable_grad():
+                out = adapter.layer_forward(index, leaves, x_in, rope, masks)
+                torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
 
-    layer_ms = time_ms(dev, layer, repeats)
-    return {"compute_only_layer_ms": layer_ms, "compute_only_layers_s": layer_ms * adapter.num_layers / 1e3}
+        by_type[kind] = time_ms(dev, layer, repeats)
+    return {"compute_only_layer_ms": by_type[adapter.layer_types[0]], "compute_only_layer_ms_by_type": by_type,
+            "compute_only_layers_s": sum(by_type[kind] for kind in adapter.layer_types) / 1e3}
 
 
 def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial_optimizer: bool = False,

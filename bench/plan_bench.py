@@ -17,6 +17,12 @@ One process, one model in host memory (random init of a real config):
    planner's predicted maximum and walking up until out-of-memory (or down until it fits);
    ``--cap-measure`` then times the solved and megatrain plans at their largest batches.
 
+4. Mixed stacks (``--model qwen3.5-9b``): the profile has one entry per layer type; each run
+   adds, per type, the planner's decisions, the table's forward / backward / recompute times at
+   the run's batch against one layer of that type timed alone at that batch (fwd + bwd), and
+   the type's predicted share of the step's GPU compute. ``--kernels torch`` runs the
+   Gated-DeltaNet layers on transformers' torch reference instead of fla-core's kernels.
+
 JSON (written after every run, so a cut-off call keeps what finished) and Markdown to ``--out``.
 """
 
@@ -41,8 +47,10 @@ from bench.common import (
     today,
     write_results,
 )
+from lazytrain.model.kernels import select_linear_attention_kernels
 from lazytrain.plan.costs import CostTable, usable_gpu_bytes
 from lazytrain.plan.milp import PlanInfeasible
+from lazytrain.plan.plan import Plan
 from lazytrain.plan.policies import PolicyOptions, policy_plan
 from lazytrain.plan.search import search_batch
 from lazytrain.plan.simulate import simulate
@@ -72,6 +80,40 @@ def predicted_max_batch(policy: str, costs: CostTable, seq: int, cap: int, args,
             break
         best = b
     return best
+
+
+def per_type(plan: Plan, table: CostTable, measured_ms: dict[str, float]) -> dict:
+    """Per layer type: the plan's decisions, the table's times at the run's batch and the
+    type's predicted GPU compute in the step (forward, backward, recompute of recomputed
+    layers, the no-grad rebuild of dropped ones), next to ``measured_ms`` (fwd + bwd of one
+    layer of the type, alone)."""
+    out = {}
+    for kind, lc in table.type_costs().items():
+        members = [i for i, t in enumerate(table.layer_types) if t == kind]
+        decisions: dict[str, int] = {}
+        compute_ms = 0.0
+        for i in members:
+            lp = plan.layers[i]
+            label = lp.mode if lp.mode == "drop" else f"{lp.mode}/{lp.tier}"
+            decisions[label] = decisions.get(label, 0) + 1
+            compute_ms += lc.forward_ms + lc.backward_ms
+            if lp.mode != "keep":
+                compute_ms += lc.recompute_ms
+            if lp.mode == "drop":
+                compute_ms += lc.forward_ms
+        out[kind] = {
+            "layers": len(members),
+            "decisions": decisions,
+            "predicted_forward_ms": lc.forward_ms,
+            "predicted_backward_ms": lc.backward_ms,
+            "predicted_recompute_ms": lc.recompute_ms,
+            "predicted_fwd_bwd_ms": lc.recompute_ms + lc.backward_ms,
+            "measured_fwd_bwd_ms": measured_ms.get(kind),
+            "predicted_compute_s": compute_ms / 1e3,
+            "weight_bytes": lc.weight_bytes,
+            "saved_bytes": lc.saved_bytes,
+        }
+    return out
 
 
 def probe(session, plan) -> tuple[bool, str, float]:
@@ -138,6 +180,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--runs", nargs="*", default=["solved", "megatrain", "keep_all:max"])
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="largest batch a POLICY:max run may take (default --batch)")
+    parser.add_argument("--kernels", choices=["auto", "torch"], default="auto",
+                        help="Gated-DeltaNet kernels: auto (fla-core on CUDA when installed) or torch")
     parser.add_argument("--tiers", nargs="+", default=["gpu", "host"], help="activation tiers the MILP may use")
     parser.add_argument("--nvme-dir", default=None, help="profile the NVMe tier here (and let runs use it)")
     parser.add_argument("--every", type=int, default=4, help="megatrain checkpoint interval")
@@ -163,7 +209,8 @@ def main() -> None:
                             seq=args.seq, head_chunk=args.head_chunk, nvme_dir=args.nvme_dir)
     device, store = session.device, session.store
     date, dev = today(), device_tag(device)
-    stem = f"plan_{args.model}_{dev}_{date}_s{args.seq}{args.tag}"
+    kernels_tag = "_torch-kernels" if args.kernels == "torch" else ""
+    stem = f"plan_{args.model}_{dev}_{date}_s{args.seq}{kernels_tag}{args.tag}"
     common = run_header(device, model=args.model, optimizer=args.optimizer, overlap_optimizer=True,
                         cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     records: list[dict] = []
@@ -172,6 +219,11 @@ def main() -> None:
     def save() -> None:
         write_results(records, stem, markdown(records, args), args.out)
 
+    adapter = session.adapter
+    if adapter.kernels is not None:
+        adapter.kernels = select_linear_attention_kernels(device, args.kernels)
+        common["kernels"] = {"delta_rule": adapter.kernels.delta_rule, "conv": adapter.kernels.conv}
+        common["layer_types"] = {kind: adapter.layer_types.count(kind) for kind in adapter.layer_type_names()}
     host = store.bytes(session.optimizer.state_bytes())
     common["num_params"] = store.num_params
     common["host_bytes_per_param"] = host.per_param()
@@ -183,10 +235,13 @@ def main() -> None:
         costs = CostTable.load(args.costs).at(args.batch, args.seq)
     else:
         costs = session.cost_table()
-        costs.save(os.path.join(args.out, f"costs_{args.model}_{dev}_{date}_s{args.seq}_b{args.batch}{args.tag}.json"))
-    lc = costs.layers[0]
-    print(f"profiled in {time.perf_counter() - t0:.0f} s: layer fwd {lc.forward_ms:.1f} ms, bwd {lc.backward_ms:.1f} ms, "
-          f"recompute {lc.recompute_ms:.1f} ms, saved {lc.saved_bytes / 1e9:.2f} GB, input {lc.input_bytes / 1e9:.2f} GB; "
+        costs.save(os.path.join(args.out, f"costs_{args.model}_{dev}_{date}_s{args.seq}_b{args.batch}{kernels_tag}{args.tag}.json"))
+    layers = "; ".join(
+        f"{kind}: fwd {lc.forward_ms:.1f} ms, bwd {lc.backward_ms:.1f} ms, recompute {lc.recompute_ms:.1f} ms, "
+        f"saved {lc.saved_bytes / 1e9:.2f} GB, input {lc.input_bytes / 1e9:.2f} GB"
+        for kind, lc in costs.type_costs().items()
+    )
+    print(f"profiled in {time.perf_counter() - t0:.0f} s: {layers}; "
           f"H2D {costs.h2d_gbps:.1f} D2H {costs.d2h_gbps:.1f} both {costs.bidir_gbps:.1f} GB/s, slowdown "
           f"{costs.copy_slowdown:.3f}; optimizer {costs.optimizer_ns_per_param:.3f} ns/param; NVMe write "
           f"{costs.nvme_write_gbps:.2f} read {costs.nvme_read_gbps:.2f} GB/s", flush=True)
@@ -204,6 +259,7 @@ def main() -> None:
             return False
         record.update(simulate(plan, table, optimizer_overlap=True).metrics())
         record["prediction_error"] = record["predicted_step_time_s"] / record["step_time_s"] - 1
+        record["per_layer_type"] = per_type(plan, table, record["compute_only_layer_ms_by_type"])
         record["gpu_mem_cap_gb"] = cap_gb
         record["plan"] = plan.to_dict()
         records.append({"name": name, **common, **record})
@@ -215,7 +271,7 @@ def main() -> None:
         policy, _, size = spec.partition(":")
         batch = args.batch
         if size == "max":
-            batch = predicted_max_batch(policy, costs, args.seq, costs.gpu_bytes, args, args.batch)
+            batch = predicted_max_batch(policy, costs, args.seq, costs.gpu_bytes, args, args.max_batch or args.batch)
             print(f"{policy}: largest batch the simulator fits: {batch}", flush=True)
         while batch >= 1:
             table = costs.at(batch, args.seq)
@@ -260,18 +316,28 @@ def markdown(records: list[dict], args) -> str:
         f"(overlapped), {args.warmup} warm-up + {args.steps} measured steps (median), random tokens. Command: "
         f"`python bench/plan_bench.py --model {args.model} --optimizer {args.optimizer} --seq {args.seq} "
         f"--batch {args.batch} --runs {' '.join(args.runs)}"
+        + (f" --max-batch {args.max_batch}" if args.max_batch else "")
+        + (f" --kernels {args.kernels}" if args.kernels != "auto" else "")
+        + f" --warmup {args.warmup} --steps {args.steps}"
         + (f" --cap-gb {args.cap_gb:g} --cap-runs {' '.join(args.cap_runs)}" if args.cap_gb else "")
         + (" --cap-measure" if args.cap_measure else "") + "`",
         "",
     ]
     costs = next((r for r in records if r["name"] == "costs"), None)
+    if costs and "kernels" in costs:
+        lines += [f"Gated-DeltaNet kernels: gated-delta rule `{costs['kernels']['delta_rule']}`, short convolution "
+                  f"`{costs['kernels']['conv']}`; layer types {costs['layer_types']}.", ""]
     if costs:
         c = costs["costs"]
-        layer = c["layers"][0]
+        table = CostTable.from_dict(c)
+        layer_text = "; ".join(
+            (f"{kind} layer " if len(table.type_costs()) > 1 else "layer ")
+            + f"forward {lc.forward_ms:.1f} ms, backward {lc.backward_ms:.1f} ms, recompute {lc.recompute_ms:.1f} ms, "
+            f"saved {lc.saved_bytes / 1e9:.2f} GB, input {lc.input_bytes / 1e9:.2f} GB"
+            for kind, lc in table.type_costs().items()
+        )
         lines += [
-            (f"Profiled at batch {c['batch_size']} x seq {c['seq_len']}: layer forward {layer['forward_ms']:.1f} ms, "
-            f"backward {layer['backward_ms']:.1f} ms, recompute {layer['recompute_ms']:.1f} ms, saved "
-            f"{layer['saved_bytes'] / 1e9:.2f} GB, input {layer['input_bytes'] / 1e9:.2f} GB; head+loss "
+            (f"Profiled at batch {c['batch_size']} x seq {c['seq_len']}: {layer_text}; head+loss "
             f"{c['head_ms']:.1f} ms; H2D {c['h2d_gbps']:.1f}, D2H {c['d2h_gbps']:.1f}, both {c['bidir_gbps']:.1f} "
             f"GB/s; compute slowdown under copies {c['copy_slowdown']:.3f}; CPU optimizer "
             f"{c['optimizer_ns_per_param']:.3f} ns/param; NVMe write {c['nvme_write_gbps']:.2f} / read "
@@ -298,6 +364,20 @@ def markdown(records: list[dict], args) -> str:
             f"{r.get('peak_gpu_alloc_gb', NAN):.1f} ({r['predicted_peak_gpu_gb']:.1f}) | {r.get('act_host_gb', 0):.1f} "
             f"({r['predicted_act_host_gb']:.1f}) | {r['host_rss_gb']:.1f} |"
         )
+    typed = [r for r in records if len(r.get("per_layer_type", {})) > 1]
+    if typed:
+        lines += ["", "Per layer type (predicted: the cost table at the run's batch; measured: one layer of the type, "
+                  "fwd + bwd alone at that batch):", "",
+                  "| run | type | layers | decisions | fwd+bwd ms predicted (measured) | recompute ms | "
+                  "predicted GPU compute in the step s |", "|---|---|---|---|---|---|---|"]
+        for r in typed:
+            for kind, t in r["per_layer_type"].items():
+                decisions = ", ".join(f"{n} {label}" for label, n in t["decisions"].items())
+                measured = t["measured_fwd_bwd_ms"]
+                lines.append(
+                    f"| {r['name']} | {kind} | {t['layers']} | {decisions} | {t['predicted_fwd_bwd_ms']:.1f} "
+                    f"({measured:.1f}) | {t['predicted_recompute_ms']:.1f} | {t['predicted_compute_s']:.2f} |"
+                )
     caps = [r for r in records if "measured_max_batch" in r]
     if caps:
         lines += ["", f"Largest batch with the GPU capped at {caps[0]['cap_gb']:g} GiB "

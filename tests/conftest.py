@@ -20,23 +20,46 @@ FAMILIES = {
     "qwen2-tied": dict(cls=transformers.Qwen2Config, arch="Qwen2ForCausalLM", tied=True),
     "qwen3": dict(cls=transformers.Qwen3Config, arch="Qwen3ForCausalLM", tied=False, head_dim=16),
     "llama": dict(cls=transformers.LlamaConfig, arch="LlamaForCausalLM", tied=True),
+    # Qwen3.5/3.6 hybrids: Gated-DeltaNet and gated attention layers. Untied, odd head counts
+    # (3 query heads on 1 KV head; 3 value heads on 1 key head) and a 3:2 layer pattern; and
+    # tied with the published 3:1 pattern
+    "qwen3_5": {
+        "cls": transformers.Qwen3_5TextConfig, "arch": "Qwen3_5ForCausalLM", "tied": False, "head_dim": 8,
+        "pattern": ("linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"),
+        "extra": {"num_attention_heads": 3, "num_key_value_heads": 1, "linear_num_key_heads": 1,
+                  "linear_num_value_heads": 3, "linear_key_head_dim": 8, "linear_value_head_dim": 8},
+    },
+    "qwen3_5-tied": {
+        "cls": transformers.Qwen3_5TextConfig, "arch": "Qwen3_5ForCausalLM", "tied": True, "head_dim": 8,
+        "pattern": ("linear_attention", "linear_attention", "linear_attention", "full_attention"),
+        "extra": {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                  "linear_value_head_dim": 4},
+    },
 }
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5-tied")
 
 
 def tiny_config(family: str, layers: int = 5) -> transformers.PretrainedConfig:
     spec = FAMILIES[family]
     extra = {"head_dim": spec["head_dim"]} if "head_dim" in spec else {}
-    config = spec["cls"](
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=101,
-        max_position_embeddings=128,
-        tie_word_embeddings=spec["tied"],
+    if "pattern" in spec:
+        pattern = spec["pattern"]
+        extra["layer_types"] = [pattern[i % len(pattern)] for i in range(layers)]
+        if "full_attention" not in extra["layer_types"]:
+            extra["layer_types"][-1] = "full_attention"
+    kwargs = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 101,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": spec["tied"],
         **extra,
-    )
+    }
+    kwargs.update(spec.get("extra", {}))
+    config = spec["cls"](**kwargs)
     config.architectures = [spec["arch"]]
     return config
 

@@ -18,8 +18,9 @@ from lazytrain.model.loading import load_safetensors
 from lazytrain.train.trainer import Trainer
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen2-tied", "qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen2-tied", "qwen3", "llama", "qwen3_5", "qwen3_5-tied"])
 def test_streamed_generation_equals_hf_generate(tmp_path, family):
+    """Hybrid stacks too: KV caches for attention layers, conv + recurrent state for linear ones."""
     model = make_hf_model(family, layers=3)
     model.save_pretrained(tmp_path)
     adapter = ModelAdapter(load_hf_config(tmp_path), torch.device("cpu"), torch.float32)

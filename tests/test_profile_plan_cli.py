@@ -82,3 +82,19 @@ def test_expandable_segments_only_when_the_user_set_nothing(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     assert not prefer_expandable_segments()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
+def test_a_hybrid_model_is_profiled_per_layer_type_and_planned(tmp_path, capsys):
+    """Qwen3.5-style stack: each layer type measured, the plan table shows the types."""
+    out = f"training.output_dir={tmp_path}"
+    hybrid = ["model.source=builtin:tiny-hybrid", "training.batch_size=2", "data.max_seq_len=64",
+              "data.builtin_train_size=16", "data.heldout_size=2", "training.progress=false"]
+    assert main(["profile", out, *hybrid]) == 0
+    costs = CostTable.load(tmp_path / "costs.json")
+    assert costs.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    types = costs.type_costs()
+    assert types["linear_attention"].params != types["full_attention"].params
+    assert all(lc.forward_ms > 0 and lc.saved_bytes > lc.input_bytes for lc in types.values())
+    assert main(["plan", out, f"plan.costs={tmp_path / 'costs.json'}", *hybrid]) == 0
+    printed = capsys.readouterr().out
+    assert "linear_attention" in printed and "full_attention" in printed

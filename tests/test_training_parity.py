@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import make_hf_model, random_batch
+from conftest import make_hf_model, random_batch, tiny_config
 
 from lazytrain.memory.host_store import HostStore
 from lazytrain.model.adapter import ModelAdapter, load_hf_config
@@ -50,7 +50,10 @@ def reference_run(model, batches):
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
-@pytest.mark.parametrize("family,policy", [("qwen2", "megatrain"), ("qwen3", "keep_all"), ("llama", "megatrain")])
+@pytest.mark.parametrize(
+    "family,policy",
+    [("qwen2", "megatrain"), ("qwen3", "keep_all"), ("llama", "megatrain"), ("qwen3_5", "megatrain")],
+)
 def test_twenty_steps_match_plain_pytorch(tmp_path, family, policy, overlap):
     model = make_hf_model(family, seed=1, layers=4)
     model.save_pretrained(tmp_path)
@@ -82,7 +85,7 @@ def test_twenty_steps_match_plain_pytorch(tmp_path, family, policy, overlap):
                     assert torch.equal(store.weights[g][p.offset : p.offset + p.numel].view(p.shape), got)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen2-tied", "qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen2-tied", "qwen3", "llama", "qwen3_5", "qwen3_5-tied"])
 def test_save_then_from_pretrained_gives_identical_logits(tmp_path, family):
     model = make_hf_model(family, seed=2, layers=3)
     model.save_pretrained(tmp_path / "in")
@@ -126,3 +129,53 @@ def test_sharded_save_loads(tmp_path):
     load_safetensors(adapter, store2, tmp_path / "out")
     for a, b in zip(store.masters, store2.masters):
         assert torch.equal(a, b)
+
+
+def tiny_conditional_generation(tied: bool) -> transformers.PreTrainedModel:
+    """A Qwen3.5 ConditionalGeneration model (the published form) with a one-block vision tower."""
+    text = tiny_config("qwen3_5-tied" if tied else "qwen3_5", layers=4).to_dict()
+    config = transformers.Qwen3_5Config(
+        text_config=text,
+        vision_config={"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32,
+                       "out_hidden_size": text["hidden_size"], "patch_size": 4,
+                       "num_position_embeddings": 16},
+        tie_word_embeddings=tied,
+    )
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    torch.manual_seed(5)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_conditional_generation_folder_round_trips(tmp_path, tied, caplog):
+    """The language model trains; the vision tower is carried through unchanged, and the saved
+    folder loads with Qwen3_5ForConditionalGeneration.from_pretrained and gives LazyTrain's loss."""
+    model = tiny_conditional_generation(tied)
+    model.save_pretrained(tmp_path / "in")
+    adapter = ModelAdapter(load_hf_config(tmp_path / "in"), CPU, torch.float32)
+    store = HostStore(adapter.layouts, torch.float32, pin=False)
+    with caplog.at_level("INFO", logger="lazytrain.model.loading"):
+        load_safetensors(adapter, store, tmp_path / "in")
+    assert "carried through unchanged and untrained" in caplog.text
+    vision = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("model.visual.")}
+    assert vision and set(vision) == set(store.carried)
+    for g, m in enumerate(store.masters):
+        m.add_(0.01)
+        store.sync_weights_from_masters(g)
+    save_hf(adapter, store, tmp_path / "out", dtype=torch.float32, max_shard_bytes=40_000)
+    loaded, info = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
+        tmp_path / "out", dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    for name, p in loaded.named_parameters():
+        if name in vision:
+            assert torch.equal(p.detach(), vision[name]), name
+    ids, _, _ = random_batch(2, 10, adapter.vocab_size, padded=False)
+    executor = Executor(adapter, store, keep_all_plan(adapter.num_layers, 2, 10), CPU)
+    stats = executor.forward_backward(ids, ids.clone())
+    assert stats.loss == pytest.approx(loaded(input_ids=ids, labels=ids).loss.item(), rel=1e-6)

@@ -87,11 +87,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     out = Path(config.training.output_dir) / "costs.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     costs.save(out)
-    layer = costs.layers[0]
+    types = costs.type_costs()
+    per_type = "; ".join(
+        (f"{kind} layer " if len(types) > 1 else "layer ")
+        + f"forward {layer.forward_ms:.2f} ms, recompute {layer.recompute_ms:.2f} ms, "
+        f"backward {layer.backward_ms:.2f} ms, saved {layer.saved_bytes / 2**20:.1f} MiB"
+        for kind, layer in types.items()
+    )
     print(
         f"profiled {session.adapter.arch} on {costs.device} at batch {costs.batch_size} x seq "
-        f"{costs.seq_len}: layer forward {layer.forward_ms:.2f} ms, recompute {layer.recompute_ms:.2f} ms, "
-        f"backward {layer.backward_ms:.2f} ms, saved {layer.saved_bytes / 2**20:.1f} MiB; H2D "
+        f"{costs.seq_len}: {per_type}; H2D "
         f"{costs.h2d_gbps:.1f} GB/s, D2H {costs.d2h_gbps:.1f} GB/s, optimizer "
         f"{costs.optimizer_ns_per_param:.2f} ns/param; written to {out}",
         file=sys.stderr,
@@ -124,7 +129,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plan.save(out / "plan.json")
     try:
-        render_plan_png(plan, sim, out / "plan.png")
+        render_plan_png(plan, sim, out / "plan.png", costs)
         drawn = f" and {out / 'plan.png'}"
     except ImportError as error:
         drawn = f" (no plan.png: {error})"

@@ -13,7 +13,7 @@ import transformers
 from transformers import DynamicCache
 
 from lazytrain.memory.host_store import HostStore
-from lazytrain.model.adapter import ModelAdapter, attention_mask_4d
+from lazytrain.model.adapter import ModelAdapter
 from lazytrain.runtime.streams import Streams
 from lazytrain.runtime.weights import WeightStreamer
 
@@ -95,17 +95,12 @@ def generate_streamed(
     x = adapter.embed(embed_params["embed_tokens.weight"], ids)
     query_positions = positions
     for step in range(max_new_tokens + 1):
-        mask = attention_mask_4d(valid, x.shape[1])
+        masks = adapter.layer_masks(valid, x.shape[1])
         rope = adapter.rotary_embeddings(query_positions, dtype)
         for i in range(L):
             slot = weights.acquire(i)
-            adapter.template.self_attn.layer_idx = i
-            x = torch.func.functional_call(
-                adapter.template,
-                adapter.layouts[i + 1].views(slot),
-                (x,),
-                {"attention_mask": mask, "position_embeddings": rope, "past_key_values": cache,
-                 "use_cache": True},
+            x = adapter.layer_forward(
+                i, adapter.layouts[i + 1].views(slot), x, rope, masks, use_cache=True, **{adapter.cache_kwarg: cache}
             )
             weights.release(i)
         if step == max_new_tokens:
@@ -125,6 +120,5 @@ def generate_streamed(
         valid = torch.cat([valid, torch.ones(batch, 1, dtype=valid.dtype, device=device)], dim=1)
         query_positions = positions[:, -1:] + 1
         positions = torch.cat([positions, query_positions], dim=1)
-    adapter.template.self_attn.layer_idx = 0
     tokens = torch.stack(generated, dim=1).tolist() if generated else [[] for _ in prompts]
     return [_cut(t, eos_id) for t in tokens]

@@ -128,6 +128,9 @@ class HostStore:
             offset += n
         self.masters = [torch.empty(n, dtype=torch.float32) for n in sizes]
         self.num_params = total
+        self.carried: dict[str, torch.Tensor] = {}
+        """Checkpoint tensors outside the trained model (a vision tower), by HF name: loaded
+        and saved unchanged, never streamed or stepped."""
 
     @property
     def pinned(self) -> bool:

@@ -9,10 +9,16 @@ Parameters are grouped: group 0 is the embedding, groups 1..L the decoder layers
 L+1 the final norm and (untied) LM head. Within a group, parameters that take weight decay
 (matrices) come first, then norms and biases, so the optimizer can split each flat buffer in
 two.
+
+A stack may mix layer types (Qwen3.5/3.6: Gated-DeltaNet ``linear_attention`` layers and gated
+``full_attention`` layers). Each layer has a type (``layer_types``); there is one template per
+type, and each type gets its own mask (``layer_masks``): a 4-D causal mask for attention, the
+2-D padding mask for linear attention (which zeroes padded positions, as HF does).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +28,22 @@ import torch.nn.functional as F
 import transformers
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.model.kernels import KernelChoice, select_linear_attention_kernels
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "LlamaForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+)
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+"""Stacks of Gated-DeltaNet (``linear_attention``) and gated ``full_attention`` layers."""
+MULTIMODAL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration",)
+"""Folders whose language model sits under ``model.language_model.``; the other tensors (the
+vision tower, multi-token-prediction heads) are carried through untrained."""
+_LAYER_TYPES = {"full_attention"}
+_HYBRID_LAYER_TYPES = {"full_attention", "linear_attention"}
 
 
 class UnsupportedModelError(LazyTrainError, ValueError):
@@ -50,6 +70,9 @@ class GroupLayout:
     name: str
     hf_prefix: str
     params: tuple[ParamSlot, ...]
+    hf_rename: tuple[str, str] = ("", "")
+    """(old, new): an HF name starting with ``old`` has it replaced by ``new`` (the final norm
+    of a ConditionalGeneration folder is ``model.language_model.norm.weight``)."""
 
     @property
     def numel(self) -> int:
@@ -67,11 +90,19 @@ class GroupLayout:
         gives each parameter's gradient, and the GPU slot itself never enters the graph."""
         return {name: view.detach().requires_grad_() for name, view in self.views(flat.detach()).items()}
 
+    def hf_name(self, param: ParamSlot) -> str:
+        name = self.hf_prefix + param.name
+        old, new = self.hf_rename
+        if old and name.startswith(old):
+            name = new + name[len(old):]
+        return name
+
     def hf_names(self) -> list[str]:
-        return [self.hf_prefix + p.name for p in self.params]
+        return [self.hf_name(p) for p in self.params]
 
 
-def _layout(name: str, hf_prefix: str, named_shapes: list[tuple[str, tuple[int, ...]]]) -> GroupLayout:
+def _layout(name: str, hf_prefix: str, named_shapes: list[tuple[str, tuple[int, ...]]],
+            hf_rename: tuple[str, str] = ("", "")) -> GroupLayout:
     # decay for matrices and embeddings; norms and biases (1-D) without
     ordered = [ns for ns in named_shapes if len(ns[1]) >= 2] + [
         ns for ns in named_shapes if len(ns[1]) < 2
@@ -81,7 +112,7 @@ def _layout(name: str, hf_prefix: str, named_shapes: list[tuple[str, tuple[int, 
         slot = ParamSlot(name=pname, shape=tuple(shape), offset=offset, decay=len(shape) >= 2)
         params.append(slot)
         offset += slot.numel
-    return GroupLayout(name=name, hf_prefix=hf_prefix, params=tuple(params))
+    return GroupLayout(name=name, hf_prefix=hf_prefix, params=tuple(params), hf_rename=hf_rename)
 
 
 def load_hf_config(source: str | Path | dict | transformers.PretrainedConfig) -> transformers.PretrainedConfig:
@@ -93,7 +124,8 @@ def load_hf_config(source: str | Path | dict | transformers.PretrainedConfig) ->
         model_type = d.pop("model_type", None)
         if model_type is None:
             raise UnsupportedModelError(
-                "model config dict has no 'model_type'; set it to one of qwen2, qwen3, llama"
+                "model config dict has no 'model_type'; set it to one of qwen2, qwen3, llama, "
+                "qwen3_5_text, qwen3_5"
             )
         config = transformers.AutoConfig.for_model(model_type, **d)
     else:
@@ -116,61 +148,90 @@ def load_hf_config(source: str | Path | dict | transformers.PretrainedConfig) ->
     archs = getattr(config, "architectures", None) or []
     arch = archs[0] if archs else _default_arch(config.model_type)
     if arch not in SUPPORTED_ARCHITECTURES:
+        hint = (
+            "; mixture-of-experts Qwen3.5/3.6 (qwen3_5_moe) is not supported, only the dense sizes"
+            if "moe" in arch.lower() or "moe" in config.model_type
+            else ""
+        )
         raise UnsupportedModelError(
             f"architecture {arch!r} is not supported; LazyTrain supports "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}{hint}"
         )
     config.architectures = [arch]
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
+    text = config.get_text_config()
+    layer_types = getattr(text, "layer_types", None) or []
+    allowed = _HYBRID_LAYER_TYPES if arch in HYBRID_ARCHITECTURES else _LAYER_TYPES
+    if any(t not in allowed for t in layer_types):
         raise UnsupportedModelError(
-            f"layer types {sorted(set(layer_types))}: sliding-window attention is not supported; "
-            "set use_sliding_window=false in config.json"
+            f"layer types {sorted(set(layer_types))}: {arch} supports {sorted(allowed)} "
+            "(sliding-window attention is not supported; set use_sliding_window=false in "
+            "config.json)"
+        )
+    if getattr(text, "mlp_only_layers", None) or getattr(text, "num_experts", 0):
+        raise UnsupportedModelError(
+            f"{arch} with experts (num_experts={getattr(text, 'num_experts', 0)}): only dense "
+            "Qwen3.5/3.6 models are supported"
         )
     config._attn_implementation = "sdpa"
+    text._attn_implementation = "sdpa"
     return config
 
 
 def _default_arch(model_type: str) -> str:
-    return {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}.get(
-        model_type, f"<model_type {model_type}>"
-    )
+    return {
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "llama": "LlamaForCausalLM",
+        "qwen3_5_text": "Qwen3_5ForCausalLM",
+        "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    }.get(model_type, f"<model_type {model_type}>")
 
 
 class ModelAdapter:
     """Structure and stateless compute pieces of one supported HF model."""
 
     def __init__(self, config: transformers.PretrainedConfig, device: torch.device, dtype: torch.dtype):
-        self.config = config
+        self.hf_config = config
+        """The folder's config (with the vision part for a ConditionalGeneration folder)."""
+        self.arch = config.architectures[0]
+        self.config = config.get_text_config()
+        """The language model's config: what the layers, rotary and caches are built from."""
         self.device = device
         self.dtype = dtype
-        self.arch = config.architectures[0]
-        self.num_layers = config.num_hidden_layers
-        self.hidden_size = config.hidden_size
-        self.vocab_size = config.vocab_size
+        text = self.config
+        self.num_layers = text.num_hidden_layers
+        self.hidden_size = text.hidden_size
+        self.vocab_size = text.vocab_size
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.layer_types: list[str] = list(getattr(text, "layer_types", None) or ["full_attention"] * self.num_layers)
         with torch.device("meta"):
-            meta = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-        layer = meta.model.layers[0]
-        # The template is stateless: every parameter is supplied per call by functional_call.
-        self.template = layer
-        self.template.requires_grad_(False)
+            meta = transformers.AutoModelForCausalLM.from_config(text, dtype=dtype)
+        # One stateless template per layer type: every parameter is supplied per call by
+        # functional_call. Each is the first layer of its type.
+        self.templates: dict[str, torch.nn.Module] = {}
+        for i, kind in enumerate(self.layer_types):
+            if kind not in self.templates:
+                self.templates[kind] = meta.model.layers[i].requires_grad_(False)
         self.norm_module = meta.model.norm
-        self.rotary = type(meta.model.rotary_emb)(config=config).to(device)
+        self.rotary = type(meta.model.rotary_emb)(config=text).to(device)
+        self.kernels: KernelChoice | None = (
+            select_linear_attention_kernels(device) if "linear_attention" in self.layer_types else None
+        )
+        """The Gated-DeltaNet kernels in use (None: no linear-attention layers)."""
+        self.zero_centered_norms = self.arch in HYBRID_ARCHITECTURES
+        """Qwen3.5 RMSNorms scale by (1 + weight): HF initialises their weights to 0."""
 
-        self.embed_layout = _layout("embed", "model.", [("embed_tokens.weight", (self.vocab_size, self.hidden_size))])
+        prefix = "model.language_model." if self.arch in MULTIMODAL_ARCHITECTURES else "model."
+        self.embed_layout = _layout("embed", prefix, [("embed_tokens.weight", (self.vocab_size, self.hidden_size))])
+        shapes = {kind: [(n, tuple(p.shape)) for n, p in t.named_parameters()] for kind, t in self.templates.items()}
         self.layer_layouts = [
-            _layout(
-                f"layer{i}",
-                f"model.layers.{i}.",
-                [(n, tuple(p.shape)) for n, p in layer.named_parameters()],
-            )
-            for i in range(self.num_layers)
+            _layout(f"layer{i}", f"{prefix}layers.{i}.", shapes[kind])
+            for i, kind in enumerate(self.layer_types)
         ]
         final = [("model.norm.weight", (self.hidden_size,))]
         if not self.tied:
             final.append(("lm_head.weight", (self.vocab_size, self.hidden_size)))
-        self.final_layout = _layout("final", "", final)
+        self.final_layout = _layout("final", "", final, hf_rename=("model.", prefix))
 
     # -- structure --------------------------------------------------------------------------
 
@@ -186,17 +247,40 @@ class ModelAdapter:
         n = sum(g.numel for g in self.layer_layouts) + self.final_layout.numel
         return n + (self.embed_layout.numel if self.tied else 0)
 
+    @property
+    def multimodal(self) -> bool:
+        """The folder is a ConditionalGeneration one (tensors outside the language model)."""
+        return self.arch in MULTIMODAL_ARCHITECTURES
+
+    @property
+    def cache_kwarg(self) -> str:
+        """The decoder layers' cache argument: ``cache`` from transformers 5.24 (which warns
+        about ``past_key_values``, gone in 5.40), ``past_key_values`` before."""
+        template = next(iter(self.templates.values()))
+        return "cache" if "cache" in inspect.signature(template.forward).parameters else "past_key_values"
+
+    def layer_type_names(self) -> list[str]:
+        """The distinct layer types, in order of first appearance."""
+        return list(self.templates)
+
     def attention_dim(self) -> int:
         head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
         return head_dim * self.config.num_attention_heads
 
     def init_value(self, group: GroupLayout, param: ParamSlot, generator: torch.Generator | None,
                    device: torch.device) -> torch.Tensor:
-        """Random init as HF does for these families: N(0, initializer_range), norms 1, biases 0."""
+        """Random init as HF does for these families: N(0, initializer_range), norms 1 (0 where
+        the norm scales by 1 + weight), biases 0; Gated-DeltaNet ``dt_bias`` 1 and ``A_log`` the
+        log of U(0.01, 16)."""
         if param.name.endswith("norm.weight") or param.name == "model.norm.weight":
-            return torch.ones(param.shape, device=device)
+            zero = self.zero_centered_norms and not param.name.endswith("linear_attn.norm.weight")
+            return torch.zeros(param.shape, device=device) if zero else torch.ones(param.shape, device=device)
         if param.name.endswith("bias"):
             return torch.zeros(param.shape, device=device)
+        if param.name.endswith("dt_bias"):
+            return torch.ones(param.shape, device=device)
+        if param.name.endswith("A_log"):
+            return torch.empty(param.shape, device=device).uniform_(0.01, 16, generator=generator).log_()
         std = getattr(self.config, "initializer_range", 0.02)
         return torch.empty(param.shape, device=device).normal_(0.0, std, generator=generator)
 
@@ -206,18 +290,45 @@ class ModelAdapter:
         probe = torch.empty(0, device=position_ids.device, dtype=dtype)
         return self.rotary(probe, position_ids)
 
+    def layer_masks(self, attention_mask: torch.Tensor | None, queries: int | None = None) -> dict[str, torch.Tensor | None]:
+        """The mask each layer type takes, from the [B, keys] padding mask (None: unpadded).
+
+        Attention layers get `attention_mask_4d`; linear-attention layers the 2-D mask of the
+        last ``queries`` positions (their input is zeroed there, so padding never enters the
+        recurrent state), or None for one-token decoding, as HF does.
+        """
+        masks: dict[str, torch.Tensor | None] = {}
+        for kind in self.templates:
+            if attention_mask is None:
+                masks[kind] = None
+            elif kind == "linear_attention":
+                q = attention_mask.shape[1] if queries is None else queries
+                masks[kind] = attention_mask[:, -q:].contiguous() if q > 1 else None
+            else:
+                masks[kind] = attention_mask_4d(attention_mask, queries)
+        return masks
+
     def layer_forward(
         self,
+        layer: int,
         params: dict[str, torch.Tensor],
         hidden: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
+        masks: dict[str, torch.Tensor | None],
+        **kwargs,
     ) -> torch.Tensor:
+        """Decoder layer ``layer`` on ``hidden`` with ``params`` (views of its weight slot);
+        ``masks`` from `layer_masks`; ``kwargs`` go to the HF layer (a cache when generating)."""
+        kind = self.layer_types[layer]
+        template = self.templates[kind]
+        # a cache is indexed by the layer's own index: the shared template takes it per call
+        mixer = template.linear_attn if kind == "linear_attention" else template.self_attn
+        mixer.layer_idx = layer
         return torch.func.functional_call(
-            self.template,
+            template,
             params,
             (hidden,),
-            {"attention_mask": attention_mask, "position_embeddings": position_embeddings},
+            {"attention_mask": masks[kind], "position_embeddings": position_embeddings, **kwargs},
             strict=True,
         )
 

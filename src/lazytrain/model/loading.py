@@ -3,12 +3,18 @@
 Loading reads each safetensors shard lazily and copies tensor by tensor into the store's
 fp32 masters and streaming buffers, so no second full copy of the model ever exists.
 Saving writes HF-named safetensors shards (bf16 by default) from the masters, with
-``config.json`` and an index, loadable by ``AutoModelForCausalLM.from_pretrained``.
+``config.json`` and an index, loadable by ``from_pretrained`` of the folder's own class.
+
+A ConditionalGeneration folder (Qwen3.5/3.6 as published) holds more than the language model:
+the vision tower (``model.visual.*``) and multi-token-prediction heads (``mtp.*``). LazyTrain
+trains the language model only; the other tensors are kept as loaded (``HostStore.carried``)
+and written back unchanged.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -48,13 +54,22 @@ def check_model_folder(folder: str | Path) -> None:
                 f"{path} is damaged or incomplete ({error}); download or copy it again"
             ) from None
 
+log = logging.getLogger(__name__)
+
+_LANGUAGE_MODEL_PREFIXES = ("model.language_model.", "lm_head.")
+
 
 def _name_index(adapter: ModelAdapter) -> dict[str, tuple[int, str]]:
     index = {}
     for g, layout in enumerate(adapter.layouts):
         for p in layout.params:
-            index[layout.hf_prefix + p.name] = (g, p.name)
+            index[layout.hf_name(p)] = (g, p.name)
     return index
+
+
+def _carried(adapter: ModelAdapter, name: str) -> bool:
+    """A tensor of a ConditionalGeneration folder outside the language model."""
+    return adapter.multimodal and not name.startswith(_LANGUAGE_MODEL_PREFIXES)
 
 
 def load_safetensors(adapter: ModelAdapter, store: HostStore, folder: str | Path) -> None:
@@ -71,6 +86,9 @@ def load_safetensors(adapter: ModelAdapter, store: HostStore, folder: str | Path
                         continue
                     if name == "lm_head.weight" and adapter.tied:
                         continue
+                    if _carried(adapter, name):
+                        store.carried[name] = f.get_tensor(name)
+                        continue
                     raise ModelFileError(
                         f"{path}: tensor {name!r} is not part of a {adapter.arch} with this "
                         "config.json; is the folder's config the one the weights were saved with?"
@@ -82,6 +100,15 @@ def load_safetensors(adapter: ModelAdapter, store: HostStore, folder: str | Path
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelFileError(f"{folder}: {len(missing)} weights missing from the checkpoint: {shown}")
+    if store.carried:
+        parts = sorted({name.split(".")[1] if name.startswith("model.") else name.split(".")[0]
+                        for name in store.carried})
+        numel = sum(t.numel() for t in store.carried.values())
+        log.info(
+            "%s: %d tensors outside the language model (%s; %.3fB parameters) are carried through "
+            "unchanged and untrained: LazyTrain trains the language model only",
+            folder, len(store.carried), ", ".join(parts), numel / 1e9,
+        )
 
 
 def random_init(adapter: ModelAdapter, store: HostStore, seed: int, device: torch.device) -> None:
@@ -100,24 +127,26 @@ def save_hf(
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = 5 * 2**30,
 ) -> Path:
-    """Write an HF model folder (config + safetensors shards + index) from the fp32 masters."""
+    """Write an HF model folder (config + safetensors shards + index) from the fp32 masters;
+    tensors carried through (a vision tower) are written as loaded."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = adapter.config
+    config = adapter.hf_config
     config.dtype = dtype
     config.save_pretrained(out)
-    # assign tensors to shards first, then build and write one shard at a time
-    assignment: list[list[tuple[int, object]]] = [[]]
+    # assign tensors to shards first, then build and write one shard at a time; an entry is
+    # (group, slot) for a trained tensor or (None, name) for a carried one
+    assignment: list[list[tuple[int | None, object]]] = [[]]
     shard_bytes = 0
     esize = torch.empty((), dtype=dtype).element_size()
-    for g, layout in enumerate(adapter.layouts):
-        for p in layout.params:
-            nbytes = p.numel * esize
-            if shard_bytes and shard_bytes + nbytes > max_shard_bytes:
-                assignment.append([])
-                shard_bytes = 0
-            assignment[-1].append((g, p))
-            shard_bytes += nbytes
+    entries = [(g, p, p.numel * esize) for g, layout in enumerate(adapter.layouts) for p in layout.params]
+    entries += [(None, name, t.numel() * t.element_size()) for name, t in store.carried.items()]
+    for g, p, nbytes in entries:
+        if shard_bytes and shard_bytes + nbytes > max_shard_bytes:
+            assignment.append([])
+            shard_bytes = 0
+        assignment[-1].append((g, p))
+        shard_bytes += nbytes
     weight_map, total = {}, 0
     for k, members in enumerate(assignment):
         name = (
@@ -127,10 +156,15 @@ def save_hf(
         )
         shard = {}
         for g, p in members:
+            if g is None:
+                shard[p] = store.carried[p].contiguous()
+                weight_map[p] = name
+                total += shard[p].numel() * shard[p].element_size()
+                continue
             layout = adapter.layouts[g]
             master = store.masters[g][p.offset : p.offset + p.numel]
-            shard[layout.hf_prefix + p.name] = master.view(p.shape).to(dtype).contiguous()
-            weight_map[layout.hf_prefix + p.name] = name
+            shard[layout.hf_name(p)] = master.view(p.shape).to(dtype).contiguous()
+            weight_map[layout.hf_name(p)] = name
             total += p.numel * esize
         save_file(shard, str(out / name), metadata={"format": "pt"})
         del shard

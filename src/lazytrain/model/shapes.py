@@ -1,10 +1,22 @@
 """Built-in model shapes for random-init runs (benchmarks, the CPU default).
 
 Each entry is an HF config dict with the real model's architecture numbers, so a
-random-initialised model has the exact shape (and cost) of the named one.
+random-initialised model has the exact shape (and cost) of the named one. The Qwen3.5/3.6
+entries are the language model of the published ConditionalGeneration checkpoints, as a
+``qwen3_5_text`` (``Qwen3_5ForCausalLM``) config.
 """
 
 from __future__ import annotations
+
+
+def _hybrid_layer_types(num_layers: int, full_attention_interval: int = 4) -> list[str]:
+    """Qwen3.5/3.6: every ``full_attention_interval``-th layer is full attention, the others
+    Gated-DeltaNet (what transformers derives from ``full_attention_interval``)."""
+    return [
+        "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+        for i in range(num_layers)
+    ]
+
 
 SHAPES: dict[str, dict] = {
     "tiny": {
@@ -18,6 +30,26 @@ SHAPES: dict[str, dict] = {
         "max_position_embeddings": 512,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
+    },
+    # a Qwen3.5-style hybrid as small as "tiny": 3 Gated-DeltaNet layers, then full attention
+    "tiny-hybrid": {
+        "model_type": "qwen3_5_text",
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "layer_types": _hybrid_layer_types(4),
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
         "initializer_range": 0.02,
     },
@@ -77,5 +109,61 @@ SHAPES: dict[str, dict] = {
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
         "tie_word_embeddings": False,
+    },
+    # Qwen3.6-27B (the Qwen3.5-27B architecture): the text_config of the public config.json as
+    # transformers' Qwen3_5Config spells it (seen in a public benchmark harness that rebuilds the
+    # checkpoint's config, and in THUDM/slime scripts/models/qwen3.5-27B.sh: 64 layers, hidden
+    # 5120, FFN 17408, 24 heads / 4 query groups of 256 channels, rotary 25%, rotary base 1e7,
+    # vocab 248320, untied, 1p RMSNorm, gated attention output). Linear attention: 16 key heads
+    # and 48 value heads of 128, conv width 4; full attention every 4th layer.
+    "qwen3.6-27b": {
+        "model_type": "qwen3_5_text",
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_hidden_layers": 64,
+        "layer_types": _hybrid_layer_types(64),
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "vocab_size": 248320,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+    },
+    # Qwen3.5-9B, the largest dense Qwen3.5 whose ~10 B/param host state (90 GB) fits the H200
+    # host (125 GiB). Verified against a public shapes contract for Qwen3.5-9B: hidden 4096,
+    # 16 query / 4 KV heads of 256, FFN 12288. Taken from the family (the 4B and 27B configs
+    # seen publicly share them), not seen in a 9B config.json here: 32 layers at 3 linear : 1
+    # full, linear attention 16 key / 32 value heads of 128, conv 4, rotary 25% with base 1e7,
+    # vocab 248320, untied. With these the model has 8.95B parameters, the size in its name.
+    "qwen3.5-9b": {
+        "model_type": "qwen3_5_text",
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 32,
+        "layer_types": _hybrid_layer_types(32),
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "vocab_size": 248320,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
     },
 }

@@ -1,8 +1,11 @@
 """The `CostTable`: what one training step costs on this machine, layer by layer.
 
 Plain data (no torch), round-trips to JSON. The runtime's profiler fills it from measurements
-of the executor's own pieces (`lazytrain profile`); the simulator and the MILP read it. Per-layer
-numbers are measured at one reference batch shape; `CostTable.at` rescales them to another
+of the executor's own pieces (`lazytrain profile`); the simulator and the MILP read it. Costs
+are per layer *type* (``layer_types``: one type for Qwen2/Qwen3/Llama, two for Qwen3.5's
+linear- and full-attention layers): the profiler measures each type once and ``layers`` holds
+each layer's own type's costs, so every reader takes layer i's numbers from ``layers[i]``.
+Per-layer numbers are measured at one reference batch shape; `CostTable.at` rescales them to another
 shape with fitted `ShapeFit` models, so the batch-size search does not re-profile.
 
 Units: times in milliseconds, sizes in bytes, bandwidths in GB/s (1e9 bytes per second).
@@ -18,10 +21,16 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
+from lazytrain.errors import LazyTrainError
+
 GPU_RESERVE_FRACTION = 0.05
 """Share of a GPU memory capacity the planner leaves unplanned: the caching allocator's
 fragmentation and small buffers the model does not count (on the H200 a solved plan
 predicted at 97% of the card ran out of memory with 2.7 GiB reserved but unallocated)."""
+
+
+class CostTableMismatch(LazyTrainError, ValueError):
+    pass
 
 
 def usable_gpu_bytes(capacity: int) -> int:
@@ -89,6 +98,9 @@ class ShapeFit:
         constant = coef.pop(0) if const else 0.0
         return cls(per_token=per_token, per_token_seq=per_token_seq, const=constant)
 
+
+UNIFORM_TYPE = "full_attention"
+"""The layer type of a table without ``layer_types`` (every family before Qwen3.5)."""
 
 TOKEN_LINEAR = ShapeFit()
 CONSTANT = ShapeFit(per_token=0.0, const=1.0)
@@ -166,6 +178,7 @@ class CostTable:
     batch_size: int
     seq_len: int
     layers: list[LayerCosts]
+    """Each decoder layer's costs: those of its type."""
 
     embed_forward_ms: float
     embed_backward_ms: float
@@ -207,9 +220,19 @@ class CostTable:
     fits: dict[str, ShapeFit] = field(default_factory=default_fits)
     device: str = ""
     notes: dict = field(default_factory=dict)
+    layer_types: list[str] = field(default_factory=list)
+    """Each decoder layer's type (HF ``layer_types`` names); empty in tables written before
+    types existed: one type, ``full_attention``."""
 
     def __post_init__(self) -> None:
         self.layers = [lc if isinstance(lc, LayerCosts) else LayerCosts(**lc) for lc in self.layers]
+        if not self.layer_types:
+            self.layer_types = [UNIFORM_TYPE] * len(self.layers)
+        if len(self.layer_types) != len(self.layers):
+            raise ValueError(
+                f"cost table has {len(self.layers)} layers but {len(self.layer_types)} layer "
+                "types; give one type per decoder layer"
+            )
         fits = default_fits()
         fits.update(
             {k: v if isinstance(v, ShapeFit) else ShapeFit(**v) for k, v in self.fits.items()}
@@ -264,6 +287,30 @@ class CostTable:
         """A table whose decoder layers all cost the same (one layer type)."""
         return cls(layers=[replace(layer) for _ in range(num_layers)], **kwargs)
 
+    @classmethod
+    def from_types(cls, layer_types: Sequence[str], costs: dict[str, LayerCosts], **kwargs) -> CostTable:
+        """A table whose layer i costs ``costs[layer_types[i]]``."""
+        missing = sorted(set(layer_types) - set(costs))
+        if missing:
+            raise ValueError(f"no costs for layer types {missing}; profile every type the model has")
+        return cls(layers=[replace(costs[t]) for t in layer_types], layer_types=list(layer_types), **kwargs)
+
+    def check_layers(self, layer_types: Sequence[str], source: str = "the cost table") -> None:
+        """Raise `CostTableMismatch` unless this table describes a stack of ``layer_types``."""
+        if list(layer_types) != self.layer_types:
+            raise CostTableMismatch(
+                f"{source} is for {self.num_layers} layers of types {sorted(set(self.layer_types))}, "
+                f"the model has {len(layer_types)} of types {sorted(set(layer_types))}; profile "
+                "this model (`lazytrain profile`) or drop plan.costs"
+            )
+
+    def type_costs(self) -> dict[str, LayerCosts]:
+        """Each layer type's costs (those of its first layer), in order of first appearance."""
+        out: dict[str, LayerCosts] = {}
+        for kind, lc in zip(self.layer_types, self.layers):
+            out.setdefault(kind, lc)
+        return out
+
     def at(self, batch_size: int, seq_len: int) -> CostTable:
         """The same machine and model at another batch shape, rescaled with `fits`."""
         if batch_size < 1 or seq_len < 1:
@@ -301,6 +348,7 @@ class CostTable:
             head_work_bytes=round(self.head_work_bytes * self._head_work_ratio(batch_size * seq_len)),
             fits={k: replace(v) for k, v in self.fits.items()},
             notes=dict(self.notes),
+            layer_types=list(self.layer_types),
         )
 
     def _head_work_ratio(self, tokens: int) -> float:

@@ -19,6 +19,8 @@ COLORS = {
     ("checkpoint", "nvme"): "#d1e5f0",
     ("drop", "gpu"): "#b2182b",
 }
+TYPE_COLORS = ("#bdbdbd", "#525252", "#969696", "#252525")
+"""Layer-type strip of a mixed stack, by order of first appearance."""
 STREAM_COLORS = {
     "compute": "#4d4d4d",
     "h2d": "#2166ac",
@@ -40,11 +42,17 @@ def _layer_bytes(plan: Plan, costs: CostTable, i: int) -> int:
     return lc.input_bytes if lp.mode == "checkpoint" else 0
 
 
+def _mixed(costs: CostTable | None) -> bool:
+    return costs is not None and len(set(costs.layer_types)) > 1
+
+
 def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None) -> str:
     """Per-layer decisions (runs of equal layers on one row), predicted time, memory by tier.
 
-    With ``costs``, each row also shows the bytes one layer keeps until backward.
+    With ``costs``, each row also shows the bytes one layer keeps until backward; for a stack
+    of several layer types, each row its type, and a table of each type's costs and decisions.
     """
+    mixed = _mixed(costs)
     tokens = plan.batch_size * plan.seq_len
     lines = [
         (
@@ -60,7 +68,8 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
         + f"; {sim.tokens_per_s:,.0f} tokens/s",
         "",
         f"{'layers':>9}  {'mode':<10}  {'tier':<4}  {'prefetch':>8}"
-        + (f"  {'kept/layer':>10}" if costs else ""),
+        + (f"  {'kept/layer':>10}" if costs else "")
+        + (f"  {'type':<16}" if mixed else ""),
     ]
     rows: list[tuple[int, int, tuple]] = []
     for i, lp in enumerate(plan.layers):
@@ -69,17 +78,39 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
             "-" if lp.mode == "drop" else lp.tier,
             lp.prefetch,
             _layer_bytes(plan, costs, i) if costs else None,
+            costs.layer_types[i] if mixed else None,
         )
         if rows and rows[-1][2] == key and rows[-1][1] == i - 1:
             rows[-1] = (rows[-1][0], i, key)
         else:
             rows.append((i, i, key))
-    for first, last, (mode, tier, prefetch, nbytes) in rows:
+    for first, last, (mode, tier, prefetch, nbytes, kind) in rows:
         span = f"{first}" if first == last else f"{first}-{last}"
         line = f"{span:>9}  {mode:<10}  {tier:<4}  {prefetch:>8}"
         if costs:
             line += f"  {nbytes / MiB:>6.0f} MiB"
+        if mixed:
+            line += f"  {kind:<16}"
         lines.append(line)
+    if mixed:
+        header = (
+            f"{'layer type':<16}  {'layers':>6}  {'fwd ms':>7}  {'bwd ms':>7}  {'recomp ms':>9}  "
+            f"{'saved MiB':>9}  {'weights MiB':>11}  decisions"
+        )
+        lines += ["", header]
+        for kind, lc in costs.type_costs().items():
+            members = [i for i, t in enumerate(costs.layer_types) if t == kind]
+            tally: dict[str, int] = {}
+            for i in members:
+                mode, tier = _decision(plan, i)
+                label = mode if mode == "drop" else f"{mode}/{tier}"
+                tally[label] = tally.get(label, 0) + 1
+            decisions = ", ".join(f"{n} {label}" for label, n in tally.items())
+            lines.append(
+                f"{kind:<16}  {len(members):>6}  {lc.forward_ms:>7.2f}  {lc.backward_ms:>7.2f}  "
+                f"{lc.recompute_ms:>9.2f}  {lc.saved_bytes / MiB:>9.0f}  {lc.weight_bytes / MiB:>11.0f}  "
+                f"{decisions}"
+            )
     lines += ["", f"{'stream':<8}  {'busy s':>8}  {'on critical path s':>18}"]
     for s in STREAMS:
         lines.append(f"{s:<8}  {sim.busy_s[s]:>8.4f}  {sim.exposed_s.get(s, 0.0):>18.4f}")
@@ -100,8 +131,9 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
     return "\n".join(lines)
 
 
-def render_plan_png(plan: Plan, sim: SimResult, path: str | Path) -> None:
-    """Per-layer decision strip, GPU memory by stage and a stream timeline, as a PNG."""
+def render_plan_png(plan: Plan, sim: SimResult, path: str | Path, costs: CostTable | None = None) -> None:
+    """Per-layer decision strip (with each layer's type above it for a mixed stack, given
+    ``costs``), GPU memory by stage and a stream timeline, as a PNG."""
     try:
         import matplotlib
 
@@ -117,8 +149,17 @@ def render_plan_png(plan: Plan, sim: SimResult, path: str | Path) -> None:
     fig, (ax_plan, ax_mem, ax_time) = plt.subplots(
         3, 1, figsize=(14, 7), gridspec_kw={"height_ratios": [1, 2, 3]}, constrained_layout=True
     )
+    mixed = _mixed(costs)
+    height = 0.75 if mixed else 1.0
     for i in range(plan.num_layers):
-        ax_plan.add_patch(plt.Rectangle((i, 0), 1, 1, color=COLORS[_decision(plan, i)]))
+        ax_plan.add_patch(plt.Rectangle((i, 0), 1, height, color=COLORS[_decision(plan, i)]))
+    type_handles = []
+    if mixed:
+        kinds = list(costs.type_costs())
+        shade = {kind: TYPE_COLORS[k % len(TYPE_COLORS)] for k, kind in enumerate(kinds)}
+        for i, kind in enumerate(costs.layer_types):
+            ax_plan.add_patch(plt.Rectangle((i, 0.8), 1, 0.2, color=shade[kind]))
+        type_handles = [Patch(color=shade[kind], label=f"type: {kind}") for kind in kinds]
     ax_plan.set_xlim(0, plan.num_layers)
     ax_plan.set_ylim(0, 1)
     ax_plan.set_yticks([])
@@ -128,10 +169,10 @@ def render_plan_png(plan: Plan, sim: SimResult, path: str | Path) -> None:
         handles=[
             Patch(color=COLORS[d], label=f"{d[0]}" + ("" if d[0] == "drop" else f"/{d[1]}"))
             for d in used
-        ],
+        ] + type_handles,
         loc="upper center",
         bbox_to_anchor=(0.5, -0.6),
-        ncol=len(used),
+        ncol=len(used) + len(type_handles),
         fontsize=8,
     )
     ax_plan.set_title(

@@ -2,7 +2,8 @@
 
 Data flow (DESIGN.md section 1): the embedding and the final norm + LM head stay resident on
 the GPU; decoder layers stream through GPU weight slots (``WeightStreamer``). Each layer is
-called through one stateless HF layer template whose parameters are views of the slot.
+called through the stateless HF layer template of its type whose parameters are views of the
+slot (a hybrid stack has one template per layer type, and slots the size of the largest layer).
 
 Per layer the plan says what survives from forward to backward:
 
@@ -35,7 +36,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from lazytrain.memory.host_store import HostStore
 from lazytrain.memory.nvme import NvmeStore
-from lazytrain.model.adapter import ModelAdapter, attention_mask_4d
+from lazytrain.model.adapter import ModelAdapter
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.activations import ActivationStore, Handle
 from lazytrain.runtime.streams import Streams, StreamTrace
@@ -286,12 +287,13 @@ class Executor:
         ids = input_ids.to(dev, non_blocking=True)
         valid = valid_cpu.to(dev, non_blocking=True)
         targets = targets_cpu[valid_cpu].to(dev, non_blocking=True)
-        # decided on the CPU copy (no device sync); the [B, 1, S, S] mask is built on the device
+        # decided on the CPU copy (no device sync); the masks of each layer type (a [B, 1, S, S]
+        # one for attention) are built on the device
         padded = attention_mask is not None and not bool(attention_mask.all())
-        mask = attention_mask_4d(attention_mask.to(dev, non_blocking=True)) if padded else None
+        mask = adapter.layer_masks(attention_mask.to(dev, non_blocking=True) if padded else None)
         position_ids = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, -1)
         cos, sin = adapter.rotary_embeddings(position_ids, self.dtype)
-        self._consts = [cos, sin] + ([mask] if mask is not None else [])
+        self._consts = [cos, sin] + [m for m in mask.values() if m is not None]
         rope = (cos, sin)
         self.trace.start_step()
         self.grad_norm_sq.zero_()
@@ -323,14 +325,14 @@ class Executor:
                 with torch.enable_grad(), saved_tensors_hooks(
                     self._pack_hook(i, slot, lp.tier, handles), self._unpack
                 ):
-                    out = adapter.layer_forward(leaves, x_in, rope, mask)
+                    out = adapter.layer_forward(i, leaves, x_in, rope, mask)
                 saved[i] = (x_in, out, leaves, handles)
                 x = out.detach()
             else:
                 if lp.mode == "checkpoint":
                     saved[i] = self.activations.put(x, lp.tier)
                 with torch.no_grad():
-                    x = adapter.layer_forward(layouts[i + 1].views(slot), x, rope, mask)
+                    x = adapter.layer_forward(i, layouts[i + 1].views(slot), x, rope, mask)
             self.trace.end("compute", span)
             self.weights.release(i)
 
@@ -380,14 +382,16 @@ class Executor:
             span = self.trace.begin()
             with torch.no_grad():
                 for j in range(start, end - 1):
-                    inputs.append(adapter.layer_forward(layouts[j + 1].views(slots[j - start]), inputs[-1], rope, mask))
+                    inputs.append(
+                        adapter.layer_forward(j, layouts[j + 1].views(slots[j - start]), inputs[-1], rope, mask)
+                    )
             self.trace.end("compute", span)
             for j in reversed(range(start, end)):
                 x_in = inputs[j - start].detach().requires_grad_()
                 leaves = layouts[j + 1].leaves(slots[j - start])
                 span = self.trace.begin()
                 with torch.enable_grad():
-                    out = adapter.layer_forward(leaves, x_in, rope, mask)
+                    out = adapter.layer_forward(j, leaves, x_in, rope, mask)
                     grads = torch.autograd.grad(out, [x_in, *leaves.values()], g)
                 self.trace.end("compute", span)
                 g = grads[0]

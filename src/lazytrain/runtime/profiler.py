@@ -4,7 +4,8 @@ Times are medians over repeats after warm-up, with CUDA events on a GPU (perf_co
 CPU). Per layer: the no-grad forward (what a segment rebuild runs), the forward under autograd
 (a recompute), its backward, the bytes autograd saves (counted through saved_tensors_hooks,
 storages de-duplicated, weights and step constants left out) and the working sets from the
-allocator's peaks. Constants: the embedding and the chunked head + loss. Machine: H2D, D2H
+allocator's peaks; a stack of several layer types (Qwen3.5's linear and full attention) has
+each type measured on its first layer. Constants: the embedding and the chunked head + loss. Machine: H2D, D2H
 and both-directions bandwidth at one layer's transfer size, the slowdown of compute while a
 copy runs, the CPU optimizer's time per parameter, and (given an `NvmeStore`) the disk's
 write and read bandwidth through the NVMe tier's own path (pinned buffer, thread pool, CRC) at
@@ -51,9 +52,11 @@ class _Peak:
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self.base
 
 
-def _layer_shape_costs(executor: Executor, slot: torch.Tensor, batch: int, seq: int, repeats: int) -> dict:
+def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch: int, seq: int,
+                       repeats: int) -> dict:
     adapter, device, dtype = executor.adapter, executor.device, executor.dtype
-    layout = adapter.layouts[1]
+    layout = adapter.layouts[layer + 1]
+    masks = adapter.layer_masks(None)
     position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
     rope = adapter.rotary_embeddings(position_ids, dtype)
     x = torch.randn(batch, seq, adapter.hidden_size, device=device, dtype=dtype)
@@ -69,13 +72,13 @@ def _layer_shape_costs(executor: Executor, slot: torch.Tensor, batch: int, seq: 
 
     def forward_no_grad():
         with torch.no_grad():
-            return adapter.layer_forward(layout.views(slot), x, rope, None)
+            return adapter.layer_forward(layer, layout.views(slot), x, rope, masks)
 
     def forward_grad():
         leaves = layout.leaves(slot)
         x_in = x.detach().requires_grad_()
         with torch.enable_grad():
-            return adapter.layer_forward(leaves, x_in, rope, None), x_in, leaves
+            return adapter.layer_forward(layer, leaves, x_in, rope, masks), x_in, leaves
 
     state = {}
 
@@ -233,15 +236,23 @@ def profile(
     """
     executor = Executor(adapter, store, keep_all_plan(adapter.num_layers, batch_size, seq_len, head_chunk_tokens),
                         device)
-    slot = store.weights[1].to(device)
     shapes = [(batch_size, seq_len), (max(1, batch_size // 2), seq_len), (batch_size, max(8, seq_len // 2))]
     shapes = list(dict.fromkeys(shapes))
-    measured = {shape: _layer_shape_costs(executor, slot, *shape, repeats) for shape in shapes}
-    ref = measured[(batch_size, seq_len)]
+    # one representative (the first layer) per layer type; the shape fits are the summed
+    # layer types' (one fit serves the whole table)
+    first = {kind: adapter.layer_types.index(kind) for kind in adapter.layer_type_names()}
+    measured: dict[str, dict] = {}
+    for kind, layer in first.items():
+        slot = store.weights[layer + 1].to(device)
+        measured[kind] = {shape: _layer_shape_costs(executor, layer, slot, *shape, repeats) for shape in shapes}
+        del slot
+    ref = {kind: m[(batch_size, seq_len)] for kind, m in measured.items()}
     fits = default_fits()
     if len(shapes) >= 3:
         for name in ("forward_ms", "backward_ms", "recompute_ms"):
-            fits[name] = ShapeFit.fit([(b, s, m[name]) for (b, s), m in measured.items()])
+            fits[name] = ShapeFit.fit(
+                [(b, s, sum(m[(b, s)][name] for m in measured.values())) for b, s in shapes]
+            )
 
     # constants: embedding forward/backward, chunked head + loss (forward and backward)
     tokens = batch_size * seq_len
@@ -271,19 +282,22 @@ def profile(
     with _Peak(device) as head_peak:
         head_ms = time_ms(device, lambda: executor.head_loss_backward(
             x, final_leaf["model.norm.weight"], head_w, valid, targets, tokens), repeats)
-    layer = adapter.layouts[1]
     esize = store.weights[1].element_size()
-    layer_costs = LayerCosts(
-        params=layer.numel,
-        weight_bytes=layer.numel * esize,
-        forward_ms=ref["forward_ms"],
-        backward_ms=ref["backward_ms"],
-        recompute_ms=ref["recompute_ms"],
-        input_bytes=ref["input_bytes"],
-        saved_bytes=ref["saved_bytes"],
-        forward_work_bytes=ref["forward_work_bytes"],
-        backward_work_bytes=ref["backward_work_bytes"],
-    )
+    type_costs = {
+        kind: LayerCosts(
+            params=adapter.layouts[layer + 1].numel,
+            weight_bytes=adapter.layouts[layer + 1].numel * esize,
+            forward_ms=ref[kind]["forward_ms"],
+            backward_ms=ref[kind]["backward_ms"],
+            recompute_ms=ref[kind]["recompute_ms"],
+            input_bytes=ref[kind]["input_bytes"],
+            saved_bytes=ref[kind]["saved_bytes"],
+            forward_work_bytes=ref[kind]["forward_work_bytes"],
+            backward_work_bytes=ref[kind]["backward_work_bytes"],
+        )
+        for kind, layer in first.items()
+    }
+    input_bytes = max(r["input_bytes"] for r in ref.values())
     const_params = adapter.layouts[0].numel + adapter.final_layout.numel
     if device.type == "cuda":
         total_gpu = torch.cuda.get_device_properties(device).total_memory
@@ -292,15 +306,15 @@ def profile(
     machine = _bandwidths(store.weights[1], device, repeats)
     host_free = host_memory_total() * 0.95 - store.bytes(optimizer_state_bytes).total
     if nvme is not None:
-        disk = _nvme_bandwidths(nvme, ref["input_bytes"])
-        disk_note = (f"NVMe bandwidth measured in {nvme.folder} at {ref['input_bytes']} bytes per file, "
+        disk = _nvme_bandwidths(nvme, input_bytes)
+        disk_note = (f"NVMe bandwidth measured in {nvme.folder} at {input_bytes} bytes per file, "
                      f"{'O_DIRECT' if nvme.direct else 'buffered'} I/O")
     else:
         disk = {"nvme_read_gbps": 1.0, "nvme_write_gbps": 1.0, "nvme_bytes": 0}
         disk_note = "no NVMe folder given: nvme_bytes=0 keeps the planner off that tier"
-    return CostTable.uniform(
-        adapter.num_layers,
-        layer_costs,
+    return CostTable.from_types(
+        adapter.layer_types,
+        type_costs,
         batch_size=batch_size,
         seq_len=seq_len,
         embed_forward_ms=embed_forward_ms,

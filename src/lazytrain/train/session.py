@@ -70,6 +70,7 @@ class Session:
         batch, seq = cfg.training.batch_size, cfg.data.max_seq_len
         if cfg.plan.costs:
             costs = CostTable.load(cfg.plan.costs).at(batch, seq)
+            costs.check_layers(self.adapter.layer_types, f"plan.costs={cfg.plan.costs}")
             if cfg.memory.gpu_gb:
                 costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(cfg.memory.gpu_gb * GiB)))
             return costs

@@ -1,0 +1,129 @@
+"""Kernels of the Gated-DeltaNet (linear-attention) layers, chosen once at start-up.
+
+transformers' Qwen3.5 layers call four module-level functions: the chunked gated-delta rule
+(training, prefill), its one-token recurrent form (decoding), and the short causal convolution
+and its one-token update. transformers binds them when it is imported, to ``fla`` /
+``causal_conv1d`` if installed, else to readable torch references. LazyTrain decides per device
+instead, and says what it chose:
+
+- CUDA: fla-core's Triton kernels for the delta rule (``pip install 'lazytrain[hybrid]'``),
+  the ``causal-conv1d`` CUDA kernels for the convolution where that wheel installed; each missing
+  one falls back to the torch reference with one warning naming the install command and the cost.
+- CPU: the torch references (fla's kernels are Triton, GPU only), which the parity tests check
+  against HF autograd.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from lazytrain.errors import LazyTrainError
+
+log = logging.getLogger(__name__)
+
+INSTALL = "pip install 'lazytrain[hybrid]'  (fla-core; add causal-conv1d where its wheel builds)"
+_DELTA_RULE = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+_CONV = ("causal_conv1d_fn", "causal_conv1d_update")
+_TORCH_PATH: dict[str, object] = {}
+_CHOSEN: dict[str, str] = {}
+
+
+class KernelError(LazyTrainError, ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    delta_rule: str
+    """``fla`` (fla-core Triton kernels) or ``torch`` (transformers' reference)."""
+    conv: str
+    """``causal-conv1d`` (CUDA kernels) or ``torch`` (a depthwise ``conv1d``)."""
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def _taking_only_its_arguments(impl):
+    """``impl``, dropping keyword arguments it does not take (transformers passes the layer's
+    extra kwargs, ``use_cache`` when generating, on to these functions, as its own wrappers
+    filter them)."""
+    params = inspect.signature(impl).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return impl
+
+    @functools.wraps(impl)
+    def call(*args, **kwargs):
+        return impl(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+    return call
+
+
+def _fla() -> dict[str, object] | None:
+    try:
+        from fla.ops.gated_delta_rule import (
+            chunk_gated_delta_rule,
+            fused_recurrent_gated_delta_rule,
+        )
+    except Exception:  # noqa: BLE001 - any import failure (no package, no Triton) means no kernel
+        return None
+    return {_DELTA_RULE[0]: chunk_gated_delta_rule, _DELTA_RULE[1]: fused_recurrent_gated_delta_rule}
+
+
+def _causal_conv1d() -> dict[str, object] | None:
+    try:
+        from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+    except Exception:  # noqa: BLE001
+        return None
+    return {_CONV[0]: _taking_only_its_arguments(causal_conv1d_fn),
+            _CONV[1]: _taking_only_its_arguments(causal_conv1d_update)}
+
+
+def select_linear_attention_kernels(device: torch.device, prefer: str = "auto") -> KernelChoice:
+    """Bind the Gated-DeltaNet kernels for ``device``: ``auto`` (the fast kernels on CUDA when
+    installed, the torch references otherwise) or ``torch`` (the references everywhere)."""
+    if prefer not in ("auto", "torch"):
+        raise KernelError(f"linear-attention kernels must be 'auto' or 'torch', got {prefer!r}")
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    if not _TORCH_PATH:
+        # the references under transformers' own wrappers (which pick fla when installed)
+        _TORCH_PATH.update({name: inspect.unwrap(getattr(hf, name)) for name in _DELTA_RULE + _CONV})
+    fast = device.type == "cuda" and prefer == "auto"
+    delta = _fla() if fast else None
+    conv = _causal_conv1d() if fast else None
+    for names, impl in ((_DELTA_RULE, delta), (_CONV, conv)):
+        for name in names:
+            setattr(hf, name, impl[name] if impl else _TORCH_PATH[name])
+    choice = KernelChoice(delta_rule="fla" if delta else "torch", conv="causal-conv1d" if conv else "torch")
+    key = f"{device.type}:{prefer}"
+    if _CHOSEN.get(key) != f"{choice}":
+        _CHOSEN[key] = f"{choice}"
+        delta_text = f"fla-core {_version('fla-core')} Triton" if delta else "torch reference"
+        conv_text = f"causal-conv1d {_version('causal-conv1d')}" if conv else "torch conv1d"
+        log.info("Gated-DeltaNet kernels on %s: gated-delta rule %s, short convolution %s",
+                 device.type, delta_text, conv_text)
+        if fast and not delta:
+            log.warning(
+                "Gated-DeltaNet layers run the torch reference of the chunked gated-delta rule on "
+                "the GPU: fla-core is not importable. Install it with %s. The reference is an "
+                "order of magnitude or more slower in the linear-attention layers' token mixing "
+                "(transformers measures over 10x on an H100); plans profiled now price that in.",
+                INSTALL,
+            )
+        elif fast and not conv:
+            log.warning(
+                "Gated-DeltaNet short convolution runs torch's depthwise conv1d on the GPU: "
+                "causal-conv1d is not installed (pip install causal-conv1d, where its wheel "
+                "builds). The cost is small: a width-4 convolution per linear-attention layer."
+            )
+    return choice
