@@ -165,12 +165,27 @@ class MemoryConfig:
     pin: bool = True
     """Page-lock the host weight and gradient arenas (needed for async full-speed copies)."""
     host_limit_gb: float | None = None
-    """Host memory LazyTrain may plan for (default: 95% of RAM)."""
+    """Host memory LazyTrain may plan for: model state, optimizer state, host-tier activations
+    and their pinned staging buffers together (default: RAM, or the cgroup limit, minus 5% and
+    at least 4 GiB for the process itself). The solved plan keeps host activations within what
+    is left after the model state."""
+    split_master: str = "auto"
+    """Hold each fp32 master as the streamed bf16 weight plus a 16-bit remainder (exact, 2 B
+    per parameter instead of 4; see optim/split.py): auto (on for bf16 runs on a GPU), true
+    (any bf16 run), false. Does not apply to fp32 compute (the weights are the masters' own
+    precision)."""
     nvme_dir: str | None = None
     """Folder for the NVMe activation tier (files are removed when freed and at exit)."""
     gpu_gb: float | None = None
     """GPU memory cap for the step (the solved plan must fit in it; on CUDA the allocator is
     capped too). Default: the whole device."""
+
+    def __post_init__(self) -> None:
+        self.split_master = str(self.split_master).lower()
+        if self.split_master not in ("auto", "true", "false"):
+            raise ConfigError(f"memory.split_master must be auto, true or false, got {self.split_master!r}")
+        if self.host_limit_gb is not None and self.host_limit_gb <= 0:
+            raise ConfigError(f"memory.host_limit_gb must be > 0, got {self.host_limit_gb}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -48,6 +48,7 @@ def build_model(
     pin: bool = True,
     optimizer_bytes_per_param: float | Callable[[list[int]], float] = 8.0,
     host_limit_bytes: int | None = None,
+    split_master: bool = False,
 ) -> tuple[ModelAdapter, HostStore]:
     """Adapter + host store holding the weights (loaded, or random for built-in shapes).
 
@@ -63,6 +64,7 @@ def build_model(
         pin=pin and device.type == "cuda",
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         host_limit_bytes=host_limit_bytes,
+        split_master=split_master,
     )
     if source.startswith("builtin:"):
         random_init(adapter, store, seed, device)

@@ -100,9 +100,12 @@ def save_hf(
             else f"model-{k + 1:05d}-of-{len(assignment):05d}.safetensors"
         )
         shard = {}
+        group_master: tuple[int, torch.Tensor] | None = None  # a split master is joined once
         for g, p in members:
             layout = adapter.layouts[g]
-            master = store.masters[g][p.offset : p.offset + p.numel]
+            if group_master is None or group_master[0] != g:
+                group_master = (g, store.master_fp32(g))
+            master = group_master[1][p.offset : p.offset + p.numel]
             shard[layout.hf_prefix + p.name] = master.view(p.shape).to(dtype).contiguous()
             weight_map[layout.hf_prefix + p.name] = name
             total += p.numel * esize

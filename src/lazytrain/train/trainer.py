@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from lazytrain.config import Config
+from lazytrain.config import Config, ConfigError
 from lazytrain.data.dataset import BatchConfig, BatchIterator, tokenize_samples
 from lazytrain.data.formats import DataSource, load_samples
 from lazytrain.data.synthetic import make_samples
@@ -159,7 +159,19 @@ def optimizer_bytes_per_param(config: Config, numels: list[int]) -> float:
     return state_bytes_per_param(numels, fp32_state_groups(config, len(numels)))
 
 
-def make_optimizer(config: Config, masters: list[torch.Tensor], decay_numel: list[int]) -> HostOptimizer:
+def use_split_master(config: Config, device: torch.device, dtype: torch.dtype) -> bool:
+    """memory.split_master resolved: auto is on for bf16 runs on a GPU."""
+    choice = config.memory.split_master
+    if choice == "true" and dtype != torch.bfloat16:
+        raise ConfigError(
+            f"memory.split_master=true needs bf16 streamed weights, this run computes in {dtype} "
+            "(fp32 weights already are the masters' precision); set model.dtype=bf16 or "
+            "memory.split_master=auto"
+        )
+    return choice == "true" or (choice == "auto" and dtype == torch.bfloat16 and device.type == "cuda")
+
+
+def make_optimizer(config: Config, masters: list, decay_numel: list[int]) -> HostOptimizer:
     oc = config.optimizer
     if oc.kind == "hybrid8bit":
         from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
@@ -203,6 +215,7 @@ class Trainer:
             seed=cfg.training.seed, vocab_size=len(self.tokenizer), pin=cfg.memory.pin,
             optimizer_bytes_per_param=lambda numels: optimizer_bytes_per_param(cfg, numels),
             host_limit_bytes=int(cfg.memory.host_limit_gb * 2**30) if cfg.memory.host_limit_gb else None,
+            split_master=use_split_master(cfg, self.device, self.dtype),
         )
         if cfg.memory.gpu_gb and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -252,6 +265,7 @@ class Trainer:
             optimizer_state_bytes=self.optimizer.state_bytes(),
             head_chunk_tokens=cfg.plan.head_chunk_tokens,
             nvme=self.nvme,
+            host_limit_bytes=int(cfg.memory.host_limit_gb * 2**30) if cfg.memory.host_limit_gb else None,
         )
 
     def _template(self) -> PromptTemplate:
@@ -383,7 +397,8 @@ class Trainer:
         ckpt = self.out_dir / "checkpoint"
         tmp = self.out_dir / "checkpoint.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
-        save_file({f"g{g}": m for g, m in enumerate(self.store.masters)}, str(tmp / "masters.safetensors"))
+        masters = {f"g{g}": self.store.master_fp32(g) for g in range(len(self.store.masters))}
+        save_file(masters, str(tmp / "masters.safetensors"))
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "state.json").write_text(json.dumps({
             "step": self.step,
@@ -405,9 +420,8 @@ class Trainer:
                 f"model has {self.store.num_params}; use another training.output_dir"
             )
         masters = load_file(str(ckpt / "masters.safetensors"))
-        for g, m in enumerate(self.store.masters):
-            m.copy_(masters[f"g{g}"])
-            self.store.sync_weights_from_masters(g)
+        for g in range(len(self.store.masters)):
+            self.store.load_master_fp32(g, masters[f"g{g}"])
             self.executor.weights_updated(g)
         self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=False))
         self.batches.load_state_dict(state["data"])
