@@ -25,8 +25,8 @@ class ConfigError(LazyTrainError, ValueError):
 class ModelConfig:
     source: str = "builtin:tiny"
     """A local HF model folder (config.json + safetensors), or ``builtin:NAME`` for a
-    random-initialised model of a built-in shape (tiny, qwen2.5-3b, qwen2.5-7b, qwen3-8b,
-    llama-3.1-8b)."""
+    random-initialised model of a built-in shape (tiny, qwen2.5-3b, qwen2.5-7b, qwen2.5-14b,
+    qwen3-8b, llama-3.1-8b)."""
     dtype: str = "auto"
     """Compute dtype of streamed weights and activations: auto (bf16 on GPU, fp32 on CPU),
     bf16, fp32."""

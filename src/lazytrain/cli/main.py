@@ -123,6 +123,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     overlap = config.plan.overlap_optimizer
     sim = simulate(plan, costs, optimizer_overlap=overlap)
     print(format_plan_table(plan, sim, costs))
+    print(f"\nhost memory (model state + this plan's host-tier activations):\n"
+          f"{trainer.host_memory(sim.peak_host_bytes).table()}")
     L, b, s = costs.num_layers, costs.batch_size, costs.seq_len
     chunk = config.plan.head_chunk_tokens
     print("\nbaselines (same cost table, same simulator):")

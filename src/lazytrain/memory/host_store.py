@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -51,20 +52,29 @@ def host_memory_total() -> int:
     return total
 
 
-def _pin_in_place(t: torch.Tensor) -> bool:
-    """Page-lock ``t``'s memory with cudaHostRegister (no copy, no rounding)."""
+def _code(err) -> int:
+    return int(err) if not isinstance(err, tuple) else int(err[0])
+
+
+def pin_in_place(t: torch.Tensor) -> bool:
+    """Page-lock ``t``'s memory with cudaHostRegister (no copy, no rounding: torch's pinned
+    allocator would round each allocation up to a power of two). Unregistered when the
+    tensor's base is freed, so the address can be pinned again. ``t`` must not share a page
+    with another pinned range. False (nothing done) without CUDA."""
     if not torch.cuda.is_available() or t.numel() == 0:
         return False
     cudart = torch.cuda.cudart()
     nbytes = t.numel() * t.element_size()
     err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
-    code = int(err) if not isinstance(err, tuple) else int(err[0])
+    code = _code(err)
     if code != 0:
         raise HostMemoryError(
             f"pinning {nbytes / 2**30:.1f} GiB of host memory failed (cudaHostRegister error "
             f"{code}); the memlock limit (`ulimit -l`, or the container's) may be too low: raise "
             "it, or set memory.pin=false (transfers then run at pageable speed)"
         )
+    owner = t if t._base is None else t._base
+    weakref.finalize(owner, cudart.cudaHostUnregister, t.data_ptr())
     return True
 
 
@@ -169,7 +179,7 @@ class HostStore:
         self.pinned_bytes = 0
         if pin:
             for arena in (self._weight_arena, self._grad_arena):
-                if _pin_in_place(arena):
+                if pin_in_place(arena):
                     self.pinned_bytes += arena.numel() * arena.element_size()
         self.weights: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []

@@ -2,7 +2,7 @@
 
 The kernel is compiled at first use with ``-march=native`` by ``torch.utils.cpp_extension``,
 so it must be built on the machine that runs it: the build directory is keyed by the torch
-version and this CPU's model and flags, under ``$TORCH_EXTENSIONS_DIR`` or
+version, this CPU's model and flags and the source's hash, under ``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/lazytrain/torch_extensions``. If the build fails (no compiler, no ninja), callers
 get ``None`` and a warning, and use the pure-torch path of the same math.
 
@@ -70,7 +70,9 @@ def _cpu_flags() -> str:
 def build_directory() -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "lazytrain" / "torch_extensions"
-    key = "|".join([torch.__version__, cpu_description(), _cpu_flags(), " ".join(_CFLAGS)])
+    # the source's own hash too: a build of another version of the kernel is never loaded
+    source = hashlib.sha1(SOURCE.read_bytes()).hexdigest()
+    key = "|".join([torch.__version__, cpu_description(), _cpu_flags(), " ".join(_CFLAGS), source])
     return base / f"lazytrain_hybrid8bit_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 

@@ -25,6 +25,7 @@ from lazytrain.data.formats import DataSource, load_samples
 from lazytrain.data.synthetic import make_samples
 from lazytrain.data.template import PromptTemplate, get_template
 from lazytrain.data.tokenizer import builtin_tokenizer
+from lazytrain.memory import budget
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.build import build_model, resolve_dtype
 from lazytrain.model.flops import flops_6nt, model_flops
@@ -152,11 +153,17 @@ def fp32_state_groups(config: Config, num_groups: int) -> tuple[int, ...]:
 
 
 def optimizer_bytes_per_param(config: Config, numels: list[int]) -> float:
-    if config.optimizer.kind != "hybrid8bit":
-        return 8.0
-    from lazytrain.optim.hybrid8bit import state_bytes_per_param
+    return budget.optimizer_bytes_per_param(config.optimizer.kind, numels, fp32_state_groups(config, len(numels)))
 
-    return state_bytes_per_param(numels, fp32_state_groups(config, len(numels)))
+
+def host_settings(config: Config, device: torch.device, dtype: torch.dtype, num_groups: int) -> budget.HostSettings:
+    return budget.HostSettings(dtype=dtype, split_master=use_split_master(config, device, dtype),
+                               optimizer_kind=config.optimizer.kind,
+                               fp32_groups=fp32_state_groups(config, num_groups))
+
+
+def host_limit_bytes(config: Config) -> int | None:
+    return int(config.memory.host_limit_gb * 2**30) if config.memory.host_limit_gb else None
 
 
 def use_split_master(config: Config, device: torch.device, dtype: torch.dtype) -> bool:
@@ -214,8 +221,9 @@ class Trainer:
             cfg.model.source, self.device, self.dtype,
             seed=cfg.training.seed, vocab_size=len(self.tokenizer), pin=cfg.memory.pin,
             optimizer_bytes_per_param=lambda numels: optimizer_bytes_per_param(cfg, numels),
-            host_limit_bytes=int(cfg.memory.host_limit_gb * 2**30) if cfg.memory.host_limit_gb else None,
+            host_limit_bytes=host_limit_bytes(cfg),
             split_master=use_split_master(cfg, self.device, self.dtype),
+            preflight=self._host_preflight,
         )
         if cfg.memory.gpu_gb and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -239,6 +247,8 @@ class Trainer:
         # what the planner predicts for this plan, logged beside the measured figures each step
         self.predicted = (prediction(self.plan, self.costs, cfg.plan.overlap_optimizer)
                           if self.costs is not None else {"predicted_step_time_s": self.plan.predicted_step_time_s})
+        self.host_budget = self.host_memory(int(self.predicted.get("predicted_act_host_gb", 0.0) * 1e9))
+        log.info("host memory with the plan's activations:\n%s", self.host_budget.table())
         self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=self.nvme)
         self.executor.trace.enabled = self.device.type == "cuda"
         self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
@@ -248,11 +258,28 @@ class Trainer:
         cfg.save(self.out_dir / "lazytrain_config.yaml")
         self.template.save(self.out_dir)
 
+    def host_memory(self, activations: int = 0) -> budget.HostBudget:
+        """This run's host bytes per component, with ``activations`` bytes on the host tier."""
+        numels = [layout.numel for layout in self.adapter.layouts]
+        settings = host_settings(self.config, self.device, self.dtype, len(numels))
+        return budget.host_budget(numels, settings, activations=activations, limit=host_limit_bytes(self.config))
+
+    def _host_preflight(self, numels: list[int]) -> None:
+        """Before allocating: the model state against the host budget (raises, naming the
+        smallest change that fits, when it does not)."""
+        settings = host_settings(self.config, self.device, self.dtype, len(numels))
+        need = budget.host_budget(numels, settings, limit=host_limit_bytes(self.config))
+        log.info("host memory, model state (before the plan):\n%s", need.table())
+        budget.check_host_fit(numels, settings, need)
+
     def cost_table(self) -> CostTable:
         """The cost table of ``plan.costs``, or one profiled now at the training shape."""
         cfg = self.config
         if cfg.plan.costs:
             costs = CostTable.load(cfg.plan.costs).at(cfg.training.batch_size, cfg.data.max_seq_len)
+            # host room for activations is this run's (its model state, its budget), not the profiled one's
+            state = self.host_memory()
+            costs = dataclasses.replace(costs, host_bytes=max(state.limit - state.total, 0))
             if cfg.memory.gpu_gb:
                 costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(cfg.memory.gpu_gb * 2**30)))
             return costs
@@ -265,7 +292,7 @@ class Trainer:
             optimizer_state_bytes=self.optimizer.state_bytes(),
             head_chunk_tokens=cfg.plan.head_chunk_tokens,
             nvme=self.nvme,
-            host_limit_bytes=int(cfg.memory.host_limit_gb * 2**30) if cfg.memory.host_limit_gb else None,
+            host_limit_bytes=host_limit_bytes(cfg),
         )
 
     def _template(self) -> PromptTemplate:
