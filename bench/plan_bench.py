@@ -17,7 +17,22 @@ One process, one model in host memory (random init of a real config):
    planner's predicted maximum and walking up until out-of-memory (or down until it fits);
    ``--cap-measure`` then times the solved and megatrain plans at their largest batches.
 
+4. ``--split-master on|off`` (default on): fp32 masters as the streamed bf16 weight plus a
+   16-bit remainder (``optim/split.py``), or whole. ``--baseline OTHER.json`` (a run of the same
+   shape with the other setting) adds each run's tokens/s ratio against the baseline's run of
+   the same policy and batch. The host budget (model state per component, the plan's host
+   activations, against ``--host-limit-gb`` or the machine less its reserve) is in the records.
+
 JSON (written after every run, so a cut-off call keeps what finished) and Markdown to ``--out``.
+
+The issue-15 rows on the H200 (two commands, each well under 8 minutes):
+
+    python bench/plan_bench.py --model qwen2.5-7b --seq 1024 --batch 64 --runs solved \
+        --split-master off --tag _whole --out $OUT
+    python bench/plan_bench.py --model qwen2.5-7b --seq 1024 --batch 64 --runs solved \
+        --split-master on --tag _split --baseline $OUT/plan_qwen2.5-7b_h200_DATE_s1024_whole.json --out $OUT
+    python bench/plan_bench.py --model qwen2.5-14b --seq 1024 --batch 64 --runs solved:max \
+        --split-master on --tag _split --out $OUT
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from executor_bench import _opt_config, device_name, make_plan, random_batch, run_one
 
+from lazytrain.memory.budget import HostSettings, host_budget, optimizer_bytes_per_param
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.build import build_model
 from lazytrain.optim.adamw import FusedAdamW
@@ -156,6 +172,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--split-master", choices=["on", "off"], default="on",
+                        help="fp32 masters split into the bf16 weight + a 16-bit remainder (on) or whole")
+    parser.add_argument("--host-limit-gb", type=float, default=None,
+                        help="host budget in GiB (default: the machine less its reserve)")
+    parser.add_argument("--baseline", default=None, help="records of the same shape to compare tokens/s with")
     args = parser.parse_args()
     args.serial_optimizer = False
     prefer_expandable_segments()
@@ -171,7 +192,10 @@ def main() -> None:
     stem = f"plan_{args.model}_{dev}_{date}_s{args.seq}{args.tag}"
     common = {"date": date, "device": device_name(device), "torch": torch.__version__, "model": args.model,
               "optimizer": args.optimizer, "overlap_optimizer": True, "cpu_threads": torch.get_num_threads(),
-              "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+              "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "split_master": args.split_master == "on",
+              "world_size": 1, "runner": "lazytrain"}
+    host_limit = int(args.host_limit_gb * GiB) if args.host_limit_gb else None
+    baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else []
     records: list[dict] = []
 
     def save() -> None:
@@ -179,9 +203,12 @@ def main() -> None:
         (out / f"{stem}.md").write_text(markdown(records, args))
 
     t0 = time.perf_counter()
-    state_bpp = 2.1 if args.optimizer == "hybrid8bit" else 8.0
-    adapter, store = build_model(f"builtin:{args.model}", device, torch.bfloat16, seed=0,
-                                 optimizer_bytes_per_param=state_bpp, vocab_size=512)  # vocab for 'tiny' only
+    split = args.split_master == "on"
+    settings = HostSettings(torch.bfloat16, split, args.optimizer)
+    adapter, store = build_model(f"builtin:{args.model}", device, torch.bfloat16, seed=0, split_master=split,
+                                 optimizer_bytes_per_param=lambda numels: optimizer_bytes_per_param(args.optimizer, numels),
+                                 host_limit_bytes=host_limit, vocab_size=512)  # vocab for 'tiny' only
+    numels = [layout.numel for layout in adapter.layouts]
     decay = [layout.decay_numel for layout in adapter.layouts]
 
     def make_optimizer(masters, decay_numel):
@@ -204,7 +231,8 @@ def main() -> None:
         costs = CostTable.load(args.costs).at(args.batch, args.seq)
     else:
         costs = profile(adapter, store, device, args.batch, args.seq, make_optimizer,
-                        optimizer_state_bytes=optimizer.state_bytes(), head_chunk_tokens=args.head_chunk, nvme=nvme)
+                        optimizer_state_bytes=optimizer.state_bytes(), head_chunk_tokens=args.head_chunk, nvme=nvme,
+                        host_limit_bytes=host_limit)
         costs.save(out / f"costs_{args.model}_{dev}_{date}_s{args.seq}_b{args.batch}{args.tag}.json")
     lc = costs.layers[0]
     print(f"profiled in {time.perf_counter() - t0:.0f} s: layer fwd {lc.forward_ms:.1f} ms, bwd {lc.backward_ms:.1f} ms, "
@@ -243,6 +271,16 @@ def main() -> None:
             record.update(prediction(plan, table, True))
             record["prediction_error"] = record["predicted_step_time_s"] / record["step_time_s"] - 1
             record["plan"] = plan.to_dict()
+            budget = host_budget(numels, settings, activations=int(record["predicted_act_host_gb"] * 1e9),
+                                 limit=host_limit)
+            record["host_budget_gb"] = {**{k: v / 1e9 for k, v in budget.components().items()},
+                                        "total": budget.total / 1e9, "limit": budget.limit / 1e9,
+                                        "machine": budget.machine / 1e9, "fits": budget.fits}
+            base = next((b for b in baseline if b.get("policy") == policy and b.get("batch_size") == batch
+                         and "tokens_per_s" in b), None)
+            if base is not None:
+                record["baseline"] = base["name"] + (" (split master)" if base.get("split_master") else " (whole master)")
+                record["tokens_per_s_vs_baseline"] = record["tokens_per_s"] / base["tokens_per_s"]
             records.append({"name": name, **common, **record})
             print(json.dumps({k: v for k, v in records[-1].items() if k not in ("plan", "step_times_s")}), flush=True)
             save()
@@ -298,9 +336,13 @@ def markdown(records: list[dict], args) -> str:
         f"# Planner vs executor: {args.model}, seq {args.seq}",
         "",
         f"{head.get('date')}, {head.get('device')}, torch {head.get('torch')}, optimizer {args.optimizer} "
-        f"(overlapped), {args.warmup} warm-up + {args.steps} measured steps (median), random tokens. Command: "
+        f"(overlapped), {'split' if args.split_master == 'on' else 'whole'} fp32 masters, {args.warmup} warm-up + "
+        f"{args.steps} measured steps (median), random tokens. Host bytes/param: "
+        f"{head.get('host_bytes_per_param', {}).get('total', float('nan')):.3f}. Command: "
         f"`python bench/plan_bench.py --model {args.model} --optimizer {args.optimizer} --seq {args.seq} "
-        f"--batch {args.batch} --runs {' '.join(args.runs)}"
+        f"--batch {args.batch} --runs {' '.join(args.runs)} --split-master {args.split_master}"
+        + (f" --host-limit-gb {args.host_limit_gb:g}" if args.host_limit_gb else "")
+        + (f" --baseline {args.baseline}" if args.baseline else "")
         + (f" --cap-gb {args.cap_gb:g} --cap-runs {' '.join(args.cap_runs)}" if args.cap_gb else "")
         + (" --cap-measure" if args.cap_measure else "") + "`",
         "",
@@ -340,6 +382,15 @@ def markdown(records: list[dict], args) -> str:
             f"{r['peak_gpu_alloc_gb']:.1f} ({r['predicted_peak_gpu_gb']:.1f}) | {acts.get('host', 0):.1f} "
             f"({r['predicted_act_host_gb']:.1f}) | {r['host_rss_gb']:.1f} |"
         )
+    for r in records:
+        if "host_budget_gb" in r:
+            hb = r["host_budget_gb"]
+            parts = ", ".join(f"{k} {hb[k]:.1f}" for k in ("weights", "masters", "gradients", "optimizer",
+                                                             "activations", "staging"))
+            lines.append(f"\n{r['name']}: host budget (GB) {parts}; total {hb['total']:.1f} of {hb['limit']:.1f} "
+                         f"(machine {hb['machine']:.1f}, {'fits' if hb['fits'] else 'OVER'}); measured host RSS "
+                         f"{r['host_rss_gb']:.1f} GB." + (f" tokens/s {r['tokens_per_s_vs_baseline']:.3f}x "
+                         f"{r['baseline']}." if "baseline" in r else ""))
     caps = [r for r in records if "measured_max_batch" in r]
     if caps:
         lines += ["", f"Largest batch with the GPU capped at {caps[0]['cap_gb']:g} GiB "

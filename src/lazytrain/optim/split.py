@@ -106,8 +106,9 @@ class SplitMaster:
         return join_into(self.weight, self.remainder, out)
 
     def assign(self, master: torch.Tensor) -> None:
-        """Hold the flat fp32 ``master`` (both halves written)."""
-        split_into(master.reshape(-1).float().contiguous(), self.weight, self.remainder)
+        """Hold ``master`` (any shape, dtype or device; its values as fp32): both halves written."""
+        split_into(master.reshape(-1).to(device="cpu", dtype=torch.float32).contiguous(), self.weight,
+                   self.remainder)
 
     def clone(self) -> SplitMaster:
         return SplitMaster(self.weight.clone(), self.remainder.clone())

@@ -262,7 +262,13 @@ class Trainer:
         """This run's host bytes per component, with ``activations`` bytes on the host tier."""
         numels = [layout.numel for layout in self.adapter.layouts]
         settings = host_settings(self.config, self.device, self.dtype, len(numels))
-        return budget.host_budget(numels, settings, activations=activations, limit=host_limit_bytes(self.config))
+        staging = 0
+        if self.nvme is not None and self.costs is not None:
+            from lazytrain.runtime.profiler import NVME_STAGING_BUFFERS
+
+            staging = NVME_STAGING_BUFFERS * max(lc.input_bytes for lc in self.costs.layers)
+        return budget.host_budget(numels, settings, activations=activations, staging=staging,
+                                  limit=host_limit_bytes(self.config))
 
     def _host_preflight(self, numels: list[int]) -> None:
         """Before allocating: the model state against the host budget (raises, naming the
