@@ -74,7 +74,8 @@ def pin_in_place(t: torch.Tensor) -> bool:
             "it, or set memory.pin=false (transfers then run at pageable speed)"
         )
     owner = t if t._base is None else t._base
-    weakref.finalize(owner, cudart.cudaHostUnregister, t.data_ptr())
+    # not at exit: the process's memory goes anyway, and unpinning 100 GB takes seconds
+    weakref.finalize(owner, cudart.cudaHostUnregister, t.data_ptr()).atexit = False
     return True
 
 
