@@ -13,6 +13,7 @@ which is what makes every H2D/D2H copy asynchronous and full speed.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import weakref
@@ -52,10 +53,6 @@ def host_memory_total() -> int:
     return total
 
 
-def _code(err) -> int:
-    return int(err) if not isinstance(err, tuple) else int(err[0])
-
-
 def pin_in_place(t: torch.Tensor) -> bool:
     """Page-lock ``t``'s memory with cudaHostRegister (no copy, no rounding: torch's pinned
     allocator would round each allocation up to a power of two). Unregistered when the
@@ -66,7 +63,7 @@ def pin_in_place(t: torch.Tensor) -> bool:
     cudart = torch.cuda.cudart()
     nbytes = t.numel() * t.element_size()
     err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
-    code = _code(err)
+    code = int(err) if not isinstance(err, tuple) else int(err[0])
     if code != 0:
         raise HostMemoryError(
             f"pinning {nbytes / 2**30:.1f} GiB of host memory failed (cudaHostRegister error "
@@ -90,14 +87,6 @@ def default_host_limit() -> int:
     limit) minus the reserve."""
     total = host_memory_total()
     return max(total - max(int(total * HOST_RESERVE_FRACTION), HOST_RESERVE_MIN), total // 2)
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    out, offset = [], 0
-    for n in sizes:
-        out.append(offset)
-        offset += n
-    return out
 
 
 @dataclass(slots=True)
@@ -194,7 +183,7 @@ class HostStore:
             self._remainder_arena = torch.empty(total, dtype=torch.int16)
             self.masters = [
                 SplitMaster(w, self._remainder_arena[off : off + n])
-                for w, off, n in zip(self.weights, _offsets(sizes), sizes)
+                for w, off, n in zip(self.weights, itertools.accumulate(sizes, initial=0), sizes)
             ]
         else:
             self.masters = [torch.empty(n, dtype=torch.float32) for n in sizes]

@@ -247,8 +247,8 @@ class Trainer:
         # what the planner predicts for this plan, logged beside the measured figures each step
         self.predicted = (prediction(self.plan, self.costs, cfg.plan.overlap_optimizer)
                           if self.costs is not None else {"predicted_step_time_s": self.plan.predicted_step_time_s})
-        self.host_budget = self.host_memory(int(self.predicted.get("predicted_act_host_gb", 0.0) * 1e9))
-        log.info("host memory with the plan's activations:\n%s", self.host_budget.table())
+        host = self.host_memory(int(self.predicted.get("predicted_act_host_gb", 0.0) * 1e9))
+        log.info("host memory with the plan's activations:\n%s", host.table())
         self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=self.nvme)
         self.executor.trace.enabled = self.device.type == "cuda"
         self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
