@@ -22,8 +22,22 @@ One process, one model in host memory (random init of a real config):
    the run's batch against one layer of that type timed alone at that batch (fwd + bwd), and
    the type's predicted share of the step's GPU compute. ``--kernels torch`` runs the
    Gated-DeltaNet layers on transformers' torch reference instead of fla-core's kernels.
+5. ``--split-master on|off`` (default on): fp32 masters as the streamed bf16 weight plus a
+   16-bit remainder (``optim/split.py``), or whole. ``--baseline OTHER.json`` (a run of the same
+   shape with the other setting) adds each run's tokens/s ratio against the baseline's run of
+   the same policy and batch. The host budget (model state per component, the plan's host
+   activations, against ``--host-limit-gb`` or the machine less its reserve) is in the records.
 
 JSON (written after every run, so a cut-off call keeps what finished) and Markdown to ``--out``.
+
+The issue-15 rows on the H200 (two commands, each well under 8 minutes):
+
+    python bench/plan_bench.py --model qwen2.5-7b --seq 1024 --batch 64 --runs solved \
+        --split-master off --tag _whole --out $OUT
+    python bench/plan_bench.py --model qwen2.5-7b --seq 1024 --batch 64 --runs solved \
+        --split-master on --tag _split --baseline $OUT/plan_qwen2.5-7b_h200_DATE_s1024_whole.json --out $OUT
+    python bench/plan_bench.py --model qwen2.5-14b --seq 1024 --batch 64 --runs solved:max \
+        --split-master on --tag _split --out $OUT
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ import gc
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -199,20 +214,30 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--split-master", choices=["on", "off"], default="on",
+                        help="fp32 masters split into the bf16 weight + a 16-bit remainder (on) or whole")
+    parser.add_argument("--host-limit-gb", type=float, default=None,
+                        help="host budget in GiB (default: the machine less its reserve)")
+    parser.add_argument("--baseline", default=None, help="records of the same shape to compare tokens/s with")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("plan_bench needs a CUDA device (--device cpu runs a smoke test of the script)")
     if args.device != "cuda" and args.cap_gb:
         raise SystemExit("--cap-gb needs a CUDA device")
     t0 = time.perf_counter()
-    session = bench_session(args.model, optimizer=args.optimizer, device=args.device, batch=args.batch,
-                            seq=args.seq, head_chunk=args.head_chunk, nvme_dir=args.nvme_dir)
+    session = bench_session(
+        args.model, optimizer=args.optimizer, device=args.device, batch=args.batch, seq=args.seq,
+        head_chunk=args.head_chunk, nvme_dir=args.nvme_dir,
+        overrides=(f"memory.split_master={'true' if args.split_master == 'on' else 'false'}",
+                   *([f"memory.host_limit_gb={args.host_limit_gb}"] if args.host_limit_gb else [])))
     device, store = session.device, session.store
     date, dev = today(), device_tag(device)
     kernels_tag = "_torch-kernels" if args.kernels == "torch" else ""
     stem = f"plan_{args.model}_{dev}_{date}_s{args.seq}{kernels_tag}{args.tag}"
     common = run_header(device, model=args.model, optimizer=args.optimizer, overlap_optimizer=True,
-                        cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+                        cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                        split_master=args.split_master == "on", world_size=1, runner="lazytrain")
+    baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else []
     records: list[dict] = []
     os.makedirs(args.out, exist_ok=True)
 
@@ -261,6 +286,15 @@ def main() -> None:
         record["prediction_error"] = record["predicted_step_time_s"] / record["step_time_s"] - 1
         record["per_layer_type"] = per_type(plan, table, record["compute_only_layer_ms_by_type"])
         record["gpu_mem_cap_gb"] = cap_gb
+        host = session.host_memory(int(record["predicted_act_host_gb"] * 1e9), table)
+        record["host_budget_gb"] = {**{k: v / 1e9 for k, v in host.components().items()},
+                                    "total": host.total / 1e9, "limit": host.limit / 1e9,
+                                    "machine": host.machine / 1e9, "fits": host.fits}
+        base = next((b for b in baseline if b.get("policy") == policy and b.get("batch_size") == plan.batch_size
+                     and "tokens_per_s" in b), None)
+        if base is not None:
+            record["baseline"] = base["name"] + (" (split master)" if base.get("split_master") else " (whole master)")
+            record["tokens_per_s_vs_baseline"] = record["tokens_per_s"] / base["tokens_per_s"]
         record["plan"] = plan.to_dict()
         records.append({"name": name, **common, **record})
         print(json.dumps({k: v for k, v in records[-1].items() if k not in ("plan", "step_times_s")}), flush=True)
@@ -313,12 +347,16 @@ def markdown(records: list[dict], args) -> str:
         f"# Planner vs executor: {args.model}, seq {args.seq}",
         "",
         f"{head.get('date')}, {head.get('device')}, torch {head.get('torch')}, optimizer {args.optimizer} "
-        f"(overlapped), {args.warmup} warm-up + {args.steps} measured steps (median), random tokens. Command: "
+        f"(overlapped), {'split' if args.split_master == 'on' else 'whole'} fp32 masters, {args.warmup} warm-up + "
+        f"{args.steps} measured steps (median), random tokens. Host bytes/param: "
+        f"{head.get('host_bytes_per_param', {}).get('total', float('nan')):.3f}. Command: "
         f"`python bench/plan_bench.py --model {args.model} --optimizer {args.optimizer} --seq {args.seq} "
         f"--batch {args.batch} --runs {' '.join(args.runs)}"
         + (f" --max-batch {args.max_batch}" if args.max_batch else "")
         + (f" --kernels {args.kernels}" if args.kernels != "auto" else "")
-        + f" --warmup {args.warmup} --steps {args.steps}"
+        + f" --warmup {args.warmup} --steps {args.steps} --split-master {args.split_master}"
+        + (f" --host-limit-gb {args.host_limit_gb:g}" if args.host_limit_gb else "")
+        + (f" --baseline {args.baseline}" if args.baseline else "")
         + (f" --cap-gb {args.cap_gb:g} --cap-runs {' '.join(args.cap_runs)}" if args.cap_gb else "")
         + (" --cap-measure" if args.cap_measure else "") + "`",
         "",
@@ -378,6 +416,15 @@ def markdown(records: list[dict], args) -> str:
                     f"| {r['name']} | {kind} | {t['layers']} | {decisions} | {t['predicted_fwd_bwd_ms']:.1f} "
                     f"({measured:.1f}) | {t['predicted_recompute_ms']:.1f} | {t['predicted_compute_s']:.2f} |"
                 )
+    for r in records:
+        if "host_budget_gb" in r:
+            hb = r["host_budget_gb"]
+            parts = ", ".join(f"{k} {hb[k]:.1f}" for k in ("weights", "masters", "gradients", "optimizer",
+                                                             "activations", "staging"))
+            lines.append(f"\n{r['name']}: host budget (GB) {parts}; total {hb['total']:.1f} of {hb['limit']:.1f} "
+                         f"(machine {hb['machine']:.1f}, {'fits' if hb['fits'] else 'OVER'}); measured host RSS "
+                         f"{r['host_rss_gb']:.1f} GB." + (f" tokens/s {r['tokens_per_s_vs_baseline']:.3f}x "
+                         f"{r['baseline']}." if "baseline" in r else ""))
     caps = [r for r in records if "measured_max_batch" in r]
     if caps:
         lines += ["", f"Largest batch with the GPU capped at {caps[0]['cap_gb']:g} GiB "

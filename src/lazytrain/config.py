@@ -48,8 +48,8 @@ def check_fields(obj, section: str) -> None:
 class ModelConfig:
     source: str = "builtin:tiny"
     """A local HF model folder (config.json + safetensors), or ``builtin:NAME`` for a
-    random-initialised model of a built-in shape (tiny, qwen2.5-3b, qwen2.5-7b, qwen3-8b,
-    llama-3.1-8b)."""
+    random-initialised model of a built-in shape (tiny, qwen2.5-3b, qwen2.5-7b, qwen2.5-14b,
+    qwen3-8b, llama-3.1-8b, qwen3.5-9b, qwen3.6-27b, tiny-hybrid)."""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Compute dtype of streamed weights and activations: auto (bf16 on GPU, fp32 on CPU),
     bf16, fp32."""
@@ -215,7 +215,15 @@ class MemoryConfig:
     pin: bool = True
     """Page-lock the host weight and gradient arenas (needed for async full-speed copies)."""
     host_limit_gb: float | None = None
-    """Host memory LazyTrain may plan for (default: 95% of RAM)."""
+    """Host memory LazyTrain may plan for: model state, optimizer state, host-tier activations
+    and their pinned staging buffers together (default: RAM, or the cgroup limit, minus 5% and
+    at least 4 GiB for the process itself). The solved plan keeps host activations within what
+    is left after the model state."""
+    split_master: Literal["auto", "true", "false"] = "auto"
+    """Hold each fp32 master as the streamed bf16 weight plus a 16-bit remainder (exact, 2 B
+    per parameter instead of 4; see optim/split.py): auto (on for bf16 runs on a GPU), true
+    (any bf16 run), false. Does not apply to fp32 compute (the weights are the masters' own
+    precision)."""
     nvme_dir: str | None = None
     """Folder for the NVMe activation tier (files are removed when freed and at exit)."""
     gpu_gb: float | None = None
@@ -223,6 +231,7 @@ class MemoryConfig:
     capped too). Default: the whole device."""
 
     def __post_init__(self) -> None:
+        self.split_master = str(self.split_master).lower()  # YAML reads true/false as booleans
         check_fields(self, "memory")
         for name in ("host_limit_gb", "gpu_gb"):
             value = getattr(self, name)

@@ -119,6 +119,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     overlap = config.plan.overlap_optimizer
     sim = simulate(plan, costs, optimizer_overlap=overlap)
     print(format_plan_table(plan, sim, costs))
+    print(f"\nhost memory (model state + this plan's host-tier activations):\n"
+          f"{session.host_memory(sim.peak_host_bytes, costs).table()}")
     print("\nbaselines (same cost table, same simulator):")
     for baseline in comparison_plans(costs.num_layers, costs.batch_size, costs.seq_len, options):
         result = simulate(baseline, costs, optimizer_overlap=overlap)

@@ -2,21 +2,28 @@
 
 Per parameter group (see ``model.adapter``) there is one flat weight buffer in the compute
 dtype (what crosses PCIe), one flat fp32 master, and one flat gradient buffer in the compute
-dtype (what comes back). Weights and gradients are views into two large arenas that are
+dtype (what comes back). With ``split_master`` (bf16 compute only) the master is not held
+whole: the streamed bf16 weight is its high half and an int16 remainder its low half
+(``optim/split.py``), 2 bytes per parameter instead of 4, reconstructed exactly by the
+optimizers; `master_fp32` and `load_master_fp32` give and take the exact fp32 master either
+way (checkpoints, exports). Weights and gradients are views into two large arenas that are
 pinned once (page-locked in place, so the allocator's power-of-two rounding never applies),
 which is what makes every H2D/D2H copy asynchronous and full speed.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.model.adapter import GroupLayout, UnsupportedModelError
+from lazytrain.optim.split import SplitMaster
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +53,11 @@ def host_memory_total() -> int:
     return total
 
 
-def _pin_in_place(t: torch.Tensor) -> bool:
-    """Page-lock ``t``'s memory with cudaHostRegister (no copy, no rounding)."""
+def pin_in_place(t: torch.Tensor) -> bool:
+    """Page-lock ``t``'s memory with cudaHostRegister (no copy, no rounding: torch's pinned
+    allocator would round each allocation up to a power of two). Unregistered when the
+    tensor's base is freed, so the address can be pinned again. ``t`` must not share a page
+    with another pinned range. False (nothing done) without CUDA."""
     if not torch.cuda.is_available() or t.numel() == 0:
         return False
     cudart = torch.cuda.cudart()
@@ -60,13 +70,30 @@ def _pin_in_place(t: torch.Tensor) -> bool:
             f"{code}); the memlock limit (`ulimit -l`, or the container's) may be too low: raise "
             "it, or set memory.pin=false (transfers then run at pageable speed)"
         )
+    owner = t if t._base is None else t._base
+    # not at exit: the process's memory goes anyway, and unpinning 100 GB takes seconds
+    weakref.finalize(owner, cudart.cudaHostUnregister, t.data_ptr()).atexit = False
     return True
+
+
+HOST_RESERVE_FRACTION = 0.05
+HOST_RESERVE_MIN = 4 * 2**30
+"""Host memory left out of the default budget: the process itself (torch, CUDA context,
+Python), the page cache, other processes. 5% of RAM, at least 4 GiB."""
+
+
+def default_host_limit() -> int:
+    """The host bytes LazyTrain plans for without ``memory.host_limit_gb``: RAM (or the cgroup
+    limit) minus the reserve."""
+    total = host_memory_total()
+    return max(total - max(int(total * HOST_RESERVE_FRACTION), HOST_RESERVE_MIN), total // 2)
 
 
 @dataclass(slots=True)
 class HostBytes:
     weights: int
     masters: int
+    """fp32 masters, or with a split master their int16 remainders."""
     grads: int
     optimizer: int
     pinned: int
@@ -86,6 +113,29 @@ class HostBytes:
             "total": self.total / n,
         }
 
+    @classmethod
+    def predict(
+        cls, num_params: int, dtype: torch.dtype, split_master: bool, optimizer_bytes_per_param: float
+    ) -> HostBytes:
+        """What a `HostStore` of ``num_params`` and its optimizer will hold."""
+        esize = dtype.itemsize
+        return cls(
+            weights=num_params * esize,
+            masters=num_params * (2 if split_master else 4),
+            grads=num_params * esize,
+            optimizer=int(num_params * optimizer_bytes_per_param),
+            pinned=2 * num_params * esize,
+            num_params=num_params,
+        )
+
+    def describe(self) -> str:
+        gib = 2**30
+        return (
+            f"weights {self.weights / gib:.2f}, masters {self.masters / gib:.2f}, gradients "
+            f"{self.grads / gib:.2f}, optimizer {self.optimizer / gib:.2f} GiB "
+            f"({self.total / max(self.num_params, 1):.2f} B/param)"
+        )
+
 
 class HostStore:
     """Flat per-group host buffers for weights, fp32 masters and gradients."""
@@ -97,27 +147,29 @@ class HostStore:
         pin: bool = True,
         optimizer_bytes_per_param: float = 8.0,
         host_limit_bytes: int | None = None,
+        split_master: bool = False,
     ):
+        if split_master and dtype != torch.bfloat16:
+            raise ValueError(f"a split master needs bf16 streamed weights, got {dtype}")
         self.layouts = layouts
         self.dtype = dtype
+        self.split_master = split_master
         sizes = [g.numel for g in layouts]
         total = sum(sizes)
-        esize = torch.empty((), dtype=dtype).element_size()
-        need = total * (2 * esize + 4) + int(total * optimizer_bytes_per_param)
-        limit = host_limit_bytes or int(host_memory_total() * 0.95)
-        if need > limit:
+        need = HostBytes.predict(total, dtype, split_master, optimizer_bytes_per_param)
+        limit = host_limit_bytes or default_host_limit()
+        if need.total > limit:
             raise HostMemoryError(
-                f"host memory: the model needs {need / 2**30:.1f} GiB (weights {total * esize / 2**30:.1f}, "
-                f"fp32 masters {total * 4 / 2**30:.1f}, gradients {total * esize / 2**30:.1f}, optimizer "
-                f"{total * optimizer_bytes_per_param / 2**30:.1f}), {limit / 2**30:.1f} GiB is usable; "
-                "use optimizer.kind=hybrid8bit (about 2 B/param of state instead of 8), or a smaller model"
+                f"host memory: the model needs {need.total / 2**30:.1f} GiB ({need.describe()}), "
+                f"{limit / 2**30:.1f} GiB is usable; use optimizer.kind=hybrid8bit (about 2 B/param "
+                "of state instead of 8), memory.split_master=true (bf16), or a smaller model"
             )
         self._weight_arena = torch.empty(total, dtype=dtype)
         self._grad_arena = torch.empty(total, dtype=dtype)
         self.pinned_bytes = 0
         if pin:
             for arena in (self._weight_arena, self._grad_arena):
-                if _pin_in_place(arena):
+                if pin_in_place(arena):
                     self.pinned_bytes += arena.numel() * arena.element_size()
         self.weights: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
@@ -126,7 +178,15 @@ class HostStore:
             self.weights.append(self._weight_arena[offset : offset + n])
             self.grads.append(self._grad_arena[offset : offset + n])
             offset += n
-        self.masters = [torch.empty(n, dtype=torch.float32) for n in sizes]
+        self.masters: list[torch.Tensor | SplitMaster]
+        if split_master:
+            self._remainder_arena = torch.empty(total, dtype=torch.int16)
+            self.masters = [
+                SplitMaster(w, self._remainder_arena[off : off + n])
+                for w, off, n in zip(self.weights, itertools.accumulate(sizes, initial=0), sizes)
+            ]
+        else:
+            self.masters = [torch.empty(n, dtype=torch.float32) for n in sizes]
         self.num_params = total
         self.carried: dict[str, torch.Tensor] = {}
         """Checkpoint tensors outside the trained model (a vision tower), by HF name: loaded
@@ -146,21 +206,48 @@ class HostStore:
                         f"{layout.hf_prefix}{name}: shape {tuple(value.shape)} in the checkpoint, "
                         f"{p.shape} in the model config"
                     )
-                master = self.masters[group][p.offset : p.offset + p.numel]
-                master.copy_(value.reshape(-1))
-                self.weights[group][p.offset : p.offset + p.numel].copy_(master)
+                lo, hi = p.offset, p.offset + p.numel
+                master = self.masters[group]
+                if isinstance(master, SplitMaster):
+                    SplitMaster(master.weight[lo:hi], master.remainder[lo:hi]).assign(value)
+                    return
+                master[lo:hi].copy_(value.reshape(-1))
+                self.weights[group][lo:hi].copy_(master[lo:hi])
                 return
         raise KeyError(f"{layout.hf_prefix}{name} is not a parameter of group {layout.name}")
 
     def sync_weights_from_masters(self, group: int) -> None:
-        self.weights[group].copy_(self.masters[group])
+        """Streamed weights from the fp32 master (a split master's weight already is one half)."""
+        master = self.masters[group]
+        if not isinstance(master, SplitMaster):
+            self.weights[group].copy_(master)
+
+    def master_fp32(self, group: int) -> torch.Tensor:
+        """The exact fp32 master of ``group``: the master itself (not to be written), or, when
+        split, a new tensor joined from its halves."""
+        master = self.masters[group]
+        return master.fp32() if isinstance(master, SplitMaster) else master
+
+    def load_master_fp32(self, group: int, value: torch.Tensor) -> None:
+        """Set ``group``'s master to the flat fp32 ``value`` and its streamed weights with it."""
+        master = self.masters[group]
+        if value.numel() != master.numel() or value.dtype != torch.float32:
+            raise ValueError(
+                f"group {group}: master of {master.numel()} fp32 elements, got {value.dtype} "
+                f"with {value.numel()}"
+            )
+        if isinstance(master, SplitMaster):
+            master.assign(value)
+        else:
+            master.copy_(value.reshape(-1))
+            self.weights[group].copy_(master)
 
     def bytes(self, optimizer_state_bytes: int = 0) -> HostBytes:
         w = self._weight_arena.numel() * self._weight_arena.element_size()
         g = self._grad_arena.numel() * self._grad_arena.element_size()
         return HostBytes(
             weights=w,
-            masters=sum(m.numel() * 4 for m in self.masters),
+            masters=self.num_params * (2 if self.split_master else 4),
             grads=g,
             optimizer=optimizer_state_bytes,
             pinned=self.pinned_bytes,

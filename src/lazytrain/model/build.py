@@ -42,13 +42,18 @@ def build_model(
     pin: bool = True,
     optimizer_bytes_per_param: float | Callable[[list[int]], float] = 8.0,
     host_limit_bytes: int | None = None,
+    split_master: bool = False,
+    preflight: Callable[[list[int]], None] | None = None,
 ) -> tuple[ModelAdapter, HostStore]:
     """Adapter + host store holding the weights (loaded, or random for built-in shapes).
 
     ``optimizer_bytes_per_param`` is a number, or a function of the groups' sizes giving one.
+    ``preflight`` gets the groups' sizes before any host memory is allocated (and may raise).
     """
     config = model_config(source, vocab_size)
     adapter = ModelAdapter(config, device, dtype)
+    if preflight is not None:
+        preflight([g.numel for g in adapter.layouts])
     if callable(optimizer_bytes_per_param):
         optimizer_bytes_per_param = optimizer_bytes_per_param([g.numel for g in adapter.layouts])
     store = HostStore(
@@ -57,6 +62,7 @@ def build_model(
         pin=pin and device.type == "cuda",
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         host_limit_bytes=host_limit_bytes,
+        split_master=split_master,
     )
     if source.startswith("builtin:"):
         random_init(adapter, store, seed, device)

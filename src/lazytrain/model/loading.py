@@ -155,6 +155,7 @@ def save_hf(
             else f"model-{k + 1:05d}-of-{len(assignment):05d}.safetensors"
         )
         shard = {}
+        group_master: tuple[int, torch.Tensor] | None = None  # a split master is joined once
         for g, p in members:
             if g is None:
                 shard[p] = store.carried[p].contiguous()
@@ -162,7 +163,9 @@ def save_hf(
                 total += shard[p].numel() * shard[p].element_size()
                 continue
             layout = adapter.layouts[g]
-            master = store.masters[g][p.offset : p.offset + p.numel]
+            if group_master is None or group_master[0] != g:
+                group_master = (g, store.master_fp32(g))
+            master = group_master[1][p.offset : p.offset + p.numel]
             shard[layout.hf_name(p)] = master.view(p.shape).to(dtype).contiguous()
             weight_map[layout.hf_name(p)] = name
             total += p.numel * esize

@@ -1,38 +1,45 @@
 """fp32 AdamW on the CPU: torch's fused kernel over the flat master groups.
 
 torch's fused CPU AdamW needs parameter, gradient and states of one dtype, so a bf16
-gradient is cast (and multiplied by the clip coefficient) into one reused fp32 buffer per
-worker, one group at a time: no full-model fp32 gradient ever exists.
+gradient is cast into a reused fp32 buffer per worker, ``CHUNK`` elements at a time: no
+full-model (or full-group) fp32 gradient ever exists. A split master (``split.py``) is joined
+into a second such buffer, stepped by the same fused kernel and split back, chunk by chunk, so
+its masters stay bit-for-bit those of an unsplit run (the update is elementwise).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
 from torch.optim.adam import adam
 
 from lazytrain.optim.base import AdamWConfig, HostOptimizer
+from lazytrain.optim.split import SplitMaster
+
+CHUNK = 1 << 20
+"""Elements per call of torch's fused step: its fp32 scratch buffers stay at 4 MiB each."""
 
 
 class FusedAdamW(HostOptimizer):
     """fp32 states (8 bytes per parameter); the comparison path for the 8-bit optimizer."""
 
-    def __init__(self, masters: list[torch.Tensor], decay_numel: list[int], config: AdamWConfig):
+    def __init__(
+        self, masters: list[torch.Tensor | SplitMaster], decay_numel: list[int], config: AdamWConfig
+    ):
         super().__init__(masters, decay_numel, config)
-        self.exp_avg = [torch.zeros_like(m) for m in masters]
-        self.exp_avg_sq = [torch.zeros_like(m) for m in masters]
+        self.exp_avg = [torch.zeros(m.numel()) for m in masters]
+        self.exp_avg_sq = [torch.zeros(m.numel()) for m in masters]
         self._step_tensors = [torch.zeros((), dtype=torch.float32) for _ in masters]
         self._scratch = threading.local()
 
-    def _fp32_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        buf = getattr(self._scratch, "buf", None)
-        if buf is None or buf.numel() < grad.numel():
-            buf = torch.empty(grad.numel(), dtype=torch.float32)
-            self._scratch.buf = buf
-        out = buf[: grad.numel()]
-        out.copy_(grad.reshape(-1))
-        return out
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This thread's fp32 (gradient, master) scratch of CHUNK elements each."""
+        bufs = getattr(self._scratch, "bufs", None)
+        if bufs is None:
+            bufs = self._scratch.bufs = (torch.empty(CHUNK), torch.empty(CHUNK))
+        return bufs
 
     def step_group(
         self,
@@ -43,25 +50,32 @@ class FusedAdamW(HostOptimizer):
         weight_out: torch.Tensor | None,
     ) -> None:
         master = self.masters[group]
-        if grad.numel() != master.numel():
-            raise ValueError(
-                f"group {group}: gradient has {grad.numel()} elements, master {master.numel()}"
-            )
-        g32 = self._fp32_grad(grad)
+        n = master.numel()
+        if grad.numel() != n:
+            raise ValueError(f"group {group}: gradient has {grad.numel()} elements, master {n}")
+        self._check_weight_out(group, weight_out)
+        grad = grad.reshape(-1)
+        grad_buf, master_buf = self._buffers()
         # the clip coefficient rides in the fused kernel (it divides the gradient by
         # grad_scale), in fp32: multiplying the bf16 gradient first would round in bf16
         grad_scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
-        split = self.decay_numel[group]
+        decay_end = self.decay_numel[group]
         m, v, step = self.exp_avg[group], self.exp_avg_sq[group], self._step_tensors[group]
         cfg = self.config
-        for lo, hi, wd in ((0, split, cfg.weight_decay), (split, master.numel(), 0.0)):
-            if hi <= lo:
-                continue
-            # fused Adam increments the step tensor it is given; both halves share one count
+        bounds = sorted({*range(0, n, CHUNK), decay_end, n})
+        for lo, hi in itertools.pairwise(bounds):
+            if isinstance(master, SplitMaster):
+                half = SplitMaster(master.weight[lo:hi], master.remainder[lo:hi])
+                chunk = half.fp32(master_buf[: hi - lo])
+            else:
+                chunk = master[lo:hi]
+            g32 = grad_buf[: hi - lo]
+            g32.copy_(grad[lo:hi])
+            # fused Adam increments the step tensor it is given; all chunks share one count
             step_view = step.clone()
             adam(
-                [master[lo:hi]],
-                [g32[lo:hi]],
+                [chunk],
+                [g32],
                 [m[lo:hi]],
                 [v[lo:hi]],
                 [],
@@ -73,14 +87,16 @@ class FusedAdamW(HostOptimizer):
                 beta1=cfg.betas[0],
                 beta2=cfg.betas[1],
                 lr=lr,
-                weight_decay=wd,
+                weight_decay=cfg.weight_decay if lo < decay_end else 0.0,
                 eps=cfg.eps,
                 maximize=False,
             )
+            if isinstance(master, SplitMaster):
+                half.assign(chunk)
+            elif weight_out is not None:
+                weight_out[lo:hi].copy_(chunk)
         step.add_(1)
         self.steps[group] = int(step.item())
-        if weight_out is not None:
-            weight_out.copy_(master)
 
     def state_dict(self) -> dict:
         return {

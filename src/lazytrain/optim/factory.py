@@ -19,11 +19,9 @@ def fp32_state_groups(config: OptimizerConfig, num_groups: int) -> tuple[int, ..
 
 def state_bytes_per_param(config: OptimizerConfig, numels: list[int]) -> float:
     """Host bytes of optimizer state per parameter, for groups of ``numels`` elements."""
-    if config.kind != "hybrid8bit":
-        return 8.0
-    from lazytrain.optim.hybrid8bit import state_bytes_per_param as hybrid_bytes
+    from lazytrain.memory.budget import optimizer_bytes_per_param
 
-    return hybrid_bytes(numels, fp32_state_groups(config, len(numels)))
+    return optimizer_bytes_per_param(config.kind, numels, fp32_state_groups(config, len(numels)))
 
 
 def make_optimizer(config: OptimizerConfig, masters: list[torch.Tensor], decay_numel: list[int]) -> HostOptimizer:

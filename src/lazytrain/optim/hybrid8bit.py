@@ -23,6 +23,10 @@ kernel does. Where the kernel cannot be built, ``torch_step_8bit`` runs the same
 with torch ops (the kernel's vector path takes sqrt(v) and 1 / (sqrt(v) + eps) from hardware
 estimates refined by a Newton step, so the two differ by about an ulp).
 
+A split master (``split.py``) is joined to fp32, stepped and split again inside the same pass
+(kernel) or chunk (torch path), so the masters it holds are bit-for-bit those of an unsplit
+run fed the same gradients; its weight half is the streamed weight, written in that pass.
+
 Steps of different groups may run concurrently from several threads (each group's state is
 its own and the kernel holds no GIL); one group must not be stepped by two threads at once.
 Each step spreads its blocks over torch's intra-op threads (``torch.get_num_threads()``), so
@@ -47,6 +51,7 @@ from lazytrain.optim.quant import (
     signed_tables,
     unsigned_tables,
 )
+from lazytrain.optim.split import SplitMaster
 
 MIN_8BIT_NUMEL = 4096
 """Groups with fewer elements keep fp32 m and v."""
@@ -180,9 +185,26 @@ def _adam_update(
     return m, v
 
 
+def _master_chunk(master: torch.Tensor | SplitMaster, lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of the fp32 master: a view, or the join of a split master's halves."""
+    if isinstance(master, SplitMaster):
+        return SplitMaster(master.weight[lo:hi], master.remainder[lo:hi]).fp32()
+    return master[lo:hi]
+
+
+def _write_chunk(
+    master: torch.Tensor | SplitMaster, new: torch.Tensor, weight_out: torch.Tensor | None, lo: int, hi: int
+) -> None:
+    """After a chunk's step: split a split master's new values back, or copy the weights out."""
+    if isinstance(master, SplitMaster):
+        SplitMaster(master.weight[lo:hi], master.remainder[lo:hi]).assign(new)
+    elif weight_out is not None:
+        weight_out[lo:hi].copy_(new)
+
+
 def torch_step_8bit(
     grad: torch.Tensor,
-    master: torch.Tensor,
+    master: torch.Tensor | SplitMaster,
     state: QuantizedState,
     weight_out: torch.Tensor | None,
     s: StepScalars,
@@ -193,34 +215,35 @@ def torch_step_8bit(
     n = master.numel()
     for lo in range(0, n, TORCH_CHUNK):
         hi = min(n, lo + TORCH_CHUNK)
+        chunk = _master_chunk(master, lo, hi)
         blocks = slice(lo // BLOCK, num_blocks(hi))
         m_codes, v_codes = state.m_codes[lo:hi], state.v_codes[lo:hi]
         m_absmax, v_absmax = state.m_absmax[blocks], state.v_absmax[blocks]
         m = dequantize_blockwise(m_codes, m_absmax, mt)
         root = dequantize_blockwise(v_codes, v_absmax, vt)
         decay_numel = min(max(s.decay_numel - lo, 0), hi - lo)
-        m, v = _adam_update(master[lo:hi], grad[lo:hi], m, root * root, s, decay_numel)
+        m, v = _adam_update(chunk, grad[lo:hi], m, root * root, s, decay_numel)
         root = v.sqrt()
         for codes, absmax, x, tables in ((m_codes, m_absmax, m, mt), (v_codes, v_absmax, root, vt)):
             new_codes, new_absmax = quantize_blockwise(x, tables)
             codes.copy_(new_codes)
             absmax.copy_(new_absmax)
-        if weight_out is not None:
-            weight_out[lo:hi].copy_(master[lo:hi])
+        _write_chunk(master, chunk, weight_out, lo, hi)
 
 
 def torch_step_fp32(
     grad: torch.Tensor,
-    master: torch.Tensor,
+    master: torch.Tensor | SplitMaster,
     state: Fp32State,
     weight_out: torch.Tensor | None,
     s: StepScalars,
 ) -> None:
-    m, v = _adam_update(master, grad, state.exp_avg, state.exp_avg_sq, s, s.decay_numel)
+    n = master.numel()
+    chunk = _master_chunk(master, 0, n)
+    m, v = _adam_update(chunk, grad, state.exp_avg, state.exp_avg_sq, s, s.decay_numel)
     state.exp_avg.copy_(m)
     state.exp_avg_sq.copy_(v)
-    if weight_out is not None:
-        weight_out.copy_(master)
+    _write_chunk(master, chunk, weight_out, 0, n)
 
 
 class Hybrid8bitAdamW(HostOptimizer):
@@ -235,7 +258,7 @@ class Hybrid8bitAdamW(HostOptimizer):
 
     def __init__(
         self,
-        masters: list[torch.Tensor],
+        masters: list[torch.Tensor | SplitMaster],
         decay_numel: list[int],
         config: AdamWConfig,
         *,
@@ -289,8 +312,13 @@ class Hybrid8bitAdamW(HostOptimizer):
                 f"group {group}: weight_out must be a contiguous bf16 or fp32 tensor of {n} "
                 f"elements, got {weight_out.dtype} with {weight_out.numel()}"
             )
+        self._check_weight_out(group, weight_out)
         grad = grad.reshape(-1).contiguous()
         out = None if weight_out is None else weight_out.view(-1)
+        # the kernel takes a split master as (weight_out, remainder); `master` only sizes it
+        remainder = None
+        if isinstance(master, SplitMaster):
+            out, remainder = master.weight, master.remainder
         step = self.steps[group] + 1
         s = StepScalars.of(self.config, step, lr, clip_coef, self.decay_numel[group])
         state = self.states[group]
@@ -300,15 +328,17 @@ class Hybrid8bitAdamW(HostOptimizer):
                 torch_step_8bit(grad, master, state, out, s)
             else:
                 self._kernel.step_8bit(
-                    grad, master, state.m_codes, state.m_absmax, state.v_codes, state.v_absmax,
-                    out, self._tables, *scalars, s.decay_numel,
+                    grad, out if remainder is not None else master, state.m_codes, state.m_absmax,
+                    state.v_codes, state.v_absmax, out, remainder, self._tables, *scalars,
+                    s.decay_numel,
                 )  # fmt: skip
         elif self._kernel is None:
             torch_step_fp32(grad, master, state, out, s)
         else:
             self._kernel.step_fp32(
-                grad, master, state.exp_avg, state.exp_avg_sq, out, *scalars, s.decay_numel
-            )
+                grad, out if remainder is not None else master, state.exp_avg, state.exp_avg_sq,
+                out, remainder, *scalars, s.decay_numel,
+            )  # fmt: skip
         self.steps[group] = step
 
     def state_dict(self) -> dict:

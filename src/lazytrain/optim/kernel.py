@@ -2,7 +2,7 @@
 
 The kernel is compiled at first use with ``-march=native`` by ``torch.utils.cpp_extension``,
 so it must be built on the machine that runs it: the build directory is keyed by the torch
-version and this CPU's model and flags, under ``$TORCH_EXTENSIONS_DIR`` or
+version, this CPU's model and flags and the source's hash, under ``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/lazytrain/torch_extensions``. If the build fails (no compiler, no ninja), callers
 get ``None`` and a warning, and use the pure-torch path of the same math.
 
@@ -16,6 +16,7 @@ import hashlib
 import os
 import platform
 import threading
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -70,8 +71,28 @@ def _cpu_flags() -> str:
 def build_directory() -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "lazytrain" / "torch_extensions"
-    key = "|".join([torch.__version__, cpu_description(), _cpu_flags(), " ".join(_CFLAGS)])
+    # the source's own hash too: a build of another version of the kernel is never loaded
+    source = hashlib.sha1(SOURCE.read_bytes()).hexdigest()
+    key = "|".join([torch.__version__, cpu_description(), _cpu_flags(), " ".join(_CFLAGS), source])
     return base / f"lazytrain_hybrid8bit_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+STALE_LOCK_S = 600
+"""A build lock this old belongs to a build that was killed (a build takes about a minute)."""
+
+
+def _clear_stale_lock(directory: Path) -> None:
+    """torch's build lock is a file that a killed build leaves behind, and the next build waits
+    on it forever: remove one older than `STALE_LOCK_S`."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        warnings.warn(f"lazytrain: removing a stale kernel build lock {lock} ({age / 60:.0f} min old)",
+                      RuntimeWarning, stacklevel=3)
+        lock.unlink(missing_ok=True)
 
 
 def load_kernel(required: bool = False) -> ModuleType | None:
@@ -85,6 +106,7 @@ def load_kernel(required: bool = False) -> ModuleType | None:
 
             directory = build_directory()
             directory.mkdir(parents=True, exist_ok=True)
+            _clear_stale_lock(directory)
             _loaded = cpp_extension.load(
                 name="lazytrain_hybrid8bit",
                 sources=[str(SOURCE)],

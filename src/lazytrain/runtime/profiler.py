@@ -22,14 +22,18 @@ from collections.abc import Callable
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from lazytrain.memory.host_store import HostStore, host_memory_total
+from lazytrain.memory.host_store import HostStore, default_host_limit, host_memory_total
 from lazytrain.memory.nvme import NvmeStore, aligned_empty
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.optim.base import HostOptimizer
+from lazytrain.optim.split import SplitMaster
 from lazytrain.plan.costs import CostTable, LayerCosts, ShapeFit, default_fits, usable_gpu_bytes
 from lazytrain.plan.plan import keep_all_plan
 from lazytrain.runtime.device import time_ms
 from lazytrain.runtime.executor import Executor
+
+NVME_STAGING_BUFFERS = 4
+"""Pinned checkpoint-sized buffers the NVMe tier holds at once (writes behind, reads ahead)."""
 
 
 class _Peak:
@@ -183,10 +187,10 @@ def _optimizer_ns_per_param(optimizer_factory: Callable[[list[torch.Tensor], lis
                             store: HostStore, adapter: ModelAdapter, repeats: int) -> float:
     """One layer group stepped by a scratch optimizer of the same kind (the real state is untouched)."""
     layout = adapter.layouts[1]
-    master = store.masters[1].clone()
+    master = store.masters[1].clone()  # a split master times the split path
     scratch = optimizer_factory([master], [layout.decay_numel])
     grad = torch.randn(master.numel()).to(store.dtype)
-    out = torch.empty(master.numel(), dtype=store.dtype)
+    out = master.weight if isinstance(master, SplitMaster) else torch.empty(master.numel(), dtype=store.dtype)
     ms = time_ms(torch.device("cpu"), lambda: scratch.step_group(0, grad, 0.5, 1e-5, out), repeats)
     return ms * 1e6 / master.numel()
 
@@ -229,10 +233,13 @@ def profile(
     head_chunk_tokens: int = 4096,
     repeats: int = 5,
     nvme: NvmeStore | None = None,
+    host_limit_bytes: int | None = None,
 ) -> CostTable:
     """A `CostTable` for this model on this machine at ``(batch_size, seq_len)``.
 
     Without ``nvme`` the table has no NVMe capacity (``nvme_bytes=0``), so no plan uses that tier.
+    The table's host capacity is ``host_limit_bytes`` (default: `default_host_limit`) less the
+    model and optimizer state and, with an NVMe tier, its pinned staging buffers.
     """
     executor = Executor(adapter, store, keep_all_plan(adapter.num_layers, batch_size, seq_len, head_chunk_tokens),
                         device)
@@ -304,7 +311,9 @@ def profile(
     else:
         total_gpu = host_memory_total() // 4
     machine = _bandwidths(store.weights[1], device, repeats)
-    host_free = host_memory_total() * 0.95 - store.bytes(optimizer_state_bytes).total
+    host_free = (host_limit_bytes or default_host_limit()) - store.bytes(optimizer_state_bytes).total
+    if nvme is not None:  # write-behind and read-ahead buffers of the NVMe tier (pinned, pooled)
+        host_free -= NVME_STAGING_BUFFERS * input_bytes
     if nvme is not None:
         disk = _nvme_bandwidths(nvme, input_bytes)
         disk_note = (f"NVMe bandwidth measured in {nvme.folder} at {input_bytes} bytes per file, "

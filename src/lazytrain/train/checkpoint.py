@@ -126,7 +126,25 @@ def unflatten_state(tree, tensors) -> object:
 
 
 def tensors_bytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(_numel(t) * _dtype(t).itemsize for t in tensors.values())
+
+
+# A master group is an fp32 tensor, or a split master (bf16 weight + int16 remainder) whose
+# exact fp32 value `.fp32()` builds: a checkpoint holds fp32 either way, one group at a time.
+def _numel(t) -> int:
+    return t.numel()
+
+
+def _dtype(t) -> torch.dtype:
+    return t.dtype if isinstance(t, torch.Tensor) else torch.float32
+
+
+def _shape(t) -> list[int]:
+    return list(t.shape) if isinstance(t, torch.Tensor) else [t.numel()]
+
+
+def _materialize(t) -> torch.Tensor:
+    return t if isinstance(t, torch.Tensor) else t.fp32()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -151,8 +169,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], on_half=None
     """
     header, offset = {}, 0
     for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        nbytes = _numel(t) * _dtype(t).itemsize
+        header[name] = {"dtype": DTYPES[_dtype(t)], "shape": _shape(t), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
@@ -160,7 +178,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], on_half=None
     with open(path, "wb") as f:
         write_chunk(f, memoryview(len(encoded).to_bytes(8, "little") + encoded))
         for t in tensors.values():
-            flat = t.detach().reshape(-1)
+            flat = _materialize(t).detach().reshape(-1)
             data = memoryview(flat.contiguous().view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
             for start in range(0, len(data), CHUNK_BYTES):
                 piece = data[start : start + CHUNK_BYTES]
@@ -229,8 +247,9 @@ class Checkpointer:
 
     # -- sizes -----------------------------------------------------------------------------
 
-    def size_bytes(self, masters: list[torch.Tensor], optimizer_state: dict) -> int:
-        return sum(m.numel() * m.element_size() for m in masters) + tensors_bytes(flatten_state(optimizer_state)[1])
+    def size_bytes(self, masters: list, optimizer_state: dict) -> int:
+        """Bytes of a checkpoint: fp32 masters (a split master is saved whole) and optimizer state."""
+        return sum(m.numel() * 4 for m in masters) + tensors_bytes(flatten_state(optimizer_state)[1])
 
     def check_room(self, size: int, extra: int = 0, whole_run: bool = False) -> None:
         """Raise unless the next save (and ``extra`` bytes, e.g. the model export) fits.
@@ -266,7 +285,7 @@ class Checkpointer:
 
     # -- saving ----------------------------------------------------------------------------
 
-    def save(self, step: int, masters: list[torch.Tensor], optimizer_state: dict, state: dict) -> Path:
+    def save(self, step: int, masters: list, optimizer_state: dict, state: dict) -> Path:
         """Write checkpoint ``step``; return its folder. The previous one survives any failure."""
         self.saves += 1
         self.clean_leftovers()
@@ -343,7 +362,7 @@ class Checkpointer:
 
     # -- restoring -------------------------------------------------------------------------
 
-    def restore(self, found: Found, masters: list[torch.Tensor]) -> dict:
+    def restore(self, found: Found, masters: list) -> dict:
         """Copy the checkpoint's masters into ``masters``; return the optimizer's state dict."""
         path = found.path
         try:
@@ -356,12 +375,15 @@ class Checkpointer:
                     )
                 for g, m in enumerate(masters):
                     saved = f.get_tensor(f"g{g}")
-                    if saved.shape != m.shape:
+                    if saved.numel() != m.numel():
                         raise CheckpointError(
                             f"checkpoint {path}: group {g} has {saved.numel()} parameters, this model "
                             f"{m.numel()}; resume with the model the checkpoint was made with"
                         )
-                    m.copy_(saved)
+                    if isinstance(m, torch.Tensor):
+                        m.copy_(saved)
+                    else:
+                        m.assign(saved)
             if path.name == "checkpoint":
                 return torch.load(path / "optimizer.pt", weights_only=True)
             with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:

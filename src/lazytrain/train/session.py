@@ -17,13 +17,14 @@ import torch
 
 from lazytrain.config import Config, ConfigError
 from lazytrain.data.pipeline import load_tokenizer
+from lazytrain.memory import budget
 from lazytrain.memory.host_store import HostStore
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import build_model
 from lazytrain.model.loading import check_model_folder
 from lazytrain.optim.base import HostOptimizer
-from lazytrain.optim.factory import make_optimizer, state_bytes_per_param
+from lazytrain.optim.factory import fp32_state_groups, make_optimizer, state_bytes_per_param
 from lazytrain.plan.costs import CostTable, usable_gpu_bytes
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.policies import PolicyOptions, baseline_plan, policy_plan
@@ -64,6 +65,18 @@ class Session:
             optimizer_overlap=pc.overlap_optimizer,
         )
 
+    def host_memory(self, activations: int = 0, costs: CostTable | None = None) -> budget.HostBudget:
+        """This run's host bytes per component, with ``activations`` bytes on the host tier (and,
+        with an NVMe tier, its pinned staging buffers, sized by ``costs``' layer inputs)."""
+        numels = [layout.numel for layout in self.adapter.layouts]
+        staging = 0
+        if self.nvme is not None and costs is not None:
+            from lazytrain.runtime.profiler import NVME_STAGING_BUFFERS
+
+            staging = NVME_STAGING_BUFFERS * max(lc.input_bytes for lc in costs.layers)
+        return budget.host_budget(numels, host_settings(self.config, self.device, self.dtype, len(numels)),
+                                  activations=activations, staging=staging, limit=host_limit_bytes(self.config))
+
     def cost_table(self) -> CostTable:
         """The cost table of ``plan.costs`` at the training shape, or one profiled now."""
         cfg = self.config
@@ -71,6 +84,9 @@ class Session:
         if cfg.plan.costs:
             costs = CostTable.load(cfg.plan.costs).at(batch, seq)
             costs.check_layers(self.adapter.layer_types, f"plan.costs={cfg.plan.costs}")
+            # the room for host activations is this run's (its model state, its budget), not the profiled one's
+            state = self.host_memory()
+            costs = dataclasses.replace(costs, host_bytes=max(state.limit - state.total, 0))
             if cfg.memory.gpu_gb:
                 costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(cfg.memory.gpu_gb * GiB)))
             return costs
@@ -82,6 +98,7 @@ class Session:
             optimizer_state_bytes=self.optimizer.state_bytes(),
             head_chunk_tokens=cfg.plan.head_chunk_tokens,
             nvme=self.nvme,
+            host_limit_bytes=host_limit_bytes(cfg),
         )
 
     def resolved_policy(self) -> str:
@@ -123,6 +140,29 @@ def keep_all_bytes(adapter: ModelAdapter, batch: int, seq_len: int, dtype_bytes:
     return 56 * adapter.hidden_size * dtype_bytes * batch * seq_len * adapter.num_layers
 
 
+def host_limit_bytes(config: Config) -> int | None:
+    return int(config.memory.host_limit_gb * GiB) if config.memory.host_limit_gb else None
+
+
+def use_split_master(config: Config, device: torch.device, dtype: torch.dtype) -> bool:
+    """memory.split_master resolved: auto is on for bf16 runs on a GPU."""
+    choice = config.memory.split_master
+    if choice == "true" and dtype != torch.bfloat16:
+        raise ConfigError(
+            f"memory.split_master=true needs bf16 streamed weights, this run computes in {dtype} "
+            "(fp32 weights already are the masters' precision); set model.dtype=bf16 or "
+            "memory.split_master=auto"
+        )
+    return choice == "true" or (choice == "auto" and dtype == torch.bfloat16 and device.type == "cuda")
+
+
+def host_settings(config: Config, device: torch.device, dtype: torch.dtype, num_groups: int) -> budget.HostSettings:
+    """The choices that set the model state's host bytes."""
+    return budget.HostSettings(dtype=dtype, split_master=use_split_master(config, device, dtype),
+                               optimizer_kind=config.optimizer.kind,
+                               fp32_groups=fp32_state_groups(config.optimizer, num_groups))
+
+
 def build_session(config: Config) -> Session:
     """Device, tokenizer, model in host memory, optimizer and NVMe tier for ``config``.
 
@@ -137,10 +177,20 @@ def build_session(config: Config) -> Session:
     device = resolve_device(config.training.device)
     dtype = resolve_dtype(config.model.dtype, device)
     tokenizer = load_tokenizer(source)
+
+    def preflight(numels: list[int]) -> None:
+        """Before allocating: the model state against the host budget (raises, naming the
+        smallest change that fits, when it does not)."""
+        settings = host_settings(config, device, dtype, len(numels))
+        need = budget.host_budget(numels, settings, limit=host_limit_bytes(config))
+        log.info("host memory, model state (before the plan):\n%s", need.table())
+        budget.check_host_fit(numels, settings, need)
+
     adapter, store = build_model(
         source, device, dtype, seed=config.training.seed, vocab_size=len(tokenizer), pin=config.memory.pin,
         optimizer_bytes_per_param=lambda numels: state_bytes_per_param(config.optimizer, numels),
-        host_limit_bytes=int(config.memory.host_limit_gb * GiB) if config.memory.host_limit_gb else None,
+        host_limit_bytes=host_limit_bytes(config), split_master=use_split_master(config, device, dtype),
+        preflight=preflight,
     )
     if config.memory.gpu_gb:
         cap_gpu_memory(device, config.memory.gpu_gb)

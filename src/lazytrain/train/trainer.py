@@ -79,6 +79,8 @@ class Trainer:
             simulate(self.plan, self.costs, optimizer_overlap=cfg.plan.overlap_optimizer).metrics()
             if self.costs is not None else {"predicted_step_time_s": self.plan.predicted_step_time_s}
         )
+        host = session.host_memory(int(self.predicted.get("predicted_act_host_gb", 0.0) * 1e9), self.costs)
+        log.info("host memory with the plan's activations:\n%s", host.table())
         self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=session.nvme)
         self.executor.trace.enabled = self.device.type == "cuda"
         self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)

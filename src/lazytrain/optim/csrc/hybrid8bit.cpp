@@ -99,6 +99,16 @@ struct Scalar {
   static void store(uint16_t* p, F x) { *p = float_to_bf16(x); }
   template <class T>
   static void stream(T* p, F x) { store(p, x); }
+  // the split master (split.py): bits = (weight << 16) + sign-extended remainder
+  static F join(const uint16_t* hi, const uint16_t* lo) {
+    return bits_to_float((static_cast<uint32_t>(*hi) << 16) +
+                         static_cast<uint32_t>(static_cast<int32_t>(static_cast<int16_t>(*lo))));
+  }
+  static void split(uint16_t* hi, uint16_t* lo, F x) {
+    const uint32_t b = float_to_bits(x);
+    *hi = static_cast<uint16_t>((b + 0x8000u) >> 16);
+    *lo = static_cast<uint16_t>(b);
+  }
   static F sqrt(F v) { return std::sqrt(v); }
   static F reciprocal(F d) { return 1.0f / d; }
   static F abs(F x) { return std::fabs(x); }
@@ -143,6 +153,18 @@ struct Simd {
   // non-temporal stores, for the weights: written once, read next by a copy to the GPU
   static void stream(float* p, F x) { _mm512_stream_ps(p, x); }
   static void stream(uint16_t* p, F x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
+  static F join(const uint16_t* hi, const uint16_t* lo) {
+    const __m512i h = _mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi))), 16);
+    const __m512i l = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)));
+    return _mm512_castsi512_ps(_mm512_add_epi32(h, l));
+  }
+  static void split(uint16_t* hi, uint16_t* lo, F x) {
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i h = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x8000)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm512_cvtepi32_epi16(h));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), _mm512_cvtepi32_epi16(b));  // truncates
+  }
   // sqrt and 1 / x from the 14-bit estimates and one Newton step each (about an ulp off):
   // the divide and square-root units would otherwise bound the whole step.
   // max(v, tiny) keeps v = 0 finite: 0 * rsqrt(tiny) = 0.
@@ -308,6 +330,22 @@ struct Simd {
   static void store(uint16_t* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
   static void stream(float* p, F x) { _mm256_stream_ps(p, x); }
   static void stream(uint16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
+  static F join(const uint16_t* hi, const uint16_t* lo) {
+    const __m256i h = _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi))), 16);
+    const __m256i l = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)));
+    return _mm256_castsi256_ps(_mm256_add_epi32(h, l));
+  }
+  static __m128i low_halves(__m256i x) {  // masked first, so the saturating pack is exact
+    x = _mm256_and_si256(x, _mm256_set1_epi32(0xffff));
+    return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  }
+  static void split(uint16_t* hi, uint16_t* lo, F x) {
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x8000)), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), low_halves(h));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), low_halves(b));
+  }
   // as for AVX-512, from 12-bit estimates (one Newton step leaves 1-2 ulps)
   static F sqrt(F v) {
     const F r = _mm256_rsqrt_ps(_mm256_max_ps(v, set(kTiny)));
@@ -359,7 +397,9 @@ struct Group8bit {
   int64_t numel;
   int64_t decay_numel;
   float decay;  // 1 - lr * weight_decay
-  float* master;
+  float* master;        // nullptr when the master is split:
+  uint16_t* weight;     // its bf16 half (the streamed weight) and
+  uint16_t* remainder;  // its low 16 bits (split.py)
   uint8_t* m_codes;
   float* m_absmax;
   uint8_t* v_codes;
@@ -397,8 +437,13 @@ inline void update_range(const Group8bit& g, const G* grad, O* out, const Hyper&
       const F m = b1 * (m_old[r] * ms) + omb1 * gr;
       const F old = root_old[r] * vs;
       const F root = S::sqrt(b2 * (old * old) + omb2 * (gr * gr));
-      const F w = S::load(g.master + k) * dec - step_size * (m * S::reciprocal(root * inv_bc2 + eps));
-      S::store(g.master + k, w);
+      const F old_w = g.master ? S::load(g.master + k) : S::join(g.weight + k, g.remainder + k);
+      const F w = old_w * dec - step_size * (m * S::reciprocal(root * inv_bc2 + eps));
+      if (g.master) {
+        S::store(g.master + k, w);
+      } else {
+        S::split(g.weight + k, g.remainder + k, w);
+      }
       if constexpr (std::is_same_v<O, void>) {
       } else if constexpr (kStream) {
         S::stream(out + k, w);
@@ -479,19 +524,25 @@ void step_8bit_typed(const Group8bit& g, const G* grad, O* out, const Hyper& h,
   });
 }
 
-// fp32 states, for groups too small to quantize.
+// fp32 states, for groups too small to quantize. A split master has master == nullptr.
 template <class G, class O>
 void step_fp32_typed(int64_t numel, int64_t decay_numel, float decay, float* master,
-                     float* exp_avg, float* exp_avg_sq, const G* grad, O* out, const Hyper& h) {
+                     uint16_t* weight, uint16_t* remainder, float* exp_avg, float* exp_avg_sq,
+                     const G* grad, O* out, const Hyper& h) {
   for (int64_t k = 0; k < numel; ++k) {
     const float gr = Scalar::load(grad + k) * h.clip;
     const float m = h.beta1 * exp_avg[k] + h.one_minus_beta1 * gr;
     const float v = h.beta2 * exp_avg_sq[k] + h.one_minus_beta2 * (gr * gr);
     const float denom = std::sqrt(v) * h.inv_bc2_sqrt + h.eps;
-    const float w = master[k] * (k < decay_numel ? decay : 1.0f) - h.step_size * (m / denom);
+    const float old_w = master ? master[k] : Scalar::join(weight + k, remainder + k);
+    const float w = old_w * (k < decay_numel ? decay : 1.0f) - h.step_size * (m / denom);
     exp_avg[k] = m;
     exp_avg_sq[k] = v;
-    master[k] = w;
+    if (master) {
+      master[k] = w;
+    } else {
+      Scalar::split(weight + k, remainder + k, w);
+    }
     if constexpr (!std::is_same_v<O, void>) Scalar::store(out + k, w);
   }
 }
@@ -569,14 +620,39 @@ void dispatch_types(const at::Tensor& grad, const std::optional<at::Tensor>& wei
   }
 }
 
+// The master: an fp32 tensor, or (remainder given) split into weight_out's bf16 bits and the
+// int16 remainder; a split master's weight is written with the master, so weight_out is then
+// consumed here and the step writes no separate copy. -> (master, weight, remainder) pointers.
+struct MasterPointers {
+  float* master = nullptr;
+  uint16_t* weight = nullptr;
+  uint16_t* remainder = nullptr;
+};
+
+MasterPointers master_pointers(const at::Tensor& master, const std::optional<at::Tensor>& weight_out,
+                               const std::optional<at::Tensor>& remainder) {
+  const int64_t n = master.numel();
+  if (!remainder.has_value()) {
+    check_flat(master, at::kFloat, n, "master");
+    return {master.data_ptr<float>(), nullptr, nullptr};
+  }
+  TORCH_CHECK(weight_out.has_value() && weight_out->scalar_type() == at::kBFloat16,
+              "a split master needs its bf16 weight as weight_out");
+  check_flat(*weight_out, at::kBFloat16, n, "weight_out");
+  check_flat(*remainder, at::kShort, n, "remainder");
+  return {nullptr, reinterpret_cast<uint16_t*>(weight_out->data_ptr()),
+          reinterpret_cast<uint16_t*>(remainder->data_ptr())};
+}
+
+// `master` is only sized (any dtype) when `remainder` is given.
 void step_8bit(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& m_codes,
                const at::Tensor& m_absmax, const at::Tensor& v_codes, const at::Tensor& v_absmax,
-               const std::optional<at::Tensor>& weight_out, const std::vector<at::Tensor>& tables,
-               double clip, double beta1, double beta2, double eps, double step_size,
-               double inv_bc2_sqrt, double decay, int64_t decay_numel) {
+               const std::optional<at::Tensor>& weight_out, const std::optional<at::Tensor>& remainder,
+               const std::vector<at::Tensor>& tables, double clip, double beta1, double beta2,
+               double eps, double step_size, double inv_bc2_sqrt, double decay, int64_t decay_numel) {
   const int64_t n = master.numel();
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  check_flat(master, at::kFloat, n, "master");
+  const MasterPointers p = master_pointers(master, weight_out, remainder);
   check_io(grad, weight_out, n);
   check_flat(m_codes, at::kByte, n, "m_codes");
   check_flat(v_codes, at::kByte, n, "v_codes");
@@ -590,12 +666,14 @@ void step_8bit(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
   const Group8bit g{n,
                     std::clamp<int64_t>(decay_numel, 0, n),
                     static_cast<float>(decay),
-                    master.data_ptr<float>(),
+                    p.master,
+                    p.weight,
+                    p.remainder,
                     m_codes.data_ptr<uint8_t>(),
                     m_absmax.data_ptr<float>(),
                     v_codes.data_ptr<uint8_t>(),
                     v_absmax.data_ptr<float>()};
-  dispatch_types(grad, weight_out, [&](auto* grad_ptr, auto* out_ptr) {
+  dispatch_types(grad, p.master ? weight_out : std::nullopt, [&](auto* grad_ptr, auto* out_ptr) {
     using G = std::remove_const_t<std::remove_pointer_t<decltype(grad_ptr)>>;
     using O = std::remove_pointer_t<decltype(out_ptr)>;
     step_8bit_typed<G, O>(g, grad_ptr, out_ptr, h, tm, tv);
@@ -604,20 +682,51 @@ void step_8bit(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
 
 void step_fp32(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& weight_out,
-               double clip, double beta1, double beta2, double eps, double step_size,
-               double inv_bc2_sqrt, double decay, int64_t decay_numel) {
+               const std::optional<at::Tensor>& remainder, double clip, double beta1, double beta2,
+               double eps, double step_size, double inv_bc2_sqrt, double decay, int64_t decay_numel) {
   const int64_t n = master.numel();
-  check_flat(master, at::kFloat, n, "master");
+  const MasterPointers p = master_pointers(master, weight_out, remainder);
   check_io(grad, weight_out, n);
   check_flat(exp_avg, at::kFloat, n, "exp_avg");
   check_flat(exp_avg_sq, at::kFloat, n, "exp_avg_sq");
   const Hyper h = make_hyper(clip, beta1, beta2, eps, step_size, inv_bc2_sqrt);
-  dispatch_types(grad, weight_out, [&](auto* grad_ptr, auto* out_ptr) {
+  dispatch_types(grad, p.master ? weight_out : std::nullopt, [&](auto* grad_ptr, auto* out_ptr) {
     using G = std::remove_const_t<std::remove_pointer_t<decltype(grad_ptr)>>;
     using O = std::remove_pointer_t<decltype(out_ptr)>;
     step_fp32_typed<G, O>(n, std::clamp<int64_t>(decay_numel, 0, n), static_cast<float>(decay),
-                          master.data_ptr<float>(), exp_avg.data_ptr<float>(),
+                          p.master, p.weight, p.remainder, exp_avg.data_ptr<float>(),
                           exp_avg_sq.data_ptr<float>(), grad_ptr, out_ptr, h);
+  });
+}
+
+// The split master's halves (split.py) of fp32 `master`, and back.
+void split_master(const at::Tensor& master, const at::Tensor& weight, const at::Tensor& remainder) {
+  const int64_t n = master.numel();
+  check_flat(master, at::kFloat, n, "master");
+  check_flat(weight, at::kBFloat16, n, "weight");
+  check_flat(remainder, at::kShort, n, "remainder");
+  const float* src = master.data_ptr<float>();
+  auto* hi = reinterpret_cast<uint16_t*>(weight.data_ptr());
+  auto* lo = reinterpret_cast<uint16_t*>(remainder.data_ptr());
+  at::parallel_for(0, n, 1 << 16, [&](int64_t a, int64_t b) {
+    int64_t k = a;
+    for (; k + Simd::W <= b; k += Simd::W) Simd::split(hi + k, lo + k, Simd::load(src + k));
+    for (; k < b; ++k) Scalar::split(hi + k, lo + k, src[k]);
+  });
+}
+
+void join_master(const at::Tensor& weight, const at::Tensor& remainder, const at::Tensor& master) {
+  const int64_t n = master.numel();
+  check_flat(master, at::kFloat, n, "master");
+  check_flat(weight, at::kBFloat16, n, "weight");
+  check_flat(remainder, at::kShort, n, "remainder");
+  float* dst = master.data_ptr<float>();
+  const auto* hi = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  const auto* lo = reinterpret_cast<const uint16_t*>(remainder.data_ptr());
+  at::parallel_for(0, n, 1 << 16, [&](int64_t a, int64_t b) {
+    int64_t k = a;
+    for (; k + Simd::W <= b; k += Simd::W) Simd::store(dst + k, Simd::join(hi + k, lo + k));
+    for (; k < b; ++k) dst[k] = Scalar::join(hi + k, lo + k);
   });
 }
 
@@ -658,5 +767,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_8bit", &step_8bit, py::call_guard<py::gil_scoped_release>());
   m.def("step_fp32", &step_fp32, py::call_guard<py::gil_scoped_release>());
   m.def("nearest_codes", &nearest_codes, py::call_guard<py::gil_scoped_release>());
+  m.def("split_master", &split_master, py::call_guard<py::gil_scoped_release>());
+  m.def("join_master", &join_master, py::call_guard<py::gil_scoped_release>());
   m.def("simd", &simd_name);
 }
