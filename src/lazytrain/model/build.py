@@ -48,16 +48,19 @@ def build_model(
     pin: bool = True,
     optimizer_bytes_per_param: float | Callable[[list[int]], float] = 8.0,
     host_limit_bytes: int | None = None,
+    store_factory: Callable[..., HostStore] = HostStore,
 ) -> tuple[ModelAdapter, HostStore]:
     """Adapter + host store holding the weights (loaded, or random for built-in shapes).
 
     ``optimizer_bytes_per_param`` is a number, or a function of the groups' sizes giving one.
+    ``store_factory`` builds the store from the layouts and dtype (a data-parallel rank's
+    ``ShardedHostStore``, with its rank arguments bound).
     """
     config = model_config(source, vocab_size)
     adapter = ModelAdapter(config, device, dtype)
     if callable(optimizer_bytes_per_param):
         optimizer_bytes_per_param = optimizer_bytes_per_param([g.numel for g in adapter.layouts])
-    store = HostStore(
+    store = store_factory(
         adapter.layouts,
         dtype,
         pin=pin and device.type == "cuda",

@@ -73,8 +73,12 @@ def save_hf(
     out_dir: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = 5 * 2**30,
+    groups: list[torch.Tensor] | None = None,
 ) -> Path:
-    """Write an HF model folder (config + safetensors shards + index) from the fp32 masters."""
+    """Write an HF model folder (config + safetensors shards + index) from the fp32 masters,
+    or from ``groups`` (flat per-group values, e.g. a data-parallel rank's full streaming
+    weights, which hold every master rounded to the model dtype)."""
+    values = store.masters if groups is None else groups
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = adapter.config
@@ -102,7 +106,7 @@ def save_hf(
         shard = {}
         for g, p in members:
             layout = adapter.layouts[g]
-            master = store.masters[g][p.offset : p.offset + p.numel]
+            master = values[g][p.offset : p.offset + p.numel]
             shard[layout.hf_prefix + p.name] = master.view(p.shape).to(dtype).contiguous()
             weight_map[layout.hf_prefix + p.name] = name
             total += p.numel * esize

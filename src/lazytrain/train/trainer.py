@@ -4,6 +4,11 @@ One ``Trainer`` per run: ``setup()`` builds everything, ``train()`` is the loop,
 output folder ends as an HF model folder (config, safetensors, tokenizer) plus the resolved
 LazyTrain config, the prompt template and ``metrics.jsonl``. A ``checkpoint/`` folder in it
 holds what ``training.resume=true`` needs to continue exactly where the run stopped.
+
+Launched by ``torchrun`` (one process per GPU) the same recipe runs data parallel: each rank
+trains on its rows of every global batch with the host state sharded (``memory.shard``,
+``runtime.distributed``); rank 0 alone writes logs, metrics and the model folder, and every
+rank writes its shard of the checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import logging
 import math
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,6 +32,7 @@ from lazytrain.data.synthetic import make_samples
 from lazytrain.data.template import PromptTemplate, get_template
 from lazytrain.data.tokenizer import builtin_tokenizer
 from lazytrain.memory.nvme import NvmeStore
+from lazytrain.memory.shard import ShardedHostStore, shard_decay_numel
 from lazytrain.model.build import build_model, resolve_dtype
 from lazytrain.model.flops import flops_6nt, model_flops
 from lazytrain.model.loading import save_hf
@@ -33,11 +40,13 @@ from lazytrain.optim.adamw import FusedAdamW
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.plan.costs import CostTable, usable_gpu_bytes
 from lazytrain.plan.plan import Plan, checkpoint_all_plan, keep_all_plan, megatrain_plan
+from lazytrain.runtime.distributed import DataParallel, local_batch_size, rank_info_from_env
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.streams import prefer_expandable_segments
 from lazytrain.runtime.update import HostUpdater
 from lazytrain.train.metrics import MetricsWriter, gpu_memory, host_rss_bytes
 from lazytrain.train.schedule import learning_rate
+from lazytrain.train.shard_checkpoint import check_world_size, shard_file_names
 
 log = logging.getLogger(__name__)
 
@@ -159,12 +168,17 @@ def optimizer_bytes_per_param(config: Config, numels: list[int]) -> float:
     return state_bytes_per_param(numels, fp32_state_groups(config, len(numels)))
 
 
-def make_optimizer(config: Config, masters: list[torch.Tensor], decay_numel: list[int]) -> HostOptimizer:
+def make_optimizer(
+    config: Config, masters: list[torch.Tensor], decay_numel: list[int], group_numels: list[int] | None = None
+) -> HostOptimizer:
+    """The configured optimizer over ``masters``; ``group_numels`` are the whole groups' sizes
+    when the masters are a data-parallel rank's shards."""
     oc = config.optimizer
     if oc.kind == "hybrid8bit":
         from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
 
-        return Hybrid8bitAdamW(masters, decay_numel, oc, fp32_groups=fp32_state_groups(config, len(masters)))
+        return Hybrid8bitAdamW(masters, decay_numel, oc, fp32_groups=fp32_state_groups(config, len(masters)),
+                               group_numels=group_numels)
     return FusedAdamW(masters, decay_numel, oc)
 
 
@@ -194,6 +208,18 @@ class Trainer:
             )
         torch.manual_seed(cfg.training.seed)
         self.device = resolve_device(cfg.training.device)
+        info = rank_info_from_env()
+        self.parallel = None
+        # the plan, the profile and the executor see this rank's rows of the global batch
+        self.plan_config = cfg
+        if info is not None:
+            local = local_batch_size(cfg.training.batch_size, info.world_size)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", info.local_rank)
+                torch.cuda.set_device(self.device)
+            self.parallel = DataParallel(info, self.device)
+            self.plan_config = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, batch_size=local))
+        self.is_main = info is None or info.is_main
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         self.tokenizer = load_tokenizer(cfg.model.source)
         self.template = self._template()
@@ -203,14 +229,22 @@ class Trainer:
             seed=cfg.training.seed, vocab_size=len(self.tokenizer), pin=cfg.memory.pin,
             optimizer_bytes_per_param=lambda numels: optimizer_bytes_per_param(cfg, numels),
             host_limit_bytes=int(cfg.memory.host_limit_gb * 2**30) if cfg.memory.host_limit_gb else None,
+            **({"store_factory": self._sharded_store_factory()} if self.parallel else {}),
         )
+        if self.parallel is not None:
+            self.parallel.barrier()  # local rank 0 has written the shared weights
         if cfg.memory.gpu_gb and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             # the device needs an index here (torch 2.11 rejects a bare 'cuda')
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory.gpu_gb * 2**30 / total), index)
         decay = [layout.decay_numel for layout in self.adapter.layouts]
-        self.optimizer = make_optimizer(cfg, self.store.masters, decay)
+        if self.parallel is None:
+            self.optimizer = make_optimizer(cfg, self.store.masters, decay)
+        else:
+            shard_decay = [shard_decay_numel(d, r) for d, r in zip(decay, self.store.ranges)]
+            self.optimizer = make_optimizer(cfg, self.store.masters, shard_decay,
+                                            [layout.numel for layout in self.adapter.layouts])
         self.nvme = NvmeStore(cfg.memory.nvme_dir) if cfg.memory.nvme_dir else None
         policy = cfg.plan.policy
         if policy == "auto" and self.device.type == "cuda":
@@ -218,41 +252,59 @@ class Trainer:
         self.costs = None
         if policy == "solved":
             self.costs = self.cost_table()
-            self.plan = solved_plan(cfg, self.costs)
+            self.plan = solved_plan(self.plan_config, self.costs)
         else:
-            self.plan = make_plan(cfg, self.adapter, cfg.data.max_seq_len, self.device, self.dtype)
+            self.plan = make_plan(self.plan_config, self.adapter, cfg.data.max_seq_len, self.device, self.dtype)
             if cfg.plan.costs:
                 self.costs = self.cost_table()
         # what the planner predicts for this plan, logged beside the measured figures each step
         self.predicted = (prediction(self.plan, self.costs, cfg.plan.overlap_optimizer)
                           if self.costs is not None else {"predicted_step_time_s": self.plan.predicted_step_time_s})
-        self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=self.nvme)
+        self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=self.nvme,
+                                 parallel=self.parallel)
         self.executor.trace.enabled = self.device.type == "cuda"
         self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
         if cfg.training.resume and (self.out_dir / "checkpoint").exists():
             self._load_checkpoint(self.out_dir / "checkpoint")
-        self.metrics = MetricsWriter(self.out_dir, append=self.step > 0)
-        cfg.save(self.out_dir / "lazytrain_config.yaml")
-        self.template.save(self.out_dir)
+        self.metrics = MetricsWriter(self.out_dir, append=self.step > 0) if self.is_main else None
+        if self.is_main:
+            cfg.save(self.out_dir / "lazytrain_config.yaml")
+            self.template.save(self.out_dir)
+
+    def _sharded_store_factory(self):
+        """``build_model``'s store for this rank: the host's shared weights, this rank's shards."""
+        info, cfg = self.parallel.info, self.config
+        path = Path(cfg.memory.shm_dir) / f"lazytrain-{self.parallel.run_id}-host{info.node_rank}.weights"
+        return partial(
+            ShardedHostStore, rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
+            local_world_size=info.local_world_size, arena_path=path, barrier=self.parallel.barrier,
+        )
 
     def cost_table(self) -> CostTable:
         """The cost table of ``plan.costs``, or one profiled now at the training shape."""
-        cfg = self.config
+        cfg = self.plan_config
         if cfg.plan.costs:
             costs = CostTable.load(cfg.plan.costs).at(cfg.training.batch_size, cfg.data.max_seq_len)
             if cfg.memory.gpu_gb:
                 costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(cfg.memory.gpu_gb * 2**30)))
-            return costs
+            return self._per_rank(costs)
         from lazytrain.runtime.profiler import profile
 
-        return profile(
+        info = self.parallel.info if self.parallel is not None else None
+        return self._per_rank(profile(
             self.adapter, self.store, self.device, cfg.training.batch_size, cfg.data.max_seq_len,
             lambda masters, decay: make_optimizer(cfg, masters, decay),
             gpu_bytes=int(cfg.memory.gpu_gb * 2**30) if cfg.memory.gpu_gb else None,
             optimizer_state_bytes=self.optimizer.state_bytes(),
             head_chunk_tokens=cfg.plan.head_chunk_tokens,
             nvme=self.nvme,
-        )
+            **({"local_world_size": info.local_world_size, "barrier": self.parallel.barrier} if info else {}),
+        ))
+
+    def _per_rank(self, costs: CostTable) -> CostTable:
+        if self.parallel is None:
+            return costs
+        return costs.for_ranks(self.parallel.info.world_size, self.parallel.info.local_world_size)
 
     def _template(self) -> PromptTemplate:
         name = self.config.data.template
@@ -283,12 +335,14 @@ class Trainer:
     def train(self) -> dict:
         cfg = self.config
         tc, oc = cfg.training, cfg.optimizer
-        bar = tqdm(total=tc.steps, initial=self.step, disable=not tc.progress, desc="train",
+        bar = tqdm(total=tc.steps, initial=self.step, disable=not (tc.progress and self.is_main), desc="train",
                    dynamic_ncols=True)
         last = None
         t_prev = time.perf_counter()
         while self.step < tc.steps:
             batch = next(self.batches)
+            if self.parallel is not None:
+                batch = self.parallel.local_rows(batch)
             stats = self.executor.forward_backward(batch.input_ids, batch.labels, batch.attention_mask)
             streams = measured_streams(stats, self.executor.trace.summary())
             waited = self.updater.wait_seconds  # this forward waiting for the last CPU update
@@ -327,26 +381,31 @@ class Trainer:
                 "host_rss_gb": host_rss_bytes() / 1e9,
                 **gpu_memory(self.device),
             }
-            self.metrics.write(last)
+            if self.is_main:
+                self.metrics.write(last)
             bar.update(1)
             bar.set_postfix(loss=f"{stats.loss:.4f}", gnorm=f"{stats.grad_norm:.2f}",
                             tok_s=f"{last['tokens_per_s']:.0f}")
-            if tc.log_every and self.step % tc.log_every == 0 and not tc.progress:
+            if tc.log_every and self.step % tc.log_every == 0 and not tc.progress and self.is_main:
                 log.info("step %d loss %.4f grad_norm %.3f %.0f tok/s", self.step, stats.loss,
                          stats.grad_norm, last["tokens_per_s"])
             if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.steps:
                 self.save_checkpoint()
-            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
+            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps and self.is_main:
                 self.metrics.write({"step": self.step, **self._eval_metrics()})
         bar.close()
         self.updater.finish()
-        self.save_model(self.out_dir)
+        if self.is_main:
+            self.save_model(self.out_dir)
         self.save_checkpoint()
         final_eval = None
-        if self.config.data.dataset == "builtin" or tc.eval_every:
+        if self.is_main and (self.config.data.dataset == "builtin" or tc.eval_every):
             final_eval = self._eval_metrics()
             self.metrics.write({"step": self.step, **final_eval})
-        self.metrics.close()
+        if self.is_main:
+            self.metrics.close()
+        if self.parallel is not None:
+            self.parallel.close()
         return {"steps": self.step, "skipped_steps": self.skipped_steps, "last": last, "eval": final_eval}
 
     def _eval_metrics(self) -> dict:
@@ -373,29 +432,45 @@ class Trainer:
     def save_model(self, out_dir: Path) -> None:
         """An HF model folder: config, safetensors (bf16), tokenizer, prompt template."""
         self.updater.finish()
-        save_hf(self.adapter, self.store, out_dir, dtype=torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32)
+        # data parallel: the masters are shards; the shared weights hold all of them, rounded
+        # to the model dtype, which is what is written
+        save_hf(self.adapter, self.store, out_dir, dtype=torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32,
+                groups=self.store.weights if self.parallel is not None else None)
         self.tokenizer.save_pretrained(out_dir)
         self.template.save(out_dir)
 
+    def _rank_world(self) -> tuple[int, int]:
+        return (self.parallel.rank, self.parallel.world_size) if self.parallel is not None else (0, 1)
+
     def save_checkpoint(self) -> None:
-        """Masters, optimizer state, data position and step: what resume needs."""
+        """Masters, optimizer state, data position and step: what resume needs. Data
+        parallel: every rank writes its shards, rank 0 the step and data position."""
         self.updater.finish()
         ckpt = self.out_dir / "checkpoint"
         tmp = self.out_dir / "checkpoint.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
-        save_file({f"g{g}": m for g, m in enumerate(self.store.masters)}, str(tmp / "masters.safetensors"))
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / "state.json").write_text(json.dumps({
-            "step": self.step,
-            "skipped_steps": self.skipped_steps,
-            "data": self.batches.state_dict(),
-            "num_params": self.store.num_params,
-        }))
-        if ckpt.exists():
-            for f in ckpt.iterdir():
-                f.unlink()
-            ckpt.rmdir()
-        tmp.rename(ckpt)
+        rank, world = self._rank_world()
+        masters_name, optimizer_name = shard_file_names(rank, world)
+        save_file({f"g{g}": m.contiguous() for g, m in enumerate(self.store.masters)}, str(tmp / masters_name))
+        torch.save(self.optimizer.state_dict(), tmp / optimizer_name)
+        if self.is_main:
+            (tmp / "state.json").write_text(json.dumps({
+                "step": self.step,
+                "skipped_steps": self.skipped_steps,
+                "data": self.batches.state_dict(),
+                "num_params": self.store.num_params,
+                "world_size": world,
+            }))
+        if self.parallel is not None:
+            self.parallel.barrier()  # every shard is written
+        if self.is_main:
+            if ckpt.exists():
+                for f in ckpt.iterdir():
+                    f.unlink()
+                ckpt.rmdir()
+            tmp.rename(ckpt)
+        if self.parallel is not None:
+            self.parallel.barrier()
 
     def _load_checkpoint(self, ckpt: Path) -> None:
         state = json.loads((ckpt / "state.json").read_text())
@@ -404,12 +479,17 @@ class Trainer:
                 f"checkpoint {ckpt} is of a model with {state['num_params']} parameters, this "
                 f"model has {self.store.num_params}; use another training.output_dir"
             )
-        masters = load_file(str(ckpt / "masters.safetensors"))
+        rank, world = self._rank_world()
+        check_world_size(state, world, ckpt)
+        masters_name, optimizer_name = shard_file_names(rank, world)
+        masters = load_file(str(ckpt / masters_name))
         for g, m in enumerate(self.store.masters):
             m.copy_(masters[f"g{g}"])
             self.store.sync_weights_from_masters(g)
+            if self.parallel is not None:
+                self.parallel.publish(self.store, g)  # the other ranks' shards of the weights
             self.executor.weights_updated(g)
-        self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=False))
+        self.optimizer.load_state_dict(torch.load(ckpt / optimizer_name, weights_only=False))
         self.batches.load_state_dict(state["data"])
         self.step = state["step"]
         self.skipped_steps = state["skipped_steps"]
