@@ -20,6 +20,7 @@ from lazytrain.memory.shard import SHARD_ALIGN, shard_decay_numel, shard_range
 from lazytrain.optim.base import AdamWConfig
 from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
 from lazytrain.optim.quant import BLOCK
+from lazytrain.runtime.distributed import DistributedError, local_batch_size, rank_info_from_env
 from lazytrain.train.shard_checkpoint import CheckpointError
 from lazytrain.train.trainer import Trainer
 
@@ -132,6 +133,23 @@ def test_shard_boundaries_are_8bit_blocks():
         for a, b in itertools.pairwise(ranges):
             assert a.stop == b.start and (b.start % BLOCK == 0 or b.start == numel)
         assert len({r.chunk for r in ranges}) == 1 and ranges[0].chunk * world >= numel
+
+
+def test_launch_errors_say_what_to_do(monkeypatch):
+    with pytest.raises(DistributedError, match="multiple of 4"):
+        local_batch_size(6, 4)
+    assert local_batch_size(8, 4) == 2
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(DistributedError, match="same --nproc-per-node"):
+        rank_info_from_env()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    info = rank_info_from_env()
+    assert (info.num_nodes, info.node_of(1), info.is_main) == (2, 0, False)
 
 
 def test_two_ranks_equal_one_process_and_share_the_weights(tmp_path):

@@ -272,6 +272,13 @@ class CostTable:
         """Fraction of each gradient that one rank copies to the host."""
         return 1.0 / self.world_size
 
+    @property
+    def grad_buffers(self) -> float:
+        """Layer gradients live on the GPU at once, in layer sizes: two (one being copied
+        out while the next is produced); with several ranks also the flat buffer that is
+        reduce-scattered and this rank's chunk of it."""
+        return 2.0 if self.world_size == 1 else 3.0 + 1.0 / self.world_size
+
     def for_ranks(self, world_size: int, local_world_size: int) -> CostTable:
         """The table of one rank of ``world_size`` (``local_world_size`` per host).
 

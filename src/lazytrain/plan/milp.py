@@ -451,7 +451,7 @@ def _build(
         else:
             cap = (c.gpu_bytes if gpu_bytes is None else gpu_bytes) / GB - _MARGIN_GB
         fixed_gb = c.gpu_fixed_bytes / GB
-        grads = 2 * max(w)
+        grads = c.grad_buffers * max(w)
         # GPU-kept bytes of layers < i, as running-sum columns (keeps the matrix sparse).
         kept_before = [_Expr()]
         for i in range(L):

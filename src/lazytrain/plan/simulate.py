@@ -250,7 +250,7 @@ class _StepModel:
             self._unit(start, end, compute_ms)
 
         w_max = max(lc.weight_bytes for lc in layers)
-        self.gpu.append((2 * w_max, st.bwd(L - 1), st.embed_bwd))
+        self.gpu.append((c.grad_buffers * w_max, st.bwd(L - 1), st.embed_bwd))
         for j in range(L):
             issue = st.bwd(j) + 1
             op = self._copy("d2h", layers[j].weight_bytes * c.grad_share, f"grad {j}", issue)

@@ -104,6 +104,9 @@ class DataParallel:
         # host-side synchronisation (the optimizer's per-group exchange, barriers around files):
         # its own group, so a worker thread's collectives never interleave with the step's
         self.cpu_group = dist.new_group(backend="gloo")
+        # the step's host-side integers (token counts): known on the CPU, so summed there,
+        # without a device round trip; a group of their own for the same reason
+        self.count_group = dist.new_group(backend="gloo")
         name = [uuid.uuid4().hex[:12] if info.rank == 0 else None]
         dist.broadcast_object_list(name, src=0, group=self.cpu_group)
         self.run_id: str = name[0]
@@ -119,17 +122,14 @@ class DataParallel:
     def rank(self) -> int:
         return self.info.rank
 
-    def _collective_device(self) -> torch.device:
-        return self.device if self.backend == "nccl" else torch.device("cpu")
-
     def barrier(self) -> None:
         dist.barrier(group=self.cpu_group)
 
     def sum_counts(self, values: list[int]) -> list[int]:
-        """Integers summed over ranks (the global token counts of a step; one host sync)."""
-        t = torch.tensor(values, dtype=torch.int64, device=self._collective_device())
-        dist.all_reduce(t)
-        return [int(v) for v in t.cpu()]
+        """Integers summed over ranks (the global token counts of a step)."""
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, group=self.count_group)
+        return [int(v) for v in t]
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over ranks, in place (a device tensor with NCCL)."""

@@ -199,7 +199,7 @@ class Executor:
         """Squared norm on the GPU, then an async copy into the pinned host gradient buffer."""
         layout = self.adapter.layouts[group]
         ordered = [grads[p.name] for p in layout.params]
-        if self.parallel is not None:
+        if self.parallel is not None and self.parallel.world_size > 1:
             self._emit_grad_shard(group, ordered)
             return
         norms = torch._foreach_norm(ordered, 2, dtype=torch.float32)
@@ -447,8 +447,9 @@ class Executor:
         del g, h0
 
         if self.parallel is not None:
-            # the shards' norms are written on the D2H stream, after their collectives
-            self.streams.wait(self.grad_ready[0])
+            if self.parallel.world_size > 1:
+                # the shards' norms are written on the D2H stream, after their collectives
+                self.streams.wait(self.grad_ready[0])
             stats = self.parallel.sum_(torch.stack([loss_sum, self.grad_norm_sq.sum()])).cpu()
         else:
             stats = torch.stack([loss_sum, self.grad_norm_sq.sum()]).cpu()

@@ -220,6 +220,8 @@ class Trainer:
             self.parallel = DataParallel(info, self.device)
             self.plan_config = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, batch_size=local))
         self.is_main = info is None or info.is_main
+        if not self.is_main:
+            logging.getLogger("lazytrain").setLevel(logging.WARNING)  # rank 0 logs
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         self.tokenizer = load_tokenizer(cfg.model.source)
         self.template = self._template()
