@@ -22,13 +22,16 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from lazytrain.data.dataset import IGNORE_INDEX
 from lazytrain.errors import LazyTrainError
 from lazytrain.memory.shard import ShardedHostStore, shard_range
+
+if TYPE_CHECKING:
+    from lazytrain.data.dataset import Batch
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +190,7 @@ class DataParallel:
                 weights[r.start : r.stop] = gathered[q * r.chunk : q * r.chunk + r.numel]
         self.barrier()
 
-    def local_rows(self, batch):
+    def local_rows(self, batch: Batch) -> Batch:
         """This rank's rows of a global ``Batch`` (rank r takes rows r*B/N .. (r+1)*B/N)."""
         rows = local_batch_size(batch.input_ids.shape[0], self.info.world_size)
         lo, hi = self.info.rank * rows, (self.info.rank + 1) * rows
@@ -199,7 +202,7 @@ class DataParallel:
             labels=labels,
             attention_mask=mask,
             num_tokens=int(mask.sum()),
-            num_target_tokens=int((labels[:, 1:] != IGNORE_INDEX).sum()),
+            num_target_tokens=int((labels[:, 1:] != -100).sum()),  # -100: no loss (as the executor reads it)
             indices=batch.indices[lo:hi],
         )
 
