@@ -113,9 +113,11 @@ class DataParallel:
         name = [uuid.uuid4().hex[:12] if info.rank == 0 else None]
         dist.broadcast_object_list(name, src=0, group=self.cpu_group)
         self.run_id: str = name[0]
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        # the host's ranks share its cores: each one's optimizer and intra-op pool gets its part
-        torch.set_num_threads(max(1, cores // info.local_world_size))
+        if info.local_world_size > 1:
+            # the host's ranks share its cores: each one's optimizer and intra-op pool gets its
+            # part (torchrun would leave each rank one thread: OMP_NUM_THREADS=1)
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            torch.set_num_threads(max(1, cores // info.local_world_size))
 
     @property
     def world_size(self) -> int:
