@@ -17,45 +17,21 @@ fp32 HF autograd. Writes JSON records and a Markdown report to ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import gc
 import json
-import platform
-import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from lazytrain.model.build import build_model
-from lazytrain.model.flops import flops_6nt, model_flops
-from lazytrain.optim.adamw import FusedAdamW
-from lazytrain.plan.plan import checkpoint_all_plan, keep_all_plan, megatrain_plan
-from lazytrain.runtime.executor import Executor
-from lazytrain.runtime.update import HostUpdater
-from lazytrain.train.metrics import host_rss_bytes
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or "cpu"
-
-
-def make_plan(policy: str, layers: int, batch: int, seq: int, every: int, chunk: int):
-    if policy == "megatrain":
-        return megatrain_plan(layers, batch, seq, every=every, head_chunk_tokens=chunk)
-    if policy == "keep_all":
-        return keep_all_plan(layers, batch, seq, head_chunk_tokens=chunk)
-    if policy.startswith("checkpoint_"):
-        return checkpoint_all_plan(layers, batch, seq, tier=policy.split("_", 1)[1], head_chunk_tokens=chunk)
-    raise SystemExit(f"unknown policy {policy!r}")
-
-
-def random_batch(batch: int, seq: int, vocab: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), generator=g)
-    return ids, ids.clone()
+from bench.common import (
+    bench_session,
+    device_tag,
+    oom_record,
+    run_header,
+    timed_steps,
+    today,
+    write_results,
+)
+from lazytrain.plan.policies import PolicyOptions, baseline_plan
 
 
 def check_grads_bf16(device: torch.device) -> dict:
@@ -110,7 +86,10 @@ def check_grads_bf16(device: torch.device) -> dict:
 
     results = {"hf_bf16": dict(zip(("global", "worst_tensor"), errors(hf_bf16)))}
     for policy in ("megatrain", "keep_all"):
-        plan = make_plan(policy, adapter.num_layers, 4, 256, 2, 300)
+        plan = baseline_plan(policy, adapter.num_layers, 4, 256, PolicyOptions(megatrain_every=2,
+                                                                              head_chunk_tokens=300))
+        from lazytrain.runtime.executor import Executor
+
         stats = Executor(adapter, store, plan, device).forward_backward(ids, labels, mask)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -128,116 +107,6 @@ def _bf16_copy(model):
     import copy
 
     return copy.deepcopy(model).to(torch.bfloat16)
-
-
-def compute_only_ms(executor: Executor, batch: int, seq: int, repeats: int = 5) -> dict:
-    """fwd+bwd of one decoder layer with weights resident, and of the chunked head."""
-    adapter = executor.adapter
-    dev, dtype = executor.device, executor.dtype
-    slot = executor.store.weights[1].to(dev)
-    position_ids = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, -1)
-    rope = adapter.rotary_embeddings(position_ids, dtype)
-    x = torch.randn(batch, seq, adapter.hidden_size, device=dev, dtype=dtype)
-    times = []
-    cuda = dev.type == "cuda"
-    for r in range(repeats + 2):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        leaves = executor._leaves(adapter.layouts[1], slot)
-        x_in = x.detach().requires_grad_()
-        t0 = time.perf_counter()
-        if cuda:
-            start.record()
-        with torch.enable_grad():
-            out = adapter.layer_forward(leaves, x_in, rope, None)
-            torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
-        if cuda:
-            end.record()
-            end.synchronize()
-        if r >= 2:
-            times.append(start.elapsed_time(end) if cuda else (time.perf_counter() - t0) * 1e3)
-        del out
-    layer_ms = statistics.median(times)
-    del slot, x
-    if cuda:
-        torch.cuda.empty_cache()
-    return {"layer_fwd_bwd_ms": layer_ms, "layers_fwd_bwd_ms": layer_ms * adapter.num_layers}
-
-
-def run_one(adapter, store, optimizer, policy, batch, seq, args, device, plan=None, nvme=None) -> dict:
-    """Train ``args.warmup + args.steps`` steps of ``plan`` (default: ``policy``'s) on random tokens."""
-    if plan is None:
-        plan = make_plan(policy, adapter.num_layers, batch, seq, args.every, args.head_chunk)
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    executor = Executor(adapter, store, plan, device, nvme=nvme)
-    updater = HostUpdater(executor, optimizer, overlap=not args.serial_optimizer)
-    executor.trace.enabled = True
-    steps = []
-    try:
-        for step in range(args.warmup + args.steps):
-            ids, labels = random_batch(batch, seq, adapter.vocab_size, seed=step)
-            t0 = time.perf_counter()
-            stats = executor.forward_backward(ids, labels)
-            breakdown = executor.trace.summary()
-            waited = updater.wait_seconds  # this step's forward waiting for the last update
-            updater.start(min(1.0, 1.0 / (stats.grad_norm + 1e-6)), 1e-5)
-            if args.serial_optimizer:
-                updater.finish()
-            end = time.perf_counter()  # when the next step would start
-            if step >= args.warmup:
-                steps.append((t0, stats, breakdown, waited))
-        updater.finish()
-    except BaseException:
-        try:
-            updater.finish()
-        except RuntimeError:
-            pass
-        raise
-    # step time: start of one measured step to the start of the next. A step's overlapped
-    # CPU update runs in the next forward, so each step counts the previous step's exposed
-    # update (the warm-up's for the first), as in steady state.
-    starts = [s[0] for s in steps] + [end]
-    step_times = [b - a for a, b in zip(starts, starts[1:])]
-    step_time = statistics.median(step_times)
-    tokens = batch * seq
-    compute = compute_only_ms(executor, batch, seq)
-    med = lambda key: statistics.median(s[2].get(key, 0.0) for s in steps) / 1e3
-    record = {
-        "policy": policy,
-        "batch_size": batch,
-        "seq_len": seq,
-        "tokens_per_s": tokens / step_time,
-        "tflops_6nt": flops_6nt(adapter, tokens) / step_time / 1e12,
-        "tflops_model": model_flops(adapter, tokens, seq) / step_time / 1e12,
-        "step_time_s": step_time,
-        "step_times_s": step_times,
-        "predicted_step_time_s": None,
-        "peak_gpu_alloc_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else 0.0,
-        "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9 if cuda else 0.0,
-        "host_rss_gb": host_rss_bytes() / 1e9,
-        "gpu_mem_cap_gb": None,
-        "loss": steps[-1][1].loss,
-        "fwd_bwd_s": med("step_ms"),
-        "gpu_compute_s": med("compute_ms"),
-        "exposed_h2d_s": med("h2d_exposed_ms"),
-        "exposed_d2h_s": med("d2h_exposed_ms"),
-        "other_idle_s": med("other_idle_ms"),
-        "h2d_busy_s": med("h2d_busy_ms"),
-        "d2h_busy_s": med("d2h_busy_ms"),
-        "optimizer_wait_s": statistics.median(s[3] for s in steps),
-        "cpu_optimizer_s": updater.last_step_seconds,
-        "h2d_weight_gb_per_step": steps[-1][1].h2d_weight_bytes / 1e9,
-        "act_peak_gb": {tier: b / 1e9 for tier, b in steps[-1][1].peak_activation_bytes.items()},
-        "compute_only_layers_s": compute["layers_fwd_bwd_ms"] / 1e3,
-        "compute_only_layer_ms": compute["layer_fwd_bwd_ms"],
-    }
-    del executor, updater
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return record
 
 
 def main() -> None:
@@ -259,16 +128,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("executor_bench needs a CUDA device")
     device = torch.device("cuda")
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
-    common = {
-        "date": date,
-        "device": device_name(device),
-        "torch": torch.__version__,
-        "model": args.model,
-        "optimizer": args.optimizer,
-        "overlap_optimizer": not args.serial_optimizer,
-        "cpu_threads": torch.get_num_threads(),
-    }
+    common = run_header(device, model=args.model, optimizer=args.optimizer,
+                        overlap_optimizer=not args.serial_optimizer)
     records = []
     if args.check_grads:
         check = check_grads_bf16(device)
@@ -276,56 +137,40 @@ def main() -> None:
         records.append({"name": "bf16_grad_check", **common, "model": "qwen2-tiny", **check})
 
     t0 = time.perf_counter()
-    adapter, store = build_model(f"builtin:{args.model}", device, torch.bfloat16, seed=0,
-                                 optimizer_bytes_per_param=2.1 if args.optimizer == "hybrid8bit" else 8.0)
-    decay = [layout.decay_numel for layout in adapter.layouts]
-    if args.optimizer == "hybrid8bit":
-        from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
-
-        optimizer = Hybrid8bitAdamW(store.masters, decay, _opt_config())
-    else:
-        optimizer = FusedAdamW(store.masters, decay, _opt_config())
-    host = store.bytes(optimizer.state_bytes())
+    session = bench_session(args.model, optimizer=args.optimizer, seq=args.seq, head_chunk=args.head_chunk)
+    store = session.store
+    host = store.bytes(session.optimizer.state_bytes())
     print(f"model {args.model}: {store.num_params / 1e9:.2f}B params, built in "
           f"{time.perf_counter() - t0:.0f} s; host bytes/param {host.per_param()}, pinned "
           f"{host.pinned / 2**30:.1f} GiB", flush=True)
     common["num_params"] = store.num_params
     common["host_bytes_per_param"] = host.per_param()
+    options = PolicyOptions(megatrain_every=args.every, head_chunk_tokens=args.head_chunk)
 
     for spec in args.runs:
         policy, batch_spec = spec.split(":")
         batches = range(args.max_batch, 0, -1) if batch_spec == "max" else [int(batch_spec)]
         for batch in batches:
             name = f"{args.model}_{policy}_b{batch}_s{args.seq}{args.tag}"
-            message = None
+            plan = baseline_plan(policy, session.adapter.num_layers, batch, args.seq, options)
             try:
-                record = run_one(adapter, store, optimizer, policy, batch, args.seq, args, device)
+                record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps,
+                                     serial_optimizer=args.serial_optimizer)
             except torch.OutOfMemoryError as error:
-                message = str(error).split("\n")[0]
-            if message is not None:
-                gc.collect()
-                torch.cuda.empty_cache()
-                print(f"{name}: out of memory: {message}", flush=True)
-                records.append({"name": name, **common, "policy": policy, "batch_size": batch,
-                                "seq_len": args.seq, "oom": message})
+                records.append(oom_record(name, common, policy, batch, args.seq, error))
+                print(f"{name}: out of memory: {records[-1]['oom']}", flush=True)
                 continue
             records.append({"name": name, **common, **record})
             print(json.dumps(records[-1]), flush=True)
             if batch_spec == "max":
                 break
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"executor_{args.model}_h200_{date}{args.tag}" if "H200" in common["device"] else f"executor_{args.model}_{date}{args.tag}"
-    (out / f"{stem}.json").write_text(json.dumps(records, indent=1))
-    (out / f"{stem}.md").write_text(markdown(records, args))
+    stem = f"executor_{args.model}_{device_tag(device)}_{today()}{args.tag}"
+    write_results(records, stem, markdown(records, args), args.out)
     print(markdown(records, args))
 
 
-def _opt_config():
-    from lazytrain.optim.base import AdamWConfig
-
-    return AdamWConfig(lr=1e-5, weight_decay=0.0)
+NAN = float("nan")  # a figure only a GPU run measures (stream trace, CUDA peaks)
 
 
 def markdown(records: list[dict], args) -> str:
@@ -351,10 +196,10 @@ def markdown(records: list[dict], args) -> str:
             continue
         lines.append(
             f"| {r['name']} | {r['tokens_per_s']:.0f} | {r['tflops_6nt']:.1f} | {r['tflops_model']:.1f} | "
-            f"{r['step_time_s']:.2f} | {r['fwd_bwd_s']:.2f} | {r['gpu_compute_s']:.2f} | "
-            f"{r['exposed_h2d_s']:.3f} | {r['exposed_d2h_s']:.3f} | {r['other_idle_s']:.2f} "
+            f"{r['step_time_s']:.2f} | {r.get('fwd_bwd_s', NAN):.2f} | {r.get('gpu_compute_s', NAN):.2f} | "
+            f"{r.get('exposed_h2d_s', NAN):.3f} | {r.get('exposed_d2h_s', NAN):.3f} | {r.get('gpu_idle_other_s', NAN):.2f} "
             f"({r['optimizer_wait_s']:.2f}) | {r['cpu_optimizer_s']:.2f} | {r['compute_only_layers_s']:.2f} | "
-            f"{r['peak_gpu_alloc_gb']:.1f} / {r['peak_gpu_reserved_gb']:.1f} | {r['host_rss_gb']:.1f} |"
+            f"{r.get('peak_gpu_alloc_gb', NAN):.1f} / {r.get('peak_gpu_reserved_gb', NAN):.1f} | {r['host_rss_gb']:.1f} |"
         )
     check = next((r for r in records if r["name"] == "bf16_grad_check"), None)
     if check:

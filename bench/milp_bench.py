@@ -1,7 +1,7 @@
 """Time the MILP planner for a 64-layer model (Qwen2.5-32B-like synthetic cost table).
 
 Acceptance (issue 4): L = 64 solves to optimality in under 1 s on the CPU that runs the
-planner. Writes ``bench/results/milp_<host>_<date>.json`` (a list of records) and a Markdown
+planner. Writes ``bench/results/milp_<cpu>_<date>.json`` (a list of records) and a Markdown
 report beside it.
 
     python bench/milp_bench.py [--repeats 3] [--batch 4] [--seq 4096]
@@ -11,32 +11,19 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
-import platform
-import socket
 import statistics
 import time
-from pathlib import Path
 
 import scipy
+import torch
 
+from bench.common import device_tag, today, write_results
 from lazytrain.plan.milp import solve_plan
-from lazytrain.plan.plan import checkpoint_all_plan, keep_all_plan, megatrain_plan
+from lazytrain.plan.policies import comparison_plans
 from lazytrain.plan.simulate import simulate
 from lazytrain.plan.synthetic import QWEN25_32B, synthetic_cost_table
-
-RESULTS = Path(__file__).parent / "results"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from lazytrain.runtime.device import device_name
 
 
 def bench_case(name: str, batch: int, seq: int, overlap: bool, repeats: int, gap: float) -> dict:
@@ -50,12 +37,7 @@ def bench_case(name: str, batch: int, seq: int, overlap: bool, repeats: int, gap
     sim = simulate(plan, costs)
     stats = plan.notes["milp"]
     baselines = {}
-    for base in (
-        megatrain_plan(costs.num_layers, batch, seq, every=4),
-        keep_all_plan(costs.num_layers, batch, seq),
-        checkpoint_all_plan(costs.num_layers, batch, seq, tier="gpu"),
-        checkpoint_all_plan(costs.num_layers, batch, seq, tier="host"),
-    ):
+    for base in comparison_plans(costs.num_layers, batch, seq):
         base.notes["optimizer_overlap"] = overlap
         base_sim = simulate(base, costs)
         baselines[base.policy] = {
@@ -67,7 +49,7 @@ def bench_case(name: str, batch: int, seq: int, overlap: bool, repeats: int, gap
     return {
         "name": name,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "device": cpu_name(),
+        "device": device_name(torch.device("cpu")),
         "cpu_count": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0],
         "scipy": scipy.__version__,
@@ -174,11 +156,9 @@ def main() -> None:
                     flush=True,
                 )
                 records.append(rec)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = f"milp_{socket.gethostname()}_{dt.date.today().isoformat()}"
-    (RESULTS / f"{stem}.json").write_text(json.dumps(records, indent=1))
-    (RESULTS / f"{stem}.md").write_text(markdown(records))
-    print(f"wrote {RESULTS / stem}.json and .md")
+    path = write_results(records, f"milp_{device_tag('cpu ' + records[0]['device'])}_{today()}",
+                         markdown(records))
+    print(f"wrote {path} and .md")
 
 
 if __name__ == "__main__":

@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import re
-import socket
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from bench.common import device_tag
 from lazytrain.optim.adamw import FusedAdamW
 from lazytrain.optim.base import AdamWConfig, HostOptimizer
 from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
@@ -81,15 +80,9 @@ def run_path(
     return ns, opt.state_bytes() / numel, opt
 
 
-def host_tag(device: str) -> str:
-    model = device.split("(")[0]
-    tag = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
-    return tag or socket.gethostname()
-
-
 def write_report(record: dict, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"optim_{host_tag(record['device'])}_{record['date'][:10]}"
+    stem = f"optim_{device_tag(record['device'])}_{record['date'][:10]}"
     json_path = out_dir / f"{stem}.json"
     records = json.loads(json_path.read_text()) if json_path.exists() else []
     records.append(record)

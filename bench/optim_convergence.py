@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ from pathlib import Path
 import torch
 
 import lazytrain.optim.adamw as fp32_adamw
+from bench.common import cpu_run_device, today
 from lazytrain.config import load_config
 from lazytrain.train.trainer import Trainer
 
@@ -76,7 +75,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--note", default="", help="a line for the report: what changed since the last run")
     args = parser.parse_args()
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    date = today()
     with tempfile.TemporaryDirectory() as tmp:
         runs = {kind: run(kind, args.steps, Path(tmp) / kind)
                 for kind in ("fp32", "hybrid8bit", "hybrid8bit_fp32_embedding")}
@@ -84,7 +83,7 @@ def main() -> None:
     record = {
         "name": f"optim_convergence_builtin_{args.steps}",
         "date": date,
-        "device": f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)",
+        "device": cpu_run_device(),
         "torch": torch.__version__,
         "model": "builtin:tiny",
         "steps": args.steps,

@@ -18,19 +18,16 @@ reports records of different seeds and kinds as one.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from optim_convergence import RUNS, run
+from bench.common import cpu_run_device, today
+from bench.optim_convergence import RUNS, run
 
 
 def summary(values: list[float]) -> dict:
@@ -96,9 +93,9 @@ def main() -> None:
                         "(same steps and seeds; fp32 AdamW unchanged since) to reuse instead of rerunning them")
     parser.add_argument("--note", default="", help="a line for the report: what changed since the last run")
     args = parser.parse_args()
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    date = today()
     results: dict[str, dict] = {}
-    device = f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    device = cpu_run_device()
     if args.merge:
         # PATH or PATH:KIND=NAME[,KIND=NAME]: the record's runs of KIND are reported as NAME
         # (e.g. fp32 runs at another thread count, which round differently, as fp32_1thread)

@@ -18,10 +18,8 @@ gradient, and computes the update it would have made from the same weights. Per 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import platform
 import sys
 import tempfile
 from collections.abc import Callable
@@ -30,11 +28,13 @@ from pathlib import Path
 
 import torch
 
-import lazytrain.train.trainer as trainer_module
+import lazytrain.train.session as session_module
+from bench.common import cpu_run_device, today
 from lazytrain.config import load_config
 from lazytrain.optim.adamw import FusedAdamW
 from lazytrain.optim.hybrid8bit import MIN_8BIT_NUMEL
 from lazytrain.optim.quant import create_dynamic_map
+from lazytrain.train.trainer import Trainer
 
 
 def _code(x: torch.Tensor, qmap: torch.Tensor, rounding: str, gen: torch.Generator) -> torch.Tensor:
@@ -181,16 +181,17 @@ def main() -> None:
     holder: dict[str, ShadowAdamW] = {}
 
     def make(config, masters, decay_numel):
-        holder["opt"] = ShadowAdamW(masters, decay_numel, config.optimizer, schemes)
+        holder["opt"] = ShadowAdamW(masters, decay_numel, config, schemes)
         return holder["opt"]
 
-    trainer_module.make_optimizer = make
+    # the session builds the run's optimizer through this name: the shadow optimizer takes its place
+    session_module.make_optimizer = make
     with tempfile.TemporaryDirectory() as tmp:
         config = load_config(None, ["optimizer.kind=fp32", f"training.steps={args.steps}",
                                     f"training.seed={args.seed}", f"training.output_dir={tmp}",
                                     "training.progress=false", "training.eval_every=0",
                                     "plan.overlap_optimizer=false"])
-        trainer = trainer_module.Trainer(config)
+        trainer = Trainer(config)
         trainer.setup()
         summary = trainer.train()
     opt = holder["opt"]
@@ -204,9 +205,9 @@ def main() -> None:
         r2 = sum(float(t.moved.square().sum()) for t in per_group.values())
         results[name] = {"step_error": math.sqrt(total.err2 / total.ref2), "drift": math.sqrt(d2 / r2),
                          "groups": {str(g): t.result() for g, t in sorted(per_group.items())}}
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    date = today()
     record = {"name": f"optim_update_error_{args.steps}", "date": date,
-              "device": f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)",
+              "device": cpu_run_device(),
               "torch": torch.__version__, "model": "builtin:tiny", "steps": args.steps, "seed": args.seed,
               "fp32_exact_match": summary["eval"]["eval_exact_match"], "results": results}
     out = Path(args.out)

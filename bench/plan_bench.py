@@ -24,40 +24,36 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from executor_bench import _opt_config, device_name, make_plan, random_batch, run_one
-
-from lazytrain.memory.nvme import NvmeStore
-from lazytrain.model.build import build_model
-from lazytrain.optim.adamw import FusedAdamW
+from bench.common import (
+    bench_session,
+    device_tag,
+    oom_record,
+    random_batch,
+    run_header,
+    timed_steps,
+    today,
+    write_results,
+)
 from lazytrain.plan.costs import CostTable, usable_gpu_bytes
-from lazytrain.plan.milp import PlanInfeasible, solve_plan
+from lazytrain.plan.milp import PlanInfeasible
+from lazytrain.plan.policies import PolicyOptions, policy_plan
 from lazytrain.plan.search import search_batch
 from lazytrain.plan.simulate import simulate
+from lazytrain.runtime.device import cap_gpu_memory
 from lazytrain.runtime.executor import Executor
-from lazytrain.runtime.profiler import profile
-from lazytrain.runtime.streams import prefer_expandable_segments
-from lazytrain.train.trainer import prediction
 
 GiB = 2**30
 
 
-def policy_plan(policy: str, table: CostTable, args, gpu_bytes: int | None = None):
-    """The plan of ``policy`` at ``table``'s batch shape (the MILP's for ``solved``)."""
-    if policy == "solved":
-        return solve_plan(table, gpu_bytes=gpu_bytes, tiers=tuple(args.tiers), optimizer_overlap=True,
-                          head_chunk_tokens=args.head_chunk)
-    return make_plan(policy, table.num_layers, table.batch_size, table.seq_len, args.every, args.head_chunk)
+def options(args) -> PolicyOptions:
+    return PolicyOptions(megatrain_every=args.every, head_chunk_tokens=args.head_chunk, tiers=tuple(args.tiers))
 
 
 def predicted_max_batch(policy: str, costs: CostTable, seq: int, cap: int, args, limit: int) -> int:
@@ -72,21 +68,22 @@ def predicted_max_batch(policy: str, costs: CostTable, seq: int, cap: int, args,
     best = 0
     for b in range(1, limit + 1):
         table = dataclasses.replace(costs.at(b, seq), gpu_bytes=cap)
-        if not simulate(policy_plan(policy, table, args), table, optimizer_overlap=True).feasible:
+        if not simulate(policy_plan(policy, table, options(args)), table, optimizer_overlap=True).feasible:
             break
         best = b
     return best
 
 
-def probe(adapter, store, plan, device, nvme) -> tuple[bool, str, float]:
+def probe(session, plan) -> tuple[bool, str, float]:
     """One forward+backward of ``plan``: (fits, out-of-memory message, peak allocated GB)."""
+    device = session.device
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     executor = None
     try:
-        executor = Executor(adapter, store, plan, device, nvme=nvme)
-        ids, labels = random_batch(plan.batch_size, plan.seq_len, adapter.vocab_size, seed=0)
+        executor = Executor(session.adapter, session.store, plan, device, nvme=session.nvme)
+        ids, labels = random_batch(plan.batch_size, plan.seq_len, session.adapter.vocab_size, seed=0)
         executor.forward_backward(ids, labels)
         torch.cuda.synchronize(device)
         return True, "", torch.cuda.max_memory_allocated(device) / 1e9
@@ -98,7 +95,7 @@ def probe(adapter, store, plan, device, nvme) -> tuple[bool, str, float]:
         torch.cuda.empty_cache()
 
 
-def largest_batch(policy, costs, seq, cap, args, adapter, store, device, nvme) -> dict:
+def largest_batch(policy, costs, seq, cap, args, session) -> dict:
     """Predicted and measured largest batch of ``policy`` under the cap."""
     predicted = predicted_max_batch(policy, costs, seq, cap, args, args.cap_max_batch)
     tries = []
@@ -106,11 +103,11 @@ def largest_batch(policy, costs, seq, cap, args, adapter, store, device, nvme) -
     def attempt(b: int) -> bool:
         table = dataclasses.replace(costs.at(b, seq), gpu_bytes=cap)
         try:
-            plan = policy_plan(policy, table, args, gpu_bytes=cap)
+            plan = policy_plan(policy, table, options(args), gpu_bytes=cap)
         except PlanInfeasible as error:
             tries.append({"batch_size": b, "fits": False, "why": f"no plan: {error}"[:200]})
             return False
-        ok, why, peak = probe(adapter, store, plan, device, nvme)
+        ok, why, peak = probe(session, plan)
         tries.append({"batch_size": b, "fits": ok, "peak_alloc_gb": peak, **({"why": why} if why else {})})
         print(f"  cap {args.cap_gb} GiB {policy} b{b}: {'fits' if ok else 'OOM'} (peak {peak:.1f} GB) {why[:120]}",
               flush=True)
@@ -157,55 +154,36 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
-    args.serial_optimizer = False
-    prefer_expandable_segments()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("plan_bench needs a CUDA device (--device cpu runs a smoke test of the script)")
-    device = torch.device(args.device)
-    if device.type != "cuda" and args.cap_gb:
+    if args.device != "cuda" and args.cap_gb:
         raise SystemExit("--cap-gb needs a CUDA device")
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    dev = "h200" if "H200" in device_name(device) else device.type
+    t0 = time.perf_counter()
+    session = bench_session(args.model, optimizer=args.optimizer, device=args.device, batch=args.batch,
+                            seq=args.seq, head_chunk=args.head_chunk, nvme_dir=args.nvme_dir)
+    device, store = session.device, session.store
+    date, dev = today(), device_tag(device)
     stem = f"plan_{args.model}_{dev}_{date}_s{args.seq}{args.tag}"
-    common = {"date": date, "device": device_name(device), "torch": torch.__version__, "model": args.model,
-              "optimizer": args.optimizer, "overlap_optimizer": True, "cpu_threads": torch.get_num_threads(),
-              "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    common = run_header(device, model=args.model, optimizer=args.optimizer, overlap_optimizer=True,
+                        cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     records: list[dict] = []
+    os.makedirs(args.out, exist_ok=True)
 
     def save() -> None:
-        (out / f"{stem}.json").write_text(json.dumps(records, indent=1))
-        (out / f"{stem}.md").write_text(markdown(records, args))
+        write_results(records, stem, markdown(records, args), args.out)
 
-    t0 = time.perf_counter()
-    state_bpp = 2.1 if args.optimizer == "hybrid8bit" else 8.0
-    adapter, store = build_model(f"builtin:{args.model}", device, torch.bfloat16, seed=0,
-                                 optimizer_bytes_per_param=state_bpp, vocab_size=512)  # vocab for 'tiny' only
-    decay = [layout.decay_numel for layout in adapter.layouts]
-
-    def make_optimizer(masters, decay_numel):
-        if args.optimizer == "hybrid8bit":
-            from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
-
-            return Hybrid8bitAdamW(masters, decay_numel, _opt_config())
-        return FusedAdamW(masters, decay_numel, _opt_config())
-
-    optimizer = make_optimizer(store.masters, decay)
-    host = store.bytes(optimizer.state_bytes())
+    host = store.bytes(session.optimizer.state_bytes())
     common["num_params"] = store.num_params
     common["host_bytes_per_param"] = host.per_param()
     print(f"model {args.model}: {store.num_params / 1e9:.2f}B params, built in {time.perf_counter() - t0:.0f} s; "
           f"host bytes/param {host.per_param()}", flush=True)
-    nvme = NvmeStore(args.nvme_dir) if args.nvme_dir else None
 
     t0 = time.perf_counter()
     if args.costs:
         costs = CostTable.load(args.costs).at(args.batch, args.seq)
     else:
-        costs = profile(adapter, store, device, args.batch, args.seq, make_optimizer,
-                        optimizer_state_bytes=optimizer.state_bytes(), head_chunk_tokens=args.head_chunk, nvme=nvme)
-        costs.save(out / f"costs_{args.model}_{dev}_{date}_s{args.seq}_b{args.batch}{args.tag}.json")
+        costs = session.cost_table()
+        costs.save(os.path.join(args.out, f"costs_{args.model}_{dev}_{date}_s{args.seq}_b{args.batch}{args.tag}.json"))
     lc = costs.layers[0]
     print(f"profiled in {time.perf_counter() - t0:.0f} s: layer fwd {lc.forward_ms:.1f} ms, bwd {lc.backward_ms:.1f} ms, "
           f"recompute {lc.recompute_ms:.1f} ms, saved {lc.saved_bytes / 1e9:.2f} GB, input {lc.input_bytes / 1e9:.2f} GB; "
@@ -215,6 +193,24 @@ def main() -> None:
     records.append({"name": "costs", **common, "costs": costs.to_dict()})
     save()
 
+    def measure(policy: str, table: CostTable, plan, name: str, cap_gb: float | None = None) -> bool:
+        """Time ``plan``; record it with its prediction (or its out-of-memory). Whether it ran."""
+        try:
+            record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps)
+        except torch.OutOfMemoryError as error:
+            records.append(oom_record(name, common, policy, plan.batch_size, args.seq, error))
+            print(f"{name}: out of memory: {records[-1]['oom']}", flush=True)
+            save()
+            return False
+        record.update(simulate(plan, table, optimizer_overlap=True).metrics())
+        record["prediction_error"] = record["predicted_step_time_s"] / record["step_time_s"] - 1
+        record["gpu_mem_cap_gb"] = cap_gb
+        record["plan"] = plan.to_dict()
+        records.append({"name": name, **common, **record})
+        print(json.dumps({k: v for k, v in records[-1].items() if k not in ("plan", "step_times_s")}), flush=True)
+        save()
+        return True
+
     for spec in args.runs:
         policy, _, size = spec.partition(":")
         batch = args.batch
@@ -223,38 +219,17 @@ def main() -> None:
             print(f"{policy}: largest batch the simulator fits: {batch}", flush=True)
         while batch >= 1:
             table = costs.at(batch, args.seq)
-            plan = policy_plan(policy, table, args)
-            name = f"{args.model}_{policy}_b{batch}_s{args.seq}{args.tag}"
-            try:
-                record = run_one(adapter, store, optimizer, policy, batch, args.seq, args, device, plan=plan, nvme=nvme)
-            except torch.OutOfMemoryError as error:
-                message = str(error).split("\n")[0]
-                print(f"{name}: out of memory: {message}", flush=True)
-                records.append({"name": name, **common, "policy": policy, "batch_size": batch,
-                                "seq_len": args.seq, "oom": message})
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                save()
-                if size != "max":
-                    break
-                batch -= 1
-                continue
-            record.update(prediction(plan, table, True))
-            record["prediction_error"] = record["predicted_step_time_s"] / record["step_time_s"] - 1
-            record["plan"] = plan.to_dict()
-            records.append({"name": name, **common, **record})
-            print(json.dumps({k: v for k, v in records[-1].items() if k not in ("plan", "step_times_s")}), flush=True)
-            save()
-            break
+            plan = policy_plan(policy, table, options(args))
+            if measure(policy, table, plan, f"{args.model}_{policy}_b{batch}_s{args.seq}{args.tag}") or size != "max":
+                break
+            batch -= 1
 
     if args.cap_gb:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(args.cap_gb * GiB / total, torch.cuda.current_device())
+        cap_gpu_memory(device, args.cap_gb)
         cap = usable_gpu_bytes(int(args.cap_gb * GiB))  # what the planner may fill
         found = {}
         for policy in args.cap_runs:
-            result = largest_batch(policy, costs, args.seq, cap, args, adapter, store, device, nvme)
+            result = largest_batch(policy, costs, args.seq, cap, args, session)
             found[policy] = result["measured_max_batch"]
             records.append({"name": f"cap{args.cap_gb:g}_{policy}_s{args.seq}{args.tag}", **common,
                             "seq_len": args.seq, **result})
@@ -266,30 +241,14 @@ def main() -> None:
                 if b < 1:
                     continue
                 table = dataclasses.replace(costs.at(b, args.seq), gpu_bytes=cap)
-                plan = policy_plan(policy, table, args, gpu_bytes=cap)
-                try:
-                    record = run_one(adapter, store, optimizer, policy, b, args.seq, args, device, plan=plan,
-                                     nvme=nvme)
-                except torch.OutOfMemoryError as error:
-                    # one step fitted, a few in a row did not: say so rather than lose the run
-                    records.append({"name": f"{args.model}_{policy}_b{b}_s{args.seq}_cap{args.cap_gb:g}",
-                                    **common, "policy": policy, "batch_size": b, "seq_len": args.seq,
-                                    "oom": str(error).split("\n")[0]})
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                    save()
-                    continue
-                record.update(prediction(plan, table, True))
-                record["prediction_error"] = record["predicted_step_time_s"] / record["step_time_s"] - 1
-                record["gpu_mem_cap_gb"] = args.cap_gb
-                record["plan"] = plan.to_dict()
-                records.append({"name": f"{args.model}_{policy}_b{b}_s{args.seq}_cap{args.cap_gb:g}",
-                                **common, **record})
-                print(json.dumps({k: v for k, v in records[-1].items() if k not in ("plan", "step_times_s")}),
-                      flush=True)
-                save()
+                plan = policy_plan(policy, table, options(args), gpu_bytes=cap)
+                # one step fitted; a few in a row may not: measure records that rather than lose the run
+                measure(policy, table, plan, f"{args.model}_{policy}_b{b}_s{args.seq}_cap{args.cap_gb:g}", args.cap_gb)
     save()
     print(markdown(records, args))
+
+
+NAN = float("nan")  # a figure only a GPU run measures (stream trace, CUDA peaks)
 
 
 def markdown(records: list[dict], args) -> str:
@@ -330,14 +289,13 @@ def markdown(records: list[dict], args) -> str:
             lines.append(f"| {r['name']} | out of memory: {r['oom']} |" + " |" * 12)
         if "tokens_per_s" not in r:
             continue
-        acts = r.get("act_peak_gb", {})
         lines.append(
             f"| {r['name']} | {r['tokens_per_s']:.0f} | {r['tflops_6nt']:.1f} | {r['tflops_model']:.1f} | "
             f"{r['step_time_s']:.2f} ({r['predicted_step_time_s']:.2f}) | {100 * r['prediction_error']:+.1f}% | "
-            f"{r['gpu_compute_s']:.2f} ({r['predicted_gpu_compute_s']:.2f}) | {r['exposed_h2d_s']:.3f} "
-            f"({r['predicted_exposed_h2d_s']:.3f}) | {r['exposed_d2h_s']:.3f} ({r['predicted_exposed_d2h_s']:.3f}) | "
-            f"{r['other_idle_s']:.2f} ({r['predicted_gpu_idle_other_s']:.2f}) | {r['optimizer_wait_s']:.2f} | "
-            f"{r['peak_gpu_alloc_gb']:.1f} ({r['predicted_peak_gpu_gb']:.1f}) | {acts.get('host', 0):.1f} "
+            f"{r.get('gpu_compute_s', NAN):.2f} ({r['predicted_gpu_compute_s']:.2f}) | {r.get('exposed_h2d_s', NAN):.3f} "
+            f"({r['predicted_exposed_h2d_s']:.3f}) | {r.get('exposed_d2h_s', NAN):.3f} ({r['predicted_exposed_d2h_s']:.3f}) | "
+            f"{r.get('gpu_idle_other_s', NAN):.2f} ({r['predicted_gpu_idle_other_s']:.2f}) | {r['optimizer_wait_s']:.2f} | "
+            f"{r.get('peak_gpu_alloc_gb', NAN):.1f} ({r['predicted_peak_gpu_gb']:.1f}) | {r.get('act_host_gb', 0):.1f} "
             f"({r['predicted_act_host_gb']:.1f}) | {r['host_rss_gb']:.1f} |"
         )
     caps = [r for r in records if "measured_max_batch" in r]

@@ -28,7 +28,7 @@ def test_default_train_then_eval_reaches_90_percent(tmp_path):
     assert train.returncode == 0, train.stderr[-3000:]
     trained = time.perf_counter() - start
     out = tmp_path / "runs" / "default"
-    evaluation = lazytrain("eval", "--model", str(out), cwd=tmp_path)
+    evaluation = lazytrain("eval", cwd=tmp_path)  # eval.model defaults to training.output_dir
     assert evaluation.returncode == 0, evaluation.stderr[-3000:]
     elapsed = time.perf_counter() - start
     report = json.loads(evaluation.stdout)

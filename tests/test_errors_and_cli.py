@@ -52,8 +52,18 @@ def test_config_errors():
         load_config(None, ["training.stepz=3"])
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         load_config(None, ["steps"])
-    with pytest.raises(ConfigError, match="optimizer.kind must be fp32 or hybrid8bit"):
+    with pytest.raises(ConfigError, match="optimizer.kind='adam' is not one of fp32, hybrid8bit"):
         load_config(None, ["optimizer.kind=adam"])
+    with pytest.raises(ConfigError, match="plan.policy='plan.json' is not one of auto, solved"):
+        load_config(None, ["plan.policy=plan.json"])
+    with pytest.raises(ConfigError, match="plan.file=p.json and plan.policy=megatrain"):
+        load_config(None, ["plan.file=p.json", "plan.policy=megatrain"])
+    for key in ("optimizer.lr", "training.max_grad_norm", "optimizer.eps"):
+        for value in ("nan", "inf"):
+            with pytest.raises(ConfigError, match=f"{key}={value} is not a finite number"):
+                load_config(None, [f"{key}={value}"])
+    assert load_config(None, []).optimizer.lr == 2e-3  # None: the built-in tiny model's rate
+    assert load_config(None, ["model.source=builtin:qwen2.5-7b"]).optimizer.lr == 1e-5
     with pytest.raises(ConfigError, match="fp32_embedding_states applies to optimizer.kind=hybrid8bit"):
         load_config(None, ["optimizer.fp32_embedding_states=true"])
 
@@ -69,6 +79,18 @@ def test_cli_reports_errors_without_traceback(capsys):
     assert main(["train", "model.source=/nonexistent/model"]) == 2
     err = capsys.readouterr().err
     assert "error:" in err and "Traceback" not in err and "/nonexistent/model" in err
+
+
+def test_cli_keeps_the_traceback_of_a_bug(monkeypatch):
+    """Only a LazyTrainError is a user error; a bug's ValueError is not hidden as one."""
+    import lazytrain.train.trainer as trainer_module
+
+    def broken(config):
+        raise ValueError("group 3: gradient has 10 elements, master 12")
+
+    monkeypatch.setattr(trainer_module, "build_session", broken)
+    with pytest.raises(ValueError, match="gradient has 10 elements"):
+        main(["train", "training.steps=1"])
 
 
 def test_cli_train_writes_an_hf_model_and_metrics(tmp_path):

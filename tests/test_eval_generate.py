@@ -48,8 +48,8 @@ def test_eval_cli_on_a_gsm8k_style_file(tmp_path, capsys):
     rows = [{"query": f"What is {a} plus 1?", "response": f"{a} + 1 = {a + 1}\n#### {a + 1}", "type": t}
             for a, t in [(1, "easy"), (20, "easy"), (300, "hard")]]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert main(["eval", "--model", str(out), "--data", str(data), "--max-new-tokens", "8",
-                 "--output", str(tmp_path / "pred.jsonl")]) == 0
+    assert main(["eval", f"eval.model={out}", f"eval.data={data}", "eval.max_new_tokens=8",
+                 f"eval.output={tmp_path / 'pred.jsonl'}"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["n"] == 3 and set(report["per_type"]) == {"easy", "hard"}
     assert report["per_type"]["easy"]["n"] == 2
@@ -63,7 +63,7 @@ def test_eval_cli_bad_data_is_one_clear_error(tmp_path, capsys):
           f"training.output_dir={out}", "data.builtin_train_size=8", "data.heldout_size=1"])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"query": "a", "response": "b"}\n{not json}\n')
-    assert main(["eval", "--model", str(out), "--data", str(bad)]) == 2
+    assert main(["eval", f"eval.model={out}", f"eval.data={bad}"]) == 2
     err = capsys.readouterr().err
     assert "bad.jsonl" in err and "line 2" in err and "Traceback" not in err
 

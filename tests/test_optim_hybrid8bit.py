@@ -340,9 +340,9 @@ def test_fp32_groups_keep_fp32_states():
     assert state_bytes_per_param(numels, (0, 29)) == pytest.approx(2.912, abs=1e-3)
 
 
-def test_trainer_keeps_embedding_states_fp32_when_asked():
+def test_factory_keeps_embedding_states_fp32_when_asked():
     from lazytrain.config import load_config
-    from lazytrain.train.trainer import make_optimizer
+    from lazytrain.optim.factory import make_optimizer
 
     sizes = [20_000, 30_000, 9000]
     for flag, kinds in (
@@ -352,7 +352,7 @@ def test_trainer_keeps_embedding_states_fp32_when_asked():
         config = load_config(
             None, ["optimizer.kind=hybrid8bit", f"optimizer.fp32_embedding_states={flag}"]
         )
-        opt = make_optimizer(config, [torch.zeros(n) for n in sizes], [0, 0, 0])
+        opt = make_optimizer(config.optimizer, [torch.zeros(n) for n in sizes], [0, 0, 0])
         assert [type(s) for s in opt.states] == kinds
 
 

@@ -52,14 +52,13 @@ def test_profile_measures_the_nvme_tier_through_its_own_path(tmp_path):
     from lazytrain.memory.nvme import NvmeStore
     from lazytrain.plan.costs import GPU_RESERVE_FRACTION
     from lazytrain.runtime.profiler import profile
-    from lazytrain.train.trainer import Trainer, make_optimizer
+    from lazytrain.train.session import build_session
 
-    config = load_config(None, [f"training.output_dir={tmp_path / 'run'}", "plan.policy=keep_all", *COMMON])
-    trainer = Trainer(config)
-    trainer.setup()
+    config = load_config(None, [f"training.output_dir={tmp_path / 'run'}", *COMMON])
+    session = build_session(config)
     nvme = NvmeStore(tmp_path / "nvme")
-    costs = profile(trainer.adapter, trainer.store, torch.device("cpu"), 4, 96,
-                    lambda m, d: make_optimizer(config, m, d), gpu_bytes=2**30, repeats=1, nvme=nvme)
+    costs = profile(session.adapter, session.store, torch.device("cpu"), 4, 96,
+                    session.make_optimizer, gpu_bytes=2**30, repeats=1, nvme=nvme)
     assert costs.nvme_write_gbps > 0 and costs.nvme_read_gbps > 0
     assert 0 < costs.nvme_bytes <= nvme.free_bytes()
     assert "measured" in costs.notes["nvme"]
@@ -67,13 +66,13 @@ def test_profile_measures_the_nvme_tier_through_its_own_path(tmp_path):
     # a GPU cap leaves the allocator's reserve unplanned
     assert costs.gpu_bytes == int(2**30 * (1 - GPU_RESERVE_FRACTION))
     assert costs.head_chunk_tokens == config.plan.head_chunk_tokens
-    without = profile(trainer.adapter, trainer.store, torch.device("cpu"), 4, 96,
-                      lambda m, d: make_optimizer(config, m, d), repeats=1)
+    without = profile(session.adapter, session.store, torch.device("cpu"), 4, 96,
+                      session.make_optimizer, repeats=1)
     assert without.nvme_bytes == 0
 
 
 def test_expandable_segments_only_when_the_user_set_nothing(monkeypatch):
-    from lazytrain.runtime.streams import prefer_expandable_segments
+    from lazytrain.runtime.device import prefer_expandable_segments
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert prefer_expandable_segments()

@@ -7,9 +7,12 @@ Unknown keys and bad values are errors that name the key and say what is accepte
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -21,32 +24,50 @@ class ConfigError(LazyTrainError, ValueError):
     pass
 
 
+def check_fields(obj, section: str) -> None:
+    """Every ``Literal`` field holds one of its choices and every float is finite (NaN or inf
+    in a learning rate or a clip threshold would silently wreck a run)."""
+    for f in dataclasses.fields(obj):
+        hint = typing.get_type_hints(type(obj))[f.name]
+        value = getattr(obj, f.name)
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        options = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
+        for option in options:
+            if typing.get_origin(option) is Literal:
+                choices = typing.get_args(option)
+                if value is not None and value not in choices:
+                    raise ConfigError(
+                        f"{section}.{f.name}={value!r} is not one of {', '.join(map(str, choices))}"
+                    )
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{section}.{f.name}={value} is not a finite number")
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     source: str = "builtin:tiny"
     """A local HF model folder (config.json + safetensors), or ``builtin:NAME`` for a
     random-initialised model of a built-in shape (tiny, qwen2.5-3b, qwen2.5-7b, qwen3-8b,
     llama-3.1-8b)."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Compute dtype of streamed weights and activations: auto (bf16 on GPU, fp32 on CPU),
     bf16, fp32."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "bf16", "fp32"):
-            raise ConfigError(f"model.dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+        check_fields(self, "model")
 
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     dataset: str = "builtin"
     """``builtin`` (synthetic arithmetic in MetaMathQA form) or a local file/folder."""
-    format: str = "auto"
-    """auto | metamathqa | alpaca | json | jsonl | parquet | hf."""
+    format: Literal["auto", "metamathqa", "alpaca", "json", "jsonl", "parquet", "hf"] = "auto"
+    """auto (from the file name and content), metamathqa, alpaca, json, jsonl, parquet, hf."""
     prompt_field: str = "query"
     """Question field for the generic json/jsonl/parquet formats."""
     response_field: str = "response"
     """Answer field for the generic json/jsonl/parquet formats."""
-    template: str = "auto"
+    template: Literal["auto", "alpaca", "compact", "chat"] = "auto"
     """Prompt template: auto (compact for builtin data, alpaca otherwise), alpaca, compact, chat."""
     max_seq_len: int = 128
     """Samples longer than this are truncated (counted and reported)."""
@@ -57,6 +78,7 @@ class DataConfig:
     """Held-out problems for evaluation with the built-in data."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "data")
         if self.max_seq_len < 8:
             raise ConfigError(f"data.max_seq_len must be >= 8, got {self.max_seq_len}")
         if self.builtin_train_size < 1 or self.heldout_size < 1:
@@ -87,6 +109,7 @@ class TrainingConfig:
     """Continue from output_dir/checkpoint when it exists (same model, data and batch size)."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "training")
         for name in ("steps", "batch_size", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"training.{name} must be >= 1, got {getattr(self, name)}")
@@ -98,10 +121,10 @@ class TrainingConfig:
 
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig(AdamWConfig):
-    lr: float = -1.0
-    """Peak learning rate; -1 (auto): 2e-3 for the built-in tiny model (trained from
+    lr: float | None = None
+    """Peak learning rate; None (auto): 2e-3 for the built-in tiny model (trained from
     scratch), 1e-5 for every other model (fine-tuning)."""
-    kind: str = "fp32"
+    kind: Literal["fp32", "hybrid8bit"] = "fp32"
     """fp32 (torch fused AdamW, 8 B/param of state) or hybrid8bit (8-bit blockwise, ~2 B/param)."""
     fp32_embedding_states: bool = False
     """hybrid8bit only: keep fp32 m and v for the embedding and the final group (final norm and
@@ -110,23 +133,20 @@ class OptimizerConfig(AdamWConfig):
     a tied model of the same shape (one 545 M matrix of 7.1 B) to 2.52. On the built-in default
     it measured no closer to fp32 than all-8-bit states (``bench/optim_convergence_seeds.py``)."""
     warmup_steps: int = 20
-    schedule: str = "cosine"
+    schedule: Literal["cosine", "constant"] = "cosine"
     """cosine (to min_lr_ratio * lr) or constant, after linear warmup."""
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
-        lr, self.lr = self.lr, max(self.lr, 0.0) if self.lr == -1.0 else self.lr
+        check_fields(self, "optimizer")
+        lr, self.lr = self.lr, 0.0 if self.lr is None else self.lr
         AdamWConfig.__post_init__(self)  # validates betas, eps, decay (and lr unless auto)
         self.lr = lr
-        if self.kind not in ("fp32", "hybrid8bit"):
-            raise ConfigError(f"optimizer.kind must be fp32 or hybrid8bit, got {self.kind!r}")
         if self.fp32_embedding_states and self.kind != "hybrid8bit":
             raise ConfigError(
                 "optimizer.fp32_embedding_states applies to optimizer.kind=hybrid8bit only "
                 "(fp32 keeps every state in fp32); unset it or set optimizer.kind=hybrid8bit"
             )
-        if self.schedule not in ("cosine", "constant"):
-            raise ConfigError(f"optimizer.schedule must be cosine or constant, got {self.schedule!r}")
         if self.warmup_steps < 0:
             raise ConfigError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -135,17 +155,20 @@ class OptimizerConfig(AdamWConfig):
 
 @dataclass(kw_only=True, slots=True)
 class PlanConfig:
-    policy: str = "auto"
-    """auto | solved | megatrain | keep_all | checkpoint_all, or a path to a plan.json.
-    solved: profile this machine and solve the MILP (see `lazytrain plan`). auto: solved on a
-    GPU; on the CPU (no streams to overlap) keep_all when its activations (estimated) fit in
-    an eighth of RAM, else megatrain."""
+    policy: Literal["auto", "solved", "megatrain", "keep_all", "checkpoint_all"] = "auto"
+    """solved: profile this machine (or read plan.costs) and solve the MILP (see `lazytrain
+    plan`); megatrain, keep_all, checkpoint_all: the fixed baselines of `plan.policies`.
+    auto: solved on a GPU; on the CPU (no streams to overlap) keep_all when its activations
+    (estimated) fit in an eighth of RAM, else megatrain."""
+    file: str | None = None
+    """A plan.json (from `lazytrain plan`) to run instead of a policy; plan.policy must then
+    stay auto."""
     costs: str | None = None
     """A cost table (costs.json from `lazytrain profile`) for the solved policy; None:
     profile at start-up."""
     megatrain_every: int = 4
     """Checkpoint interval of the megatrain policy."""
-    checkpoint_tier: str = "gpu"
+    checkpoint_tier: Literal["gpu", "host", "nvme"] = "gpu"
     """Where checkpoint_all keeps layer inputs: gpu, host or nvme (needs memory.nvme_dir)."""
     head_chunk_tokens: int = 4096
     weight_prefetch: int = 1
@@ -154,10 +177,13 @@ class PlanConfig:
     """Run the CPU optimizer step behind the next step's forward."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "plan")
         if self.megatrain_every < 1 or self.head_chunk_tokens < 1 or self.weight_prefetch < 1:
             raise ConfigError("plan.megatrain_every, head_chunk_tokens, weight_prefetch must be >= 1")
-        if self.checkpoint_tier not in ("gpu", "host", "nvme"):
-            raise ConfigError(f"plan.checkpoint_tier must be gpu, host or nvme, got {self.checkpoint_tier!r}")
+        if self.file is not None and self.policy != "auto":
+            raise ConfigError(
+                f"plan.file={self.file} and plan.policy={self.policy} both choose the plan; drop one"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -175,6 +201,46 @@ class MemoryConfig:
     """Data parallel with several ranks per host: the tmpfs where the host's shared weight
     arena is created (and unlinked as soon as every local rank has mapped it)."""
 
+    def __post_init__(self) -> None:
+        check_fields(self, "memory")
+        for name in ("host_limit_gb", "gpu_gb"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"memory.{name} must be > 0 GiB, got {value}")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    """``lazytrain eval``: exact match of a saved model on held-out or user data."""
+
+    model: str | None = None
+    """A model folder written by ``lazytrain train`` (or any HF folder); default:
+    training.output_dir."""
+    data: str = "builtin"
+    """``builtin`` (the held-out split of the built-in data) or a local file."""
+    format: Literal["auto", "metamathqa", "alpaca", "json", "jsonl", "parquet", "hf"] = "auto"
+    builtin_tier: str = "add2"
+    num_samples: int = 200
+    """Samples to evaluate (the first N of the file; N held-out problems for builtin)."""
+    seed: int = 0
+    max_new_tokens: int = 64
+    batch_size: int = 64
+    device: str = "auto"
+    mode: Literal["auto", "resident", "streamed"] = "auto"
+    """auto (resident when the model fits in 90% of free GPU memory), resident, streamed."""
+    template: str = "saved"
+    """saved (the template stored with the model), or a built-in template name."""
+    output: str | None = None
+    """Predictions JSONL (default: MODEL/eval_predictions.jsonl)."""
+    stop: tuple[str, ...] = ("\n\n\n", "### Instruction", "\nQ: ")
+    """Generation is cut at the first of these strings (and at the tokenizer's eos)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "eval")
+        self.stop = tuple(self.stop)
+        if self.num_samples < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
+            raise ConfigError("eval.num_samples, eval.batch_size and eval.max_new_tokens must be >= 1")
+
 
 @dataclass(kw_only=True, slots=True)
 class Config:
@@ -184,10 +250,18 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        if self.optimizer.lr == -1.0:
+        if self.optimizer.lr is None:
             self.optimizer.lr = 2e-3 if self.model.source == "builtin:tiny" else 1e-5
+        if self.eval.model is None:
+            self.eval.model = self.training.output_dir
+        if self.training.eval_every and self.data.dataset != "builtin":
+            raise ConfigError(
+                "training.eval_every needs held-out data, which only the built-in data has here; "
+                "set training.eval_every=0 and run `lazytrain eval eval.model=OUT eval.data=FILE`"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -195,6 +269,7 @@ class Config:
     def save(self, path: str | Path) -> None:
         d = self.to_dict()
         d["optimizer"]["betas"] = list(d["optimizer"]["betas"])
+        d["eval"]["stop"] = list(d["eval"]["stop"])
         Path(path).write_text(yaml.safe_dump(d, sort_keys=False))
 
 
@@ -220,8 +295,12 @@ def _coerce(section: str, key: str, value, hint):
             if isinstance(value, (dict, list)):
                 raise ValueError
             return str(value)
+        if typing.get_origin(hint) is Literal:
+            return value
         if typing.get_origin(hint) is tuple:
-            return tuple(float(v) for v in value)
+            item = typing.get_args(hint)[0]
+            values = value if isinstance(value, (list, tuple)) else [value]
+            return tuple(str(v) if item is str else float(v) for v in values)
     except (TypeError, ValueError):
         name = getattr(hint, "__name__", str(hint))
         raise ConfigError(f"{section}.{key}={value!r} is not a valid {name}") from None
@@ -255,6 +334,7 @@ SECTIONS = {
     "optimizer": OptimizerConfig,
     "plan": PlanConfig,
     "memory": MemoryConfig,
+    "eval": EvalConfig,
 }
 
 

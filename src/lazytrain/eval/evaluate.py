@@ -9,51 +9,22 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
 from tqdm import tqdm
 
+from lazytrain.config import ConfigError, EvalConfig
 from lazytrain.data.dataset import encode_prompts
 from lazytrain.data.formats import DataError, DataSource, Sample, load_samples
 from lazytrain.data.synthetic import make_samples
 from lazytrain.data.template import PromptTemplate, get_template
 from lazytrain.eval.answers import exact_match_report
 from lazytrain.eval.generate import cut_at_stop, generate_resident, generate_streamed
+from lazytrain.runtime.device import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True, slots=True)
-class EvalConfig:
-    model: str
-    """A model folder written by ``lazytrain train`` or ``export`` (or any HF folder)."""
-    data: str = "builtin"
-    """``builtin`` (the held-out split of the built-in data) or a local file."""
-    format: str = "auto"
-    builtin_tier: str = "add2"
-    num_samples: int = 200
-    """Samples to evaluate (the first N of the file; N held-out problems for builtin)."""
-    seed: int = 0
-    max_new_tokens: int = 64
-    batch_size: int = 64
-    device: str = "auto"
-    mode: str = "auto"
-    """auto (resident when the model fits in 90% of free GPU memory), resident, streamed."""
-    template: str = "saved"
-    """saved (the template stored with the model), or a built-in template name."""
-    output: str | None = None
-    """Predictions JSONL (default: MODEL/eval_predictions.jsonl)."""
-    stop: tuple[str, ...] = ("\n\n\n", "### Instruction", "\nQ: ")
-    """Generation is cut at the first of these strings (and at the tokenizer's eos)."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("auto", "resident", "streamed"):
-            raise ValueError(f"eval mode must be auto, resident or streamed, got {self.mode!r}")
-        if self.num_samples < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
-            raise ValueError("eval num_samples, batch_size and max_new_tokens must be >= 1")
 
 
 def _samples(cfg: EvalConfig) -> list[Sample]:
@@ -88,12 +59,26 @@ def exact_match(samples: list[Sample], tokenizer, template: PromptTemplate, run,
     return report, outputs
 
 
+def streamed_exact_match(adapter, store, tokenizer, template: PromptTemplate, samples: list[Sample],
+                         max_new_tokens: int = 64, batch_size: int = 100) -> dict:
+    """Exact match of the model in a host store (generation streams it layer by layer)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def run(batch):
+        return generate_streamed(adapter, store, batch, max_new_tokens, pad, tokenizer.eos_token_id)
+
+    report, _ = exact_match(samples, tokenizer, template, run, batch_size=batch_size, desc="eval")
+    return report
+
+
 def evaluate(cfg: EvalConfig) -> dict:
     folder = Path(cfg.model).expanduser()
     if not (folder / "config.json").exists():
-        raise FileNotFoundError(f"{folder} is not a model folder (no config.json); pass the output_dir of a training run")
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
+        raise ConfigError(
+            f"eval.model={folder} is not a model folder (no config.json); pass the output_dir of a "
+            "training run"
+        )
+    device = resolve_device(cfg.device)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     template = PromptTemplate.load(folder) if cfg.template == "saved" else get_template(cfg.template)
     samples = _samples(cfg)
@@ -102,7 +87,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     mode = cfg.mode
     if mode == "auto":
         mode = "resident" if _fits_on_device(folder, device) else "streamed"
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = resolve_dtype("auto", device)
     if mode == "resident":
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
         run = lambda batch: generate_resident(model, batch, cfg.max_new_tokens, pad_id, eos_id)

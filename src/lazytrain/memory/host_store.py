@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lazytrain.errors import LazyTrainError
-from lazytrain.model.adapter import GroupLayout
+from lazytrain.model.adapter import GroupLayout, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class HostStore:
         for p in layout.params:
             if p.name == name:
                 if tuple(value.shape) != p.shape:
-                    raise ValueError(
+                    raise UnsupportedModelError(
                         f"{layout.hf_prefix}{name}: shape {tuple(value.shape)} in the checkpoint, "
                         f"{p.shape} in the model config"
                     )

@@ -62,6 +62,11 @@ class GroupLayout:
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.params}
 
+    def leaves(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of ``flat`` as autograd leaves: ``torch.autograd.grad`` with respect to them
+        gives each parameter's gradient, and the GPU slot itself never enters the graph."""
+        return {name: view.detach().requires_grad_() for name, view in self.views(flat.detach()).items()}
+
     def hf_names(self) -> list[str]:
         return [self.hf_prefix + p.name for p in self.params]
 

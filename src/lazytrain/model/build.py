@@ -14,12 +14,6 @@ from lazytrain.model.loading import load_safetensors, random_init
 from lazytrain.model.shapes import SHAPES
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
-
-
 def model_config(source: str, vocab_size: int | None = None) -> transformers.PretrainedConfig:
     """The HF config of ``source``: ``builtin:NAME`` or a local HF folder."""
     if source.startswith("builtin:"):

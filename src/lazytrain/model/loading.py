@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lazytrain.memory.host_store import HostStore
-from lazytrain.model.adapter import ModelAdapter
+from lazytrain.model.adapter import ModelAdapter, UnsupportedModelError
 
 
 def _name_index(adapter: ModelAdapter) -> dict[str, tuple[int, str]]:
@@ -31,7 +31,7 @@ def load_safetensors(adapter: ModelAdapter, store: HostStore, folder: str | Path
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(
+        raise UnsupportedModelError(
             f"{folder} has no *.safetensors files; LazyTrain reads HF safetensors checkpoints "
             "(convert .bin files with `transformers` first)"
         )
@@ -45,7 +45,7 @@ def load_safetensors(adapter: ModelAdapter, store: HostStore, folder: str | Path
                         continue
                     if name == "lm_head.weight" and adapter.tied:
                         continue
-                    raise ValueError(
+                    raise UnsupportedModelError(
                         f"{path.name}: tensor {name!r} is not part of a {adapter.arch} with this "
                         "config.json; is the folder's config the one the weights were saved with?"
                     )
@@ -55,7 +55,7 @@ def load_safetensors(adapter: ModelAdapter, store: HostStore, folder: str | Path
     missing = sorted(set(index) - seen)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ValueError(f"{folder}: {len(missing)} weights missing from the checkpoint: {shown}")
+        raise UnsupportedModelError(f"{folder}: {len(missing)} weights missing from the checkpoint: {shown}")
 
 
 def random_init(adapter: ModelAdapter, store: HostStore, seed: int, device: torch.device) -> None:

@@ -6,19 +6,31 @@ Imports no torch: everything here is tested on tables alone.
 from lazytrain.plan.costs import CostTable, LayerCosts, ShapeFit
 from lazytrain.plan.milp import PlanInfeasible, milp_evaluate, min_gpu_bytes, solve_plan
 from lazytrain.plan.plan import (
-    BASELINES,
     LayerPlan,
     Plan,
     checkpoint_all_plan,
     keep_all_plan,
     megatrain_plan,
 )
+from lazytrain.plan.policies import (
+    BASELINE_POLICIES,
+    POLICIES,
+    PolicyOptions,
+    baseline_plan,
+    comparison_plans,
+    policy_plan,
+)
 from lazytrain.plan.render import format_plan_table, render_plan_png
 from lazytrain.plan.search import SearchResult, search_batch
 from lazytrain.plan.simulate import SimResult, simulate
 
 __all__ = [
-    "BASELINES",
+    "BASELINE_POLICIES",
+    "POLICIES",
+    "PolicyOptions",
+    "baseline_plan",
+    "comparison_plans",
+    "policy_plan",
     "CostTable",
     "LayerCosts",
     "LayerPlan",

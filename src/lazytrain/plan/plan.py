@@ -19,8 +19,14 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from lazytrain.errors import LazyTrainError
+
 MODES = ("keep", "checkpoint", "drop")
 TIERS = ("gpu", "host", "nvme")
+
+
+class PlanError(LazyTrainError, ValueError):
+    """A plan that cannot run this model."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,13 +97,13 @@ class Plan:
     def check(self, num_layers: int) -> None:
         """Raise if this plan cannot run a model with ``num_layers`` decoder layers."""
         if len(self.layers) != num_layers:
-            raise ValueError(
+            raise PlanError(
                 f"plan has {len(self.layers)} layers, the model has {num_layers}; "
                 "re-run `lazytrain plan` for this model"
             )
         for i, lp in enumerate(self.layers):
             if lp.mode == "drop" and self.layers[i - 1].mode == "keep":
-                raise ValueError(
+                raise PlanError(
                     f"layer {i} is 'drop' after a 'keep' layer: a drop layer must follow a "
                     "checkpoint or another drop layer"
                 )
@@ -162,9 +168,3 @@ def checkpoint_all_plan(
         head_chunk_tokens=head_chunk_tokens,
     )
 
-
-BASELINES = {
-    "megatrain": megatrain_plan,
-    "keep_all": keep_all_plan,
-    "checkpoint_all": checkpoint_all_plan,
-}

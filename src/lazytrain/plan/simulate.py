@@ -78,6 +78,22 @@ class SimResult:
     def feasible(self) -> bool:
         return not self.violations
 
+    def metrics(self) -> dict[str, float]:
+        """The prediction under the names the per-step metrics give the measured figures."""
+        e = self.exposed_s
+        return {
+            "predicted_step_time_s": self.step_time_s,
+            "predicted_gpu_compute_s": e["compute"],
+            "predicted_exposed_h2d_s": e["h2d"],
+            "predicted_exposed_d2h_s": e["d2h"],
+            # the executor's trace sees no NVMe or CPU stream: their waits are GPU idle
+            # without a copy
+            "predicted_gpu_idle_other_s": e["cpu"] + e["nvme"] + e["idle"],
+            "predicted_peak_gpu_gb": self.peak_gpu_bytes / 1e9,
+            "predicted_act_host_gb": self.peak_host_bytes / 1e9,
+            "predicted_act_nvme_gb": self.peak_nvme_bytes / 1e9,
+        }
+
 
 @dataclass(eq=False, slots=True)
 class _Op:

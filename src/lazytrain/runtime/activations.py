@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lazytrain.config import ConfigError
 from lazytrain.memory.nvme import NvmeError, NvmeStore, aligned_empty
 from lazytrain.runtime.streams import Streams, StreamTrace
 
@@ -92,7 +93,7 @@ class ActivationStore:
                           stored=stored, nbytes=nbytes)
         if tier == "nvme":
             if self.nvme is None:
-                raise ValueError(
+                raise ConfigError(
                     "the plan keeps activations on the 'nvme' tier but no NVMe folder is set; "
                     "set memory.nvme_dir=/path/on/a/fast/disk"
                 )

@@ -151,12 +151,6 @@ class Executor:
             self._resident_version[group] = self.weight_version[group]
         return self.resident[group]
 
-    def _leaves(self, group_layout, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {
-            name: view.detach().requires_grad_()
-            for name, view in group_layout.views(flat.detach()).items()
-        }
-
     def _schedule(self) -> list[int]:
         forward = list(range(self.adapter.num_layers))
         backward = []
@@ -342,7 +336,7 @@ class Executor:
         L = adapter.num_layers
 
         # forward: embedding
-        embed_leaf = self._leaves(layouts[0], self._resident_weights(0))
+        embed_leaf = layouts[0].leaves(self._resident_weights(0))
         self.weights.begin(self._schedule())
         embed_w = embed_leaf["embed_tokens.weight"]
         with torch.enable_grad():
@@ -357,7 +351,7 @@ class Executor:
             span = self.trace.begin()
             if lp.mode == "keep":
                 x_in = x.requires_grad_()
-                leaves = self._leaves(layouts[i + 1], slot)
+                leaves = layouts[i + 1].leaves(slot)
                 handles: list[Handle] = []
                 with torch.enable_grad(), saved_tensors_hooks(
                     self._pack_hook(i, slot, lp.tier, handles), self._unpack
@@ -375,7 +369,7 @@ class Executor:
 
         # final norm + chunked LM head + loss, backward per chunk
         final = self.num_groups - 1
-        final_leaf = self._leaves(layouts[final], self._resident_weights(final))
+        final_leaf = layouts[final].leaves(self._resident_weights(final))
         head_w = adapter.head_weight(embed_leaf, final_leaf)
         span = self.trace.begin()
         g, g_norm, head_grad, loss_sum = self.head_loss_backward(
@@ -423,7 +417,7 @@ class Executor:
             self.trace.end("compute", span)
             for j in reversed(range(start, end)):
                 x_in = inputs[j - start].detach().requires_grad_()
-                leaves = self._leaves(layouts[j + 1], slots[j - start])
+                leaves = layouts[j + 1].leaves(slots[j - start])
                 span = self.trace.begin()
                 with torch.enable_grad():
                     out = adapter.layer_forward(leaves, x_in, rope, mask)

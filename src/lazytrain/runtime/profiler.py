@@ -27,27 +27,8 @@ from lazytrain.model.adapter import ModelAdapter
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.plan.costs import CostTable, LayerCosts, ShapeFit, default_fits, usable_gpu_bytes
 from lazytrain.plan.plan import keep_all_plan
+from lazytrain.runtime.device import time_ms
 from lazytrain.runtime.executor import Executor
-
-
-def _timer(device: torch.device, fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn``."""
-    times = []
-    for r in range(warmup + repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        if r >= warmup:
-            times.append(ms)
-    return statistics.median(times)
 
 
 class _Peak:
@@ -91,7 +72,7 @@ def _layer_shape_costs(executor: Executor, slot: torch.Tensor, batch: int, seq: 
             return adapter.layer_forward(layout.views(slot), x, rope, None)
 
     def forward_grad():
-        leaves = executor._leaves(layout, slot)
+        leaves = layout.leaves(slot)
         x_in = x.detach().requires_grad_()
         with torch.enable_grad():
             return adapter.layer_forward(leaves, x_in, rope, None), x_in, leaves
@@ -105,12 +86,12 @@ def _layer_shape_costs(executor: Executor, slot: torch.Tensor, batch: int, seq: 
         out, x_in, leaves = state["out"]
         torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
 
-    forward_ms = _timer(device, forward_no_grad, repeats)
-    recompute_ms = _timer(device, run_forward_grad, repeats)
+    forward_ms = time_ms(device, forward_no_grad, repeats)
+    recompute_ms = time_ms(device, run_forward_grad, repeats)
     backward = []
     for _ in range(repeats + 2):
         state["out"] = forward_grad()
-        backward.append(_timer(device, run_backward, 1, warmup=0))
+        backward.append(time_ms(device, run_backward, 1, warmup=0))
     backward_ms = statistics.median(backward[2:])
     with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t):
         out, x_in, leaves = forward_grad()
@@ -143,7 +124,7 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
     nbytes = host.numel() * host.element_size()
     if device.type != "cuda":
         dst = torch.empty_like(host)
-        ms = _timer(device, lambda: dst.copy_(host), repeats)
+        ms = time_ms(device, lambda: dst.copy_(host), repeats)
         gbps = nbytes / ms / 1e6
         return {"h2d_gbps": gbps, "d2h_gbps": gbps, "bidir_gbps": gbps / 2, "copy_slowdown": 1.0}
     gpu = torch.empty(host.numel(), dtype=host.dtype, device=device)
@@ -170,11 +151,11 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
         compute.wait_stream(d2h_stream)
 
     together()
-    h2d_ms = _timer(device, h2d, repeats)
+    h2d_ms = time_ms(device, h2d, repeats)
     together()
-    d2h_ms = _timer(device, d2h, repeats)
+    d2h_ms = time_ms(device, d2h, repeats)
     together()
-    both_ms = _timer(device, both, repeats)
+    both_ms = time_ms(device, both, repeats)
 
     # compute alone, then the same compute while H2D copies keep the link busy throughout;
     # events on the compute stream time the matmuls only
@@ -184,7 +165,7 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
         for _ in range(8):
             a @ a
 
-    alone = _timer(device, matmuls, repeats)
+    alone = time_ms(device, matmuls, repeats)
     copies = 2 + int(alone / h2d_ms)
 
     def matmuls_under_copies():
@@ -194,7 +175,7 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
                 gpu.copy_(host, non_blocking=True)
         matmuls()
 
-    under_copies = _timer(device, matmuls_under_copies, repeats)
+    under_copies = time_ms(device, matmuls_under_copies, repeats)
     torch.cuda.synchronize(device)
     h2d_gbps, d2h_gbps = nbytes / h2d_ms / 1e6, nbytes / d2h_ms / 1e6
     serial = h2d_gbps * d2h_gbps / (h2d_gbps + d2h_gbps)
@@ -212,7 +193,7 @@ def _optimizer_ns_per_param(optimizer_factory: Callable[[list[torch.Tensor], lis
     scratch = optimizer_factory([master], [layout.decay_numel])
     grad = torch.randn(master.numel()).to(store.dtype)
     out = torch.empty(master.numel(), dtype=store.dtype)
-    ms = _timer(torch.device("cpu"), lambda: scratch.step_group(0, grad, 0.5, 1e-5, out), repeats)
+    ms = time_ms(torch.device("cpu"), lambda: scratch.step_group(0, grad, 0.5, 1e-5, out), repeats)
     return ms * 1e6 / master.numel()
 
 
@@ -281,8 +262,8 @@ def profile(
     ids = torch.randint(0, adapter.vocab_size, (batch_size, seq_len), device=device)
     embed = store.weights[0].to(device)
     final = store.weights[-1].to(device)
-    embed_leaf = executor._leaves(adapter.layouts[0], embed)
-    final_leaf = executor._leaves(adapter.final_layout, final)
+    embed_leaf = adapter.layouts[0].leaves(embed)
+    final_leaf = adapter.final_layout.leaves(final)
     head_w = adapter.head_weight(embed_leaf, final_leaf)
     x = torch.randn(batch_size, seq_len, adapter.hidden_size, device=device, dtype=store.dtype)
     valid = torch.arange(tokens, device=device)
@@ -296,13 +277,13 @@ def profile(
     def embed_backward():
         torch.autograd.grad(embed_state["h"], [embed_leaf["embed_tokens.weight"]], torch.ones_like(embed_state["h"]))
 
-    embed_forward_ms = _timer(device, embed_forward, repeats)
+    embed_forward_ms = time_ms(device, embed_forward, repeats)
     embed_backward_times = []
     for _ in range(repeats + 1):
         embed_forward()
-        embed_backward_times.append(_timer(device, embed_backward, 1, warmup=0))
+        embed_backward_times.append(time_ms(device, embed_backward, 1, warmup=0))
     with _Peak(device) as head_peak:
-        head_ms = _timer(device, lambda: executor.head_loss_backward(
+        head_ms = time_ms(device, lambda: executor.head_loss_backward(
             x, final_leaf["model.norm.weight"], head_w, valid, targets, tokens), repeats)
     layer = adapter.layouts[1]
     esize = store.weights[1].element_size()

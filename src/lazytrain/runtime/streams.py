@@ -7,7 +7,6 @@ synchronous, so the same code runs with these methods doing nothing.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -88,20 +87,30 @@ class StreamTrace:
         intervals: dict[str, list[tuple[float, float]]] = {}
         for kind, a, b in self.spans:
             intervals.setdefault(kind, []).append((self._origin.elapsed_time(a), self._origin.elapsed_time(b)))
-        merged = {kind: _union(iv) for kind, iv in intervals.items()}
-        compute = merged.get("compute", [])
-        idle = _complement(compute, 0.0, total)
-        out = {"step_ms": total}
-        claimed: list[tuple[float, float]] = []
-        for kind in ("h2d", "d2h"):
-            busy = merged.get(kind, [])
-            out[f"{kind}_busy_ms"] = _length(busy)
-            exposed = _intersect(_intersect(idle, busy), _complement(claimed, 0.0, total))
-            out[f"{kind}_exposed_ms"] = _length(exposed)
-            claimed = _union(claimed + exposed)
-        out["compute_ms"] = _length(compute)
-        out["other_idle_ms"] = _length(idle) - _length(_intersect(idle, claimed))
-        return out
+        return exposure(intervals, total)
+
+
+def exposure(intervals: dict[str, list[tuple[float, float]]], total: float) -> dict[str, float]:
+    """Busy and exposed ms per stream from its spans over a step of ``total`` ms.
+
+    A copy stream's *exposed* time is when it was busy and the compute stream was idle; time
+    already claimed by H2D is not counted again for D2H. What is left of compute's idle time
+    is ``other_idle_ms`` (the CPU optimizer, NVMe, launch gaps).
+    """
+    merged = {kind: _union(iv) for kind, iv in intervals.items()}
+    compute = merged.get("compute", [])
+    idle = _complement(compute, 0.0, total)
+    out = {"step_ms": total}
+    claimed: list[tuple[float, float]] = []
+    for kind in ("h2d", "d2h"):
+        busy = merged.get(kind, [])
+        out[f"{kind}_busy_ms"] = _length(busy)
+        exposed = _intersect(_intersect(idle, busy), _complement(claimed, 0.0, total))
+        out[f"{kind}_exposed_ms"] = _length(exposed)
+        claimed = _union(claimed + exposed)
+    out["compute_ms"] = _length(compute)
+    out["other_idle_ms"] = _length(idle) - _length(_intersect(idle, claimed))
+    return out
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -142,16 +151,3 @@ def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> 
 def _length(intervals: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in intervals)
 
-
-def prefer_expandable_segments() -> bool:
-    """Let the CUDA caching allocator grow segments in place, unless the user configured it.
-
-    A streamed step allocates many buffers of a few different sizes (weight slots,
-    activations of a batch, head chunks); with fixed segments 3-6 GiB of a 24 GiB cap went to
-    fragmentation on the H200. Takes effect only before CUDA's first allocation; returns
-    whether it was set.
-    """
-    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or torch.cuda.is_initialized():
-        return False
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    return True

@@ -7,6 +7,10 @@ from pathlib import Path
 
 import torch
 
+from lazytrain.model.adapter import ModelAdapter
+from lazytrain.model.flops import flops_6nt, model_flops
+from lazytrain.runtime.executor import StepStats
+
 
 def host_rss_bytes() -> int:
     try:
@@ -26,6 +30,37 @@ def gpu_memory(device: torch.device) -> dict[str, float]:
         "peak_gpu_alloc_gb": torch.cuda.max_memory_allocated(device) / 1e9,
         "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9,
     }
+
+
+def step_metrics(adapter: ModelAdapter, stats: StepStats, trace: dict[str, float], step_time_s: float,
+                 seq_len: int, device: torch.device) -> dict[str, float]:
+    """One step's measured figures, under the names every record uses (trainer and benchmarks).
+
+    ``trace`` is the executor's stream summary (empty off the GPU): GPU compute, the H2D and
+    D2H time the compute stream waited on, and other GPU idle (the CPU optimizer or NVMe).
+    """
+    tokens = stats.num_tokens
+    record = {
+        "step_time_s": step_time_s,
+        "tokens_per_s": tokens / step_time_s,
+        "tflops_model": model_flops(adapter, tokens, seq_len) / step_time_s / 1e12,
+        "tflops_6nt": flops_6nt(adapter, tokens) / step_time_s / 1e12,
+        **{f"act_{tier}_gb": nbytes / 1e9 for tier, nbytes in stats.peak_activation_bytes.items()},
+        "h2d_weight_gb": stats.h2d_weight_bytes / 1e9,
+        "host_rss_gb": host_rss_bytes() / 1e9,
+        **gpu_memory(device),
+    }
+    if trace:
+        record.update({
+            "fwd_bwd_s": trace["step_ms"] / 1e3,
+            "gpu_compute_s": trace["compute_ms"] / 1e3,
+            "exposed_h2d_s": trace["h2d_exposed_ms"] / 1e3,
+            "exposed_d2h_s": trace["d2h_exposed_ms"] / 1e3,
+            "gpu_idle_other_s": trace["other_idle_ms"] / 1e3,
+            "h2d_busy_s": trace.get("h2d_busy_ms", 0.0) / 1e3,
+            "d2h_busy_s": trace.get("d2h_busy_ms", 0.0) / 1e3,
+        })
+    return record
 
 
 class MetricsWriter:

@@ -1,0 +1,176 @@
+"""What the benchmarks share: the run header, device names, the session of a built-in shape,
+random batches, timed training steps through the one executor, and writing results.
+
+Records follow DESIGN.md section 6; each study writes one JSON list of records and a Markdown
+report beside it under ``bench/results/``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+
+from lazytrain.config import load_config
+from lazytrain.memory.nvme import NvmeStore
+from lazytrain.optim.base import HostOptimizer
+from lazytrain.plan.plan import Plan
+from lazytrain.runtime.device import device_name, time_ms
+from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.update import HostUpdater
+from lazytrain.train.metrics import step_metrics
+from lazytrain.train.session import Session, build_session
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def today() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+
+
+def device_tag(device: torch.device | str) -> str:
+    """A short name for result files: ``h200`` for an H200, else the device or CPU model, slugged."""
+    name = device if isinstance(device, str) else device_name(device)
+    if "H200" in name:
+        return "h200"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.split("(")[0].lower()).strip("-")
+    return slug or "cpu"
+
+
+def cpu_run_device() -> str:
+    """The CPU a CPU-only study ran on, with the threads torch used."""
+    return f"{device_name(torch.device('cpu'))}, {torch.get_num_threads()} threads"
+
+
+def run_header(device: torch.device, **fields) -> dict:
+    """The fields every record of a run starts with."""
+    return {"date": today(), "device": device_name(device), "torch": torch.__version__,
+            "transformers": transformers.__version__, "cpu_threads": torch.get_num_threads(), **fields}
+
+
+def write_results(records: list[dict], stem: str, markdown: str, out_dir: Path | str = RESULTS) -> Path:
+    """``out_dir/stem.json`` (the records) and ``out_dir/stem.md`` (the report); the JSON path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(records, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown)
+    return out / f"{stem}.json"
+
+
+def bench_session(model: str, *, optimizer: str = "hybrid8bit", device: str = "cuda", batch: int = 1,
+                  seq: int = 1024, head_chunk: int = 4096, nvme_dir: str | None = None,
+                  overrides: tuple[str, ...] = ()) -> Session:
+    """The session `lazytrain train` would build for the built-in shape ``model`` (bf16 on a GPU),
+    with a fine-tuning optimizer (lr 1e-5, no weight decay)."""
+    config = load_config(None, [
+        f"model.source=builtin:{model}", f"optimizer.kind={optimizer}", "optimizer.lr=1e-5",
+        "optimizer.weight_decay=0.0", f"training.device={device}", f"training.batch_size={batch}",
+        f"data.max_seq_len={seq}", f"plan.head_chunk_tokens={head_chunk}",
+        *([f"memory.nvme_dir={nvme_dir}"] if nvme_dir else []), *overrides,
+    ])
+    return build_session(config)
+
+
+def random_batch(batch: int, seq: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids (never zeros) and labels equal to them: every position a target."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return ids, ids.clone()
+
+
+def compute_only(executor: Executor, batch: int, seq: int, repeats: int = 5) -> dict:
+    """Forward + backward of one decoder layer with its weights resident: the floor a streamed step
+    is compared with."""
+    adapter, dev, dtype = executor.adapter, executor.device, executor.dtype
+    slot = executor.store.weights[1].to(dev)
+    position_ids = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, -1)
+    rope = adapter.rotary_embeddings(position_ids, dtype)
+    x = torch.randn(batch, seq, adapter.hidden_size, device=dev, dtype=dtype)
+
+    def layer() -> None:
+        leaves = adapter.layouts[1].leaves(slot)
+        x_in = x.detach().requires_grad_()
+        with torch.enable_grad():
+            out = adapter.layer_forward(leaves, x_in, rope, None)
+            torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
+
+    layer_ms = time_ms(dev, layer, repeats)
+    return {"compute_only_layer_ms": layer_ms, "compute_only_layers_s": layer_ms * adapter.num_layers / 1e3}
+
+
+def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial_optimizer: bool = False,
+                optimizer: HostOptimizer | None = None, nvme: NvmeStore | None = None,
+                batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict:
+    """Train ``warmup + steps`` steps of ``plan`` on random tokens; the measured steps' medians.
+
+    Step time runs from the start of one measured step to the start of the next. A step's
+    overlapped CPU update runs under the next forward, so each step pays the previous step's
+    exposed update (the warm-up's for the first), as in steady state.
+    """
+    adapter, device = session.adapter, session.device
+    optimizer = optimizer or session.optimizer
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    executor = Executor(adapter, session.store, plan, device, nvme=nvme if nvme is not None else session.nvme)
+    updater = HostUpdater(executor, optimizer, overlap=not serial_optimizer)
+    executor.trace.enabled = True
+    batch, seq = plan.batch_size, plan.seq_len
+    measured = []
+    try:
+        for step in range(warmup + steps):
+            ids, labels = batches(step) if batches else random_batch(batch, seq, adapter.vocab_size, seed=step)
+            t0 = time.perf_counter()
+            stats = executor.forward_backward(ids, labels)
+            trace = executor.trace.summary()
+            waited = updater.wait_seconds  # this step's forward waiting for the last update
+            updater.start(min(1.0, 1.0 / (stats.grad_norm + 1e-6)), 1e-5)
+            if serial_optimizer:
+                updater.finish()
+            end = time.perf_counter()  # when the next step would start
+            if step >= warmup:
+                measured.append((t0, stats, trace, waited))
+        updater.finish()
+    except BaseException:
+        try:
+            updater.finish()
+        except RuntimeError:
+            pass
+        raise
+    starts = [m[0] for m in measured] + [end]
+    step_times = [b - a for a, b in zip(starts, starts[1:])]
+    per_step = [step_metrics(adapter, m[1], m[2], t, seq, device) | {"optimizer_wait_s": m[3]}
+                for m, t in zip(measured, step_times)]
+    record = {key: statistics.median(r[key] for r in per_step) for key in per_step[0]
+              if isinstance(per_step[0][key], float)}
+    record.update({
+        "policy": plan.policy, "batch_size": batch, "seq_len": seq, "step_times_s": step_times,
+        "predicted_step_time_s": None, "gpu_mem_cap_gb": None, "loss": measured[-1][1].loss,
+        "cpu_optimizer_s": updater.last_step_seconds,
+    })
+    if cuda:  # peaks over the whole run, not a median
+        record["peak_gpu_alloc_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        record["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
+    record.update(compute_only(executor, batch, seq))
+    del executor, updater
+    gc.collect()  # the layer's slot and activations of compute_only go with it
+    if cuda:
+        torch.cuda.empty_cache()
+    return record
+
+
+def oom_record(name: str, header: dict, policy: str, batch: int, seq: int, error: BaseException) -> dict:
+    """A run that ran out of GPU memory, recorded with the allocator's message."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"name": name, **header, "policy": policy, "batch_size": batch, "seq_len": seq,
+            "oom": str(error).split("\n")[0]}

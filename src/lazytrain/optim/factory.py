@@ -1,0 +1,42 @@
+"""The CPU optimizer from its config section: the one place that maps ``optimizer.kind`` to a class."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from lazytrain.optim.base import HostOptimizer
+
+if TYPE_CHECKING:
+    from lazytrain.config import OptimizerConfig
+
+
+def fp32_state_groups(config: OptimizerConfig, num_groups: int) -> tuple[int, ...]:
+    """Groups whose states stay fp32 under hybrid8bit: the embedding (first) and final (last) ones."""
+    return (0, num_groups - 1) if config.fp32_embedding_states else ()
+
+
+def state_bytes_per_param(config: OptimizerConfig, numels: list[int]) -> float:
+    """Host bytes of optimizer state per parameter, for groups of ``numels`` elements."""
+    if config.kind != "hybrid8bit":
+        return 8.0
+    from lazytrain.optim.hybrid8bit import state_bytes_per_param as hybrid_bytes
+
+    return hybrid_bytes(numels, fp32_state_groups(config, len(numels)))
+
+
+def make_optimizer(
+    config: OptimizerConfig, masters: list[torch.Tensor], decay_numel: list[int],
+    group_numels: list[int] | None = None,
+) -> HostOptimizer:
+    """The optimizer of ``config.kind`` over the flat fp32 master groups; ``group_numels`` are
+    the whole groups' sizes when the masters are a data-parallel rank's shards."""
+    if config.kind == "hybrid8bit":
+        from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
+
+        return Hybrid8bitAdamW(masters, decay_numel, config,
+                               fp32_groups=fp32_state_groups(config, len(masters)), group_numels=group_numels)
+    from lazytrain.optim.adamw import FusedAdamW
+
+    return FusedAdamW(masters, decay_numel, config)

@@ -1,0 +1,80 @@
+"""The one map from a policy name to a `Plan`.
+
+Every caller that turns a name into a plan (the trainer, ``lazytrain plan``'s baseline table,
+the benchmarks) goes through `policy_plan`, so a policy means the same thing everywhere.
+
+Names: ``solved`` (the MILP's plan for a `CostTable`), and the fixed baselines ``megatrain``
+(every ``every``-th layer input kept on the GPU, the rest recomputed), ``keep_all`` (no
+recompute), ``checkpoint_gpu`` / ``checkpoint_host`` / ``checkpoint_nvme`` (every layer input
+checkpointed on that tier; ``checkpoint_all`` is ``checkpoint_`` + ``tier``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lazytrain.plan.costs import CostTable
+from lazytrain.plan.plan import Plan, checkpoint_all_plan, keep_all_plan, megatrain_plan
+
+BASELINE_POLICIES = ("megatrain", "keep_all", "checkpoint_gpu", "checkpoint_host", "checkpoint_nvme")
+POLICIES = ("solved", *BASELINE_POLICIES, "checkpoint_all")
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyOptions:
+    """What the policies take besides the batch shape (the `PlanConfig` fields of the same names)."""
+
+    megatrain_every: int = 4
+    checkpoint_tier: str = "gpu"
+    head_chunk_tokens: int = 4096
+    weight_prefetch: int = 1
+    tiers: tuple[str, ...] = ("gpu", "host")
+    """Activation tiers the MILP may use (``solved`` only)."""
+    optimizer_overlap: bool = True
+
+
+def baseline_plan(name: str, num_layers: int, batch_size: int, seq_len: int,
+                  options: PolicyOptions | None = None) -> Plan:
+    """The fixed plan of baseline policy ``name`` (no cost table needed)."""
+    o = options or PolicyOptions()
+    if name == "checkpoint_all":
+        name = f"checkpoint_{o.checkpoint_tier}"
+    if name == "megatrain":
+        plan = megatrain_plan(num_layers, batch_size, seq_len, o.megatrain_every, o.head_chunk_tokens)
+    elif name == "keep_all":
+        plan = keep_all_plan(num_layers, batch_size, seq_len, o.head_chunk_tokens)
+    elif name.startswith("checkpoint_") and name in BASELINE_POLICIES:
+        plan = checkpoint_all_plan(num_layers, batch_size, seq_len, name.removeprefix("checkpoint_"),
+                                   o.head_chunk_tokens)
+    else:
+        raise ValueError(
+            f"policy {name!r} is not a baseline; baselines are {', '.join(BASELINE_POLICIES)} "
+            "(checkpoint_all takes its tier from plan.checkpoint_tier)"
+        )
+    plan.weight_prefetch = o.weight_prefetch
+    return plan
+
+
+def policy_plan(name: str, costs: CostTable, options: PolicyOptions | None = None,
+                gpu_bytes: int | None = None) -> Plan:
+    """The plan of policy ``name`` at ``costs``' batch shape: the MILP's for ``solved``.
+
+    ``gpu_bytes`` caps the solved plan's GPU memory (default: the table's).
+    """
+    o = options or PolicyOptions()
+    if name != "solved":
+        return baseline_plan(name, costs.num_layers, costs.batch_size, costs.seq_len, o)
+    from lazytrain.plan.milp import solve_plan
+
+    plan = solve_plan(costs, gpu_bytes=gpu_bytes, tiers=o.tiers, optimizer_overlap=o.optimizer_overlap,
+                      head_chunk_tokens=o.head_chunk_tokens)
+    plan.weight_prefetch = o.weight_prefetch
+    return plan
+
+
+def comparison_plans(num_layers: int, batch_size: int, seq_len: int,
+                     options: PolicyOptions | None = None) -> list[Plan]:
+    """The baselines a solved plan is shown against (NVMe only when the MILP may use it)."""
+    o = options or PolicyOptions()
+    names = [n for n in BASELINE_POLICIES if n != "checkpoint_nvme" or "nvme" in o.tiers]
+    return [baseline_plan(n, num_layers, batch_size, seq_len, o) for n in names]

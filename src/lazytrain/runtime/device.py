@@ -1,0 +1,104 @@
+"""The device a run uses: resolving it, its memory, its name, capping it, and timing on it."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from lazytrain.errors import LazyTrainError
+
+
+class DeviceError(LazyTrainError, ValueError):
+    pass
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DeviceError(f"training.device={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"training.device={name} but CUDA is not available; use training.device=cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceError(f"training.device={name} but this machine has {torch.cuda.device_count()} GPU(s)")
+    elif device.type != "cpu":
+        raise DeviceError(f"training.device={name!r}: only cpu and cuda devices are supported")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Compute dtype: ``auto`` is bf16 on a GPU, fp32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from lazytrain.optim.kernel import cpu_description
+
+    return cpu_description() if platform.system() == "Linux" else (platform.processor() or "cpu")
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device`` (a quarter of host RAM for the CPU, which also holds the model)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    from lazytrain.memory.host_store import host_memory_total
+
+    return host_memory_total() // 4
+
+
+def cap_gpu_memory(device: torch.device, gigabytes: float) -> None:
+    """Cap the caching allocator of ``device`` at ``gigabytes`` GiB (no-op on the CPU)."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    # the device needs an index here (torch 2.11 rejects a bare 'cuda')
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gigabytes * 2**30 / total), index)
+
+
+def prefer_expandable_segments() -> bool:
+    """Let the CUDA caching allocator grow segments in place, unless the user configured it.
+
+    A streamed step allocates many buffers of a few different sizes (weight slots,
+    activations of a batch, head chunks); with fixed segments 3-6 GiB of a 24 GiB cap went to
+    fragmentation on the H200. Takes effect only before CUDA's first allocation; returns
+    whether it was set.
+    """
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or torch.cuda.is_initialized():
+        return False
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return True
+
+
+def time_ms(device: torch.device, fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` calls after ``warmup`` (CUDA events on a GPU)."""
+    times = []
+    for r in range(warmup + repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        if r >= warmup:
+            times.append(ms)
+    return statistics.median(times)

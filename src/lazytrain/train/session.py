@@ -1,0 +1,193 @@
+"""What every command builds from a config before it trains, profiles or plans.
+
+`build_session` is the one place that turns the config into a device, a tokenizer, a
+streamed model (adapter + host store), the CPU optimizer and the NVMe tier; `Session.plan`
+is the one place that turns ``plan.*`` into the `Plan` to run. ``lazytrain train``,
+``profile``, ``plan`` and the benchmarks all go through them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lazytrain.config import Config, ConfigError
+from lazytrain.data.pipeline import load_tokenizer
+from lazytrain.memory.host_store import HostStore
+from lazytrain.memory.nvme import NvmeStore
+from lazytrain.memory.shard import ShardedHostStore, shard_decay_numel
+from lazytrain.model.adapter import ModelAdapter
+from lazytrain.model.build import build_model, model_config
+from lazytrain.optim.base import HostOptimizer
+from lazytrain.optim.factory import make_optimizer, state_bytes_per_param
+from lazytrain.plan.costs import CostTable, usable_gpu_bytes
+from lazytrain.plan.plan import Plan
+from lazytrain.plan.policies import PolicyOptions, baseline_plan, policy_plan
+from lazytrain.runtime.device import (
+    cap_gpu_memory,
+    free_memory,
+    prefer_expandable_segments,
+    resolve_device,
+    resolve_dtype,
+)
+from lazytrain.runtime.distributed import DataParallel, local_batch_size, rank_info_from_env
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+
+
+@dataclass(kw_only=True, slots=True)
+class Session:
+    config: Config
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: Any
+    adapter: ModelAdapter
+    store: HostStore
+    optimizer: HostOptimizer
+    nvme: NvmeStore | None
+    parallel: DataParallel | None = None
+    """Launched by torchrun: this rank's process group; ``store`` is then a `ShardedHostStore`."""
+
+    @property
+    def batch_size(self) -> int:
+        """Rows this process runs per step (the global batch over the data-parallel ranks)."""
+        batch = self.config.training.batch_size
+        return batch if self.parallel is None else local_batch_size(batch, self.parallel.world_size)
+
+    def make_optimizer(self, masters: list[torch.Tensor], decay_numel: list[int]) -> HostOptimizer:
+        """Another optimizer of the configured kind (the profiler times one on scratch groups)."""
+        return make_optimizer(self.config.optimizer, masters, decay_numel)
+
+    def policy_options(self) -> PolicyOptions:
+        pc = self.config.plan
+        return PolicyOptions(
+            megatrain_every=pc.megatrain_every, checkpoint_tier=pc.checkpoint_tier,
+            head_chunk_tokens=pc.head_chunk_tokens, weight_prefetch=pc.weight_prefetch,
+            tiers=("gpu", "host", "nvme") if self.nvme is not None else ("gpu", "host"),
+            optimizer_overlap=pc.overlap_optimizer,
+        )
+
+    def cost_table(self) -> CostTable:
+        """The cost table of ``plan.costs`` at the training shape, or one profiled now."""
+        cfg = self.config
+        batch, seq = self.batch_size, cfg.data.max_seq_len
+        if cfg.plan.costs:
+            costs = CostTable.load(cfg.plan.costs).at(batch, seq)
+            if cfg.memory.gpu_gb:
+                costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(cfg.memory.gpu_gb * GiB)))
+        else:
+            from lazytrain.runtime.profiler import profile
+
+            info = self.parallel.info if self.parallel is not None else None
+            costs = profile(
+                self.adapter, self.store, self.device, batch, seq, self.make_optimizer,
+                gpu_bytes=int(cfg.memory.gpu_gb * GiB) if cfg.memory.gpu_gb else None,
+                optimizer_state_bytes=self.optimizer.state_bytes(),
+                head_chunk_tokens=cfg.plan.head_chunk_tokens,
+                nvme=self.nvme,
+                **({"local_world_size": info.local_world_size, "barrier": self.parallel.barrier} if info else {}),
+            )
+        if self.parallel is None:
+            return costs
+        # one rank's table: the host's ranks share its PCIe host side and cores
+        return costs.for_ranks(self.parallel.info.world_size, self.parallel.info.local_world_size)
+
+    def resolved_policy(self) -> str:
+        """``plan.policy`` with ``auto`` decided: solved on a GPU; on the CPU keep_all when its
+        activations (estimated) fit in half the memory budget, else megatrain."""
+        policy = self.config.plan.policy
+        if policy != "auto":
+            return policy
+        if self.device.type == "cuda":
+            return "solved"
+        batch, seq = self.batch_size, self.config.data.max_seq_len
+        need = keep_all_bytes(self.adapter, batch, seq, self.dtype.itemsize)
+        policy = "keep_all" if need < free_memory(self.device) // 2 else "megatrain"
+        log.info("plan.policy=auto: %s (keep_all would hold ~%.1f GiB of activations)", policy, need / GiB)
+        return policy
+
+    def plan(self) -> tuple[Plan, CostTable | None]:
+        """The plan to run and, where there is one, the cost table it is predicted with."""
+        cfg = self.config
+        if cfg.plan.file:
+            try:
+                plan = Plan.load(cfg.plan.file)
+            except (OSError, ValueError, TypeError) as error:
+                raise ConfigError(f"plan.file={cfg.plan.file}: not a readable plan.json ({error})") from None
+            plan.weight_prefetch = cfg.plan.weight_prefetch
+            return plan, (self.cost_table() if cfg.plan.costs else None)
+        policy = self.resolved_policy()
+        if policy == "solved":
+            costs = self.cost_table()
+            return policy_plan("solved", costs, self.policy_options()), costs
+        plan = baseline_plan(policy, self.adapter.num_layers, self.batch_size, cfg.data.max_seq_len,
+                             self.policy_options())
+        return plan, (self.cost_table() if cfg.plan.costs else None)
+
+
+def keep_all_bytes(adapter: ModelAdapter, batch: int, seq_len: int, dtype_bytes: int) -> int:
+    """Activations keep_all holds: ~56 hidden-sized values per token and layer (measured on
+    Qwen2.5-7B at bf16: 0.2 MB per token per layer)."""
+    return 56 * adapter.hidden_size * dtype_bytes * batch * seq_len * adapter.num_layers
+
+
+def build_session(config: Config) -> Session:
+    """Device, tokenizer, model in host memory, optimizer and NVMe tier for ``config``.
+
+    The model folder is checked before anything else is loaded; host memory is counted before
+    anything is allocated (a model that does not fit fails with the bytes per component).
+    """
+    prefer_expandable_segments()
+    torch.manual_seed(config.training.seed)
+    source = config.model.source
+    if not source.startswith("builtin:"):
+        model_config(source)  # a missing or unsupported folder fails here, before tokenizer or data
+    device = resolve_device(config.training.device)
+    info = rank_info_from_env()
+    parallel = None
+    if info is not None:  # launched by torchrun: one rank of a data-parallel run
+        local_batch_size(config.training.batch_size, info.world_size)  # divisible, or a clear error
+        if device.type == "cuda":
+            device = torch.device("cuda", info.local_rank)
+            torch.cuda.set_device(device)
+        parallel = DataParallel(info, device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    tokenizer = load_tokenizer(source)
+    adapter, store = build_model(
+        source, device, dtype, seed=config.training.seed, vocab_size=len(tokenizer), pin=config.memory.pin,
+        optimizer_bytes_per_param=lambda numels: state_bytes_per_param(config.optimizer, numels),
+        host_limit_bytes=int(config.memory.host_limit_gb * GiB) if config.memory.host_limit_gb else None,
+        **({"store_factory": sharded_store_factory(parallel, config)} if parallel is not None else {}),
+    )
+    if config.memory.gpu_gb:
+        cap_gpu_memory(device, config.memory.gpu_gb)
+    decay = [g.decay_numel for g in adapter.layouts]
+    if parallel is None:
+        optimizer = make_optimizer(config.optimizer, store.masters, decay)
+    else:
+        parallel.barrier()  # local rank 0 has written the shared weights
+        optimizer = make_optimizer(config.optimizer, store.masters,
+                                   [shard_decay_numel(d, r) for d, r in zip(decay, store.ranges)],
+                                   group_numels=[g.numel for g in adapter.layouts])
+    nvme = NvmeStore(config.memory.nvme_dir) if config.memory.nvme_dir else None
+    return Session(config=config, device=device, dtype=dtype, tokenizer=tokenizer, adapter=adapter,
+                   store=store, optimizer=optimizer, nvme=nvme, parallel=parallel)
+
+
+def sharded_store_factory(parallel: DataParallel, config: Config):
+    """``build_model``'s store for a data-parallel rank: the host's shared weights (an arena in
+    ``memory.shm_dir``), this rank's shards of the rest."""
+    info = parallel.info
+    path = Path(config.memory.shm_dir) / f"lazytrain-{parallel.run_id}-host{info.node_rank}.weights"
+    return partial(
+        ShardedHostStore, rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
+        local_world_size=info.local_world_size, arena_path=path, barrier=parallel.barrier,
+    )

@@ -1,0 +1,42 @@
+"""The parts keep to their places in DESIGN.md: plan/ imports no torch, and nothing below the
+trainer and the CLI imports them."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "lazytrain"
+TOP = ("train", "cli")
+
+
+def imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_nothing_below_train_and_cli_imports_them():
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        part = path.relative_to(SRC).parts[0]
+        if part in TOP:
+            continue
+        for name in imports(path):
+            if any(name == f"lazytrain.{top}" or name.startswith(f"lazytrain.{top}.") for top in TOP):
+                offenders.append(f"{path.relative_to(SRC)} imports {name}")
+    assert not offenders, offenders
+
+
+def test_plan_imports_no_torch():
+    for path in (SRC / "plan").rglob("*.py"):
+        assert not any(n == "torch" or n.startswith("torch.") for n in imports(path)), path
+    # and importing it (with everything it pulls in) loads no torch either
+    code = "import sys, lazytrain.plan; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,84 @@
+"""The runtime's parts on their own: stream exposure, weight streaming, the host store, the profiler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lazytrain.memory.host_store import HostMemoryError, HostStore
+from lazytrain.model.adapter import ModelAdapter, _layout
+from lazytrain.model.build import model_config
+from lazytrain.runtime.streams import Streams, exposure
+from lazytrain.runtime.weights import WeightStreamer
+
+
+def test_exposure_splits_idle_time_by_what_compute_waited_on():
+    # compute [0,2] and [5,8]; H2D busy [1,4]; D2H busy [3,6] and [9,10]; step 10 ms
+    out = exposure({"compute": [(0, 2), (5, 8)], "h2d": [(1, 4)], "d2h": [(3, 6), (9, 10)]}, 10.0)
+    assert out["compute_ms"] == 5
+    assert out["h2d_busy_ms"] == 3 and out["h2d_exposed_ms"] == 2  # [2,4]
+    assert out["d2h_busy_ms"] == 4 and out["d2h_exposed_ms"] == 2  # [4,5] and [9,10]; [3,4] is H2D's
+    assert out["other_idle_ms"] == 1  # [8,9]: nothing was busy
+    assert out["compute_ms"] + out["h2d_exposed_ms"] + out["d2h_exposed_ms"] + out["other_idle_ms"] == 10
+
+
+def test_weight_streamer_copies_each_layer_once_per_use_in_schedule_order():
+    host = [torch.full((n,), float(i)) for i, n in enumerate((6, 4, 6))]
+    loads = []
+    streamer = WeightStreamer(host, num_slots=2, depth=1, streams=Streams(torch.device("cpu")),
+                              device=torch.device("cpu"), before_load=loads.append)
+    schedule = [0, 1, 2, 2, 1, 0]  # forward, then backward in reverse
+    streamer.begin(schedule)
+    for layer in schedule:
+        w = streamer.acquire(layer)
+        assert w.numel() == host[layer].numel() and torch.all(w == layer)
+        streamer.release(layer)
+    # 2 slots: loading 2 evicts 0 (its next use is furthest away), so backward finds 2 and 1
+    # still resident and copies only 0 again
+    assert loads == [0, 1, 2, 0]
+    assert streamer.h2d_bytes == sum(host[i].numel() * 4 for i in loads)
+    with pytest.raises(RuntimeError, match="out of order"):
+        streamer.begin([0, 1])
+        streamer.acquire(1)
+    with pytest.raises(ValueError, match="at least 2 weight slots"):
+        WeightStreamer(host, num_slots=1, depth=1, streams=Streams(torch.device("cpu")), device=torch.device("cpu"))
+
+
+def test_host_store_lays_groups_out_flat_and_counts_bytes():
+    layouts = [_layout("embed", "model.", [("embed_tokens.weight", (10, 4))]),
+               _layout("layer0", "model.layers.0.", [("norm.weight", (4,)), ("proj.weight", (4, 4))])]
+    store = HostStore(layouts, torch.bfloat16, pin=False, optimizer_bytes_per_param=2.0)
+    assert [w.numel() for w in store.weights] == [40, 20] and store.num_params == 60
+    # matrices first (they take weight decay), then the 1-D norm
+    assert [p.name for p in layouts[1].params] == ["proj.weight", "norm.weight"]
+    store.set_param(1, "norm.weight", torch.arange(4.0))
+    assert torch.equal(store.masters[1][16:], torch.arange(4.0))
+    assert torch.equal(store.weights[1][16:].float(), torch.arange(4.0))
+    b = store.bytes(optimizer_state_bytes=120)
+    assert (b.weights, b.masters, b.grads, b.optimizer) == (120, 240, 120, 120)
+    assert b.per_param()["total"] == pytest.approx(10.0)
+    # views of one arena: a group's weights are contiguous and the groups adjacent
+    assert store.weights[1].data_ptr() == store.weights[0].data_ptr() + 40 * 2
+
+
+def test_host_store_refuses_a_model_that_does_not_fit():
+    adapter = ModelAdapter(model_config("builtin:qwen2.5-3b"), torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(HostMemoryError, match="optimizer.kind=hybrid8bit"):
+        HostStore(adapter.layouts, torch.bfloat16, pin=False, host_limit_bytes=8 * 2**30)
+
+
+def test_profiler_measures_the_executor_pieces_on_the_cpu(tmp_path):
+    from lazytrain.config import load_config
+    from lazytrain.runtime.profiler import profile
+    from lazytrain.train.session import build_session
+
+    config = load_config(None, [f"training.output_dir={tmp_path}", "model.source=builtin:tiny"])
+    session = build_session(config)
+    costs = profile(session.adapter, session.store, session.device, 4, 32, session.make_optimizer, repeats=1)
+    layer = costs.layers[0]
+    assert costs.num_layers == session.adapter.num_layers and (costs.batch_size, costs.seq_len) == (4, 32)
+    assert layer.forward_ms > 0 and layer.backward_ms > 0 and layer.recompute_ms > 0
+    # saved tensors include the layer input, which is batch x seq x hidden fp32 values
+    assert layer.saved_bytes > layer.input_bytes == 4 * 32 * session.adapter.hidden_size * 4
+    assert costs.optimizer_ns_per_param > 0
+    assert layer.weight_bytes == session.store.weights[1].numel() * session.store.weights[1].element_size()
