@@ -229,6 +229,9 @@ class MemoryConfig:
     gpu_gb: float | None = None
     """GPU memory cap for the step (the solved plan must fit in it; on CUDA the allocator is
     capped too). Default: the whole device."""
+    shm_dir: str = "/dev/shm"
+    """Data parallel with several ranks per host: the tmpfs where the host's shared weight
+    arena is created (and unlinked as soon as every local rank has mapped it)."""
 
     def __post_init__(self) -> None:
         self.split_master = str(self.split_master).lower()  # YAML reads true/false as booleans

@@ -39,10 +39,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(path, overrides)
     trainer = Trainer(config)
     trainer.setup()
+    if not trainer.is_main:  # data parallel: rank 0 reports
+        trainer.train()
+        return 0
     print(
         f"lazytrain: {trainer.adapter.arch} {trainer.store.num_params / 1e6:.1f}M params on "
         f"{trainer.device} ({str(trainer.dtype).removeprefix('torch.')}), plan {trainer.plan.policy}, "
-        f"batch {config.training.batch_size}; data: {trainer.data_report.summary()}",
+        f"batch {config.training.batch_size}"
+        + (f" over {trainer.parallel.world_size} ranks" if trainer.parallel is not None else "")
+        + f"; data: {trainer.data_report.summary()}",
         file=sys.stderr,
     )
     summary = trainer.train()

@@ -44,11 +44,14 @@ def build_model(
     host_limit_bytes: int | None = None,
     split_master: bool = False,
     preflight: Callable[[list[int]], None] | None = None,
+    store_factory: Callable[..., HostStore] = HostStore,
 ) -> tuple[ModelAdapter, HostStore]:
     """Adapter + host store holding the weights (loaded, or random for built-in shapes).
 
     ``optimizer_bytes_per_param`` is a number, or a function of the groups' sizes giving one.
     ``preflight`` gets the groups' sizes before any host memory is allocated (and may raise).
+    ``store_factory`` builds the store from the layouts and dtype (a data-parallel rank's
+    ``ShardedHostStore``, with its rank arguments bound).
     """
     config = model_config(source, vocab_size)
     adapter = ModelAdapter(config, device, dtype)
@@ -56,13 +59,13 @@ def build_model(
         preflight([g.numel for g in adapter.layouts])
     if callable(optimizer_bytes_per_param):
         optimizer_bytes_per_param = optimizer_bytes_per_param([g.numel for g in adapter.layouts])
-    store = HostStore(
+    store = store_factory(
         adapter.layouts,
         dtype,
         pin=pin and device.type == "cuda",
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         host_limit_bytes=host_limit_bytes,
-        split_master=split_master,
+        **({"split_master": True} if split_master else {}),  # a sharded store has no split master
     )
     if source.startswith("builtin:"):
         random_init(adapter, store, seed, device)

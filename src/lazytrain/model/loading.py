@@ -126,9 +126,12 @@ def save_hf(
     out_dir: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = 5 * 2**30,
+    groups: list[torch.Tensor] | None = None,
 ) -> Path:
-    """Write an HF model folder (config + safetensors shards + index) from the fp32 masters;
-    tensors carried through (a vision tower) are written as loaded."""
+    """Write an HF model folder (config + safetensors shards + index) from the fp32 masters,
+    or from ``groups`` (flat per-group values, e.g. a data-parallel rank's full streaming
+    weights, which hold every master rounded to the model dtype); tensors carried through (a
+    vision tower) are written as loaded."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = adapter.hf_config
@@ -164,7 +167,7 @@ def save_hf(
                 continue
             layout = adapter.layouts[g]
             if group_master is None or group_master[0] != g:
-                group_master = (g, store.master_fp32(g))
+                group_master = (g, store.master_fp32(g) if groups is None else groups[g])
             master = group_master[1][p.offset : p.offset + p.numel]
             shard[layout.hf_name(p)] = master.view(p.shape).to(dtype).contiguous()
             weight_map[layout.hf_name(p)] = name

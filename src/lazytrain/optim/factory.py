@@ -24,13 +24,17 @@ def state_bytes_per_param(config: OptimizerConfig, numels: list[int]) -> float:
     return optimizer_bytes_per_param(config.kind, numels, fp32_state_groups(config, len(numels)))
 
 
-def make_optimizer(config: OptimizerConfig, masters: list[torch.Tensor], decay_numel: list[int]) -> HostOptimizer:
-    """The optimizer of ``config.kind`` over the flat fp32 master groups."""
+def make_optimizer(
+    config: OptimizerConfig, masters: list[torch.Tensor], decay_numel: list[int],
+    group_numels: list[int] | None = None,
+) -> HostOptimizer:
+    """The optimizer of ``config.kind`` over the flat fp32 master groups; ``group_numels`` are
+    the whole groups' sizes when the masters are a data-parallel rank's shards."""
     if config.kind == "hybrid8bit":
         from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
 
         return Hybrid8bitAdamW(masters, decay_numel, config,
-                               fp32_groups=fp32_state_groups(config, len(masters)))
+                               fp32_groups=fp32_state_groups(config, len(masters)), group_numels=group_numels)
     from lazytrain.optim.adamw import FusedAdamW
 
     return FusedAdamW(masters, decay_numel, config)

@@ -253,7 +253,10 @@ class Hybrid8bitAdamW(HostOptimizer):
     first use, else the pure-torch path with a warning), ``"cpp"`` (the kernel or an error) or
     ``"torch"``; ``None`` reads ``LAZYTRAIN_OPTIM_KERNEL``. Groups in ``fp32_groups`` keep fp32
     m and v whatever their size (bitsandbytes' advice for embeddings: rows of rare tokens get
-    rare, tiny gradients, the hardest values for blockwise 8-bit states).
+    rare, tiny gradients, the hardest values for blockwise 8-bit states). ``group_numels``
+    are the sizes that choose 8-bit or fp32 states when the masters are a data-parallel
+    rank's shards of larger groups (default: the masters' own sizes), so every rank keeps
+    the states the unsharded run keeps.
     """
 
     def __init__(
@@ -264,15 +267,17 @@ class Hybrid8bitAdamW(HostOptimizer):
         *,
         kernel: str | None = None,
         fp32_groups: Collection[int] = (),
+        group_numels: Sequence[int] | None = None,
     ):
         super().__init__(masters, decay_numel, config)
         choice = kernel_choice(kernel)
         self._kernel = None if choice == "torch" else load_kernel(required=choice == "cpp")
+        sizes = [m.numel() for m in masters] if group_numels is None else group_numels
         self.states: list[QuantizedState | Fp32State] = [
             QuantizedState.zeros(m.numel())
-            if is_8bit(m.numel()) and g not in fp32_groups
+            if is_8bit(size) and g not in fp32_groups
             else Fp32State.zeros(m.numel())
-            for g, m in enumerate(masters)
+            for g, (m, size) in enumerate(zip(masters, sizes))
         ]
         mt, vt = signed_tables(), unsigned_tables()
         self._tables = [

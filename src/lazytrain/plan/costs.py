@@ -217,6 +217,15 @@ class CostTable:
     """Tokens per head + loss chunk when ``head_work_bytes`` was measured: the head's working
     set grows with the tokens up to one chunk, then stays (0: unknown, held constant)."""
 
+    world_size: int = 1
+    """Data-parallel ranks: each rank brings back 1/world_size of every gradient (reduce-
+    scattered on the GPUs first) and steps 1/world_size of the parameters."""
+    local_world_size: int = 1
+    """Ranks per host, sharing its PCIe root complexes, memory bandwidth and cores: the
+    bandwidths above are one rank's while this many copy at once, and
+    ``optimizer_ns_per_param`` is per parameter of the model on this rank's share of cores
+    and elements (see `for_ranks`)."""
+
     fits: dict[str, ShapeFit] = field(default_factory=default_fits)
     device: str = ""
     notes: dict = field(default_factory=dict)
@@ -264,6 +273,10 @@ class CostTable:
         for name in ("gpu_bytes", "gpu_fixed_bytes", "host_bytes", "nvme_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.local_world_size <= self.world_size or self.world_size % self.local_world_size:
+            raise ValueError(
+                f"local_world_size {self.local_world_size} must divide world_size {self.world_size}"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -276,6 +289,40 @@ class CostTable:
     @property
     def tokens(self) -> int:
         return self.batch_size * self.seq_len
+
+    @property
+    def grad_share(self) -> float:
+        """Fraction of each gradient that one rank copies to the host."""
+        return 1.0 / self.world_size
+
+    @property
+    def grad_buffers(self) -> float:
+        """Layer gradients live on the GPU at once, in layer sizes: two (one being copied
+        out while the next is produced); with several ranks also the flat buffer that is
+        reduce-scattered and this rank's chunk of it."""
+        return 2.0 if self.world_size == 1 else 3.0 + 1.0 / self.world_size
+
+    def for_ranks(self, world_size: int, local_world_size: int) -> CostTable:
+        """The table of one rank of ``world_size`` (``local_world_size`` per host).
+
+        Bandwidths measured with ``self.local_world_size`` ranks copying at once are shared
+        out among ``local_world_size`` (the host side of PCIe, not the GPU side, is what they
+        share; a profile taken with every local rank copying needs no rescaling). A rank's
+        CPU step covers 1/world_size of the elements on 1/local_world_size of the cores.
+        """
+        share = self.local_world_size / local_world_size
+        return replace(
+            self,
+            h2d_gbps=self.h2d_gbps * share,
+            d2h_gbps=self.d2h_gbps * share,
+            bidir_gbps=self.bidir_gbps * share,
+            optimizer_ns_per_param=self.optimizer_ns_per_param / share * self.world_size / world_size,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            layers=[replace(lc) for lc in self.layers],
+            fits={k: replace(v) for k, v in self.fits.items()},
+            notes=dict(self.notes),
+        )
 
     @property
     def optimizer_ms(self) -> float:

@@ -417,14 +417,14 @@ def _build(
     for i in range(L):
         bw, rc = lay[i].backward_ms, lay[i].recompute_ms
         compute = bw + rc * not_keep[i] + rebuild_ms(i)
-        grad_out = w[i + 1] if i + 1 < L else 0.0
+        grad_out = w[i + 1] * c.grad_share if i + 1 < L else 0.0
         nvme_ms = unit_nvme(i - 1) * cnr if i >= 2 else 0.0
         t = stage(compute, prefetch[i], grad_out, nvme_ms)
         if i > 0:
             # A stage that prefetches starts a unit: it computes bw (keep) or bw + rc.
             hull(t, compute, bw + rc, unit_options(i), grad_out)
             hull(t, compute - rc * (1.0 - f[i] - o[i]), bw, unit_options(i), grad_out)
-    stage(c.embed_backward_ms, 0.0, w[0] + c.const_grad_bytes / GB)
+    stage(c.embed_backward_ms, 0.0, (w[0] + c.const_grad_bytes / GB) * c.grad_share)
 
     upload_ms = c.const_weight_bytes / GB * ch
     if overlap:
@@ -451,7 +451,7 @@ def _build(
         else:
             cap = (c.gpu_bytes if gpu_bytes is None else gpu_bytes) / GB - _MARGIN_GB
         fixed_gb = c.gpu_fixed_bytes / GB
-        grads = 2 * max(w)
+        grads = c.grad_buffers * max(w)
         # GPU-kept bytes of layers < i, as running-sum columns (keeps the matrix sparse).
         kept_before = [_Expr()]
         for i in range(L):

@@ -266,13 +266,14 @@ class _StepModel:
             self._unit(start, end, compute_ms)
 
         w_max = max(lc.weight_bytes for lc in layers)
-        self.gpu.append((2 * w_max, st.bwd(L - 1), st.embed_bwd))
+        self.gpu.append((c.grad_buffers * w_max, st.bwd(L - 1), st.embed_bwd))
         for j in range(L):
             issue = st.bwd(j) + 1
-            op = self._copy("d2h", layers[j].weight_bytes, f"grad {j}", issue)
+            op = self._copy("d2h", layers[j].weight_bytes * c.grad_share, f"grad {j}", issue)
             self._wait(issue + 1, op)
         self._wait(
-            st.embed_bwd + 1, self._copy("d2h", c.const_grad_bytes, "grad embed/head", st.embed_bwd)
+            st.embed_bwd + 1,
+            self._copy("d2h", c.const_grad_bytes * c.grad_share, "grad embed/head", st.embed_bwd),
         )
 
         for stage, ms in compute_ms.items():

@@ -22,6 +22,11 @@ positions never reach the head), with backward per chunk, so the full logits nev
 Each layer's gradient is copied to the pinned host buffer on the D2H stream, and its squared
 norm is accumulated on the GPU, so clipping needs no pass over host gradients. The host
 reads two numbers per step: the loss and the gradient norm.
+
+Data parallel (``parallel``, see ``runtime.distributed``): the same step on this rank's rows;
+the loss is divided by the global target count, each group's gradient is reduce-scattered
+before the D2H copy (the host buffer holds this rank's shard), and the loss and squared norm
+are summed over ranks.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.activations import ActivationStore, Handle
+from lazytrain.runtime.distributed import DataParallel
 from lazytrain.runtime.streams import Streams, StreamTrace
 from lazytrain.runtime.weights import WeightStreamer
 
@@ -84,8 +90,11 @@ class Executor:
         device: torch.device,
         before_load: Callable[[int], None] | None = None,
         nvme: NvmeStore | None = None,
+        parallel: DataParallel | None = None,
     ):
         plan.check(adapter.num_layers)
+        self.parallel = parallel
+        """Data parallel: ``store`` is then a ``ShardedHostStore`` (gradients are shards)."""
         self.adapter = adapter
         self.store = store
         self.plan = plan
@@ -185,6 +194,9 @@ class Executor:
         """Squared norm on the GPU, then an async copy into the pinned host gradient buffer."""
         layout = self.adapter.layouts[group]
         ordered = [grads[p.name] for p in layout.params]
+        if self.parallel is not None and self.parallel.world_size > 1:
+            self._emit_grad_shard(group, ordered)
+            return
         norms = torch._foreach_norm(ordered, 2, dtype=torch.float32)
         self.grad_norm_sq[group] = torch.stack(norms).square().sum()
         produced = self.streams.record()
@@ -197,6 +209,31 @@ class Executor:
         self.trace.end("d2h", span, self.streams.d2h)
         for g in ordered:
             self.streams.keep_alive(g, self.streams.d2h)
+        self.grad_ready[group] = self.streams.record(self.streams.d2h)
+
+    def _emit_grad_shard(self, group: int, ordered: list[torch.Tensor]) -> None:
+        """Data parallel: the group's gradient as one flat buffer (padded to equal chunks),
+        reduce-scattered; this rank's chunk is normed and copied to its host shard on the D2H
+        stream, which waits for the collective (compute goes on meanwhile)."""
+        layout = self.adapter.layouts[group]
+        r = self.store.ranges[group]
+        flat = torch.empty(r.chunk * self.parallel.world_size, dtype=ordered[0].dtype, device=self.device)
+        flat[layout.numel :].zero_()
+        for p, g in zip(layout.params, ordered):
+            flat[p.offset : p.offset + p.numel].copy_(g.reshape(-1))
+        self.streams.wait(self.streams.record(), self.streams.d2h)
+        with self.streams.on(self.streams.d2h):
+            shard, work = self.parallel.reduce_scatter(flat)
+        span = self.trace.begin(self.streams.d2h)
+        with self.streams.on(self.streams.d2h):
+            if work is not None:
+                work.wait()
+            mine = shard[: r.numel]
+            self.grad_norm_sq[group] = mine.float().square().sum()
+            self.store.grads[group].copy_(mine, non_blocking=True)
+        self.trace.end("d2h", span, self.streams.d2h)
+        for t in (flat, shard):
+            self.streams.keep_alive(t, self.streams.d2h)
         self.grad_ready[group] = self.streams.record(self.streams.d2h)
 
     def wait_grad(self, group: int) -> None:
@@ -213,13 +250,16 @@ class Executor:
         valid: torch.Tensor,
         targets: torch.Tensor,
         num_targets: int,
+        loss_denominator: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Final norm, chunked LM head and cross-entropy over the target positions only,
         with backward per chunk: the full logits never exist.
 
         Returns the gradient of the last hidden states, of the norm weight and of the head
-        weight, and the loss (mean over target tokens) as a device scalar.
+        weight, and the loss (sum over target tokens / ``loss_denominator``, by default
+        ``num_targets``: the mean) as a device scalar.
         """
+        denominator = loss_denominator or num_targets
         adapter = self.adapter
         batch, seq, hidden_size = x.shape
         x_last = x.detach().requires_grad_()
@@ -234,7 +274,7 @@ class Executor:
             xc = hidden[a : a + chunk].detach().requires_grad_()
             with torch.enable_grad():
                 logits = F.linear(xc, head_weight)
-                loss = F.cross_entropy(logits.float(), targets[a : a + chunk], reduction="sum") / num_targets
+                loss = F.cross_entropy(logits.float(), targets[a : a + chunk], reduction="sum") / denominator
                 gx, gw = torch.autograd.grad(loss, [xc, head_weight])
             grad_hidden[a : a + chunk] = gx
             head_grad += gw
@@ -268,8 +308,6 @@ class Executor:
         targets_cpu = targets_cpu.reshape(-1)
         valid_cpu = (targets_cpu != -100).nonzero().squeeze(1)
         num_targets = int(valid_cpu.numel())
-        if num_targets == 0:
-            raise ValueError("batch has no target tokens (all labels are -100)")
         if attention_mask is not None:
             # a target after a padding position (left padding, labelled first real token) would
             # be predicted from that padding position, which sees no real token
@@ -282,6 +320,14 @@ class Executor:
                     "labels of each row's first real token to -100, or pad on the right"
                 )
         num_tokens = int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
+        # the loss is the mean over the global batch's target tokens: with data parallel each
+        # rank divides its sum by the global count, so the ranks' gradients sum to its gradient
+        global_targets, global_tokens = (
+            self.parallel.sum_counts([num_targets, num_tokens]) if self.parallel is not None
+            else (num_targets, num_tokens)
+        )
+        if global_targets == 0:
+            raise ValueError("batch has no target tokens (all labels are -100)")
 
         dev = self.device
         ids = input_ids.to(dev, non_blocking=True)
@@ -342,7 +388,7 @@ class Executor:
         head_w = adapter.head_weight(embed_leaf, final_leaf)
         span = self.trace.begin()
         g, g_norm, head_grad, loss_sum = self.head_loss_backward(
-            x, final_leaf["model.norm.weight"], head_w, valid, targets, num_targets
+            x, final_leaf["model.norm.weight"], head_w, valid, targets, num_targets, global_targets
         )
         self.trace.end("compute", span)
         final_grads = {"model.norm.weight": g_norm}
@@ -411,15 +457,21 @@ class Executor:
         self._emit_grads(0, {"embed_tokens.weight": g_embed})
         del g, h0
 
-        stats = torch.stack([loss_sum, self.grad_norm_sq.sum()]).cpu()
+        if self.parallel is not None:
+            if self.parallel.world_size > 1:
+                # the shards' norms are written on the D2H stream, after their collectives
+                self.streams.wait(self.grad_ready[0])
+            stats = self.parallel.sum_(torch.stack([loss_sum, self.grad_norm_sq.sum()])).cpu()
+        else:
+            stats = torch.stack([loss_sum, self.grad_norm_sq.sum()]).cpu()
         loss_value = float(stats[0])
         grad_norm = math.sqrt(float(stats[1])) if math.isfinite(float(stats[1])) else float("nan")
         self._consts = []
         return StepStats(
             loss=loss_value,
             grad_norm=grad_norm,
-            num_tokens=num_tokens,
-            num_target_tokens=num_targets,
+            num_tokens=global_tokens,
+            num_target_tokens=global_targets,
             h2d_weight_bytes=self.weights.h2d_bytes,
             peak_activation_bytes=dict(self.activations.peak_by_tier),
         )

@@ -120,9 +120,14 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
     }
 
 
-def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int) -> dict:
+def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
+                together: Callable[[], None] = lambda: None) -> dict:
     """GB/s of H2D, D2H and each direction when both run, at one layer's size (pinned both
-    ways, as the executor copies), and how much slower compute runs while a copy is in flight."""
+    ways, as the executor copies), and how much slower compute runs while a copy is in flight.
+
+    ``together`` (data parallel: a barrier of the ranks) runs before each measurement, so the
+    ranks of a host copy at once and each one measures its share of the host's bandwidth.
+    """
     nbytes = host.numel() * host.element_size()
     if device.type != "cuda":
         dst = torch.empty_like(host)
@@ -152,8 +157,11 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int) -> dict:
         compute.wait_stream(h2d_stream)
         compute.wait_stream(d2h_stream)
 
+    together()
     h2d_ms = time_ms(device, h2d, repeats)
+    together()
     d2h_ms = time_ms(device, d2h, repeats)
+    together()
     both_ms = time_ms(device, both, repeats)
 
     # compute alone, then the same compute while H2D copies keep the link busy throughout;
@@ -174,20 +182,23 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int) -> dict:
                 gpu.copy_(host, non_blocking=True)
         matmuls()
 
-    together = time_ms(device, matmuls_under_copies, repeats)
+    under_copies = time_ms(device, matmuls_under_copies, repeats)
     torch.cuda.synchronize(device)
     h2d_gbps, d2h_gbps = nbytes / h2d_ms / 1e6, nbytes / d2h_ms / 1e6
     serial = h2d_gbps * d2h_gbps / (h2d_gbps + d2h_gbps)
     bidir = min(max(nbytes / both_ms / 1e6, serial), min(h2d_gbps, d2h_gbps))
     return {"h2d_gbps": h2d_gbps, "d2h_gbps": d2h_gbps, "bidir_gbps": bidir,
-            "copy_slowdown": max(1.0, together / alone)}
+            "copy_slowdown": max(1.0, under_copies / alone)}
 
 
 def _optimizer_ns_per_param(optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer],
                             store: HostStore, adapter: ModelAdapter, repeats: int) -> float:
-    """One layer group stepped by a scratch optimizer of the same kind (the real state is untouched)."""
+    """One layer group stepped by a scratch optimizer of the same kind (the real state is
+    untouched; a whole group, whatever part of it this rank's masters hold)."""
     layout = adapter.layouts[1]
-    master = store.masters[1].clone()  # a split master times the split path
+    master = store.weights[1].float()  # the whole group, whatever part of it this rank's masters hold
+    if isinstance(store.masters[1], SplitMaster):  # a split master times the split path
+        master = SplitMaster.of(master)
     scratch = optimizer_factory([master], [layout.decay_numel])
     grad = torch.randn(master.numel()).to(store.dtype)
     out = master.weight if isinstance(master, SplitMaster) else torch.empty(master.numel(), dtype=store.dtype)
@@ -234,12 +245,17 @@ def profile(
     repeats: int = 5,
     nvme: NvmeStore | None = None,
     host_limit_bytes: int | None = None,
+    local_world_size: int = 1,
+    barrier: Callable[[], None] = lambda: None,
 ) -> CostTable:
     """A `CostTable` for this model on this machine at ``(batch_size, seq_len)``.
 
     Without ``nvme`` the table has no NVMe capacity (``nvme_bytes=0``), so no plan uses that tier.
     The table's host capacity is ``host_limit_bytes`` (default: `default_host_limit`) less the
-    model and optimizer state and, with an NVMe tier, its pinned staging buffers.
+    model and optimizer state and, with an NVMe tier, its pinned staging buffers. Data parallel:
+    every rank profiles, ``barrier`` lines the ranks up so the host's ``local_world_size`` ranks
+    copy at once (the table's bandwidths are then one rank's share), and the optimizer is timed
+    on this rank's share of the cores.
     """
     executor = Executor(adapter, store, keep_all_plan(adapter.num_layers, batch_size, seq_len, head_chunk_tokens),
                         device)
@@ -310,7 +326,7 @@ def profile(
         total_gpu = torch.cuda.get_device_properties(device).total_memory
     else:
         total_gpu = host_memory_total() // 4
-    machine = _bandwidths(store.weights[1], device, repeats)
+    machine = _bandwidths(store.weights[1], device, repeats, barrier)
     host_free = (host_limit_bytes or default_host_limit()) - store.bytes(optimizer_state_bytes).total
     if nvme is not None:  # write-behind and read-ahead buffers of the NVMe tier (pinned, pooled)
         host_free -= NVME_STAGING_BUFFERS * input_bytes
@@ -335,13 +351,17 @@ def profile(
         const_weight_bytes=const_params * esize,
         const_grad_bytes=const_params * esize,
         **disk,
-        optimizer_ns_per_param=_optimizer_ns_per_param(optimizer_factory, store, adapter, repeats),
+        # per parameter of the model: a rank of local_world_size steps 1/local_world_size of it
+        optimizer_ns_per_param=_optimizer_ns_per_param(optimizer_factory, store, adapter, repeats)
+        / local_world_size,
         gpu_bytes=usable_gpu_bytes(gpu_bytes or total_gpu),
         # resident embedding and final group and their gradients; the CUDA context and the
         # allocator's slack come out of gpu_bytes (usable_gpu_bytes), not here
         gpu_fixed_bytes=2 * (embed.numel() + final.numel()) * esize,
         host_bytes=max(int(host_free), 0),
         fits=fits,
+        world_size=local_world_size,
+        local_world_size=local_world_size,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         notes={"profiled_shapes": [list(s) for s in shapes], "nvme": disk_note},
         **machine,

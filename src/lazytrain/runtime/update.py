@@ -6,6 +6,10 @@ optimizer. Groups are stepped in the order the next forward needs them: embeddin
 0, ..., layer L-1, final norm + head. With ``overlap`` the steps run on a worker thread and
 the next forward waits only for the group it is about to load (``wait_group``), so the CPU
 step hides behind the GPU forward.
+
+Data parallel (the executor has ``parallel``): the optimizer holds this rank's shards; each
+group's step writes the rank's shard of the shared weights, then ``parallel.publish`` waits
+until every rank's shard of that group is in this host's weights.
 """
 
 from __future__ import annotations
@@ -68,11 +72,17 @@ class HostUpdater:
 
     def _run(self, clip_coef: float, lr: float) -> None:
         t0 = time.perf_counter()
-        store = self.executor.store
+        store, parallel = self.executor.store, self.executor.parallel
         try:
             for group in range(self.num_groups):
                 self.executor.wait_grad(group)
-                self.optimizer.step_group(group, store.grads[group], clip_coef, lr, store.weights[group])
+                if parallel is None:
+                    self.optimizer.step_group(group, store.grads[group], clip_coef, lr, store.weights[group])
+                else:
+                    if store.grads[group].numel():  # a small group may leave a rank no elements
+                        self.optimizer.step_group(group, store.grads[group], clip_coef, lr,
+                                                  store.weight_shard(group))
+                    parallel.publish(store, group)
                 self._done[group].set()
         except BaseException as error:  # surfaced to the main thread by wait_group
             self._error = error

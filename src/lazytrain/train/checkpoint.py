@@ -58,6 +58,14 @@ class CheckpointError(LazyTrainError, OSError):
     """A checkpoint that cannot be written (no space, no permission) or read (damaged)."""
 
 
+def shard_file_names(rank: int, world_size: int) -> tuple[str, str]:
+    """A rank's masters and optimizer-state files (the single-process names at world size 1)."""
+    if world_size == 1:
+        return "masters.safetensors", "optimizer.safetensors"
+    suffix = f"rank{rank:05d}-of-{world_size:05d}"
+    return f"masters-{suffix}.safetensors", f"optimizer-{suffix}.safetensors"
+
+
 RUN_FILES = ("metrics.jsonl", "checkpoints", "checkpoint", "config.json")
 """What marks a folder as holding an earlier training run (profile and plan write other files)."""
 
@@ -207,12 +215,17 @@ class Checkpointer:
     run; a kill or a full disk during that save then leaves no checkpoint.
     """
 
-    def __init__(self, out_dir: Path, keep: int = 1, in_place: bool = False):
+    def __init__(self, out_dir: Path, keep: int = 1, in_place: bool = False, rank: int = 0,
+                 world_size: int = 1, barrier=None):
         self.out_dir = Path(out_dir)
         self.root = self.out_dir / "checkpoints"
         self.keep = keep
         self.in_place = in_place
         self.saves = 0
+        # data parallel: every rank writes its shard files into one folder (on a filesystem all
+        # hosts see); rank 0 alone writes state.json, renames the folder and retires old ones
+        self.rank, self.world_size = rank, world_size
+        self.barrier = barrier or (lambda: None)
 
     # -- finding ---------------------------------------------------------------------------
 
@@ -288,29 +301,40 @@ class Checkpointer:
     def save(self, step: int, masters: list, optimizer_state: dict, state: dict) -> Path:
         """Write checkpoint ``step``; return its folder. The previous one survives any failure."""
         self.saves += 1
-        self.clean_leftovers()
+        main = self.rank == 0
+        if main:
+            self.clean_leftovers()
         tree, opt_tensors = flatten_state(optimizer_state)
         master_tensors = {f"g{g}": m for g, m in enumerate(masters)}
         size = tensors_bytes(master_tensors) + tensors_bytes(opt_tensors)
         self.check_room(size)
-        if self.in_place:
+        if self.in_place and main:
             for old in self.complete()[self.keep - 1:]:
                 self._retire(old.path)
         final = self.root / f"step-{step:08d}"
         tmp = self.root / f".partial-{final.name}"
-        tmp.mkdir(parents=True)
+        masters_name, optimizer_name = shard_file_names(self.rank, self.world_size)
+        if main:
+            tmp.mkdir(parents=True)
+        self.barrier()  # the partial folder exists
         try:
-            write_safetensors(tmp / "masters.safetensors", master_tensors, on_half=lambda: self._phase("writing"))
-            write_safetensors(tmp / "optimizer.safetensors", opt_tensors)
+            write_safetensors(tmp / masters_name, master_tensors, on_half=lambda: self._phase("writing"))
+            write_safetensors(tmp / optimizer_name, opt_tensors)
             self._phase("files_written")
-            files = {name: (tmp / name).stat().st_size for name in ("masters.safetensors", "optimizer.safetensors")}
-            self._write_json(tmp / "state.json", {**state, "step": step, "optimizer": tree, "files": files})
+            self.barrier()  # every rank's files are written
+            if not main:
+                self.barrier()  # rank 0 has renamed the folder
+                return final
+            files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
+            self._write_json(tmp / "state.json", {**state, "step": step, "optimizer": tree, "files": files,
+                                                  "world_size": self.world_size})
             _fsync_dir(tmp)
             self._phase("state_written")
             if final.exists():  # the same step saved again (e.g. after a resume): retire it first
                 self._retire(final)
             tmp.rename(final)
             _fsync_dir(self.root)
+            self.barrier()
         except OSError as error:
             shutil.rmtree(tmp, ignore_errors=True)
             previous = self.latest()
@@ -363,10 +387,19 @@ class Checkpointer:
     # -- restoring -------------------------------------------------------------------------
 
     def restore(self, found: Found, masters: list) -> dict:
-        """Copy the checkpoint's masters into ``masters``; return the optimizer's state dict."""
+        """Copy the checkpoint's masters (this rank's shard) into ``masters``; return the
+        optimizer's state dict."""
         path = found.path
+        saved_world = int(found.state.get("world_size", 1))
+        if saved_world != self.world_size:
+            raise CheckpointError(
+                f"checkpoint {path} holds the shards of {saved_world} ranks, this run has "
+                f"{self.world_size}; resume with {saved_world} ranks (torchrun --nproc-per-node/"
+                "--nnodes), or start a new training.output_dir"
+            )
+        masters_name, optimizer_name = shard_file_names(self.rank, self.world_size)
         try:
-            with safe_open(str(path / "masters.safetensors"), framework="pt") as f:
+            with safe_open(str(path / masters_name), framework="pt") as f:
                 names = set(f.keys())
                 if names != {f"g{g}" for g in range(len(masters))}:
                     raise CheckpointError(
@@ -386,7 +419,7 @@ class Checkpointer:
                         m.assign(saved)
             if path.name == "checkpoint":
                 return torch.load(path / "optimizer.pt", weights_only=True)
-            with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
+            with safe_open(str(path / optimizer_name), framework="pt") as f:
                 return unflatten_state(found.state["optimizer"], f)
         except (SafetensorError, OSError, RuntimeError) as error:
             raise CheckpointError(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from lazytrain.data.pipeline import load_tokenizer
 from lazytrain.memory import budget
 from lazytrain.memory.host_store import HostStore
 from lazytrain.memory.nvme import NvmeStore
+from lazytrain.memory.shard import ShardedHostStore, shard_decay_numel
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import build_model
 from lazytrain.model.loading import check_model_folder
@@ -35,6 +38,7 @@ from lazytrain.runtime.device import (
     resolve_device,
     resolve_dtype,
 )
+from lazytrain.runtime.distributed import DataParallel, local_batch_size, rank_info_from_env
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,14 @@ class Session:
     store: HostStore
     optimizer: HostOptimizer
     nvme: NvmeStore | None
+    parallel: DataParallel | None = None
+    """Launched by torchrun: this rank's process group; ``store`` is then a `ShardedHostStore`."""
+
+    @property
+    def batch_size(self) -> int:
+        """Rows this process runs per step (the global batch over the data-parallel ranks)."""
+        batch = self.config.training.batch_size
+        return batch if self.parallel is None else local_batch_size(batch, self.parallel.world_size)
 
     def make_optimizer(self, masters: list[torch.Tensor], decay_numel: list[int]) -> HostOptimizer:
         """Another optimizer of the configured kind (the profiler times one on scratch groups)."""
@@ -80,7 +92,7 @@ class Session:
     def cost_table(self) -> CostTable:
         """The cost table of ``plan.costs`` at the training shape, or one profiled now."""
         cfg = self.config
-        batch, seq = cfg.training.batch_size, cfg.data.max_seq_len
+        batch, seq = self.batch_size, cfg.data.max_seq_len
         if cfg.plan.costs:
             costs = CostTable.load(cfg.plan.costs).at(batch, seq)
             costs.check_layers(self.adapter.layer_types, f"plan.costs={cfg.plan.costs}")
@@ -89,17 +101,23 @@ class Session:
             costs = dataclasses.replace(costs, host_bytes=max(state.limit - state.total, 0))
             if cfg.memory.gpu_gb:
                 costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(cfg.memory.gpu_gb * GiB)))
-            return costs
-        from lazytrain.runtime.profiler import profile
+        else:
+            from lazytrain.runtime.profiler import profile
 
-        return profile(
-            self.adapter, self.store, self.device, batch, seq, self.make_optimizer,
-            gpu_bytes=int(cfg.memory.gpu_gb * GiB) if cfg.memory.gpu_gb else None,
-            optimizer_state_bytes=self.optimizer.state_bytes(),
-            head_chunk_tokens=cfg.plan.head_chunk_tokens,
-            nvme=self.nvme,
-            host_limit_bytes=host_limit_bytes(cfg),
-        )
+            info = self.parallel.info if self.parallel is not None else None
+            costs = profile(
+                self.adapter, self.store, self.device, batch, seq, self.make_optimizer,
+                gpu_bytes=int(cfg.memory.gpu_gb * GiB) if cfg.memory.gpu_gb else None,
+                optimizer_state_bytes=self.optimizer.state_bytes(),
+                head_chunk_tokens=cfg.plan.head_chunk_tokens,
+                nvme=self.nvme,
+                host_limit_bytes=host_limit_bytes(cfg),
+                **({"local_world_size": info.local_world_size, "barrier": self.parallel.barrier} if info else {}),
+            )
+        if self.parallel is None:
+            return costs
+        # one rank's table: the host's ranks share its PCIe host side and cores
+        return costs.for_ranks(self.parallel.info.world_size, self.parallel.info.local_world_size)
 
     def resolved_policy(self) -> str:
         """``plan.policy`` with ``auto`` decided: solved on a GPU; on the CPU keep_all when its
@@ -109,7 +127,7 @@ class Session:
             return policy
         if self.device.type == "cuda":
             return "solved"
-        batch, seq = self.config.training.batch_size, self.config.data.max_seq_len
+        batch, seq = self.batch_size, self.config.data.max_seq_len
         need = keep_all_bytes(self.adapter, batch, seq, self.dtype.itemsize)
         policy = "keep_all" if need < free_memory(self.device) // 2 else "megatrain"
         log.info("plan.policy=auto: %s (keep_all would hold ~%.1f GiB of activations)", policy, need / GiB)
@@ -129,7 +147,7 @@ class Session:
         if policy == "solved":
             costs = self.cost_table()
             return policy_plan("solved", costs, self.policy_options()), costs
-        plan = baseline_plan(policy, self.adapter.num_layers, cfg.training.batch_size, cfg.data.max_seq_len,
+        plan = baseline_plan(policy, self.adapter.num_layers, self.batch_size, cfg.data.max_seq_len,
                              self.policy_options())
         return plan, (self.cost_table() if cfg.plan.costs else None)
 
@@ -144,8 +162,9 @@ def host_limit_bytes(config: Config) -> int | None:
     return int(config.memory.host_limit_gb * GiB) if config.memory.host_limit_gb else None
 
 
-def use_split_master(config: Config, device: torch.device, dtype: torch.dtype) -> bool:
-    """memory.split_master resolved: auto is on for bf16 runs on a GPU."""
+def use_split_master(config: Config, device: torch.device, dtype: torch.dtype, distributed: bool = False) -> bool:
+    """memory.split_master resolved: auto is on for bf16 runs on a GPU, off under torchrun (a
+    rank's shard of the masters is fp32: the split is not yet sharded)."""
     choice = config.memory.split_master
     if choice == "true" and dtype != torch.bfloat16:
         raise ConfigError(
@@ -153,12 +172,19 @@ def use_split_master(config: Config, device: torch.device, dtype: torch.dtype) -
             "(fp32 weights already are the masters' precision); set model.dtype=bf16 or "
             "memory.split_master=auto"
         )
-    return choice == "true" or (choice == "auto" and dtype == torch.bfloat16 and device.type == "cuda")
+    if choice == "true" and distributed:
+        raise ConfigError(
+            "memory.split_master=true is not supported under torchrun yet (each rank keeps an fp32 "
+            "shard of the masters); set memory.split_master=auto or false"
+        )
+    return not distributed and (choice == "true" or (choice == "auto" and dtype == torch.bfloat16
+                                                     and device.type == "cuda"))
 
 
 def host_settings(config: Config, device: torch.device, dtype: torch.dtype, num_groups: int) -> budget.HostSettings:
     """The choices that set the model state's host bytes."""
-    return budget.HostSettings(dtype=dtype, split_master=use_split_master(config, device, dtype),
+    distributed = rank_info_from_env() is not None
+    return budget.HostSettings(dtype=dtype, split_master=use_split_master(config, device, dtype, distributed),
                                optimizer_kind=config.optimizer.kind,
                                fp32_groups=fp32_state_groups(config.optimizer, num_groups))
 
@@ -175,6 +201,14 @@ def build_session(config: Config) -> Session:
     if not source.startswith("builtin:"):
         check_model_folder(source)  # before tokenizer and data, whose errors would mislead
     device = resolve_device(config.training.device)
+    info = rank_info_from_env()
+    parallel = None
+    if info is not None:  # launched by torchrun: one rank of a data-parallel run
+        local_batch_size(config.training.batch_size, info.world_size)  # divisible, or a clear error
+        if device.type == "cuda":
+            device = torch.device("cuda", info.local_rank)
+            torch.cuda.set_device(device)
+        parallel = DataParallel(info, device)
     dtype = resolve_dtype(config.model.dtype, device)
     tokenizer = load_tokenizer(source)
 
@@ -189,12 +223,32 @@ def build_session(config: Config) -> Session:
     adapter, store = build_model(
         source, device, dtype, seed=config.training.seed, vocab_size=len(tokenizer), pin=config.memory.pin,
         optimizer_bytes_per_param=lambda numels: state_bytes_per_param(config.optimizer, numels),
-        host_limit_bytes=host_limit_bytes(config), split_master=use_split_master(config, device, dtype),
+        host_limit_bytes=host_limit_bytes(config),
+        split_master=use_split_master(config, device, dtype, distributed=parallel is not None),
         preflight=preflight,
+        **({"store_factory": sharded_store_factory(parallel, config)} if parallel is not None else {}),
     )
     if config.memory.gpu_gb:
         cap_gpu_memory(device, config.memory.gpu_gb)
-    optimizer = make_optimizer(config.optimizer, store.masters, [g.decay_numel for g in adapter.layouts])
+    decay = [g.decay_numel for g in adapter.layouts]
+    if parallel is None:
+        optimizer = make_optimizer(config.optimizer, store.masters, decay)
+    else:
+        parallel.barrier()  # local rank 0 has written the shared weights
+        optimizer = make_optimizer(config.optimizer, store.masters,
+                                   [shard_decay_numel(d, r) for d, r in zip(decay, store.ranges)],
+                                   group_numels=[g.numel for g in adapter.layouts])
     nvme = NvmeStore(config.memory.nvme_dir) if config.memory.nvme_dir else None
     return Session(config=config, device=device, dtype=dtype, tokenizer=tokenizer, adapter=adapter,
-                   store=store, optimizer=optimizer, nvme=nvme)
+                   store=store, optimizer=optimizer, nvme=nvme, parallel=parallel)
+
+
+def sharded_store_factory(parallel: DataParallel, config: Config):
+    """``build_model``'s store for a data-parallel rank: the host's shared weights (an arena in
+    ``memory.shm_dir``), this rank's shards of the rest."""
+    info = parallel.info
+    path = Path(config.memory.shm_dir) / f"lazytrain-{parallel.run_id}-host{info.node_rank}.weights"
+    return partial(
+        ShardedHostStore, rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
+        local_world_size=info.local_world_size, arena_path=path, barrier=parallel.barrier,
+    )

@@ -6,6 +6,11 @@ tokenizer) plus the resolved LazyTrain config, the prompt template and ``metrics
 Checkpoints under ``checkpoints/`` hold what ``training.resume=true`` needs to continue exactly
 where the run stopped (`lazytrain.train.checkpoint`); SIGINT / SIGTERM stop the run after the
 current step with a checkpoint (`lazytrain.train.signals`).
+
+Launched by ``torchrun`` (one process per GPU) the same recipe runs data parallel: each rank
+trains on its rows of every global batch with the host state sharded (``memory.shard``,
+``runtime.distributed``); rank 0 alone writes logs, metrics and the model folder, and every
+rank writes its shard of each checkpoint.
 """
 
 from __future__ import annotations
@@ -68,6 +73,14 @@ class Trainer:
         self.session = session = build_session(cfg)
         self.device, self.dtype, self.tokenizer = session.device, session.dtype, session.tokenizer
         self.adapter, self.store, self.optimizer = session.adapter, session.store, session.optimizer
+        self.parallel = session.parallel
+        self.is_main = self.parallel is None or self.parallel.info.is_main
+        if self.parallel is not None:  # every rank writes its shard of each checkpoint
+            info = self.parallel.info
+            self.checkpointer.rank, self.checkpointer.world_size = info.rank, info.world_size
+            self.checkpointer.barrier = self.parallel.barrier
+        if not self.is_main:
+            logging.getLogger("lazytrain").setLevel(logging.WARNING)  # rank 0 logs
         self.template = resolve_template(cfg.data)
         self.batches, self.data_report = training_batches(
             cfg.data, self.tokenizer, self.template, batch_size=tc.batch_size, seed=tc.seed,
@@ -81,61 +94,67 @@ class Trainer:
         )
         host = session.host_memory(int(self.predicted.get("predicted_act_host_gb", 0.0) * 1e9), self.costs)
         log.info("host memory with the plan's activations:\n%s", host.table())
-        self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=session.nvme)
+        self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=session.nvme,
+                                 parallel=self.parallel)
         self.executor.trace.enabled = self.device.type == "cuda"
         self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
         self.checkpoint_bytes = self.checkpointer.size_bytes(self.store.masters, self.optimizer.state_dict())
-        if resume_from is None and tc.overwrite:
+        if resume_from is None and tc.overwrite and self.is_main:
             self.checkpointer.remove_all()
         # the model export is bf16 (or fp32 on an fp32 run) of every parameter
         export_bytes = self.store.num_params * self.dtype.itemsize
         self.checkpointer.check_room(self.checkpoint_bytes, extra=export_bytes, whole_run=True)
         if resume_from is not None:
             self._load_checkpoint(resume_from)
-            truncate_metrics(self.out_dir / "metrics.jsonl", self.step)
-        self.metrics = MetricsWriter(self.out_dir, append=self.step > 0)
-        cfg.save(self.out_dir / "lazytrain_config.yaml")
-        self.template.save(self.out_dir)
+            if self.is_main:
+                truncate_metrics(self.out_dir / "metrics.jsonl", self.step)
+        self.metrics = MetricsWriter(self.out_dir, append=self.step > 0) if self.is_main else None
+        if self.is_main:
+            cfg.save(self.out_dir / "lazytrain_config.yaml")
+            self.template.save(self.out_dir)
 
     # -- the loop ---------------------------------------------------------------------------
 
     def train(self) -> dict:
         tc = self.config.training
-        bar = tqdm(total=tc.steps, initial=self.step, disable=not tc.progress, desc="train", dynamic_ncols=True)
+        bar = tqdm(total=tc.steps, initial=self.step, disable=not (tc.progress and self.is_main), desc="train",
+                   dynamic_ncols=True)
         record = None
         self._step_start = self.last_save_time = time.perf_counter()
         with StopRequest() as stop:
             while self.step < tc.steps and stop.signum is None:
-                record = self.train_step(next(self.batches))
-                self.metrics.write(record)
+                batch = next(self.batches)
+                record = self.train_step(self.parallel.local_rows(batch) if self.parallel is not None else batch)
+                self._write(record)
                 self._check_divergence(record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", gnorm=f"{record['grad_norm']:.2f}",
                                 tok_s=f"{record['tokens_per_s']:.0f}")
-                if tc.log_every and self.step % tc.log_every == 0 and not tc.progress:
+                if tc.log_every and self.step % tc.log_every == 0 and not tc.progress and self.is_main:
                     log.info("step %d loss %.4f grad_norm %.3f %.0f tok/s", self.step, record["loss"],
                              record["grad_norm"], record["tokens_per_s"])
                 if self.step < tc.steps and stop.signum is None and self._checkpoint_due():
                     self.save_checkpoint()
-                if self.step < tc.steps and tc.eval_every and self.step % tc.eval_every == 0:
-                    self.metrics.write({"step": self.step, **self.evaluate()})
+                if self.step < tc.steps and tc.eval_every and self.step % tc.eval_every == 0 and self.is_main:
+                    self._write({"step": self.step, **self.evaluate()})
             bar.close()
             if stop.signum is not None and self.step < tc.steps:
                 self.save_checkpoint()
-                self.metrics.close()
+                self._close()
                 raise TrainingInterrupted(
                     f"stopped by {stop.name} after step {self.step} of {tc.steps}; checkpoint written "
                     f"to {self.checkpointer.latest().path}. Resume with:\n  lazytrain train "
                     f"{self.out_dir / 'lazytrain_config.yaml'} training.resume=true",
                     stop.signum,
                 )
-            self.save_model(self.out_dir)
+            if self.is_main:
+                self.save_model(self.out_dir)
             self.save_checkpoint()
         final_eval = None
-        if self.config.data.dataset == "builtin":
+        if self.is_main and self.config.data.dataset == "builtin":
             final_eval = self.evaluate()
-            self.metrics.write({"step": self.step, **final_eval})
-        self.metrics.close()
+            self._write({"step": self.step, **final_eval})
+        self._close()
         return {"steps": self.step, "skipped_steps": self.skipped_steps, "last": record, "eval": final_eval}
 
     def train_step(self, batch: Batch) -> dict:
@@ -162,8 +181,8 @@ class Trainer:
         seq = int(batch.input_ids.shape[1])
         return {
             "step": self.step, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": lr, "skipped": skipped,
-            "tokens": stats.num_tokens, "target_tokens": stats.num_target_tokens,
-            "batch_size": int(batch.input_ids.shape[0]), "seq_len": seq,
+            "tokens": stats.num_tokens, "target_tokens": stats.num_target_tokens, "seq_len": seq,
+            "batch_size": int(batch.input_ids.shape[0]) * (self.parallel.world_size if self.parallel else 1),
             **step_metrics(self.adapter, stats, trace, step_time, seq, self.device),
             **self.predicted,
             "optimizer_wait_s": waited,
@@ -179,7 +198,7 @@ class Trainer:
         if self.consecutive_skipped < limit:
             return
         self.updater.finish()
-        self.metrics.close()
+        self._close()
         latest = self.checkpointer.latest()
         kept = f"the last checkpoint, {latest.path} (step {latest.step}), is kept" if latest else "no checkpoint was written"
         raise DivergedError(
@@ -188,6 +207,16 @@ class Trainer:
             f"optimizer.lr={self.config.optimizer.lr}: {kept} and the model was not written. Lower "
             "optimizer.lr or training.max_grad_norm and train again (or resume)"
         )
+
+    def _write(self, record: dict) -> None:
+        if self.metrics is not None:  # rank 0 alone writes metrics
+            self.metrics.write(record)
+
+    def _close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.parallel is not None:
+            self.parallel.close()
 
     def _checkpoint_due(self) -> bool:
         tc = self.config.training
@@ -213,13 +242,17 @@ class Trainer:
     def save_model(self, out_dir: Path) -> None:
         """An HF model folder: config, safetensors (bf16), tokenizer, prompt template."""
         self.updater.finish()
+        # data parallel: the masters are shards; the shared weights hold all of them, rounded
+        # to the model dtype, which is what is written
         save_hf(self.adapter, self.store, out_dir,
-                dtype=torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32)
+                dtype=torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32,
+                groups=self.store.weights if self.parallel is not None else None)
         self.tokenizer.save_pretrained(out_dir)
         self.template.save(out_dir)
 
     def save_checkpoint(self) -> None:
-        """Masters, optimizer state, data position and step: what resume needs."""
+        """Masters, optimizer state, data position and step: what resume needs (data parallel:
+        every rank its shards, rank 0 the step and data position)."""
         self.updater.finish()
         started = time.perf_counter()
         path = self.checkpointer.save(self.step, self.store.masters, self.optimizer.state_dict(), {
@@ -240,6 +273,8 @@ class Trainer:
         optimizer_state = self.checkpointer.restore(found, self.store.masters)
         for g in range(len(self.store.masters)):
             self.store.sync_weights_from_masters(g)
+            if self.parallel is not None:
+                self.parallel.publish(self.store, g)  # the other ranks' shards of the weights
             self.executor.weights_updated(g)
         self.optimizer.load_state_dict(optimizer_state)
         self.batches.load_state_dict(state["data"])
