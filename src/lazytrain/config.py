@@ -47,7 +47,7 @@ def check_fields(obj, section: str) -> None:
 class ModelConfig:
     source: str = "builtin:tiny"
     """A local HF model folder (config.json + safetensors), or ``builtin:NAME`` for a
-    random-initialised model of a built-in shape (tiny, qwen2.5-3b, qwen2.5-7b, qwen3-8b,
+    random-initialised model of a built-in shape (tiny, qwen2.5-0.5b, qwen2.5-3b, qwen2.5-7b, qwen3-8b,
     llama-3.1-8b)."""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Compute dtype of streamed weights and activations: auto (bf16 on GPU, fp32 on CPU),
