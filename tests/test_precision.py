@@ -33,7 +33,8 @@ def test_bf16_gradients_of_every_group_within_one_percent_of_fp32():
     tokenizer = load_tokenizer("builtin:tiny")
     batches, _ = training_batches(data, tokenizer, resolve_template(data), batch_size=32, seed=0)
     batch = next(batches)
-    assert int(torch.bincount(batch.input_ids.flatten()).max()) > 200  # frequent tokens: the case that failed
+    real = batch.input_ids[batch.attention_mask.bool()]
+    assert int(torch.bincount(real).max()) > 500  # a frequent token: the case that failed
     fp32, bf16 = _grads(torch.float32, batch), _grads(torch.bfloat16, batch)
     errors = [float((b - f).norm() / f.norm()) for b, f in zip(bf16, fp32)]
     assert max(errors) < 0.01, f"relative gradient error per group (embedding first): {errors}"
