@@ -48,7 +48,7 @@ def check_fields(obj, section: str) -> None:
 class ModelConfig:
     source: str = "builtin:tiny"
     """A local HF model folder (config.json + safetensors), or ``builtin:NAME`` for a
-    random-initialised model of a built-in shape (tiny, qwen2.5-3b, qwen2.5-7b, qwen2.5-14b,
+    random-initialised model of a built-in shape (tiny, qwen2.5-0.5b, qwen2.5-3b, qwen2.5-7b, qwen2.5-14b,
     qwen3-8b, llama-3.1-8b, qwen3.5-9b, qwen3.6-27b, tiny-hybrid)."""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Compute dtype of streamed weights and activations: auto (bf16 on GPU, fp32 on CPU),
@@ -82,7 +82,9 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "data")
-        if self.max_seq_len is not None and self.max_seq_len < 8:
+        if self.max_seq_len is None:
+            self.max_seq_len = 128 if self.dataset == "builtin" else 1024
+        if self.max_seq_len < 8:
             raise ConfigError(f"data.max_seq_len must be >= 8, got {self.max_seq_len}")
         if self.builtin_train_size < 1 or self.heldout_size < 1:
             raise ConfigError("data.builtin_train_size and data.heldout_size must be >= 1")
@@ -295,8 +297,6 @@ class Config:
                 "training.eval_every needs held-out data, which only the built-in data has here; "
                 "set training.eval_every=0 and run `lazytrain eval eval.model=OUT eval.data=FILE`"
             )
-        if self.data.max_seq_len is None:
-            self.data.max_seq_len = 128 if self.data.dataset == "builtin" else 1024
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

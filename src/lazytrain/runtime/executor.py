@@ -354,9 +354,8 @@ class Executor:
         embed_leaf = layouts[0].leaves(self._resident_weights(0))
         self.weights.begin(self._schedule())
         embed_w = embed_leaf["embed_tokens.weight"]
-        with torch.enable_grad():
-            h0 = adapter.embed(embed_w, ids)
-        x = h0.detach()
+        with torch.no_grad():
+            x = adapter.embed(embed_w, ids)
 
         # forward: decoder layers
         saved: list = [None] * L
@@ -448,14 +447,14 @@ class Executor:
             self.activations.free(handle)
             saved[start] = None
 
-        # embedding (and the tied head)
+        # embedding (and the tied head), summed in fp32 and rounded once
         span = self.trace.begin()
-        (g_embed,) = torch.autograd.grad(h0, [embed_w], g)
-        self.trace.end("compute", span)
+        g_embed = adapter.embed_backward(ids, g, embed_w.shape)
         if adapter.tied:
-            g_embed = g_embed + head_grad
-        self._emit_grads(0, {"embed_tokens.weight": g_embed})
-        del g, h0
+            g_embed += head_grad
+        self.trace.end("compute", span)
+        self._emit_grads(0, {"embed_tokens.weight": g_embed.to(self.dtype)})
+        del g, g_embed
 
         if self.parallel is not None:
             if self.parallel.world_size > 1:
