@@ -53,6 +53,7 @@ def overrides(args, data: Path, out_dir: Path) -> list[str]:
         f"data.max_seq_len={args.seq}", f"training.batch_size={args.batch}", f"training.steps={args.steps}",
         f"training.output_dir={out_dir}", "training.progress=false", "training.log_every=1",
         f"optimizer.kind={args.optimizer}", f"plan.policy={args.policy}", f"training.device={args.device}",
+        "training.overwrite=true",
     ]
     if args.costs:
         sets.append(f"plan.costs={args.costs}")

@@ -147,6 +147,7 @@ class Trainer:
                     f"{self.out_dir / 'lazytrain_config.yaml'} training.resume=true",
                     stop.signum,
                 )
+            self.updater.finish()  # the last step's CPU update
             if self.is_main:
                 self.save_model(self.out_dir)
             self.save_checkpoint()
