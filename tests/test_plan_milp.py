@@ -88,3 +88,16 @@ def test_solution_is_plain_data():
     stats = plan.notes["milp"]
     assert stats["status"] == "optimal" and stats["num_binaries"] > 0
     assert plan.policy == "solved" and plan.batch_size == table.batch_size
+
+
+def test_a_presolve_failure_of_highs_is_retried_without_presolve():
+    """HiGHS' presolve reported "Solve error" for this profiled 14B table at batch 62 (the
+    H200 run's batch search died on it); the program is feasible and solves without presolve."""
+    from pathlib import Path
+
+    from lazytrain.plan.costs import CostTable
+    from lazytrain.plan.milp import min_gpu_bytes
+
+    path = Path(__file__).parents[1] / "bench" / "results" / "costs_qwen2.5-14b_h200_2026-12-01_s1024_b64_split.json"
+    table = CostTable.load(path).at(62, 1024)
+    assert 20 * 2**30 < min_gpu_bytes(table, tiers=("gpu", "host")) < table.gpu_bytes

@@ -180,13 +180,20 @@ class _Model:
             lo.append(lb)
             hi.append(ub)
         a = coo_matrix((v, (r, c)), shape=(len(self.rows), n)).tocsr()
-        return milp(
-            c=np.array(self.cost),
-            integrality=np.array(self.integer),
-            bounds=Bounds(np.array(self.lb), np.array(self.ub)),
-            constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
-            options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False},
-        )
+        problem = {
+            "c": np.array(self.cost),
+            "integrality": np.array(self.integer),
+            "bounds": Bounds(np.array(self.lb), np.array(self.ub)),
+            "constraints": LinearConstraint(a, np.array(lo), np.array(hi)),
+        }
+        options = {"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False}
+        res = milp(**problem, options=options)
+        if res.status == 4:
+            # HiGHS' presolve has failed with "Solve error" on a feasible program (the 14B
+            # table at batch 62, bench/results/costs_qwen2.5-14b_h200_2026-12-01_*): without it
+            # the same program solves
+            res = milp(**problem, options={**options, "presolve": False})
+        return res
 
 
 @dataclass(slots=True)
