@@ -288,6 +288,10 @@ class ModelAdapter:
 
     def rotary_embeddings(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         probe = torch.empty(0, device=position_ids.device, dtype=dtype)
+        if self.kernels is not None and position_ids.dim() == 2:
+            # Qwen3.5's multimodal rotary takes (3, batch, positions): the same text positions
+            # on each axis (transformers 5.17 indexes three axes; later versions expand 2-D ids)
+            position_ids = position_ids[None].expand(3, -1, -1)
         return self.rotary(probe, position_ids)
 
     def layer_masks(self, attention_mask: torch.Tensor | None, queries: int | None = None) -> dict[str, torch.Tensor | None]:
