@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import device_tag, write_results
 from lazytrain.train.checkpoint import Checkpointer, folder_bytes
 
 
@@ -185,9 +186,7 @@ def main() -> None:
         "steps": args.steps, "save_every": args.save_every, "checkpoint_gb": record["checkpoint_bytes"] / 1e9,
         "save_s_median": sorted(saves)[len(saves) // 2] if saves else None, **record,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"checkpoint_{model}_{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}_{date}"
-    stem.with_suffix(".json").write_text(json.dumps([record], indent=1))
+    stem = f"checkpoint_{model}_{device_tag(device)}_{date}"
     lines = [
         f"# Checkpoints under interruption: {model} on {device} ({date}, torch {torch.__version__})", "",
         (f"`lazytrain train` with `optimizer.kind=hybrid8bit`, batch {record['batch_size']} x seq "
@@ -209,7 +208,7 @@ def main() -> None:
         p = record["probe"]
         lines += ["", f"Start-up space check with `{p['model']}` (exit {p['exit_code']} after {p['seconds_to_message']} s):",
                   "", "```", p["message"], "```"]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_results([record], stem, "\n".join(lines) + "\n", args.out)
     print("\n".join(lines))
     ok = (record["sigterm"]["exit_code"] == 128 + signal.SIGTERM and record["final"]["exit_code"] == 0
           and record["steps_once_each"])
