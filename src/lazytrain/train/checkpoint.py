@@ -244,6 +244,20 @@ class Checkpointer:
         found = self.complete()
         return found[0] if found else None
 
+    def resume_point(self) -> Found:
+        """The checkpoint ``training.resume=true`` continues from (an error when there is none)."""
+        found = self.latest()
+        if found is None:
+            raise CheckpointError(
+                f"training.resume=true but {self.out_dir} holds no complete checkpoint; start "
+                "without training.resume (add training.overwrite=true if the folder holds a run)"
+            )
+        return found
+
+    def shard(self, rank: int, world_size: int, barrier) -> None:
+        """Data parallel: this rank writes and reads its shard files; ``barrier`` syncs the ranks."""
+        self.rank, self.world_size, self.barrier = rank, world_size, barrier
+
     def _read_state(self, path: Path) -> dict | None:
         try:
             state = json.loads((path / "state.json").read_text())
@@ -386,10 +400,16 @@ class Checkpointer:
 
     # -- restoring -------------------------------------------------------------------------
 
-    def restore(self, found: Found, masters: list) -> dict:
-        """Copy the checkpoint's masters (this rank's shard) into ``masters``; return the
-        optimizer's state dict."""
+    def restore(self, found: Found, masters: list, num_params: int | None = None) -> dict:
+        """Copy the checkpoint's masters (this rank's shard) into ``masters`` of a model with
+        ``num_params`` parameters; return the optimizer's state dict."""
         path = found.path
+        if num_params is not None and found.state.get("num_params", num_params) != num_params:
+            raise CheckpointError(
+                f"checkpoint {path} is of a model with {found.state['num_params']} parameters, this "
+                f"model has {num_params}; resume with the same model.source or use another "
+                "training.output_dir"
+            )
         saved_world = int(found.state.get("world_size", 1))
         if saved_world != self.world_size:
             raise CheckpointError(

@@ -26,22 +26,18 @@ from tqdm import tqdm
 from lazytrain.config import Config
 from lazytrain.data.dataset import Batch
 from lazytrain.data.pipeline import heldout_samples, resolve_template, training_batches
-from lazytrain.errors import LazyTrainError
 from lazytrain.model.loading import save_hf
 from lazytrain.plan.simulate import simulate
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.update import HostUpdater
-from lazytrain.train.checkpoint import CheckpointError, Checkpointer, check_output_dir, gb
+from lazytrain.train.checkpoint import Checkpointer, check_output_dir, gb
+from lazytrain.train.divergence import SkipCounter
 from lazytrain.train.metrics import MetricsWriter, step_metrics, truncate_metrics
 from lazytrain.train.schedule import learning_rate
 from lazytrain.train.session import build_session
 from lazytrain.train.signals import StopRequest, TrainingInterrupted
 
 log = logging.getLogger(__name__)
-
-
-class DivergedError(LazyTrainError, ArithmeticError):
-    """Too many consecutive steps with a non-finite loss or gradient."""
 
 
 class Trainer:
@@ -56,7 +52,8 @@ class Trainer:
         self.config = config
         tc = config.training
         self.out_dir = Path(tc.output_dir)
-        self.step = self.skipped_steps = self.consecutive_skipped = 0
+        self.step = 0
+        self.skips = SkipCounter(tc.max_skipped_steps)
         self.checkpointer = Checkpointer(self.out_dir, keep=tc.keep_checkpoints, in_place=tc.checkpoint_in_place)
 
     # -- setup ------------------------------------------------------------------------------
@@ -64,21 +61,14 @@ class Trainer:
     def setup(self) -> None:
         cfg, tc = self.config, self.config.training
         check_output_dir(self.out_dir, tc.resume, tc.overwrite)
-        resume_from = self.checkpointer.latest() if tc.resume else None
-        if tc.resume and resume_from is None:
-            raise CheckpointError(
-                f"training.resume=true but {self.out_dir} holds no complete checkpoint; start "
-                "without training.resume (add training.overwrite=true if the folder holds a run)"
-            )
+        resume_from = self.checkpointer.resume_point() if tc.resume else None
         self.session = session = build_session(cfg)
         self.device, self.dtype, self.tokenizer = session.device, session.dtype, session.tokenizer
         self.adapter, self.store, self.optimizer = session.adapter, session.store, session.optimizer
         self.parallel = session.parallel
         self.is_main = self.parallel is None or self.parallel.info.is_main
         if self.parallel is not None:  # every rank writes its shard of each checkpoint
-            info = self.parallel.info
-            self.checkpointer.rank, self.checkpointer.world_size = info.rank, info.world_size
-            self.checkpointer.barrier = self.parallel.barrier
+            self.checkpointer.shard(self.parallel.info.rank, self.parallel.info.world_size, self.parallel.barrier)
         if not self.is_main:
             logging.getLogger("lazytrain").setLevel(logging.WARNING)  # rank 0 logs
         self.template = resolve_template(cfg.data)
@@ -126,7 +116,8 @@ class Trainer:
                 batch = next(self.batches)
                 record = self.train_step(self.parallel.local_rows(batch) if self.parallel is not None else batch)
                 self._write(record)
-                self._check_divergence(record)
+                if record["skipped"]:
+                    self._on_skip(record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", gnorm=f"{record['grad_norm']:.2f}",
                                 tok_s=f"{record['tokens_per_s']:.0f}")
@@ -156,7 +147,7 @@ class Trainer:
             final_eval = self.evaluate()
             self._write({"step": self.step, **final_eval})
         self._close()
-        return {"steps": self.step, "skipped_steps": self.skipped_steps, "last": record, "eval": final_eval}
+        return {"steps": self.step, "skipped_steps": self.skips.total, "last": record, "eval": final_eval}
 
     def train_step(self, batch: Batch) -> dict:
         """Forward + backward of ``batch``, then the (overlapped) CPU update; the step's metrics.
@@ -169,8 +160,7 @@ class Trainer:
         waited = self.updater.wait_seconds  # this forward waiting for the last CPU update
         lr = learning_rate(self.step, tc.steps, oc.lr, oc.warmup_steps, oc.schedule, oc.min_lr_ratio)
         skipped = not (math.isfinite(stats.grad_norm) and math.isfinite(stats.loss))
-        self.skipped_steps += skipped
-        self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
+        self.skips.update(skipped)
         if not skipped:
             clip = 1.0
             if tc.max_grad_norm > 0:
@@ -189,25 +179,13 @@ class Trainer:
             "optimizer_wait_s": waited,
         }
 
-    def _check_divergence(self, record: dict) -> None:
-        """Log a skipped step; stop the run after ``training.max_skipped_steps`` in a row."""
-        if not record["skipped"]:
-            return
-        limit = self.config.training.max_skipped_steps
-        log.warning("step %d skipped: loss %s, grad_norm %s (%d in a row, the run stops at %d)",
-                    self.step, record["loss"], record["grad_norm"], self.consecutive_skipped, limit)
-        if self.consecutive_skipped < limit:
-            return
-        self.updater.finish()
-        self._close()
+    def _on_skip(self, record: dict) -> None:
+        if self.skips.diverged:  # stop cleanly: the last checkpoint stays the last good state
+            self.updater.finish()
+            self._close()
         latest = self.checkpointer.latest()
         kept = f"the last checkpoint, {latest.path} (step {latest.step}), is kept" if latest else "no checkpoint was written"
-        raise DivergedError(
-            f"{self.consecutive_skipped} consecutive steps (to step {self.step}) had a non-finite loss or "
-            f"gradient (last: loss {record['loss']}, grad_norm {record['grad_norm']}); the run diverged at "
-            f"optimizer.lr={self.config.optimizer.lr}: {kept} and the model was not written. Lower "
-            "optimizer.lr or training.max_grad_norm and train again (or resume)"
-        )
+        self.skips.report(record, self.config.optimizer.lr, kept)
 
     def _write(self, record: dict) -> None:
         if self.metrics is not None:  # rank 0 alone writes metrics
@@ -221,7 +199,7 @@ class Trainer:
 
     def _checkpoint_due(self) -> bool:
         tc = self.config.training
-        if self.consecutive_skipped:  # the last checkpoint stays the last good state
+        if self.skips.in_a_row:  # the last checkpoint stays the last good state
             return False
         if tc.save_every and self.step % tc.save_every == 0:
             return True
@@ -257,7 +235,7 @@ class Trainer:
         self.updater.finish()
         started = time.perf_counter()
         path = self.checkpointer.save(self.step, self.store.masters, self.optimizer.state_dict(), {
-            "skipped_steps": self.skipped_steps, "data": self.batches.state_dict(),
+            "skipped_steps": self.skips.total, "data": self.batches.state_dict(),
             "num_params": self.store.num_params,
         })
         self.last_save_time = time.perf_counter()
@@ -265,13 +243,7 @@ class Trainer:
 
     def _load_checkpoint(self, found) -> None:
         state = found.state
-        if state["num_params"] != self.store.num_params:
-            raise CheckpointError(
-                f"checkpoint {found.path} is of a model with {state['num_params']} parameters, this "
-                f"model has {self.store.num_params}; resume with the same model.source or use another "
-                "training.output_dir"
-            )
-        optimizer_state = self.checkpointer.restore(found, self.store.masters)
+        optimizer_state = self.checkpointer.restore(found, self.store.masters, self.store.num_params)
         for g in range(len(self.store.masters)):
             self.store.sync_weights_from_masters(g)
             if self.parallel is not None:
@@ -280,5 +252,5 @@ class Trainer:
         self.optimizer.load_state_dict(optimizer_state)
         self.batches.load_state_dict(state["data"])
         self.step = state["step"]
-        self.skipped_steps = state["skipped_steps"]
+        self.skips.total = state["skipped_steps"]
         log.info("resumed from %s at step %d", found.path, self.step)

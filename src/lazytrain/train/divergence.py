@@ -1,0 +1,43 @@
+"""Steps skipped for a non-finite loss or gradient, and when that becomes a diverged run."""
+
+from __future__ import annotations
+
+import logging
+
+from lazytrain.errors import LazyTrainError
+
+log = logging.getLogger(__name__)
+
+
+class DivergedError(LazyTrainError, ArithmeticError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+class SkipCounter:
+    """A skipped step touches no state; ``limit`` of them in a row stop the run."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.total = 0
+        self.in_a_row = 0
+
+    def update(self, skipped: bool) -> None:
+        self.total += skipped
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+
+    @property
+    def diverged(self) -> bool:
+        return self.in_a_row >= self.limit
+
+    def report(self, record: dict, lr: float, kept: str) -> None:
+        """Log the skipped step of ``record``; raise `DivergedError` once the run diverged
+        (``kept`` says which checkpoint survives)."""
+        log.warning("step %d skipped: loss %s, grad_norm %s (%d in a row, the run stops at %d)",
+                    record["step"], record["loss"], record["grad_norm"], self.in_a_row, self.limit)
+        if self.diverged:
+            raise DivergedError(
+                f"{self.in_a_row} consecutive steps (to step {record['step']}) had a non-finite loss or "
+                f"gradient (last: loss {record['loss']}, grad_norm {record['grad_norm']}); the run diverged "
+                f"at optimizer.lr={lr}: {kept} and the model was not written. Lower optimizer.lr or "
+                "training.max_grad_norm and train again (or resume)"
+            )
