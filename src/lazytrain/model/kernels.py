@@ -79,6 +79,28 @@ def _fla() -> dict[str, object] | None:
     return {_DELTA_RULE[0]: chunk_gated_delta_rule, _DELTA_RULE[1]: fused_recurrent_gated_delta_rule}
 
 
+def _fla_failure(delta: dict[str, object], device: torch.device) -> str | None:
+    """Why fla's chunked kernel cannot train on ``device`` (None: a tiny forward and backward ran).
+
+    fla refuses some Triton versions at run time (on Hopper, Triton 3.4 to 3.7.0 give wrong
+    gradients in one backward kernel and fla raises there): a probe at start-up turns that
+    into the torch fallback and a warning, not a crash in the first backward.
+    """
+    try:
+        b, t, h, d = 1, 64, 2, 64
+        make = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+        q, k, v = make(b, t, h, d), make(b, t, h, d), make(b, t, h, d)
+        g = (-torch.rand(b, t, h, device=device)).requires_grad_()
+        beta = torch.rand(b, t, h, device=device, dtype=torch.bfloat16).requires_grad_()
+        out = delta[_DELTA_RULE[0]](q, k, v, g=g, beta=beta)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as error:  # noqa: BLE001 - any failure of the kernel means: do not use it
+        return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    return None
+
+
 def _causal_conv1d() -> dict[str, object] | None:
     try:
         from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
@@ -100,6 +122,9 @@ def select_linear_attention_kernels(device: torch.device, prefer: str = "auto") 
         _TORCH_PATH.update({name: inspect.unwrap(getattr(hf, name)) for name in _DELTA_RULE + _CONV})
     fast = device.type == "cuda" and prefer == "auto"
     delta = _fla() if fast else None
+    failure = _fla_failure(delta, device) if delta else None
+    if failure:
+        delta = None
     conv = _causal_conv1d() if fast else None
     for names, impl in ((_DELTA_RULE, delta), (_CONV, conv)):
         for name in names:
@@ -112,7 +137,15 @@ def select_linear_attention_kernels(device: torch.device, prefer: str = "auto") 
         conv_text = f"causal-conv1d {_version('causal-conv1d')}" if conv else "torch conv1d"
         log.info("Gated-DeltaNet kernels on %s: gated-delta rule %s, short convolution %s",
                  device.type, delta_text, conv_text)
-        if fast and not delta:
+        if failure:
+            log.warning(
+                "Gated-DeltaNet layers run the torch reference of the chunked gated-delta rule on "
+                "the GPU: fla-core %s is installed but its kernel failed a start-up probe (%s); "
+                "upgrade Triton or fla-core as that message says. The reference is an order of "
+                "magnitude or more slower in the linear-attention layers' token mixing.",
+                _version("fla-core"), failure,
+            )
+        elif fast and not delta:
             log.warning(
                 "Gated-DeltaNet layers run the torch reference of the chunked gated-delta rule on "
                 "the GPU: fla-core is not importable. Install it with %s. The reference is an "
