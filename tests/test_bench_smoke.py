@@ -1,0 +1,37 @@
+"""The benchmark scripts run on the CPU with the tiny model and write DESIGN.md section 6 records
+(the H200 runs use the same code, so a script that rots fails here, not on the device)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = {"name", "date", "device", "torch", "model", "seq_len", "batch_size", "policy", "tokens_per_s",
+          "tflops_6nt", "tflops_model", "step_time_s", "predicted_step_time_s", "host_rss_gb",
+          "gpu_mem_cap_gb", "world_size", "host_bytes_per_param", "runner"}
+
+
+def test_plan_bench_on_the_cpu_writes_records(tmp_path):
+    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+                    "--seq", "32", "--runs", "solved", "megatrain", "--split-master", "off", "--warmup", "1",
+                    "--steps", "1", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    (records,) = [json.loads(p.read_text()) for p in tmp_path.glob("plan_tiny_*.json")]
+    runs = [r for r in records if "tokens_per_s" in r]
+    assert [r["policy"] for r in runs] == ["solved", "megatrain"]
+    for r in runs:
+        assert FIELDS <= r.keys(), FIELDS - r.keys()
+        assert r["tokens_per_s"] > 0 and r["predicted_step_time_s"] > 0 and r["world_size"] == 1
+    assert (tmp_path / next(tmp_path.glob("plan_tiny_*.json")).name.replace(".json", ".md")).exists()
+
+
+def test_merge_results_keeps_every_record_once(tmp_path):
+    from bench.merge_results import merge
+
+    for i in (1, 2):
+        (tmp_path / f"study_s{i}.json").write_text(json.dumps([{"name": f"run{i}", "seed": i}]))
+    records = merge(tmp_path / "study", sorted(tmp_path.glob("study_s*.json")))
+    assert [(r["name"], r["report"]) for r in records] == [("run1", "study_s1"), ("run2", "study_s2")]
+    assert [p.name for p in tmp_path.iterdir()] == ["study.json"]
