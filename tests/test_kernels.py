@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-import lazytrain.model.kernels as kernels
+from lazytrain.model import kernels
 from lazytrain.model.kernels import KernelError, select_linear_attention_kernels
 
 CUDA = torch.device("cuda")  # only the device type is read: nothing runs on it

@@ -12,7 +12,6 @@ import argparse
 import json
 import logging
 import sys
-
 from pathlib import Path
 
 from lazytrain.config import ConfigError, load_config

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from lazytrain.memory.host_store import HostBytes, HostMemoryError, pin_in_place, host_memory_total
+from lazytrain.memory.host_store import HostBytes, HostMemoryError, host_memory_total, pin_in_place
 from lazytrain.model.adapter import GroupLayout
 
 SHARD_ALIGN = 128

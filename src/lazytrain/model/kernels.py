@@ -88,7 +88,7 @@ def _fla_failure(delta: dict[str, object], device: torch.device) -> str | None:
     """
     try:
         b, t, h, d = 1, 64, 2, 64
-        make = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+        make = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True)
         q, k, v = make(b, t, h, d), make(b, t, h, d), make(b, t, h, d)
         g = (-torch.rand(b, t, h, device=device)).requires_grad_()
         beta = torch.rand(b, t, h, device=device, dtype=torch.bfloat16).requires_grad_()
