@@ -54,6 +54,7 @@ def test_cuda_with_fla_binds_its_kernels_and_torch_overrides(monkeypatch):
     for name, module in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
                          ("fla.ops.gated_delta_rule", ops)):
         monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(kernels, "_PROBED", {})
     monkeypatch.setattr(kernels, "_fla_failure", lambda delta, device: None)  # no GPU here to probe on
     assert select_linear_attention_kernels(CUDA).delta_rule == "fla"
     assert hf.torch_chunk_gated_delta_rule is chunk and hf.torch_recurrent_gated_delta_rule is recurrent
@@ -61,6 +62,7 @@ def test_cuda_with_fla_binds_its_kernels_and_torch_overrides(monkeypatch):
     assert hf.torch_chunk_gated_delta_rule is not chunk
     with pytest.raises(KernelError, match="'auto' or 'torch'"):
         select_linear_attention_kernels(CUDA, "triton")
+    monkeypatch.setattr(kernels, "_PROBED", {})  # a new process: probed again
     monkeypatch.setattr(kernels, "_fla_failure", lambda delta, device: "RuntimeError: Triton too old")
     assert select_linear_attention_kernels(CUDA).delta_rule == "torch"  # installed, failed its probe
     assert hf.torch_chunk_gated_delta_rule is not chunk

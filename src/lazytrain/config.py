@@ -27,8 +27,9 @@ class ConfigError(LazyTrainError, ValueError):
 def check_fields(obj, section: str) -> None:
     """Every ``Literal`` field holds one of its choices and every float is finite (NaN or inf
     in a learning rate or a clip threshold would silently wreck a run)."""
+    hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        hint = typing.get_type_hints(type(obj))[f.name]
+        hint = hints[f.name]
         value = getattr(obj, f.name)
         union = typing.get_origin(hint) in (typing.Union, types.UnionType)
         options = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
@@ -135,12 +136,11 @@ class TrainingConfig:
         for name in ("steps", "batch_size", "log_every", "keep_checkpoints", "max_skipped_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"training.{name} must be >= 1, got {getattr(self, name)}")
-        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
-            raise ConfigError(f"training.max_grad_norm must be a finite number >= 0 (0: no clipping), "
-                              f"got {self.max_grad_norm}")
-        if not (math.isfinite(self.save_every_minutes) and self.save_every_minutes >= 0):
-            raise ConfigError(f"training.save_every_minutes must be a finite number >= 0 (0: off), "
-                              f"got {self.save_every_minutes}")
+        # (non-finite values were refused by check_fields)
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"training.max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
+        if self.save_every_minutes < 0:
+            raise ConfigError(f"training.save_every_minutes must be >= 0 (0: off), got {self.save_every_minutes}")
         if self.save_every < 0 or self.eval_every < 0:
             raise ConfigError("training.save_every and training.eval_every must be >= 0")
 

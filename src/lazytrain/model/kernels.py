@@ -79,6 +79,10 @@ def _fla() -> dict[str, object] | None:
     return {_DELTA_RULE[0]: chunk_gated_delta_rule, _DELTA_RULE[1]: fused_recurrent_gated_delta_rule}
 
 
+_PROBED: dict[str, str | None] = {}
+"""Each device's probe result (None: fla's kernel trained there)."""
+
+
 def _fla_failure(delta: dict[str, object], device: torch.device) -> str | None:
     """Why fla's chunked kernel cannot train on ``device`` (None: a tiny forward and backward ran).
 
@@ -122,7 +126,9 @@ def select_linear_attention_kernels(device: torch.device, prefer: str = "auto") 
         _TORCH_PATH.update({name: inspect.unwrap(getattr(hf, name)) for name in _DELTA_RULE + _CONV})
     fast = device.type == "cuda" and prefer == "auto"
     delta = _fla() if fast else None
-    failure = _fla_failure(delta, device) if delta else None
+    if delta and str(device) not in _PROBED:  # once per device: a probe compiles fla's kernels
+        _PROBED[str(device)] = _fla_failure(delta, device)
+    failure = _PROBED.get(str(device)) if delta else None
     if failure:
         delta = None
     conv = _causal_conv1d() if fast else None
