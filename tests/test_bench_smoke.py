@@ -35,3 +35,13 @@ def test_merge_results_keeps_every_record_once(tmp_path):
     records = merge(tmp_path / "study", sorted(tmp_path.glob("study_s*.json")))
     assert [(r["name"], r["report"]) for r in records] == [("run1", "study_s1"), ("run2", "study_s2")]
     assert [p.name for p in tmp_path.iterdir()] == ["study.json"]
+
+
+def test_kernel_check_on_the_cpu_measures_the_bf16_null(tmp_path):
+    subprocess.run([sys.executable, "bench/kernel_check.py", "--shape", "tiny-hybrid", "--batch", "1", "--seq", "96",
+                    "--repeats", "1", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    (record,) = json.loads(next(tmp_path.glob("kernel_check_tiny-hybrid_*.json")).read_text())
+    assert record["passed"] is None and "fla_bf16" not in record["rows"]  # no fla kernel on the CPU
+    errors = record["rows"]["torch_bf16"]["errors"]
+    # bf16 inputs cost about 2^-8 relative: a null that is zero or large means the check is broken
+    assert all(1e-4 < errors[n]["rel_fro"] < 5e-2 for n in ("out", "dq", "dk", "dv", "dg", "dbeta")), errors
