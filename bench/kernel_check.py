@@ -122,10 +122,10 @@ def main() -> None:
         "kernels": fla_note, "rows": rows, "passed": passed,
     }
     lines = [f"# Chunked gated-delta rule: kernels against fp32 ({args.shape}, {record['device']}, {today()})", "",
-             f"Input {args.batch} x {args.seq} tokens, {shape['linear_num_value_heads']} value heads, "
-             f"k/v head dim {shape['linear_key_head_dim']}/{shape['linear_value_head_dim']}, seed {args.seed}. "
-             f"Errors against the torch reference in fp32: relative Frobenius norm / max abs error over "
-             f"max abs reference. {fla_note}.", "",
+             (f"Input {args.batch} x {args.seq} tokens, {shape['linear_num_value_heads']} value heads, "
+              f"k/v head dim {shape['linear_key_head_dim']}/{shape['linear_value_head_dim']}, seed {args.seed}. "
+              f"Errors against the torch reference in fp32: relative Frobenius norm / max abs error over "
+              f"max abs reference. {fla_note}."), "",
              "| kernel | fwd+bwd ms | " + " | ".join(NAMES) + " |", "|---" * (2 + len(NAMES)) + "|"]
     for kind, row in rows.items():
         ms = f"{row['ms_fwd_bwd']:.2f}" if row["ms_fwd_bwd"] is not None else "-"
