@@ -197,8 +197,10 @@ def main() -> None:
     parser.add_argument("--runs", nargs="*", default=["solved", "megatrain", "keep_all:max"])
     parser.add_argument("--max-batch", type=int, default=None,
                         help="largest batch a POLICY:max run may take (default --batch)")
-    parser.add_argument("--kernels", choices=["auto", "torch"], default="auto",
-                        help="Gated-DeltaNet kernels: auto (fla-core on CUDA when installed) or torch")
+    parser.add_argument("--kernels", nargs="+", choices=["auto", "torch"], default=["auto"],
+                        help="Gated-DeltaNet kernels: auto (fla-core on CUDA when installed) or torch; "
+                             "with both, one study each on the same model in host memory (a run spec "
+                             "KERNELS/POLICY[:max] runs with those kernels only)")
     parser.add_argument("--tiers", nargs="+", default=["gpu", "host"], help="activation tiers the MILP may use")
     parser.add_argument("--nvme-dir", default=None, help="profile the NVMe tier here (and let runs use it)")
     parser.add_argument("--every", type=int, default=4, help="megatrain checkpoint interval")
@@ -230,9 +232,17 @@ def main() -> None:
         head_chunk=args.head_chunk, nvme_dir=args.nvme_dir,
         overrides=(f"memory.split_master={'true' if args.split_master == 'on' else 'false'}",
                    *([f"memory.host_limit_gb={args.host_limit_gb}"] if args.host_limit_gb else [])))
+    print(f"model {args.model}: {session.store.num_params / 1e9:.2f}B params, built in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    for kernels in args.kernels:
+        study(session, args, kernels)
+
+
+def study(session, args, kernels: str) -> None:
+    """Profile, then every run of ``args.runs`` meant for ``kernels``; one record file."""
     device, store = session.device, session.store
     date, dev = today(), device_tag(device)
-    kernels_tag = "_torch-kernels" if args.kernels == "torch" else ""
+    kernels_tag = "_torch-kernels" if kernels == "torch" else ""
     stem = f"plan_{args.model}_{dev}_{date}_s{args.seq}{kernels_tag}{args.tag}"
     common = run_header(device, model=args.model, optimizer=args.optimizer, overlap_optimizer=True,
                         cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
@@ -246,14 +256,13 @@ def main() -> None:
 
     adapter = session.adapter
     if adapter.kernels is not None:
-        adapter.kernels = select_linear_attention_kernels(device, args.kernels)
+        adapter.kernels = select_linear_attention_kernels(device, kernels)
         common["kernels"] = {"delta_rule": adapter.kernels.delta_rule, "conv": adapter.kernels.conv}
         common["layer_types"] = {kind: adapter.layer_types.count(kind) for kind in adapter.layer_type_names()}
     host = store.bytes(session.optimizer.state_bytes())
     common["num_params"] = store.num_params
     common["host_bytes_per_param"] = host.per_param()
-    print(f"model {args.model}: {store.num_params / 1e9:.2f}B params, built in {time.perf_counter() - t0:.0f} s; "
-          f"host bytes/param {host.per_param()}", flush=True)
+    print(f"host bytes/param {host.per_param()}", flush=True)
 
     t0 = time.perf_counter()
     if args.costs:
@@ -302,6 +311,9 @@ def main() -> None:
         return True
 
     for spec in args.runs:
+        only, _, spec = spec.rpartition("/")
+        if only and only != kernels:
+            continue
         policy, _, size = spec.partition(":")
         batch = args.batch
         if size == "max":
@@ -353,7 +365,7 @@ def markdown(records: list[dict], args) -> str:
         f"`python bench/plan_bench.py --model {args.model} --optimizer {args.optimizer} --seq {args.seq} "
         f"--batch {args.batch} --runs {' '.join(args.runs)}"
         + (f" --max-batch {args.max_batch}" if args.max_batch else "")
-        + (f" --kernels {args.kernels}" if args.kernels != "auto" else "")
+        + (f" --kernels {' '.join(args.kernels)}" if args.kernels != ["auto"] else "")
         + f" --warmup {args.warmup} --steps {args.steps} --split-master {args.split_master}"
         + (f" --host-limit-gb {args.host_limit_gb:g}" if args.host_limit_gb else "")
         + (f" --baseline {args.baseline}" if args.baseline else "")
