@@ -82,16 +82,3 @@ def test_profiler_measures_the_executor_pieces_on_the_cpu(tmp_path):
     assert layer.saved_bytes > layer.input_bytes == 4 * 32 * session.adapter.hidden_size * 4
     assert costs.optimizer_ns_per_param > 0
     assert layer.weight_bytes == session.store.weights[1].numel() * session.store.weights[1].element_size()
-
-
-def test_working_sets_count_the_autograd_forward_beyond_what_it_saves():
-    from lazytrain.runtime.profiler import working_sets
-
-    GB = 10**9
-    # fla-like: the forward with autograd peaks 20 GB above its start while keeping 12 GB:
-    # 8 GB are transient and must be in both phases (a recompute runs in the backward stage)
-    assert working_sets(no_grad_peak=6 * GB, grad_peak=20 * GB, new_saved=12 * GB, backward_peak=4 * GB) == (8 * GB, 8 * GB)
-    # torch-reference-like: what the autograd forward holds is what it saves; nothing changes
-    assert working_sets(no_grad_peak=9 * GB, grad_peak=12 * GB, new_saved=12 * GB, backward_peak=4 * GB) == (9 * GB, 4 * GB)
-    # a peak below the saved bytes (freed inputs) never makes a negative working set
-    assert working_sets(0, 1 * GB, 3 * GB, 0) == (0, 0)

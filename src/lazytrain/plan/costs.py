@@ -146,11 +146,9 @@ class LayerCosts:
     saved_bytes: int
     """All tensors autograd saves for the backward, the input included."""
     forward_work_bytes: int
-    """Peak transient bytes during forward, the output included, beyond input and saved (the
-    larger of the forward without and with autograd: `runtime.profiler.working_sets`)."""
+    """Peak transient bytes during forward, the output included, beyond input and saved."""
     backward_work_bytes: int
-    """Peak transient bytes during backward beyond the saved tensors (gradients in flight), or
-    during the recompute that precedes it, whichever is larger."""
+    """Peak transient bytes during backward beyond the saved tensors (gradients in flight)."""
 
     def __post_init__(self) -> None:
         for name in ("params", "weight_bytes", "input_bytes", "saved_bytes"):

@@ -100,8 +100,7 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
         state["out"] = forward_grad()
         backward.append(time_ms(device, run_backward, 1, warmup=0))
     backward_ms = statistics.median(backward[2:])
-    state.clear()
-    with _Peak(device) as grad_peak, torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t):
+    with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t):
         out, x_in, leaves = forward_grad()
     input_bytes = x.numel() * x.element_size()
     saved_bytes = max(sum(saved.values()), input_bytes)
@@ -110,32 +109,15 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
     state["out"] = (out, x_in, leaves)
     with _Peak(device) as bwd_peak:
         run_backward()
-    forward_work, backward_work = working_sets(fwd_peak.bytes, grad_peak.bytes, saved_bytes - input_bytes,
-                                               bwd_peak.bytes)
     return {
         "forward_ms": forward_ms,
         "recompute_ms": recompute_ms,
         "backward_ms": backward_ms,
         "input_bytes": input_bytes,
         "saved_bytes": saved_bytes,
-        "forward_work_bytes": forward_work,
-        "backward_work_bytes": backward_work,
+        "forward_work_bytes": fwd_peak.bytes,
+        "backward_work_bytes": bwd_peak.bytes,
     }
-
-
-def working_sets(no_grad_peak: int, grad_peak: int, new_saved: int, backward_peak: int) -> tuple[int, int]:
-    """A layer's (forward, backward) working bytes for the planner, from its measured peaks.
-
-    The forward runs without autograd (a checkpointed or dropped layer) or with it (a kept
-    layer, and every recompute, which runs inside the layer's backward stage). With autograd,
-    what it holds beyond the ``new_saved`` bytes it keeps can exceed the no-grad peak: fla's
-    chunked gated-delta rule builds its chunk states (GBs at 64 x 1024 tokens) and frees
-    them at the end, which put a real step 5 GB above the planner's prediction on the H200.
-    That excess is counted in both phases; for a kept layer's backward it is an overestimate
-    (bounded by the excess), never an underestimate.
-    """
-    grad_excess = max(0, grad_peak - new_saved)
-    return max(no_grad_peak, grad_excess), max(backward_peak, grad_excess)
 
 
 def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
