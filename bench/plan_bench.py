@@ -212,7 +212,8 @@ def main() -> None:
     parser.add_argument("--cap-max-batch", type=int, default=64)
     parser.add_argument("--cap-up", type=int, default=3, help="batches tried above the first that fits")
     parser.add_argument("--cap-measure", action="store_true", help="time solved and megatrain at their cap batch")
-    parser.add_argument("--costs", default=None, help="use this costs.json instead of profiling")
+    parser.add_argument("--costs", nargs="+", default=[], metavar="[KERNELS=]FILE",
+                        help="use this costs.json instead of profiling (KERNELS=FILE: for that kernel study only)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
@@ -265,8 +266,10 @@ def study(session, args, kernels: str) -> None:
     print(f"host bytes/param {host.per_param()}", flush=True)
 
     t0 = time.perf_counter()
-    if args.costs:
-        costs = CostTable.load(args.costs).at(args.batch, args.seq)
+    given = dict(spec.rpartition("=")[::2] for spec in args.costs)
+    costs_file = given.get(kernels) or given.get("")
+    if costs_file:
+        costs = CostTable.load(costs_file).at(args.batch, args.seq)
     else:
         costs = session.cost_table()
         costs.save(os.path.join(args.out, f"costs_{args.model}_{dev}_{date}_s{args.seq}_b{args.batch}{kernels_tag}{args.tag}.json"))
