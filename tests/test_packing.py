@@ -290,3 +290,18 @@ def test_cli_trains_packed_and_resumes_exactly(tmp_path):
         assert r["tokens"] + r["pad_tokens"] == 4 * 256
         assert r["fill_ratio"] == pytest.approx(r["tokens"] / 1024) and r["fill_ratio"] > 0.6
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"])
+
+
+def test_data_parallel_ranks_take_whole_packed_rows():
+    from lazytrain.runtime.distributed import DataParallel, RankInfo
+
+    packed = collate_packed(dataset(), [*ROWS, (0,)])
+    parallel = DataParallel.__new__(DataParallel)  # local_rows needs only the rank, no process group
+    for rank in (0, 1):
+        parallel.info = RankInfo(rank=rank, world_size=2, local_rank=rank, local_world_size=2, node_rank=0)
+        rows = parallel.local_rows(packed)
+        mine = slice(2 * rank, 2 * rank + 2)
+        assert rows.indices == packed.indices[mine]
+        for name in ("input_ids", "labels", "position_ids", "document_ids", "attention_mask"):
+            assert torch.equal(getattr(rows, name), getattr(packed, name)[mine]), name
+        assert rows.num_tokens == int(packed.attention_mask[mine].sum())
