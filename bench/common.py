@@ -20,6 +20,7 @@ import torch
 import transformers
 
 from lazytrain.config import load_config
+from lazytrain.data.dataset import Batch
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.plan.plan import Plan
@@ -113,12 +114,16 @@ def compute_only(executor: Executor, batch: int, seq: int, repeats: int = 5) -> 
 
 def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial_optimizer: bool = False,
                 optimizer: HostOptimizer | None = None, nvme: NvmeStore | None = None,
-                batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict:
+                batches: Callable[[int], Batch] | None = None) -> dict:
     """Train ``warmup + steps`` steps of ``plan`` on random tokens; the measured steps' medians.
 
     Step time runs from the start of one measured step to the start of the next. A step's
     overlapped CPU update runs under the next forward, so each step pays the previous step's
     exposed update (the warm-up's for the first), as in steady state.
+
+    ``batches`` (step -> a data `Batch`, padded or packed) trains on real data instead; its steps
+    differ in real tokens and width, so tokens/s and TFLOPS are then the measured steps' totals
+    over their total time, not medians.
     """
     adapter, device = session.adapter, session.device
     optimizer = optimizer or session.optimizer
@@ -132,9 +137,15 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
     measured = []
     try:
         for step in range(warmup + steps):
-            ids, labels = batches(step) if batches else random_batch(batch, seq, adapter.vocab_size, seed=step)
+            if batches is None:
+                ids, labels = random_batch(batch, seq, adapter.vocab_size, seed=step)
+                inputs = {"input_ids": ids, "labels": labels}
+            else:
+                data = batches(step)
+                inputs = {"input_ids": data.input_ids, "labels": data.labels, "attention_mask": data.attention_mask,
+                          "position_ids": data.position_ids, "document_ids": data.document_ids}
             t0 = time.perf_counter()
-            stats = executor.forward_backward(ids, labels)
+            stats = executor.forward_backward(**inputs)
             trace = executor.trace.summary()
             waited = updater.wait_seconds  # this step's forward waiting for the last update
             updater.start(min(1.0, 1.0 / (stats.grad_norm + 1e-6)), 1e-5)
@@ -142,7 +153,7 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
                 updater.finish()
             end = time.perf_counter()  # when the next step would start
             if step >= warmup:
-                measured.append((t0, stats, trace, waited))
+                measured.append((t0, stats, trace, waited, inputs["input_ids"].shape[1]))
         updater.finish()
     except BaseException:
         try:
@@ -152,10 +163,16 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
         raise
     starts = [m[0] for m in measured] + [end]
     step_times = [b - a for a, b in zip(starts, starts[1:])]
-    per_step = [step_metrics(adapter, m[1], m[2], t, seq, device) | {"optimizer_wait_s": m[3]}
+    per_step = [step_metrics(adapter, m[1], m[2], t, m[4], device) | {"optimizer_wait_s": m[3]}
                 for m, t in zip(measured, step_times)]
     record = {key: statistics.median(r[key] for r in per_step) for key in per_step[0]
               if isinstance(per_step[0][key], float)}
+    if batches is not None:
+        total_s = sum(step_times)
+        record.update({key: sum(r[key] * r["step_time_s"] for r in per_step) / total_s
+                       for key in ("tokens_per_s", "tflops_model", "tflops_6nt")})
+        record["fill_ratio"] = sum(m[1].num_tokens for m in measured) / sum(m[1].num_slots for m in measured)
+        record["tokens_per_step"] = [m[1].num_tokens for m in measured]
     record.update({
         "policy": plan.policy, "batch_size": batch, "seq_len": seq, "step_times_s": step_times,
         "predicted_step_time_s": None, "gpu_mem_cap_gb": None, "loss": measured[-1][1].loss,

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {"name", "date", "device", "torch", "model", "seq_len", "batch_size", "policy", "tokens_per_s",
           "tflops_6nt", "tflops_model", "step_time_s", "predicted_step_time_s", "host_rss_gb",
@@ -45,3 +47,18 @@ def test_kernel_check_on_the_cpu_measures_the_bf16_null(tmp_path):
     errors = record["rows"]["torch_bf16"]["errors"]
     # bf16 inputs cost about 2^-8 relative: a null that is zero or large means the check is broken
     assert all(1e-4 < errors[n]["rel_fro"] < 5e-2 for n in ("out", "dq", "dk", "dv", "dg", "dbeta")), errors
+
+
+def test_packing_bench_on_the_cpu_compares_packed_with_padded(tmp_path):
+    subprocess.run([sys.executable, "bench/packing_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+                    "--seq", "512", "--samples", "200", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    (path,) = tmp_path.glob("packing_tiny_*_s512_b2.json")
+    records = json.loads(path.read_text())
+    assert [r["batching"] for r in records] == ["padded", "packed"]
+    for r in records:
+        assert FIELDS <= r.keys(), FIELDS - r.keys()
+        assert r["tokens_per_s"] > 0 and 0 < r["fill_ratio"] <= 1 and r["samples_per_s"] > 0
+        assert r["tokens_per_s"] == pytest.approx(sum(r["tokens_per_step"]) / sum(r["step_times_s"]))
+    assert records[1]["tokens_per_s_vs_padded"] == pytest.approx(records[1]["tokens_per_s"] / records[0]["tokens_per_s"])
+    assert path.with_suffix(".md").exists()

@@ -124,3 +124,19 @@ def test_fits_the_default_max_seq_len_with_the_compact_template(tier):
     dataset = tokenize_samples(make_samples("train", 2000, tier=tier), builtin_tokenizer(),
                                get_template("compact"), max_seq_len=128)
     assert dataset.report.truncated == 0 and dataset.report.longest <= 128
+
+
+@pytest.mark.parametrize("tier", ["add2", "multi"])
+def test_metamathqa_length_mix_keeps_the_problems_and_spreads_the_lengths(tier):
+    short = make_split("train", 1000, seed=2, tier=tier)
+    mixed = make_split("train", 1000, seed=2, tier=tier, length_mix="metamathqa")
+    for s, m in zip(short, mixed):  # the same problem and steps; the filler has no digits
+        assert m["response"].endswith(s["response"])
+        assert _read({"query": m["query"], "response": s["response"]}) == _read(s)
+    lengths = sorted(len(r["query"]) + len(r["response"]) for r in mixed)
+    # a few hundred tokens of the built-in tokenizer (one a character), varied
+    assert 300 <= lengths[500] <= 400 and lengths[50] < 220 and lengths[950] > 650
+    assert sum(n > 1024 for n in lengths) < 30
+    assert make_split("train", 50, seed=2, tier=tier, length_mix="metamathqa") == mixed[:50]
+    with pytest.raises(DataError, match="length_mix"):
+        make_split("train", 5, length_mix="long")

@@ -77,6 +77,15 @@ class DataConfig:
     characters with the built-in tokenizer)."""
     builtin_tier: str = "add2"
     """Difficulty tier of the built-in data."""
+    builtin_length_mix: Literal["short", "metamathqa"] = "short"
+    """Lengths of the built-in samples: short (the problem alone, ~100 tokens), or metamathqa
+    (each problem padded with filler sentences in its question and response to a MetaMathQA-like
+    spread, median ~350 tokens; for throughput studies such as packing). The held-out split
+    gets the same mix."""
+    packing: bool = False
+    """Pack samples into rows of exactly max_seq_len tokens (padding only at row ends), with
+    attention masked per sample, positions restarting per sample and the loss unchanged per
+    sample. Batches then have one fixed shape. Not for models with linear-attention layers."""
     builtin_train_size: int = 20000
     heldout_size: int = 200
     """Held-out problems for evaluation with the built-in data."""

@@ -42,14 +42,17 @@ def resolve_template(config: DataConfig) -> PromptTemplate:
 
 def heldout_samples(config: DataConfig, seed: int) -> list[Sample]:
     """The built-in held-out split (problems the training split never contains)."""
-    return make_samples("heldout", config.heldout_size, seed=seed, tier=config.builtin_tier)
+    return make_samples("heldout", config.heldout_size, seed=seed, tier=config.builtin_tier,
+                        length_mix=config.builtin_length_mix)
 
 
 def training_batches(config: DataConfig, tokenizer, template: PromptTemplate, *, batch_size: int, seed: int,
                      pad_to_multiple_of: int = 1) -> tuple[BatchIterator, TokenizeReport]:
-    """The resumable, length-grouped batch stream of the training data, and what tokenizing it dropped."""
+    """The resumable batch stream of the training data (length-grouped, or packed with
+    ``data.packing``), and what tokenizing it dropped."""
     if config.dataset == "builtin":
-        samples = make_samples("train", config.builtin_train_size, seed=seed, tier=config.builtin_tier)
+        samples = make_samples("train", config.builtin_train_size, seed=seed, tier=config.builtin_tier,
+                               length_mix=config.builtin_length_mix)
     else:
         samples = load_samples(DataSource(path=config.dataset, format=config.format,
                                           prompt_field=config.prompt_field,
@@ -57,5 +60,6 @@ def training_batches(config: DataConfig, tokenizer, template: PromptTemplate, *,
     dataset = tokenize_samples(samples, tokenizer, template, config.max_seq_len)
     log.info("data: %s", dataset.report.summary())
     batches = BatchIterator(dataset=dataset, config=BatchConfig(
-        batch_size=batch_size, seed=seed, drop_last=True, pad_to_multiple_of=pad_to_multiple_of))
+        batch_size=batch_size, seed=seed, drop_last=True, pad_to_multiple_of=pad_to_multiple_of,
+        packing=config.packing))
     return batches, dataset.report

@@ -2,7 +2,12 @@
 
 Each record is ``{"query", "response", "type"}``: a short word problem, a step-by-step
 response whose last line is ``"The answer is: N"``, and the tier name. Generation is
-deterministic from ``(split, n, seed, tier)``.
+deterministic from ``(split, n, seed, tier, length_mix)``.
+
+``length_mix="metamathqa"`` pads each record with filler sentences (before the question, and
+as lines before the response's steps) to a MetaMathQA-like length: a log-normal spread of
+characters (= tokens of the built-in tokenizer) with median ``MIX_MEDIAN_CHARS``, 40% of the
+filler in the question and 60% in the response. The problems are the same as without it.
 
 The ``train`` and ``heldout`` splits never share a problem: a problem's canonical arithmetic
 (``"23+45"``, operands of commutative operations sorted) is hashed, and the hash alone puts it
@@ -13,6 +18,7 @@ together must use the same ``heldout_fraction``.
 from __future__ import annotations
 
 import hashlib
+import math
 import operator
 import random
 from dataclasses import dataclass
@@ -56,6 +62,32 @@ _WORDINGS = {
     ),
 }
 KINDS = tuple(_WORDINGS)
+LENGTH_MIXES = ("short", "metamathqa")
+MIX_MEDIAN_CHARS = 300
+"""Median length of a ``metamathqa`` record, question and response together."""
+MIX_SIGMA = 0.5
+"""Log-normal sigma of the ``metamathqa`` lengths. Whole filler sentences overshoot the drawn
+length a little: measured, the median record is ~350 characters, 90% are within 190-760 and
+about 1% are past 1000 (a few hundred tokens, varied, like MetaMathQA)."""
+
+_QUESTION_FILLER = (
+    "{name} keeps the {item} in a box by the window.",
+    "Some of the {item} are red and some are blue.",
+    "It was a sunny afternoon after school.",
+    "{name} likes to count things carefully.",
+    "The {item} came from the market in town.",
+    "Nobody else in the class had any {item} that day.",
+    "{name} wrote every number down on a sheet of paper.",
+    "A friend watched and asked a few questions.",
+)
+_RESPONSE_FILLER = (
+    "Let us read the question again carefully.",
+    "We write down each number that the question gives.",
+    "{name} starts with some {item}, and the question says what changes.",
+    "We work it out one step at a time.",
+    "Each step uses the result of the step before it.",
+    "We check that every number from the question is used.",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,25 +199,43 @@ def split_of(key: str, heldout_fraction: float) -> str:
     return "heldout" if int.from_bytes(digest[:8], "big") / 2**64 < heldout_fraction else "train"
 
 
-def _record(problem: _Problem, rng: random.Random, tier: Tier) -> dict:
+def _record(problem: _Problem, rng: random.Random, tier: Tier, filler: random.Random | None) -> dict:
     wording = rng.choice(_WORDINGS[problem.kind])
     a, b, *rest = problem.operands
-    query = wording.format(name=rng.choice(_NAMES), item=rng.choice(_ITEMS), a=a, b=b,
-                           c=rest[0] if rest else "")
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    query = wording.format(name=name, item=item, a=a, b=b, c=rest[0] if rest else "")
     lines, answer = problem.steps(tier.place_value)
-    return {"query": query, "response": "\n".join([*lines, f"The answer is: {answer}"]),
-            "type": tier.name}
+    response = "\n".join([*lines, f"The answer is: {answer}"])
+    if filler is not None:  # a MetaMathQA-like length (its own stream: the problems stay the same)
+        extra = max(0, round(filler.lognormvariate(math.log(MIX_MEDIAN_CHARS), MIX_SIGMA))
+                    - len(query) - len(response))
+        before = _filler(filler, round(0.4 * extra), _QUESTION_FILLER, name, item)
+        steps = _filler(filler, extra - round(0.4 * extra), _RESPONSE_FILLER, name, item)
+        query = f"{before} {query}" if before else query
+        response = f"{steps}\n{response}" if steps else response
+    return {"query": query, "response": response, "type": tier.name}
+
+
+def _filler(rng: random.Random, chars: int, sentences: tuple[str, ...], name: str, item: str) -> str:
+    """Sentences drawn from ``sentences`` until they hold about ``chars`` characters."""
+    text = ""
+    while len(text) < chars:
+        text = f"{text} {rng.choice(sentences).format(name=name, item=item)}".lstrip()
+    return text
 
 
 def make_split(split: str, n: int, seed: int = 0, tier: str | Tier = "add2",
-               heldout_fraction: float = 0.2) -> list[dict]:
+               heldout_fraction: float = 0.2, length_mix: str = "short") -> list[dict]:
     """``n`` MetaMathQA-style records of ``split`` (train | heldout).
 
     ``train`` draws problems with replacement; ``heldout`` gives ``n`` distinct problems, so
-    its accuracy is over ``n`` different sums.
+    its accuracy is over ``n`` different sums. ``length_mix``: short | metamathqa (see the
+    module docstring).
     """
     if split not in SPLITS:
         raise DataError(f"synthetic split {split!r} is not one of {SPLITS}")
+    if length_mix not in LENGTH_MIXES:
+        raise DataError(f"synthetic length_mix {length_mix!r} is not one of {LENGTH_MIXES}")
     if n < 1:
         raise DataError(f"synthetic set size must be >= 1, got {n}")
     if not 0.0 < heldout_fraction < 1.0:
@@ -195,6 +245,8 @@ def make_split(split: str, n: int, seed: int = 0, tier: str | Tier = "add2",
             raise DataError(f"unknown synthetic tier {tier!r}; choose one of {sorted(TIERS)}")
         tier = TIERS[tier]
     rng = random.Random(f"lazytrain-synthetic|{tier.name}|{split}|{seed}")
+    filler = (random.Random(f"lazytrain-synthetic-length|{tier.name}|{split}|{seed}")
+              if length_mix == "metamathqa" else None)
     records: list[dict] = []
     seen: set[str] = set()
     # Enough draws to find n distinct heldout problems whenever the tier has them; a small
@@ -205,7 +257,7 @@ def make_split(split: str, n: int, seed: int = 0, tier: str | Tier = "add2",
         if split_of(key, heldout_fraction) != split or (split == "heldout" and key in seen):
             continue
         seen.add(key)
-        records.append(_record(problem, rng, tier))
+        records.append(_record(problem, rng, tier, filler))
         if len(records) == n:
             return records
     raise DataError(f"tier {tier.name!r} has only about {len(records)} distinct heldout problems, "
@@ -213,7 +265,7 @@ def make_split(split: str, n: int, seed: int = 0, tier: str | Tier = "add2",
 
 
 def make_samples(split: str, n: int, seed: int = 0, tier: str | Tier = "add2",
-                 heldout_fraction: float = 0.2) -> list[Sample]:
+                 heldout_fraction: float = 0.2, length_mix: str = "short") -> list[Sample]:
     """`make_split` as `Sample` s, ready for tokenization."""
     return [Sample(instruction=r["query"], response=r["response"], type=r["type"])
-            for r in make_split(split, n, seed, tier, heldout_fraction)]
+            for r in make_split(split, n, seed, tier, heldout_fraction, length_mix)]

@@ -14,6 +14,10 @@ A stack may mix layer types (Qwen3.5/3.6: Gated-DeltaNet ``linear_attention`` la
 ``full_attention`` layers). Each layer has a type (``layer_types``); there is one template per
 type, and each type gets its own mask (``layer_masks``): a 4-D causal mask for attention, the
 2-D padding mask for linear attention (which zeroes padded positions, as HF does).
+
+Packed rows (several samples per row, ``document_ids``) get a block-diagonal causal mask: the
+same boolean 4-D mask through sdpa, so it is exact on every device. Linear-attention layers
+would carry their recurrent state from one sample into the next, so packing refuses them.
 """
 
 from __future__ import annotations
@@ -294,13 +298,29 @@ class ModelAdapter:
             position_ids = position_ids[None].expand(3, -1, -1)
         return self.rotary(probe, position_ids)
 
-    def layer_masks(self, attention_mask: torch.Tensor | None, queries: int | None = None) -> dict[str, torch.Tensor | None]:
+    def check_document_masking(self) -> None:
+        """Raise unless every layer type can keep packed samples apart (``data.packing``)."""
+        linear = self.layer_types.count("linear_attention")
+        if linear:
+            raise UnsupportedModelError(
+                f"data.packing=true: {self.arch} has {linear} Gated-DeltaNet (linear_attention) layers, "
+                "whose recurrent state would run from one packed sample into the next (LazyTrain does "
+                "not reset it per sample yet); set data.packing=false (batches are length-grouped, "
+                "which keeps padding low)"
+            )
+
+    def layer_masks(self, attention_mask: torch.Tensor | None, queries: int | None = None,
+                    document_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
         """The mask each layer type takes, from the [B, keys] padding mask (None: unpadded).
 
         Attention layers get `attention_mask_4d`; linear-attention layers the 2-D mask of the
         last ``queries`` positions (their input is zeroed there, so padding never enters the
-        recurrent state), or None for one-token decoding, as HF does.
+        recurrent state), or None for one-token decoding, as HF does. ``document_ids`` [B, keys]
+        (packed rows; 0 is padding) make the attention mask block-diagonal.
         """
+        if document_ids is not None:
+            self.check_document_masking()
+            return {kind: attention_mask_4d(document_ids != 0, queries, document_ids) for kind in self.templates}
         masks: dict[str, torch.Tensor | None] = {}
         for kind in self.templates:
             if attention_mask is None:
@@ -358,12 +378,14 @@ class ModelAdapter:
         return final_params["lm_head.weight"]
 
 
-def attention_mask_4d(attention_mask: torch.Tensor, queries: int | None = None) -> torch.Tensor:
+def attention_mask_4d(attention_mask: torch.Tensor, queries: int | None = None,
+                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal + key-padding mask for sdpa, built on ``attention_mask``'s device.
 
     ``attention_mask`` is [B, keys] (1 = real token); the mask is for the last ``queries``
     positions (all of them by default; 1 when decoding with a KV cache). Only for padded
-    batches: an unpadded one passes None and takes sdpa's is_causal path.
+    batches: an unpadded one passes None and takes sdpa's is_causal path. With
+    ``document_ids`` [B, keys] (packed rows), a query attends only to keys of its own document.
 
     A boolean [B, 1, queries, keys] mask, True where a query may attend. HF layers called
     directly need this 4-D form: a 2-D tokenizer mask would be misread. A query row with no
@@ -376,6 +398,8 @@ def attention_mask_4d(attention_mask: torch.Tensor, queries: int | None = None) 
     device = attention_mask.device
     causal = torch.ones(queries, keys, dtype=torch.bool, device=device).tril_(keys - queries)
     mask = causal[None, None] & attention_mask.bool()[:, None, None, :]
+    if document_ids is not None:
+        mask &= (document_ids[:, -queries:, None] == document_ids[:, None, :])[:, None]
     diagonal = torch.zeros(queries, keys, dtype=torch.bool, device=device)
     diagonal[torch.arange(queries), torch.arange(keys - queries, keys)] = True
     return mask | diagonal[None, None]

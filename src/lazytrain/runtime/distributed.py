@@ -206,6 +206,8 @@ class DataParallel:
             num_tokens=int(mask.sum()),
             num_target_tokens=int((labels[:, 1:] != -100).sum()),  # -100: no loss (as the executor reads it)
             indices=batch.indices[lo:hi],
+            position_ids=None if batch.position_ids is None else batch.position_ids[lo:hi],
+            document_ids=None if batch.document_ids is None else batch.document_ids[lo:hi],
         )
 
     def close(self) -> None:

@@ -17,6 +17,11 @@ Per layer the plan says what survives from forward to backward:
   autograd to rebuild the inputs (the segment cache), using the same weight copies that
   backward then uses, so each layer's weights cross PCIe at most twice per step.
 
+Packed batches (several samples per row) pass ``document_ids`` and ``position_ids``: the
+layers' masks keep attention within each sample (``ModelAdapter.layer_masks``) and rotary uses
+the positions, which restart per sample; the loss is the same sum over target tokens divided by
+the same count, so each sample's contribution is what it is unpacked.
+
 The LM head and cross-entropy run on chunks of the target tokens only (prompt and padding
 positions never reach the head), with backward per chunk, so the full logits never exist.
 Each layer's gradient is copied to the pinned host buffer on the D2H stream, and its squared
@@ -54,7 +59,10 @@ class StepStats:
     loss: float
     grad_norm: float
     num_tokens: int
+    """Real (non-pad) tokens of the global batch."""
     num_target_tokens: int
+    num_slots: int
+    """Token slots of the global batch, padding included."""
     h2d_weight_bytes: int
     peak_activation_bytes: dict[str, int] = field(default_factory=dict)
 
@@ -293,6 +301,9 @@ class Executor:
         input_ids: torch.Tensor,
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> StepStats:
         """Loss and gradients of one batch; gradients land in ``store.grads``.
 
@@ -300,9 +311,18 @@ class Executor:
         -100 marks positions without loss. The loss is the mean over target tokens. Padding
         may be on either side; a target predicted from a padding position (the first real
         token of a left-padded row) is rejected, as no real token precedes it.
+
+        Packed rows: ``document_ids`` [B, S] (1, 2, ... per sample, 0 on padding; the padding
+        mask is then ``document_ids != 0``) and ``position_ids`` [B, S] (default 0..S-1).
         """
         adapter, plan = self.adapter, self.plan
         batch, seq = input_ids.shape
+        if document_ids is not None:
+            real = (document_ids != 0).long()
+            if attention_mask is not None and not torch.equal(attention_mask.long(), real):
+                raise ValueError("attention_mask and document_ids disagree on which tokens are padding "
+                                 "(document id 0); pass one of them, or both from the same batch")
+            attention_mask = real
         targets_cpu = torch.full_like(labels, -100)
         targets_cpu[:, :-1] = labels[:, 1:]
         targets_cpu = targets_cpu.reshape(-1)
@@ -322,9 +342,9 @@ class Executor:
         num_tokens = int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
         # the loss is the mean over the global batch's target tokens: with data parallel each
         # rank divides its sum by the global count, so the ranks' gradients sum to its gradient
-        global_targets, global_tokens = (
-            self.parallel.sum_counts([num_targets, num_tokens]) if self.parallel is not None
-            else (num_targets, num_tokens)
+        global_targets, global_tokens, global_slots = (
+            self.parallel.sum_counts([num_targets, num_tokens, batch * seq]) if self.parallel is not None
+            else (num_targets, num_tokens, batch * seq)
         )
         if global_targets == 0:
             raise ValueError("batch has no target tokens (all labels are -100)")
@@ -336,8 +356,14 @@ class Executor:
         # decided on the CPU copy (no device sync); the masks of each layer type (a [B, 1, S, S]
         # one for attention) are built on the device
         padded = attention_mask is not None and not bool(attention_mask.all())
-        mask = adapter.layer_masks(attention_mask.to(dev, non_blocking=True) if padded else None)
-        position_ids = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, -1)
+        if document_ids is not None:
+            mask = adapter.layer_masks(None, document_ids=document_ids.to(dev, non_blocking=True))
+        else:
+            mask = adapter.layer_masks(attention_mask.to(dev, non_blocking=True) if padded else None)
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, -1)
+        else:
+            position_ids = position_ids.to(dev, non_blocking=True)
         cos, sin = adapter.rotary_embeddings(position_ids, self.dtype)
         self._consts = [cos, sin] + [m for m in mask.values() if m is not None]
         rope = (cos, sin)
@@ -471,6 +497,7 @@ class Executor:
             grad_norm=grad_norm,
             num_tokens=global_tokens,
             num_target_tokens=global_targets,
+            num_slots=global_slots,
             h2d_weight_bytes=self.weights.h2d_bytes,
             peak_activation_bytes=dict(self.activations.peak_by_tier),
         )

@@ -38,11 +38,15 @@ def step_metrics(adapter: ModelAdapter, stats: StepStats, trace: dict[str, float
 
     ``trace`` is the executor's stream summary (empty off the GPU): GPU compute, the H2D and
     D2H time the compute stream waited on, and other GPU idle (the CPU optimizer or NVMe).
+    Tokens are real (non-pad) tokens everywhere; ``pad_tokens`` and ``fill_ratio`` (real tokens
+    over token slots) show what padding cost, and what packing saved.
     """
     tokens = stats.num_tokens
     record = {
         "step_time_s": step_time_s,
         "tokens_per_s": tokens / step_time_s,
+        "pad_tokens": stats.num_slots - tokens,
+        "fill_ratio": tokens / stats.num_slots,
         "tflops_model": model_flops(adapter, tokens, seq_len) / step_time_s / 1e12,
         "tflops_6nt": flops_6nt(adapter, tokens) / step_time_s / 1e12,
         **{f"act_{tier}_gb": nbytes / 1e9 for tier, nbytes in stats.peak_activation_bytes.items()},

@@ -45,7 +45,8 @@ class Trainer:
 
     Raises at setup for: an unsupported architecture or a missing model folder, an output
     folder holding another run, host memory or disk space that cannot hold the run (with the
-    bytes), data that is empty after truncation, and a plan that does not match the model.
+    bytes), data that is empty after truncation, a plan that does not match the model, and
+    ``data.packing`` with a model that has linear-attention layers.
     """
 
     def __init__(self, config: Config):
@@ -66,6 +67,8 @@ class Trainer:
         self.device, self.dtype, self.tokenizer = session.device, session.dtype, session.tokenizer
         self.adapter, self.store, self.optimizer = session.adapter, session.store, session.optimizer
         self.parallel = session.parallel
+        if cfg.data.packing:  # before the data is read: a model that cannot be packed fails now
+            self.adapter.check_document_masking()
         self.is_main = self.parallel is None or self.parallel.info.is_main
         if self.parallel is not None:  # every rank writes its shard of each checkpoint
             self.checkpointer.shard(self.parallel.info.rank, self.parallel.info.world_size, self.parallel.barrier)
@@ -155,7 +158,8 @@ class Trainer:
         A step with a non-finite loss or gradient touches no state and is recorded as skipped.
         """
         tc, oc = self.config.training, self.config.optimizer
-        stats = self.executor.forward_backward(batch.input_ids, batch.labels, batch.attention_mask)
+        stats = self.executor.forward_backward(batch.input_ids, batch.labels, batch.attention_mask,
+                                               position_ids=batch.position_ids, document_ids=batch.document_ids)
         trace = self.executor.trace.summary()
         waited = self.updater.wait_seconds  # this forward waiting for the last CPU update
         lr = learning_rate(self.step, tc.steps, oc.lr, oc.warmup_steps, oc.schedule, oc.min_lr_ratio)

@@ -1,0 +1,156 @@
+"""Packed against padded batches on a MetaMathQA-like length mix: non-padding tokens/s.
+
+One process, one model in host memory, one plan at ``--batch x --seq`` (issue 19, packing):
+
+    python bench/packing_bench.py --model qwen2.5-7b --batch 16 --seq 1024 --out bench/results
+
+1. The built-in data with ``data.builtin_length_mix=metamathqa`` (``--samples`` problems padded
+   with filler to a MetaMathQA-like spread of lengths, median ~350 tokens), tokenized as
+   ``lazytrain train`` does.
+2. ``padded``: the trainer's batches without packing, length-grouped (``BatchConfig.
+   group_by_length``: sorted by length within windows of 64 batches, each batch padded to its
+   longest sample, rounded up to 8 on a GPU). ``packed``: ``data.packing=true``, rows of exactly
+   ``--seq`` tokens with attention masked per sample.
+3. The plan ``lazytrain train`` would run (``--policy auto``: solved on a GPU, which profiles
+   first) at ``--batch x --seq``, the same for both; ``--warmup`` then ``--steps`` steps of each
+   batching through the executor with the CPU optimizer overlapped (`bench.common.timed_steps`).
+   tokens/s counts real (non-padding) tokens: the measured steps' tokens over their time.
+
+JSON records (DESIGN.md section 6, plus ``batching``, ``fill_ratio``, ``samples_per_s``) and a
+Markdown report to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import torch
+
+from bench.common import (
+    bench_session,
+    device_tag,
+    oom_record,
+    run_header,
+    timed_steps,
+    today,
+    write_results,
+)
+from lazytrain.data.pipeline import resolve_template, training_batches
+from lazytrain.plan.simulate import simulate
+
+BATCHINGS = ("padded", "packed")
+NAN = float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-7b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--optimizer", choices=["fp32", "hybrid8bit"], default="hybrid8bit")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--samples", type=int, default=20000, help="built-in training problems")
+    parser.add_argument("--policy", default="auto", help="plan.policy (auto: solved on a GPU)")
+    parser.add_argument("--head-chunk", type=int, default=4096)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args()
+
+    t0 = time.perf_counter()
+    session = bench_session(args.model, optimizer=args.optimizer, device=args.device, batch=args.batch,
+                            seq=args.seq, head_chunk=args.head_chunk,
+                            overrides=("data.builtin_length_mix=metamathqa", f"data.builtin_train_size={args.samples}",
+                                       f"plan.policy={args.policy}"))
+    device, store, config = session.device, session.store, session.config
+    host = store.bytes(session.optimizer.state_bytes())
+    print(f"model {args.model}: {store.num_params / 1e9:.2f}B params, built in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    t0 = time.perf_counter()
+    plan, costs = session.plan()
+    predicted = simulate(plan, costs).metrics()["predicted_step_time_s"] if costs is not None \
+        else plan.predicted_step_time_s
+    print(f"plan {plan.policy} at batch {plan.batch_size} x seq {plan.seq_len} in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    common = run_header(device, model=args.model, optimizer=args.optimizer, overlap_optimizer=True, world_size=1,
+                        runner="lazytrain", num_params=store.num_params, host_bytes_per_param=host.per_param(),
+                        length_mix="metamathqa", samples=args.samples, predicted_step_time_s=predicted,
+                        gpu_mem_cap_gb=None)
+    stem = f"packing_{args.model}_{device_tag(device)}_{today()}_s{args.seq}_b{args.batch}{args.tag}"
+    template = resolve_template(config.data)
+    records: list[dict] = []
+    for batching in BATCHINGS:
+        name = f"{args.model}_{batching}_b{args.batch}_s{args.seq}"
+        data = dataclasses.replace(config.data, packing=batching == "packed")
+        stream, report = training_batches(data, session.tokenizer, template, batch_size=args.batch, seed=0,
+                                          pad_to_multiple_of=8 if device.type == "cuda" else 1)
+        samples_per_step: list[int] = []
+
+        def next_batch(step: int, stream=stream, samples_per_step=samples_per_step):
+            batch = next(stream)
+            samples_per_step.append(sum(len(row) for row in batch.indices) if batch.document_ids is not None
+                                    else len(batch.indices))
+            return batch
+
+        try:
+            record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps, batches=next_batch)
+        except torch.OutOfMemoryError as error:
+            records.append({**oom_record(name, common, plan.policy, args.batch, args.seq, error),
+                            "batching": batching})
+            print(f"{name}: out of memory: {records[-1]['oom']}", flush=True)
+            continue
+        record.pop("predicted_step_time_s")
+        record["samples_per_s"] = sum(samples_per_step[args.warmup:]) / sum(record["step_times_s"])
+        records.append({"name": name, **common, **record, "batching": batching, "data": report.summary()})
+        print(json.dumps(records[-1]), flush=True)
+        write_results(records, stem, markdown(records, args), args.out)
+    measured = {r["batching"]: r for r in records if "tokens_per_s" in r}
+    if len(measured) == 2:
+        measured["packed"]["tokens_per_s_vs_padded"] = (measured["packed"]["tokens_per_s"]
+                                                        / measured["padded"]["tokens_per_s"])
+    path = write_results(records, stem, markdown(records, args), args.out)
+    print(f"wrote {path}", flush=True)
+
+
+def markdown(records: list[dict], args) -> str:
+    head = records[0]
+    predicted = (f" (predicted step {head['predicted_step_time_s']:.2f} s at the full shape)"
+                 if head["predicted_step_time_s"] is not None else "")
+    lines = [
+        f"# Packed against padded batches: {args.model}, seq {args.seq}, batch {args.batch}",
+        "",
+        (f"{head['date']}, {head['device']}, torch {head['torch']}, optimizer {args.optimizer} (overlapped), "
+         f"plan {head['policy']}{predicted}, "
+         f"{args.warmup} warm-up + {args.steps} measured steps of each. Data: the built-in problems with the "
+         f"MetaMathQA-like length mix, {args.samples} samples. padded = length-grouped batches padded to their "
+         "longest sample; packed = rows of exactly seq tokens, attention masked per sample. tokens/s counts "
+         "real (non-padding) tokens, totals over the measured steps' time. Command: `python "
+         f"bench/packing_bench.py --model {args.model} --device {args.device} --batch {args.batch} --seq {args.seq} "
+         f"--samples {args.samples} --policy {args.policy} --warmup {args.warmup} --steps {args.steps}`"),
+        "",
+        ("| run | tokens/s (non-pad) | vs padded | fill ratio | samples/s | TFLOPS model | TFLOPS 6NT | "
+         "step s (median) | peak GPU alloc / reserved GB | host RSS GB |"),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if "oom" in r:
+            lines.append(f"| {r['name']} | out of memory: {r['oom']} |" + " |" * 8)
+            continue
+        lines.append(
+            f"| {r['name']} | {r['tokens_per_s']:.0f} | {r.get('tokens_per_s_vs_padded', 1.0):.2f}x | "
+            f"{r['fill_ratio']:.3f} | {r['samples_per_s']:.1f} | {r['tflops_model']:.1f} | {r['tflops_6nt']:.1f} | "
+            f"{r['step_time_s']:.2f} | {r.get('peak_gpu_alloc_gb', NAN):.1f} / {r.get('peak_gpu_reserved_gb', NAN):.1f} "
+            f"| {r['host_rss_gb']:.1f} |"
+        )
+    data = next((r["data"] for r in records if "data" in r), None)
+    if data:
+        lines += ["", f"Tokenized data: {data}."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""Packed batches (``data.packing``): the same samples give the same per-sample loss and
+gradients packed as unpacked, no token attends across samples, positions restart per sample,
+packing is deterministic and resumes exactly, and models it cannot pack are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_hf_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lazytrain.cli.main import main
+from lazytrain.data.dataset import (
+    IGNORE_INDEX,
+    BatchConfig,
+    BatchIterator,
+    TokenizedDataset,
+    TokenizeReport,
+    collate,
+    collate_packed,
+    pack_rows,
+)
+from lazytrain.data.formats import DataError
+from lazytrain.memory.host_store import HostStore
+from lazytrain.model.adapter import ModelAdapter, UnsupportedModelError, load_hf_config
+from lazytrain.model.build import build_model
+from lazytrain.model.loading import load_safetensors
+from lazytrain.plan.plan import keep_all_plan, megatrain_plan
+from lazytrain.runtime.executor import Executor
+
+CPU = torch.device("cpu")
+LENGTHS = (7, 12, 5, 9, 15, 4)
+"""Samples of different lengths; packed into rows of 20 as ROWS (each row ends in padding)."""
+ROWS = [(0, 1), (2, 3, 5), (4,)]
+WIDTH = 20
+
+
+def dataset(lengths=LENGTHS, max_seq_len: int = WIDTH, vocab: int = 101, seed: int = 0) -> TokenizedDataset:
+    """Random samples whose first third is prompt (no loss), as ``tokenize_samples`` makes them;
+    sample 1 has no prompt, so its first label is a token (which only packing must mask)."""
+    g = torch.Generator().manual_seed(seed)
+    ids, labels = [], []
+    for k, n in enumerate(lengths):
+        sample = torch.randint(1, vocab, (n,), generator=g).tolist()
+        prompt = 0 if k == 1 else max(1, n // 3)
+        ids.append(sample)
+        labels.append([IGNORE_INDEX] * prompt + sample[prompt:])
+    report = TokenizeReport(samples=len(ids), kept=len(ids), truncated=0, dropped=0, tokens=sum(lengths),
+                            target_tokens=0, longest=max(lengths), max_seq_len=max_seq_len)
+    return TokenizedDataset(input_ids=ids, labels=labels, pad_id=0, max_seq_len=max_seq_len, report=report)
+
+
+def only_sample(batch, sample: int) -> torch.Tensor:
+    """The batch's labels with every target of another sample removed."""
+    labels = torch.full_like(batch.labels, IGNORE_INDEX)
+    if batch.document_ids is None:
+        row = batch.indices.index(sample)
+        labels[row] = batch.labels[row]
+        return labels
+    row = next(r for r, samples in enumerate(batch.indices) if sample in samples)
+    keep = batch.document_ids[row] == batch.indices[row].index(sample) + 1
+    labels[row, keep] = batch.labels[row, keep]
+    return labels
+
+
+def run(executor: Executor, batch, labels=None):
+    stats = executor.forward_backward(batch.input_ids, batch.labels if labels is None else labels,
+                                      batch.attention_mask, position_ids=batch.position_ids,
+                                      document_ids=batch.document_ids)
+    return stats, [g.clone() for g in executor.store.grads]
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    model = make_hf_model("qwen2", seed=4, layers=3)
+    folder = tmp_path_factory.mktemp("qwen2")
+    model.save_pretrained(folder)
+    adapter = ModelAdapter(load_hf_config(folder), CPU, torch.float32)
+    store = HostStore(adapter.layouts, torch.float32, pin=False)
+    load_safetensors(adapter, store, folder)
+    return model, adapter, store
+
+
+def test_packed_rows_restart_positions_and_pad_only_at_the_end():
+    data = dataset()
+    batch = collate_packed(data, ROWS)
+    assert batch.input_ids.shape == (3, WIDTH) and batch.num_slots == 3 * WIDTH
+    assert batch.num_tokens == sum(LENGTHS) and batch.indices == tuple(ROWS)
+    for row, samples in enumerate(ROWS):
+        start = 0
+        for document, i in enumerate(samples, 1):
+            n = LENGTHS[i]
+            assert batch.input_ids[row, start:start + n].tolist() == data.input_ids[i]
+            assert batch.position_ids[row, start:start + n].tolist() == list(range(n))
+            assert batch.document_ids[row, start:start + n].tolist() == [document] * n
+            # the first label is never a target: it would be predicted from the previous sample
+            assert batch.labels[row, start] == IGNORE_INDEX
+            assert batch.labels[row, start + 1:start + n].tolist() == data.labels[i][1:]
+            start += n
+        assert start < WIDTH  # every row of ROWS ends in padding
+        assert batch.document_ids[row, start:].eq(0).all() and batch.attention_mask[row, start:].eq(0).all()
+        assert batch.labels[row, start:].eq(IGNORE_INDEX).all()
+    # the same targets as the samples unpacked
+    assert batch.num_target_tokens == collate(data, list(range(len(LENGTHS)))).num_target_tokens
+
+
+@pytest.mark.parametrize("plans", [("keep_all", "megatrain"), ("megatrain", "keep_all")])
+def test_packed_equals_unpacked_per_sample_loss_and_gradients(qwen2, plans):
+    """Each sample's loss (its targets alone, same normaliser) and every parameter gradient,
+    and the whole batch's, are the same packed (3 rows of 20, each ending in padding) as
+    unpacked (6 right-padded rows); through both plan kinds (kept and recomputed layers)."""
+    _, adapter, store = qwen2
+    data = dataset()
+    unpacked = collate(data, list(range(len(LENGTHS))))
+    packed = collate_packed(data, ROWS)
+
+    def executor(policy, batch):
+        b, s = batch.input_ids.shape
+        plan = keep_all_plan(adapter.num_layers, b, s, head_chunk_tokens=7) if policy == "keep_all" \
+            else megatrain_plan(adapter.num_layers, b, s, every=2, head_chunk_tokens=5)
+        return Executor(adapter, store, plan, CPU)
+
+    plain, packing = executor(plans[0], unpacked), executor(plans[1], packed)
+    for sample in [None, *range(len(LENGTHS))]:
+        labels = (None, None) if sample is None else (only_sample(unpacked, sample), only_sample(packed, sample))
+        want, want_grads = run(plain, unpacked, labels[0])
+        got, got_grads = run(packing, packed, labels[1])
+        assert got.num_target_tokens == want.num_target_tokens > 0
+        assert got.loss == pytest.approx(want.loss, rel=1e-5), sample
+        for g, (a, b) in enumerate(zip(got_grads, want_grads)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"sample {sample} group {g}")
+        assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-5)
+        assert got.num_tokens == want.num_tokens and got.num_slots == 60 != want.num_slots
+
+
+def test_packed_executor_matches_plain_hf_autograd(qwen2):
+    """The packed step against the HF model's own forward of the samples unpacked (HF builds its
+    padding mask itself), and HF's own packed forward (positions restarting, no mask) too."""
+    model, adapter, store = qwen2
+    data = dataset()
+    unpacked = collate(data, list(range(len(LENGTHS))))
+    packed = collate_packed(data, ROWS)
+    losses = []
+    for batch, kwargs in ((unpacked, {"attention_mask": unpacked.attention_mask}),
+                          (packed, {"position_ids": packed.position_ids})):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False, **kwargs).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    stats, grads = run(Executor(adapter, store, keep_all_plan(adapter.num_layers, 3, WIDTH), CPU), packed)
+    assert stats.loss == pytest.approx(losses[0], rel=1e-5)
+    params = dict(model.named_parameters())
+    for g, layout in enumerate(adapter.layouts):
+        for p in layout.params:
+            got = grads[g][p.offset:p.offset + p.numel].view(p.shape)
+            torch.testing.assert_close(got, params[layout.hf_name(p)].grad, rtol=1e-5, atol=1e-6)
+
+
+def test_no_token_attends_across_samples(qwen2):
+    """Changing one sample's tokens changes no other sample's hidden states in the same row, nor
+    the loss and gradients of another sample's targets."""
+    _, adapter, store = qwen2
+    data = dataset()
+    packed = collate_packed(data, ROWS)
+    changed = collate_packed(data, ROWS)
+    row, other = 1, packed.document_ids[1] == 2  # sample 3, the middle one of row 1
+    changed.input_ids[row, other] = (changed.input_ids[row, other] + 7) % adapter.vocab_size
+    rest = (packed.document_ids[row] != 2) & (packed.document_ids[row] != 0)
+
+    def hidden(batch):
+        x = adapter.embed(store.weights[0].view(adapter.vocab_size, -1), batch.input_ids)
+        rope = adapter.rotary_embeddings(batch.position_ids, torch.float32)
+        masks = adapter.layer_masks(None, document_ids=batch.document_ids)
+        for i in range(adapter.num_layers):
+            x = adapter.layer_forward(i, adapter.layouts[i + 1].views(store.weights[i + 1]), x, rope, masks)
+        return x
+
+    with torch.no_grad():
+        a, b = hidden(packed), hidden(changed)
+    assert not torch.allclose(a[row, other], b[row, other])
+    torch.testing.assert_close(a[row, rest], b[row, rest], rtol=0, atol=0)
+    torch.testing.assert_close(a[[0, 2]], b[[0, 2]], rtol=0, atol=0)
+
+    executor = Executor(adapter, store, megatrain_plan(adapter.num_layers, 3, WIDTH, every=2), CPU)
+    for sample in (2, 5):  # the row's other samples, before and after the changed one
+        want, want_grads = run(executor, packed, only_sample(packed, sample))
+        got, got_grads = run(executor, changed, only_sample(changed, sample))
+        assert got.loss == want.loss
+        for x, y in zip(got_grads, want_grads):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_positions_restart_in_the_rotary_embedding(qwen2, monkeypatch):
+    """The executor's rotary takes the packed positions, and a sample packed after another is
+    embedded exactly as at the start of a row."""
+    _, adapter, store = qwen2
+    data = dataset()
+    packed = collate_packed(data, ROWS)
+    seen = []
+    rotary = adapter.rotary_embeddings
+    monkeypatch.setattr(adapter, "rotary_embeddings", lambda ids, dtype: seen.append(ids) or rotary(ids, dtype))
+    run(Executor(adapter, store, keep_all_plan(adapter.num_layers, 3, WIDTH), CPU), packed)
+    assert torch.equal(seen[0], packed.position_ids)
+    alone, behind = collate_packed(data, [(3,)]), collate_packed(data, [(0, 3)])
+    cos_alone, _ = rotary(alone.position_ids, torch.float32)
+    cos_behind, _ = rotary(behind.position_ids, torch.float32)
+    torch.testing.assert_close(cos_behind[0, 7:16], cos_alone[0, :9], rtol=0, atol=0)
+
+
+def test_packing_is_refused_for_linear_attention_layers():
+    adapter, _ = build_model("builtin:tiny-hybrid", CPU, torch.float32, seed=0, vocab_size=64, pin=False)
+    with pytest.raises(UnsupportedModelError, match=r"data\.packing=true.*linear_attention.*data\.packing=false"):
+        adapter.check_document_masking()
+    with pytest.raises(UnsupportedModelError, match="data.packing"):
+        adapter.layer_masks(None, document_ids=torch.ones(1, 4, dtype=torch.long))
+
+
+def test_cli_refuses_packing_a_hybrid_model(tmp_path, capsys):
+    code = main(["train", "model.source=builtin:tiny-hybrid", "data.packing=true", "training.steps=1",
+                 f"training.output_dir={tmp_path / 'run'}", "training.progress=false"])
+    assert code == 2
+    assert "data.packing=true" in capsys.readouterr().err
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(1, 24), min_size=1, max_size=60), width=st.integers(24, 64),
+       seed=st.integers(0, 3))
+def test_pack_rows_places_every_sample_once_within_the_width(lengths, width, seed):
+    order = list(range(len(lengths)))
+    torch.manual_seed(seed)
+    order = [order[i] for i in torch.randperm(len(order)).tolist()]
+    rows = pack_rows(order, lengths, width)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= width for row in rows)
+    # best fit never leaves two rows that would fit into one
+    fills = sorted(sum(lengths[i] for i in row) for row in rows)
+    assert len(fills) < 2 or fills[0] + fills[1] > width
+    assert rows == pack_rows(order, lengths, width)
+
+
+def test_packed_batches_keep_one_shape_and_resume_exactly():
+    data = dataset(lengths=[3 + (7 * i) % 17 for i in range(40)])
+    config = BatchConfig(batch_size=2, seed=3, drop_last=True, packing=True)
+    original = BatchIterator(dataset=data, config=config)
+    batches = [next(original) for _ in range(3 * original.batches_per_epoch)]
+    assert all(b.input_ids.shape == (2, WIDTH) for b in batches)
+    epoch = [i for b in batches[:original.batches_per_epoch] for row in b.indices for i in row]
+    assert len(epoch) == len(set(epoch)) > 30  # every sample at most once (the last rows may be dropped)
+    resumed = BatchIterator(dataset=data, config=BatchConfig(batch_size=2, seed=0, drop_last=True, packing=True))
+    fresh = BatchIterator(dataset=data, config=config)
+    for _ in range(5):
+        next(fresh)
+    resumed.load_state_dict(fresh.state_dict())
+    for want in batches[5:]:
+        got = next(resumed)
+        assert got.indices == want.indices and torch.equal(got.input_ids, want.input_ids)
+    unpacked = BatchIterator(dataset=data, config=BatchConfig(batch_size=2, drop_last=True))
+    with pytest.raises(DataError, match="packing: saved True, now False"):
+        unpacked.load_state_dict(fresh.state_dict())
+
+
+def test_too_few_rows_for_a_batch_is_an_error():
+    with pytest.raises(DataError, match="gives 2 rows, fewer than batch_size=3"):
+        BatchIterator(dataset=dataset(lengths=[8, 8, 8, 8]), config=BatchConfig(batch_size=3, drop_last=True,
+                                                                                packing=True))
+
+
+COMMON = ["training.batch_size=4", "training.progress=false", "data.builtin_train_size=64", "data.heldout_size=2",
+          "data.max_seq_len=256", "data.packing=true", "optimizer.warmup_steps=2"]
+
+
+def step_records(out) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def test_cli_trains_packed_and_resumes_exactly(tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert main(["train", "training.steps=4", f"training.output_dir={whole}", *COMMON]) == 0
+    assert main(["train", "training.steps=2", f"training.output_dir={cut}", *COMMON]) == 0
+    assert main(["train", "training.steps=4", f"training.output_dir={cut}", "training.resume=true", *COMMON]) == 0
+    want, got = step_records(whole), step_records(cut)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-6)
+    for r in want:
+        assert r["seq_len"] == 256 and r["batch_size"] == 4
+        assert r["tokens"] + r["pad_tokens"] == 4 * 256
+        assert r["fill_ratio"] == pytest.approx(r["tokens"] / 1024) and r["fill_ratio"] > 0.6
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"])
+
+
+def test_data_parallel_ranks_take_whole_packed_rows():
+    from lazytrain.runtime.distributed import DataParallel, RankInfo
+
+    packed = collate_packed(dataset(), [*ROWS, (0,)])
+    parallel = DataParallel.__new__(DataParallel)  # local_rows needs only the rank, no process group
+    for rank in (0, 1):
+        parallel.info = RankInfo(rank=rank, world_size=2, local_rank=rank, local_world_size=2, node_rank=0)
+        rows = parallel.local_rows(packed)
+        mine = slice(2 * rank, 2 * rank + 2)
+        assert rows.indices == packed.indices[mine]
+        for name in ("input_ids", "labels", "position_ids", "document_ids", "attention_mask"):
+            assert torch.equal(getattr(rows, name), getattr(packed, name)[mine]), name
+        assert rows.num_tokens == int(packed.attention_mask[mine].sum())
