@@ -1,5 +1,5 @@
 """bench/peers.py (LazyTrain against DeepSpeed ZeRO-3 offload, FSDP2 CPU offload and plain
-PyTorch) on the CPU."""
+PyTorch) on the CPU, and bench/readme_table.py, which writes the README's table from its records."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from bench import peers
+from bench import peers, readme_table
 from bench.peer_runners import ChunkedLossModel, init_values, shape_adapter
 from lazytrain.model.build import build_model
 
@@ -46,6 +46,8 @@ def test_peers_on_the_cpu_writes_records(tmp_path):
     # the same model and batches: the last step's loss agrees (LazyTrain fp32 on the CPU, FSDP2 bf16 compute)
     assert fsdp["loss"] == pytest.approx(ours["loss"], abs=0.02)
     assert path.with_suffix(".md").exists()
+    table = readme_table.table(readme_table.load([path]))
+    assert "LazyTrain, 8-bit states" in table and "FSDP2, CPUOffloadPolicy" in table
 
 
 def study(tmp_path, monkeypatch, available_gb: float = 100.0) -> peers.Study:
@@ -109,3 +111,57 @@ def test_peer_models_get_lazytrain_weights_and_loss():
     ids = torch.randint(0, adapter.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     chunked = ChunkedLossModel(lm, chunk=7)(ids, ids)  # 30 targets in chunks of 7: a ragged last chunk
     torch.testing.assert_close(chunked, lm(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
+
+
+def record(model: str, run: str, batch: int, tokens_per_s: float | None, status: str = "ok", **extra) -> dict:
+    numbers = {} if tokens_per_s is None else {"tokens_per_s": tokens_per_s, "tflops_model": tokens_per_s / 100,
+                                               "step_time_s": batch * 1024 / tokens_per_s}
+    return {"model": model, "run": run, "runner": run.partition(":")[0], "batch_size": batch, "status": status,
+            "device": "NVIDIA H200", "date": "2026-12-02", "num_params": 7 if model == "qwen2.5-7b" else 3,
+            "tokens_per_s": None, "tflops_model": None, "step_time_s": None, "peak_gpu_alloc_gb": 100.0,
+            "host_used_gb": 60.0, "optimizer_exact": not run.endswith("hybrid8bit"), **numbers, **extra}
+
+
+def write(tmp_path: Path, records: list[dict]) -> Path:
+    path = tmp_path / "peers_qwen2.5-7b_h200_2026-12-02_s1024.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def test_readme_table_is_deterministic_and_follows_the_records(tmp_path):
+    records = [
+        record("qwen2.5-7b", "lazytrain:hybrid8bit", 64, 9000.0),
+        record("qwen2.5-7b", "fsdp2_cpu_offload", 64, 3000.0),
+        record("qwen2.5-7b", "deepspeed_zero3_offload", 64, None, status="does not fit host memory",
+               host_estimate_gb=140.2, host_room_gb=124.0),
+        record("qwen2.5-3b", "lazytrain:hybrid8bit", 64, 16000.0),
+        record("qwen2.5-3b", "lazytrain:hybrid8bit", 128, 17000.0, search=True),  # a search's try: not shown
+        record("qwen2.5-3b", "lazytrain:hybrid8bit", 96, 16500.0, search=True, largest_batch=True),
+    ]
+    path = write(tmp_path, records)
+    first = readme_table.table(readme_table.load([path]))
+    assert first == readme_table.table(readme_table.load([path]))
+    assert first.index("| qwen2.5-3b |") < first.index("| qwen2.5-7b |")  # smaller model first
+    assert "9,000 tokens/s (batch 64), **3.00x** the fastest peer (FSDP2, CPUOffloadPolicy, batch 64: 3,000)" in first
+    assert "does not fit host memory (140 GB needed, 124 free)" in first
+    assert "qwen2.5-3b: LazyTrain (8-bit states) 16,500 tokens/s (batch 96); no peer runs" in first
+    assert "| 96 (largest) | 16,500 |" in first and "| 128 |" not in first
+    records[1]["tokens_per_s"] = 4500.0
+    changed = readme_table.table(readme_table.load([write(tmp_path, records)]))
+    assert changed != first and "**2.00x**" in changed
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{readme_table.START}\nstale\n{readme_table.END}\nrest\n")
+    subprocess.run([sys.executable, "bench/readme_table.py", str(path), "--readme", str(readme)], cwd=ROOT,
+                   check=True)
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("rest\n") and "stale" not in text and "**2.00x**" in text
+    subprocess.run([sys.executable, "bench/readme_table.py", str(path), "--readme", str(readme), "--check"],
+                   cwd=ROOT, check=True)
+
+
+def test_the_readme_table_is_the_committed_records():
+    """README.md's peers block is what bench/readme_table.py writes from bench/results."""
+    done = subprocess.run([sys.executable, "bench/readme_table.py", "--check"], cwd=ROOT, capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 0, done.stderr
