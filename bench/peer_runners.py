@@ -103,6 +103,15 @@ class ChunkedLossModel(torch.nn.Module):
         return F.cross_entropy(self.lm.lm_head(hidden).float(), targets, reduction="sum")
 
 
+def compute_device(name: str) -> torch.device:
+    """``cpu``, or a CUDA device with its index (``cuda`` is ``cuda:0``): buffers, collectives
+    and ``torch.cuda.set_device`` need the index, and ``cuda != cuda:0`` as devices."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    return device
+
+
 def shape_adapter(model: str, device: torch.device) -> ModelAdapter:
     """The built-in shape's adapter (its HF config, parameter groups, HF names and FLOPs)."""
     source = f"builtin:{model}"
@@ -230,7 +239,7 @@ def run_fsdp2(job: Job) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    device = torch.device(job.device)
+    device = compute_device(job.device)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
@@ -326,7 +335,7 @@ def run_deepspeed(job: Job) -> dict:
     import torch._dynamo
     import transformers.generation.utils
 
-    device = torch.device(job.device)
+    device = compute_device(job.device)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
@@ -370,22 +379,9 @@ def run_deepspeed(job: Job) -> dict:
 # -- plain PyTorch on the GPU -----------------------------------------------------------------
 
 
-def gpu_state_bytes(adapter: ModelAdapter, batch: int, seq: int) -> int:
-    """What the no-offload run holds on the GPU at least: fp32 parameters, gradients and Adam
-    states (16 B/param) and the fp32 input of every checkpointed layer."""
-    return 16 * adapter.num_params() + 4 * adapter.num_layers * batch * seq * adapter.hidden_size
-
-
 def run_pytorch_gpu(job: Job) -> dict:
-    device = torch.device(job.device)
-    if device.type != "cuda":
-        return {"status": "not run: needs a GPU"}
+    device = compute_device(job.device)
     adapter = shape_adapter(job.model, device)
-    need, total = gpu_state_bytes(adapter, job.batch, job.seq), torch.cuda.get_device_properties(device).total_memory
-    if need > total:
-        return {"status": "does not fit GPU memory",
-                "error": f"needs at least {need / GB:.1f} GB (16 B/param of model state and fp32 layer-input "
-                         f"checkpoints) of {total / GB:.1f} GB"}
     lm = meta_model(adapter, torch.float32)
     materialize(lm, lm, device, device)
     params = dict(lm.named_parameters())

@@ -46,10 +46,12 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -105,6 +107,30 @@ def host_estimate(run: str, param_numels: list[int], pin_memory: bool) -> tuple[
     else:
         return None
     return state + PROCESS_BYTES, how
+
+
+def gpu_total_bytes() -> int | None:
+    """GPU 0's memory from nvidia-smi (None without it), so this process never touches CUDA."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.split()
+        return int(out[0]) * 2**20 if out else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def deepspeed_problem() -> str | None:
+    """Why DeepSpeed cannot run here, or None: not installed, or no way to compile its CPU Adam
+    on first use (a C++ compiler, ninja and the Python headers)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not importable: pip install -e '.[peers]'"
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    missing = [name for name, found in (("a C++ compiler (c++)", shutil.which("c++")),
+                                        ("ninja", shutil.which("ninja")),
+                                        (f"the Python headers ({headers})", headers.exists())) if not found]
+    if missing:
+        return f"DeepSpeed's CPU Adam compiles on first use and needs {', '.join(missing)}"
+    return None
 
 
 def free_port() -> int:
@@ -188,8 +214,20 @@ class Study:
         self.model, self.args, self.device = model, args, device
         adapter = shape_adapter(model, torch.device("cpu"))
         self.numels = [p.numel for layout in adapter.layouts for p in layout.params]
+        self.layers, self.hidden, self.vocab = adapter.num_layers, adapter.hidden_size, adapter.vocab_size
+        self.intermediate = adapter.config.intermediate_size
+        self.gpu_bytes = gpu_total_bytes() if args.device.startswith("cuda") else None
         self.stem = f"peers_{model}_{device_tag(device)}_{today()}_s{args.seq}{args.tag}"
         self.records: list[dict] = []
+
+    def gpu_need(self, batch: int) -> int:
+        """GPU bytes the no-offload run needs, about: fp32 parameters, gradients and Adam states
+        (16 B/param), the fp32 input of every checkpointed layer, one layer's recompute (bf16 MLP
+        and attention activations) and one loss chunk (bf16 and fp32 logits, their gradients)."""
+        tokens = batch * self.args.seq
+        layer = 2 * tokens * (3 * self.intermediate + 4 * self.hidden)
+        return (16 * sum(self.numels) + 4 * self.layers * tokens * self.hidden + layer
+                + 14 * self.args.head_chunk * self.vocab)
 
     def header(self, run: str, batch: int) -> dict:
         runner, _, kind = run.partition(":")
@@ -229,11 +267,17 @@ class Study:
         record["host_available_gb"], record["host_room_gb"] = available / GB, room / GB
         if estimate is not None:
             record["host_estimate_gb"], record["host_estimate"] = estimate[0] / GB, estimate[1]
-        if runner == "deepspeed_zero3_offload" and importlib.util.find_spec("deepspeed") is None:
+        problem = deepspeed_problem() if runner == "deepspeed_zero3_offload" else None
+        if problem is not None:
             record["status"] = "not installed"
-            record["error"] = "deepspeed is not importable: pip install -e '.[peers]'"
+            record["error"] = problem
         elif runner == "pytorch_gpu" and not args.device.startswith("cuda"):
             record["status"] = "not run: needs a GPU"
+        elif runner == "pytorch_gpu" and self.gpu_bytes and (
+                need := self.gpu_need(batch)) > self.gpu_bytes:
+            record["status"] = "does not fit GPU memory"
+            record["error"] = (f"needs about {need / GB:.1f} GB (16 B/param of model state, fp32 layer-input "
+                               f"checkpoints, one layer's recompute, one loss chunk) of {self.gpu_bytes / GB:.1f} GB")
         elif estimate is not None and estimate[0] > room:
             record["status"] = "does not fit host memory"
             record["error"] = (f"needs {estimate[0] / GB:.1f} GB ({estimate[1]}; {PROCESS_BYTES / GB:.0f} GB for the "

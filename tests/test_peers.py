@@ -51,8 +51,10 @@ def test_peers_on_the_cpu_writes_records(tmp_path):
 
 
 def study(tmp_path, monkeypatch, available_gb: float = 100.0) -> peers.Study:
+    """The 7B shape's study on an H200 with 128 GB of host memory, ``available_gb`` of it free."""
     monkeypatch.setattr(peers, "meminfo", lambda: (int(128e9), int(available_gb * 1e9)))
-    args = argparse.Namespace(seq=32, tag="", warmup=1, steps=1, seed=0, head_chunk=4096, device="cuda",
+    monkeypatch.setattr(peers, "gpu_total_bytes", lambda: 143771 * 2**20)
+    args = argparse.Namespace(seq=1024, tag="", warmup=1, steps=1, seed=0, head_chunk=4096, device="cuda",
                               fsdp_pin="auto", host_reserve_gb=6.0, worker_timeout=60.0, out=str(tmp_path),
                               models=["qwen2.5-7b"], batches=["2"], runs=list(peers.RUNS), max_tries=2, max_batch=8)
     return peers.Study("qwen2.5-7b", args, "NVIDIA H200")
@@ -64,14 +66,17 @@ def test_runs_that_cannot_start_are_rows_not_crashes(tmp_path, monkeypatch):
     real_find_spec = peers.importlib.util.find_spec
     monkeypatch.setattr(peers.importlib.util, "find_spec",
                         lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a))
+    monkeypatch.setattr(peers.shutil, "which", lambda name: f"/usr/bin/{name}")
     monkeypatch.setattr(peers, "launch", lambda *a, **k: pytest.fail("no worker should start"))
     missing = s.run("deepspeed_zero3_offload", 2)
     assert missing["status"] == "not installed" and FIELDS <= missing.keys()
     # 7.6B params x 16 B/param (FSDP2 unpinned, the auto choice when pinned does not fit) > 114 GB free
     too_big = s.run("fsdp2_cpu_offload", 2)
     assert too_big["status"] == "does not fit host memory" and "needs 124.8 GB" in too_big["error"]
+    # 16 B/param of fp32 state alone is 122 GB; at batch 64 the layer inputs and the loss add ~44 GB
+    assert s.run("pytorch_gpu", 64)["status"] == "does not fit GPU memory"
     records = json.loads((tmp_path / f"{s.stem}.json").read_text())
-    assert [r["status"] for r in records] == ["not installed", "does not fit host memory"]
+    assert [r["status"] for r in records] == ["not installed", "does not fit host memory", "does not fit GPU memory"]
 
 
 def test_fsdp2_pins_only_when_the_rounded_up_bytes_fit(tmp_path, monkeypatch):
