@@ -8,7 +8,7 @@ clipped to 1.0, every decoder layer's activations checkpointed (recomputed in ba
 the LM head and loss computed over chunks of tokens (`ChunkedLossModel`, as LazyTrain's
 executor does: the full ``tokens x vocab`` logits of batch 64 x 1024 would need ~100 GB of GPU
 memory on their own, so without chunking every peer would be measured on its loss, not its
-offload).
+offload), and CUDA's caching allocator with expandable segments (LazyTrain's setting).
 
 - ``lazytrain``: `bench.common.timed_steps` on the solved plan (the MILP on a profiled cost
   table), 8-bit or fp32 Adam states;
@@ -26,6 +26,7 @@ that says why there are none.
 from __future__ import annotations
 
 import itertools
+import os
 import resource
 import statistics
 import time
@@ -47,6 +48,7 @@ from lazytrain.model.flops import flops_6nt, model_flops
 from lazytrain.model.loading import random_init_values
 from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.simulate import simulate
+from lazytrain.runtime.device import prefer_expandable_segments
 
 LR, BETAS, EPS, MAX_GRAD_NORM = 1e-5, (0.9, 0.999), 1e-8, 1.0
 RUNNERS = ("lazytrain", "deepspeed_zero3_offload", "fsdp2_cpu_offload", "pytorch_gpu")
@@ -346,6 +348,7 @@ def run_deepspeed(job: Job) -> dict:
     # whole model never exists on the GPU, nor in fp32 on the host
     with deepspeed.zero.Init(config_dict_or_path=config):
         lm = transformers.AutoModelForCausalLM.from_config(adapter.config, dtype=torch.bfloat16)
+    lm.model.rotary_emb.to(device)  # buffers only: ZeRO-3 places parameters, not buffers
     params = dict(lm.named_parameters())
     for group in init_values(adapter, job.seed, device):
         targets = [params[name] for name, _ in group]
@@ -420,6 +423,7 @@ def run_job(job: Job) -> dict:
     memory, or LazyTrain's pre-flight refusing a model its host cannot hold. Anything else
     propagates (the parent records the worker's last log lines)."""
     t0 = time.perf_counter()
+    prefer_expandable_segments()  # the allocator setting LazyTrain's session makes, for every run
     try:
         record = {"status": "ok", **RUN[job.runner](job)}
     except torch.OutOfMemoryError as error:
@@ -427,5 +431,6 @@ def run_job(job: Job) -> dict:
     except LazyTrainError as error:
         record = {"status": "failed", "error": str(error).split("\n")[0]}
     record["worker_s"] = time.perf_counter() - t0
+    record["cuda_alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     record["host_rss_gb"] = peak_rss_gb()
     return record

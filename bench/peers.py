@@ -302,8 +302,8 @@ class Study:
         self.save()
         numbers = (f"{record['tokens_per_s']:,.0f} tokens/s, {record['step_time_s']:.2f} s/step, "
                    f"{record['tflops_model']:.1f} TFLOPS (model), loss {record['loss']:.4f}"
-                   if record["status"] == "ok" else record.get("error", ""))
-        print(f"{record['name']}: {record['status']}: {numbers}", flush=True)
+                   if record["status"] == "ok" else record.get("error"))
+        print(f"{record['name']}: {record['status']}" + (f": {numbers}" if numbers else ""), flush=True)
         return record
 
     def largest_batch(self, run: str, first: dict) -> None:
@@ -349,7 +349,8 @@ def markdown(records: list[dict], args, model: str) -> str:
         (f"{head.get('date')}, {head.get('device')}, {versions}. Each row is its own process; every run trains the "
          f"same random init (seed {args.seed}) on the same random tokens (seed = step), AdamW lr 1e-5, clip 1.0, "
          f"activation checkpointing per decoder layer (LazyTrain: its solved plan), LM head + loss in chunks of "
-         f"{args.head_chunk} tokens; {args.warmup} warm-up + {args.steps} measured steps (median). Command: "
+         f"{args.head_chunk} tokens; CUDA allocator `{head.get('cuda_alloc_conf')}`; {args.warmup} warm-up + "
+         f"{args.steps} measured steps (median). Command: "
          f"`{command_line(args)}`"),
         "",
         ("| run | optimizer | exact | batch | status | tokens/s | vs LazyTrain 8-bit | TFLOPS 6NT | TFLOPS model | "
