@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from safetensors.torch import save_file
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.memory.host_store import HostStore
-from lazytrain.model.adapter import ModelAdapter, load_hf_config
+from lazytrain.model.adapter import ModelAdapter, ParamSlot, load_hf_config
 
 
 class ModelFileError(LazyTrainError, ValueError):
@@ -111,13 +112,22 @@ def load_safetensors(adapter: ModelAdapter, store: HostStore, folder: str | Path
         )
 
 
-def random_init(adapter: ModelAdapter, store: HostStore, seed: int, device: torch.device) -> None:
-    """HF-style random init, generated group by group (on ``device``, fast on a GPU)."""
+def random_init_values(adapter: ModelAdapter, seed: int,
+                       device: torch.device) -> Iterator[tuple[int, ParamSlot, torch.Tensor]]:
+    """HF-style random init as (group index, parameter, value), generated group by group on
+    ``device`` (fast on a GPU): what `random_init` writes into the host store, and what
+    ``bench/peers.py`` writes into the other trainers' models, so that all train the same weights."""
     gen = torch.Generator(device=device)
     for g, layout in enumerate(adapter.layouts):
         gen.manual_seed(seed * 100_003 + g)
         for p in layout.params:
-            store.set_param(g, p.name, adapter.init_value(layout, p, gen, device))
+            yield g, p, adapter.init_value(layout, p, gen, device)
+
+
+def random_init(adapter: ModelAdapter, store: HostStore, seed: int, device: torch.device) -> None:
+    """HF-style random init, generated group by group (on ``device``, fast on a GPU)."""
+    for g, p, value in random_init_values(adapter, seed, device):
+        store.set_param(g, p.name, value)
 
 
 def save_hf(

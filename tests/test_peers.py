@@ -1,0 +1,172 @@
+"""bench/peers.py (LazyTrain against DeepSpeed ZeRO-3 offload, FSDP2 CPU offload and plain
+PyTorch) on the CPU, and bench/readme_table.py, which writes the README's table from its records."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from bench import peers, readme_table
+from bench.peer_runners import ChunkedLossModel, init_values, shape_adapter
+from lazytrain.model.build import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = {"name", "date", "device", "torch", "model", "seq_len", "batch_size", "policy", "tokens_per_s",
+          "tflops_6nt", "tflops_model", "step_time_s", "predicted_step_time_s", "peak_gpu_alloc_gb",
+          "peak_gpu_reserved_gb", "host_rss_gb", "gpu_mem_cap_gb", "world_size", "host_bytes_per_param", "runner",
+          "status", "optimizer_exact"}
+
+
+def test_peers_on_the_cpu_writes_records(tmp_path):
+    """LazyTrain and FSDP2 (gloo, world size 1) train the tiny shape; the GPU-only run is a row."""
+    subprocess.run([sys.executable, "-m", "bench.peers", "--device", "cpu", "--models", "tiny", "--seq", "32",
+                    "--batches", "2", "--runs", "lazytrain:hybrid8bit", "fsdp2_cpu_offload", "pytorch_gpu",
+                    "--warmup", "1", "--steps", "1", "--out", str(tmp_path)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    (path,) = tmp_path.glob("peers_tiny_*.json")
+    records = json.loads(path.read_text())
+    assert [(r["runner"], r["status"]) for r in records] == [
+        ("lazytrain", "ok"), ("fsdp2_cpu_offload", "ok"), ("pytorch_gpu", "not run: needs a GPU")]
+    for r in records:
+        assert FIELDS <= r.keys(), FIELDS - r.keys()
+        assert r["world_size"] == 1 and r["batch_size"] == 2 and r["seq_len"] == 32
+    ours, fsdp, _ = records
+    assert ours["policy"] == "solved" and ours["predicted_step_time_s"] > 0 and ours["optimizer_exact"] is False
+    assert fsdp["policy"] == "fsdp2_cpu_offload" and fsdp["optimizer_exact"] is True
+    assert fsdp["host_bytes_per_param"]["total"] == 16
+    for r in (ours, fsdp):
+        assert r["tokens_per_s"] > 0 and r["tflops_6nt"] > 0 and r["tflops_model"] > 0 and r["host_rss_gb"] > 0
+    # the same model and batches: the last step's loss agrees (LazyTrain fp32 on the CPU, FSDP2 bf16 compute)
+    assert fsdp["loss"] == pytest.approx(ours["loss"], abs=0.02)
+    assert path.with_suffix(".md").exists()
+    table = readme_table.table(readme_table.load([path]))
+    assert "LazyTrain, 8-bit states" in table and "FSDP2, CPUOffloadPolicy" in table
+
+
+def study(tmp_path, monkeypatch, available_gb: float = 100.0) -> peers.Study:
+    """The 7B shape's study on an H200 with 128 GB of host memory, ``available_gb`` of it free."""
+    monkeypatch.setattr(peers, "meminfo", lambda: (int(128e9), int(available_gb * 1e9)))
+    monkeypatch.setattr(peers, "gpu_total_bytes", lambda: 143771 * 2**20)
+    args = argparse.Namespace(seq=1024, tag="", warmup=1, steps=1, seed=0, head_chunk=4096, device="cuda",
+                              fsdp_pin="auto", host_reserve_gb=6.0, worker_timeout=60.0, out=str(tmp_path),
+                              models=["qwen2.5-7b"], batches=["2"], runs=list(peers.RUNS), max_tries=2, max_batch=8)
+    return peers.Study("qwen2.5-7b", args, "NVIDIA H200")
+
+
+def test_runs_that_cannot_start_are_rows_not_crashes(tmp_path, monkeypatch):
+    """A missing package and a model state past the host's memory are recorded without a worker."""
+    s = study(tmp_path, monkeypatch, available_gb=120.0)
+    real_find_spec = peers.importlib.util.find_spec
+    monkeypatch.setattr(peers.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a))
+    monkeypatch.setattr(peers.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(peers, "launch", lambda *a, **k: pytest.fail("no worker should start"))
+    missing = s.run("deepspeed_zero3_offload", 2)
+    assert missing["status"] == "not installed" and FIELDS <= missing.keys()
+    # 7.6B params x 16 B/param (FSDP2 unpinned, the auto choice when pinned does not fit) > 114 GB free
+    too_big = s.run("fsdp2_cpu_offload", 2)
+    assert too_big["status"] == "does not fit host memory" and "needs 124.8 GB" in too_big["error"]
+    # 16 B/param of fp32 state alone is 122 GB; at batch 64 the layer inputs and the loss add ~44 GB
+    assert s.run("pytorch_gpu", 64)["status"] == "does not fit GPU memory"
+    records = json.loads((tmp_path / f"{s.stem}.json").read_text())
+    assert [r["status"] for r in records] == ["not installed", "does not fit host memory", "does not fit GPU memory"]
+
+
+def test_fsdp2_pins_only_when_the_rounded_up_bytes_fit(tmp_path, monkeypatch):
+    numels = [3 * 2**20, 2**20]  # 12 MiB of fp32 pins as 16 MiB
+    pinned, _ = peers.host_estimate("fsdp2_cpu_offload", numels, True)
+    unpinned, _ = peers.host_estimate("fsdp2_cpu_offload", numels, False)
+    assert pinned - peers.PROCESS_BYTES == 2 * (2**24 + 2**22) + 8 * sum(numels)
+    assert unpinned - peers.PROCESS_BYTES == 16 * sum(numels)
+    assert peers.host_estimate("deepspeed_zero3_offload", numels, True)[0] - peers.PROCESS_BYTES == 18 * sum(numels)
+    assert peers.host_estimate("lazytrain:hybrid8bit", numels, True) is None
+    assert study(tmp_path, monkeypatch, available_gb=500).pin_choice("fsdp2_cpu_offload")[0] is True
+    assert study(tmp_path, monkeypatch, available_gb=150).pin_choice("fsdp2_cpu_offload")[0] is False
+
+
+def test_the_watchdog_kills_a_worker_when_host_memory_runs_low(tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "meminfo", lambda: (int(128e9), int(1e9)))
+    job = {"run": "fsdp2_cpu_offload", "model": "tiny", "batch": 2, "seq": 32, "warmup": 1, "steps": 1,
+           "device": "cpu", "seed": 0, "head_chunk": 4096, "pin_memory": False}
+    worker = peers.launch(job, tmp_path / "w.log", reserve=int(6e9), timeout=60)
+    assert worker.record is None and worker.status.startswith("killed: host memory low")
+
+
+def test_peer_models_get_lazytrain_weights_and_loss():
+    """The peers' HF model holds exactly the host store's random init, and the chunked loss is
+    HF's causal-LM loss."""
+    adapter = shape_adapter("tiny", torch.device("cpu"))
+    _, store = build_model("builtin:tiny", torch.device("cpu"), torch.float32, seed=3,
+                           vocab_size=adapter.vocab_size, pin=False)
+    lm = transformers.AutoModelForCausalLM.from_config(adapter.config, dtype=torch.float32)
+    params = dict(lm.named_parameters())
+    with torch.no_grad():
+        for g, group in enumerate(init_values(adapter, 3, torch.device("cpu"))):
+            for (name, value), p in zip(group, adapter.layouts[g].params):
+                params[name].copy_(value)
+                torch.testing.assert_close(value, store.masters[g][p.offset : p.offset + p.numel].view(p.shape),
+                                           rtol=0, atol=0)
+    ids = torch.randint(0, adapter.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    chunked = ChunkedLossModel(lm, chunk=7)(ids, ids)  # 30 targets in chunks of 7: a ragged last chunk
+    torch.testing.assert_close(chunked, lm(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
+
+
+def record(model: str, run: str, batch: int, tokens_per_s: float | None, status: str = "ok", **extra) -> dict:
+    numbers = {} if tokens_per_s is None else {"tokens_per_s": tokens_per_s, "tflops_model": tokens_per_s / 100,
+                                               "step_time_s": batch * 1024 / tokens_per_s}
+    return {"model": model, "run": run, "runner": run.partition(":")[0], "batch_size": batch, "status": status,
+            "device": "NVIDIA H200", "date": "2026-12-02", "num_params": 7 if model == "qwen2.5-7b" else 3,
+            "tokens_per_s": None, "tflops_model": None, "step_time_s": None, "peak_gpu_alloc_gb": 100.0,
+            "host_used_gb": 60.0, "optimizer_exact": not run.endswith("hybrid8bit"), **numbers, **extra}
+
+
+def write(tmp_path: Path, records: list[dict]) -> Path:
+    path = tmp_path / "peers_qwen2.5-7b_h200_2026-12-02_s1024.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def test_readme_table_is_deterministic_and_follows_the_records(tmp_path):
+    records = [
+        record("qwen2.5-7b", "lazytrain:hybrid8bit", 64, 9000.0),
+        record("qwen2.5-7b", "fsdp2_cpu_offload", 64, 3000.0),
+        record("qwen2.5-7b", "deepspeed_zero3_offload", 64, None, status="does not fit host memory",
+               host_estimate_gb=140.2, host_room_gb=124.0),
+        record("qwen2.5-3b", "lazytrain:hybrid8bit", 64, 16000.0),
+        record("qwen2.5-3b", "lazytrain:hybrid8bit", 128, 17000.0, search=True),  # a search's try: not shown
+        record("qwen2.5-3b", "lazytrain:hybrid8bit", 96, 16500.0, search=True, largest_batch=True),
+    ]
+    path = write(tmp_path, records)
+    first = readme_table.table(readme_table.load([path]))
+    assert first == readme_table.table(readme_table.load([path]))
+    assert first.index("| qwen2.5-3b |") < first.index("| qwen2.5-7b |")  # smaller model first
+    assert "9,000 tokens/s (batch 64), **3.00x** the fastest peer (FSDP2, CPUOffloadPolicy, batch 64: 3,000)" in first
+    assert "does not fit host memory (140 GB needed, 124 free)" in first
+    assert "qwen2.5-3b: LazyTrain (8-bit states) 16,500 tokens/s (batch 96); no peer runs" in first
+    assert "| 96 (largest) | 16,500 |" in first and "| 128 |" not in first
+    records[1]["tokens_per_s"] = 4500.0
+    changed = readme_table.table(readme_table.load([write(tmp_path, records)]))
+    assert changed != first and "**2.00x**" in changed
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{readme_table.START}\nstale\n{readme_table.END}\nrest\n")
+    subprocess.run([sys.executable, "bench/readme_table.py", str(path), "--readme", str(readme)], cwd=ROOT,
+                   check=True)
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("rest\n") and "stale" not in text and "**2.00x**" in text
+    subprocess.run([sys.executable, "bench/readme_table.py", str(path), "--readme", str(readme), "--check"],
+                   cwd=ROOT, check=True)
+
+
+def test_the_readme_table_is_the_committed_records():
+    """README.md's peers block is what bench/readme_table.py writes from bench/results."""
+    done = subprocess.run([sys.executable, "bench/readme_table.py", "--check"], cwd=ROOT, capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 0, done.stderr
