@@ -192,7 +192,7 @@ def main() -> None:
         "peak_gpu_alloc_gb": last.get("peak_gpu_alloc_gb"), "peak_gpu_reserved_gb": last.get("peak_gpu_reserved_gb"),
         "host_rss_gb": last["host_rss_gb"], "gpu_mem_cap_gb": None, "world_size": 1,
         "host_bytes_per_param": None, "runner": "lazytrain", "optimizer": "hybrid8bit",
-        "steps": args.steps, "save_every": args.save_every, "checkpoint_gb": record["checkpoint_bytes"] / 1e9,
+        "steps": args.steps, "save_every": args.save_every, "overrides": args.set, "checkpoint_gb": record["checkpoint_bytes"] / 1e9,
         "save_s_median": sorted(saves)[len(saves) // 2] if saves else None, **record,
     }
     stem = f"checkpoint_{model}_{device_tag(device)}_{date}"
@@ -200,7 +200,7 @@ def main() -> None:
         f"# Checkpoints under interruption: {model} on {device} ({date}, torch {torch.__version__})", "",
         (f"`lazytrain train` with `optimizer.kind=hybrid8bit`, batch {record['batch_size']} x seq "
          f"{record['seq_len']}, {args.steps} steps, a checkpoint every {args.save_every}; run folder "
-         f"{args.workdir} (deleted)."), "",
+         f"{args.workdir} (deleted). Command: `python bench/checkpoint_bench.py {' '.join(sys.argv[1:])}`"), "",
         "| | value |", "| --- | --- |",
         f"| checkpoint size | {record['checkpoint_gb']:.2f} GB ({', '.join(f'{k} {v / 1e9:.2f} GB' for k, v in record['checkpoint_files'].items())}) |",
         f"| save times | {', '.join(f'{s:.1f} s' for s in saves)} |",

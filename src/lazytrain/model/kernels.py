@@ -147,7 +147,8 @@ def select_linear_attention_kernels(device: torch.device, prefer: str = "auto") 
             log.warning(
                 "Gated-DeltaNet layers run the torch reference of the chunked gated-delta rule on "
                 "the GPU: fla-core %s is installed but its kernel failed a start-up probe (%s); "
-                "upgrade Triton or fla-core as that message says. The reference is an order of "
+                "upgrade Triton or fla-core as that message says (on Hopper with Triton < 3.7.1: "
+                "pip install 'lazytrain[hybrid-hopper]', which adds tilelang). The reference is an order of "
                 "magnitude or more slower in the linear-attention layers' token mixing.",
                 _version("fla-core"), failure,
             )
