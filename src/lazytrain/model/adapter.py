@@ -33,6 +33,7 @@ import transformers
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.model.kernels import KernelChoice, select_linear_attention_kernels
+from lazytrain.model.lean import apply_lean_ops
 
 SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
@@ -194,7 +195,8 @@ def _default_arch(model_type: str) -> str:
 class ModelAdapter:
     """Structure and stateless compute pieces of one supported HF model."""
 
-    def __init__(self, config: transformers.PretrainedConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: transformers.PretrainedConfig, device: torch.device, dtype: torch.dtype,
+                 *, lean_ops: bool = True):
         self.hf_config = config
         """The folder's config (with the vision part for a ConditionalGeneration folder)."""
         self.arch = config.architectures[0]
@@ -216,6 +218,8 @@ class ModelAdapter:
         for i, kind in enumerate(self.layer_types):
             if kind not in self.templates:
                 self.templates[kind] = meta.model.layers[i].requires_grad_(False)
+        self.lean_ops = {kind: apply_lean_ops(t) if lean_ops else [] for kind, t in self.templates.items()}
+        """Per layer type, the modules running `model.lean` forwards (fewer saved tensors)."""
         self.norm_module = meta.model.norm
         self.rotary = type(meta.model.rotary_emb)(config=text).to(device)
         self.kernels: KernelChoice | None = (

@@ -45,16 +45,18 @@ def build_model(
     split_master: bool = False,
     preflight: Callable[[list[int]], None] | None = None,
     store_factory: Callable[..., HostStore] = HostStore,
+    lean_ops: bool = True,
 ) -> tuple[ModelAdapter, HostStore]:
     """Adapter + host store holding the weights (loaded, or random for built-in shapes).
 
     ``optimizer_bytes_per_param`` is a number, or a function of the groups' sizes giving one.
     ``preflight`` gets the groups' sizes before any host memory is allocated (and may raise).
     ``store_factory`` builds the store from the layouts and dtype (a data-parallel rank's
-    ``ShardedHostStore``, with its rank arguments bound).
+    ``ShardedHostStore``, with its rank arguments bound). ``lean_ops``: `model.lean` forwards in
+    the layer templates (``model.lean_ops``).
     """
     config = model_config(source, vocab_size)
-    adapter = ModelAdapter(config, device, dtype)
+    adapter = ModelAdapter(config, device, dtype, lean_ops=lean_ops)
     if preflight is not None:
         preflight([g.numel for g in adapter.layouts])
     if callable(optimizer_bytes_per_param):

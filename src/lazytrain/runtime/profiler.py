@@ -56,6 +56,23 @@ class _Peak:
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self.base
 
 
+def saved_tensor_bytes(fn: Callable[[], object], excluded: tuple[torch.Tensor, ...] = ()) -> tuple[object, int]:
+    """``fn()`` under autograd, and the bytes of the distinct storages autograd saved for its
+    backward, not counting those of ``excluded`` tensors (the weight slot, rotary tables)."""
+    skip = {t.untyped_storage().data_ptr() for t in excluded}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return result, sum(saved.values())
+
+
 def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch: int, seq: int,
                        repeats: int) -> dict:
     adapter, device, dtype = executor.adapter, executor.device, executor.dtype
@@ -64,15 +81,7 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
     position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
     rope = adapter.rotary_embeddings(position_ids, dtype)
     x = torch.randn(batch, seq, adapter.hidden_size, device=device, dtype=dtype)
-    excluded = {slot.untyped_storage().data_ptr(), rope[0].untyped_storage().data_ptr(),
-                rope[1].untyped_storage().data_ptr()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in excluded:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
+    excluded = (slot, *rope)
 
     def forward_no_grad():
         with torch.no_grad():
@@ -100,10 +109,9 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
         state["out"] = forward_grad()
         backward.append(time_ms(device, run_backward, 1, warmup=0))
     backward_ms = statistics.median(backward[2:])
-    with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t):
-        out, x_in, leaves = forward_grad()
+    (out, x_in, leaves), saved = saved_tensor_bytes(forward_grad, excluded)
     input_bytes = x.numel() * x.element_size()
-    saved_bytes = max(sum(saved.values()), input_bytes)
+    saved_bytes = max(saved, input_bytes)
     with _Peak(device) as fwd_peak:
         forward_no_grad()
     state["out"] = (out, x_in, leaves)

@@ -1,0 +1,143 @@
+"""model/lean.py: the lean SwiGLU and RMSNorm give HF's outputs and gradients and save less."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from torch.autograd.graph import saved_tensors_hooks
+
+from lazytrain.model.adapter import ModelAdapter
+from lazytrain.model.build import model_config
+from lazytrain.model.lean import LeanRMSNorm, LeanSwiGLU, apply_lean_ops
+
+torch.manual_seed(0)
+
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             num_hidden_layers=1, vocab_size=50)
+
+
+def _layer(shape: str, dtype=torch.float32) -> torch.nn.Module:
+    """The first decoder layer of a small model of ``shape``'s family, with non-trivial weights."""
+    if shape == "qwen3":
+        config = transformers.Qwen3Config(**SMALL)
+    elif shape == "llama":
+        config = transformers.LlamaConfig(**SMALL)
+    else:  # built-in tiny shapes
+        config = model_config(f"builtin:{shape}", vocab_size=300).get_text_config()
+    layer = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).model.layers[0]
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.2)  # zero-initialised norms (Qwen3.5) would hide the weight's gradient
+    return layer
+
+
+def _grads(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor):
+    x = x.detach().clone().requires_grad_()
+    out = module(x)
+    out.backward(grad)
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def _saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        module(x.detach().clone().requires_grad_())
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("shape, part", [("tiny", "mlp"), ("tiny", "input_layernorm"), ("qwen3", "self_attn.q_norm"),
+                                         ("llama", "post_attention_layernorm"), ("llama", "mlp"), ("tiny-hybrid", "mlp"),
+                                         ("tiny-hybrid", "input_layernorm")])
+def test_lean_module_equals_hf_in_fp32(shape, part):
+    layer = _layer(shape)
+    hf = layer.get_submodule(part)
+    lean = copy.deepcopy(hf)
+    assert apply_lean_ops(lean) == [""]  # the module itself was swapped
+    width = hf.weight.shape[-1] if "norm" in part else hf.gate_proj.in_features
+    x, grad = torch.randn(3, 7, width), torch.randn(3, 7, width if "norm" in part else hf.down_proj.out_features)
+    ref, got = _grads(hf, x, grad), _grads(lean, x, grad)
+    assert torch.equal(ref[0], got[0])  # the same forward, bit for bit
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-6)
+    for name in ref[2]:
+        torch.testing.assert_close(got[2][name], ref[2][name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_lean_ops_in_bf16_stay_within_bf16_rounding_of_fp32(zero_centered):
+    # bf16 gradients of the lean and HF modules against an fp32 reference: the lean ones are no
+    # further from it than HF's own bf16 gradients (times a small slack)
+    layer = _layer("tiny-hybrid" if zero_centered else "tiny")
+    for part in ("mlp", "post_attention_layernorm"):
+        ref32 = layer.get_submodule(part)
+        width = ref32.weight.shape[-1] if "norm" in part else ref32.gate_proj.in_features
+        out_w = width if "norm" in part else ref32.down_proj.out_features
+        x, grad = torch.randn(4, 16, width), torch.randn(4, 16, out_w)
+        exact = _grads(ref32, x, grad)
+        hf16 = copy.deepcopy(ref32).to(torch.bfloat16)
+        lean16 = copy.deepcopy(hf16)
+        apply_lean_ops(lean16)
+        hf, lean = _grads(hf16, x.bfloat16(), grad.bfloat16()), _grads(lean16, x.bfloat16(), grad.bfloat16())
+        assert torch.equal(hf[0], lean[0])
+        for ref_t, hf_t, lean_t in [(exact[1], hf[1], lean[1])] + [(exact[2][n], hf[2][n], lean[2][n]) for n in exact[2]]:
+            err_hf = (hf_t.float() - ref_t).norm() / ref_t.norm()
+            err_lean = (lean_t.float() - ref_t).norm() / ref_t.norm()
+            assert err_lean <= 1.5 * err_hf + 1e-3, (part, err_lean, err_hf)
+
+
+def test_lean_swiglu_saves_the_input_and_two_matmul_outputs_only():
+    layer = _layer("tiny")
+    hf = layer.mlp
+    lean = copy.deepcopy(hf)
+    apply_lean_ops(lean)
+    x = torch.randn(2, 10, hf.gate_proj.in_features)
+    tokens, inter = 20, hf.gate_proj.out_features
+    assert _saved_bytes(lean, x) == 4 * tokens * (hf.gate_proj.in_features + 2 * inter)
+    assert _saved_bytes(hf, x) >= 4 * tokens * (hf.gate_proj.in_features + 4 * inter)
+
+
+def test_lean_rmsnorm_saves_its_input_and_one_value_per_row():
+    norm = _layer("tiny").post_attention_layernorm.to(torch.bfloat16)
+    lean = copy.deepcopy(norm)
+    apply_lean_ops(lean)
+    x = torch.randn(2, 10, norm.weight.shape[0], dtype=torch.bfloat16)
+    assert _saved_bytes(lean, x) == x.numel() * 2 + 20 * 4
+    assert _saved_bytes(norm, x) >= x.numel() * (4 + 2)  # HF: an fp32 copy and the bf16 normalised value
+
+
+def test_the_adapter_swaps_what_it_recognises_and_the_switch_turns_it_off():
+    hybrid = ModelAdapter(model_config("builtin:tiny-hybrid", vocab_size=300), torch.device("cpu"), torch.float32)
+    assert set(hybrid.lean_ops["linear_attention"]) == {"mlp", "input_layernorm", "post_attention_layernorm"}
+    # the gated norm inside the linear attention keeps HF's forward (another formula)
+    assert "linear_attn.norm" not in hybrid.lean_ops["linear_attention"]
+    assert {"self_attn.q_norm", "self_attn.k_norm", "mlp"} <= set(hybrid.lean_ops["full_attention"])
+    plain = ModelAdapter(model_config("builtin:tiny", vocab_size=300), torch.device("cpu"), torch.float32, lean_ops=False)
+    assert plain.lean_ops == {"full_attention": []}
+    assert "forward" not in vars(plain.templates["full_attention"].mlp)
+
+
+def test_a_module_with_biases_keeps_hf_forward():
+    layer = _layer("tiny")
+    mlp = copy.deepcopy(layer.mlp)
+    mlp.gate_proj = torch.nn.Linear(mlp.gate_proj.in_features, mlp.gate_proj.out_features, bias=True)
+    assert apply_lean_ops(mlp) == []
+
+
+def test_functions_take_no_gradient_for_what_does_not_need_one():
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    w = [torch.randn(12, 8), torch.randn(12, 8), torch.randn(8, 12)]
+    LeanSwiGLU.apply(x, *w).sum().backward()
+    assert x.grad is not None and all(t.grad is None for t in w)
+    weight = torch.randn(8, requires_grad=True)
+    LeanRMSNorm.apply(x.detach(), weight, 1e-6, False).sum().backward()
+    assert weight.grad is not None
