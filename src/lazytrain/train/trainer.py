@@ -15,6 +15,8 @@ rank writes its shard of each checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
 import math
 import time
@@ -26,7 +28,9 @@ from tqdm import tqdm
 from lazytrain.config import Config
 from lazytrain.data.dataset import Batch
 from lazytrain.data.pipeline import heldout_samples, resolve_template, training_batches
+from lazytrain.errors import LazyTrainError
 from lazytrain.model.loading import save_hf
+from lazytrain.plan.policies import policy_plan
 from lazytrain.plan.simulate import simulate
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.update import HostUpdater
@@ -38,6 +42,13 @@ from lazytrain.train.session import build_session
 from lazytrain.train.signals import StopRequest, TrainingInterrupted
 
 log = logging.getLogger(__name__)
+
+MAX_OOM_REPLANS = 3
+"""Smaller solved plans tried after a step runs out of GPU memory (`Trainer._replan_after_oom`)."""
+
+
+class OutOfGpuMemory(LazyTrainError, MemoryError):
+    pass
 
 
 class Trainer:
@@ -80,17 +91,7 @@ class Trainer:
             pad_to_multiple_of=8 if self.device.type == "cuda" else 1,
         )
         self.plan, self.costs = session.plan()
-        # what the planner predicts for this plan, logged beside the measured figures each step
-        self.predicted = (
-            simulate(self.plan, self.costs, optimizer_overlap=cfg.plan.overlap_optimizer).metrics()
-            if self.costs is not None else {"predicted_step_time_s": self.plan.predicted_step_time_s}
-        )
-        host = session.host_memory(int(self.predicted.get("predicted_act_host_gb", 0.0) * 1e9), self.costs)
-        log.info("host memory with the plan's activations:\n%s", host.table())
-        self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=session.nvme,
-                                 parallel=self.parallel)
-        self.executor.trace.enabled = self.device.type == "cuda"
-        self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
+        self._start_plan()
         self.checkpoint_bytes = self.checkpointer.size_bytes(self.store.masters, self.optimizer.state_dict())
         if resume_from is None and tc.overwrite and self.is_main:
             self.checkpointer.remove_all()
@@ -105,6 +106,65 @@ class Trainer:
         if self.is_main:
             cfg.save(self.out_dir / "lazytrain_config.yaml")
             self.template.save(self.out_dir)
+
+    def _start_plan(self) -> None:
+        """Executor and CPU updater for ``self.plan``, with the planner's prediction for it."""
+        cfg, session = self.config, self.session
+        # what the planner predicts for this plan, logged beside the measured figures each step
+        self.predicted = (
+            simulate(self.plan, self.costs, optimizer_overlap=cfg.plan.overlap_optimizer).metrics()
+            if self.costs is not None else {"predicted_step_time_s": self.plan.predicted_step_time_s}
+        )
+        host = session.host_memory(int(self.predicted.get("predicted_act_host_gb", 0.0) * 1e9), self.costs)
+        log.info("host memory with the plan's activations:\n%s", host.table())
+        self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=session.nvme,
+                                 parallel=self.parallel)
+        self.executor.trace.enabled = self.device.type == "cuda"
+        self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
+
+    def _replan_after_oom(self, error: torch.OutOfMemoryError) -> None:
+        """Re-solve the plan with less GPU memory after a step ran out of it, or raise.
+
+        The planner's GPU model is measured per layer, not per step, and a real step can need
+        more than it predicts (Qwen3.5-9B on fla's kernels: about 5 GB more on the H200, so a
+        solved plan that filled the card did not fit). A solved plan, in one process, is
+        re-solved with the budget lowered by the excess seen (at least 4% of it) and the step
+        run again: the failed step changed no weights, optimizer state or data position.
+        """
+        cfg = self.config
+        tries = getattr(self, "_oom_replans", 0)
+        fixable = (self.costs is not None and self.plan.policy == "solved" and self.parallel is None
+                   and cfg.plan.file is None and tries < MAX_OOM_REPLANS)
+        if not fixable:
+            why = ("data parallel: the other ranks are in the step too" if self.parallel is not None else
+                   f"{MAX_OOM_REPLANS} smaller plans did not fit either" if tries else
+                   f"plan {self.plan.policy!r} is not re-solved")
+            raise OutOfGpuMemory(
+                f"the step ran out of GPU memory with plan {self.plan.policy!r} at batch {self.plan.batch_size} x "
+                f"seq {self.plan.seq_len} ({why}): {str(error).splitlines()[0]}. Lower training.batch_size or "
+                "data.max_seq_len, use plan.policy=megatrain, or give the planner less with memory.gpu_gb"
+            ) from None
+        self._oom_replans = tries + 1
+        predicted = int(self.predicted.get("predicted_peak_gpu_gb", 0.0) * 1e9)
+        seen = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        budget = self.costs.gpu_bytes
+        excess = seen - predicted  # a lower bound: the failed allocation never happened
+        lower = budget - max(excess + 2**30 if excess > 0 else 0, int(0.04 * budget))
+        self.updater.finish()
+        del self.executor, self.updater
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.costs = dataclasses.replace(self.costs, gpu_bytes=lower)
+        self.plan = policy_plan("solved", self.costs, self.session.policy_options())
+        log.warning(
+            "step %d ran out of GPU memory: the solved plan was predicted to peak at %.1f GB and %.1f GB were "
+            "allocated when it failed; re-solving with %.1f GB instead of %.1f GB for the planner (try %d of %d) "
+            "and running the step again",
+            self.step + 1, predicted / 1e9, seen / 1e9, lower / 1e9, budget / 1e9, tries + 1, MAX_OOM_REPLANS,
+        )
+        self._start_plan()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -158,8 +218,14 @@ class Trainer:
         A step with a non-finite loss or gradient touches no state and is recorded as skipped.
         """
         tc, oc = self.config.training, self.config.optimizer
-        stats = self.executor.forward_backward(batch.input_ids, batch.labels, batch.attention_mask,
-                                               position_ids=batch.position_ids, document_ids=batch.document_ids)
+        while True:
+            try:
+                stats = self.executor.forward_backward(batch.input_ids, batch.labels, batch.attention_mask,
+                                                       position_ids=batch.position_ids,
+                                                       document_ids=batch.document_ids)
+                break
+            except torch.OutOfMemoryError as error:
+                self._replan_after_oom(error)
         trace = self.executor.trace.summary()
         waited = self.updater.wait_seconds  # this forward waiting for the last CPU update
         lr = learning_rate(self.step, tc.steps, oc.lr, oc.warmup_steps, oc.schedule, oc.min_lr_ratio)

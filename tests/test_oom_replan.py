@@ -1,0 +1,70 @@
+"""A step that runs out of GPU memory: a solved plan is re-solved smaller and the step re-run;
+anything else is one clear error (simulated on the CPU by an executor that raises once)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lazytrain.config import load_config
+from lazytrain.runtime.executor import Executor
+from lazytrain.train.trainer import MAX_OOM_REPLANS, OutOfGpuMemory, Trainer
+
+
+def _trainer(tmp_path, *overrides) -> Trainer:
+    trainer = Trainer(load_config(None, [f"training.output_dir={tmp_path}", "training.progress=false",
+                                          "data.builtin_train_size=200", *overrides]))
+    trainer.setup()
+    trainer._step_start = 0.0
+    return trainer
+
+
+def _losses(trainer: Trainer, steps: int) -> list[float]:
+    losses = [trainer.train_step(next(trainer.batches))["loss"] for _ in range(steps)]
+    trainer.updater.finish()
+    return losses
+
+
+def _failing(monkeypatch, times: int) -> list[int]:
+    calls = []
+    real = Executor.forward_backward
+
+    def forward_backward(self, *args, **kwargs):
+        calls.append(self.plan.batch_size)
+        if len(calls) <= times:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB (simulated)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Executor, "forward_backward", forward_backward)
+    return calls
+
+
+def test_a_solved_plan_is_resolved_smaller_and_the_step_runs_again(tmp_path, monkeypatch, caplog):
+    expected = _losses(_trainer(tmp_path / "plain", "plan.policy=solved"), 3)
+    trainer = _trainer(tmp_path / "oom", "plan.policy=solved")
+    budget = trainer.costs.gpu_bytes
+    calls = _failing(monkeypatch, times=1)
+    with caplog.at_level(logging.WARNING, logger="lazytrain"):
+        losses = _losses(trainer, 3)
+    assert len(calls) == 4  # the first step twice
+    assert trainer.costs.gpu_bytes == budget - int(0.04 * budget)  # no CUDA peak to learn from: 4% less
+    assert trainer.plan.policy == "solved"
+    assert "ran out of GPU memory" in caplog.text and "try 1 of" in caplog.text
+    # the failed attempt changed nothing: the same losses as a run that never failed
+    assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_repeated_failures_end_in_one_clear_error(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, "plan.policy=solved")
+    _failing(monkeypatch, times=100)
+    with pytest.raises(OutOfGpuMemory, match=f"{MAX_OOM_REPLANS} smaller plans did not fit either.*training.batch_size"):
+        trainer.train_step(next(trainer.batches))
+
+
+def test_a_baseline_policy_is_not_resolved(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, "plan.policy=megatrain")
+    _failing(monkeypatch, times=1)
+    with pytest.raises(OutOfGpuMemory, match="plan 'megatrain' is not re-solved.*plan.policy=megatrain"):
+        trainer.train_step(next(trainer.batches))
