@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,61 @@ def test_two_hosts_resume_after_kill_equals_uninterrupted(tmp_path):
     assert_same_training(tmp_path / "single", tmp_path / "dp", 2, 5)
     with pytest.raises(CheckpointError, match="2 ranks"):
         Trainer(load_config(None, [*dp, "training.resume=true"])).setup()
+
+
+def _checkpoint_worker(rank: int, world: int, port: int, out: str, fail_rank: int, phase: str) -> None:
+    import errno
+
+    import torch.distributed as dist
+
+    import lazytrain.train.checkpoint as ckpt
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    def agree(ok: bool) -> bool:
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    checkpointer = Checkpointer(Path(out), rank=rank, world_size=world, agree=agree)
+    masters, state = [torch.full((8,), float(rank))], {"step_count": torch.tensor(1)}
+    checkpointer.save(1, masters, state, {})  # a good one first
+    real_write = ckpt.write_safetensors
+
+    def write(path, tensors, **kwargs):
+        if rank == fail_rank and phase == "write":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(path, tensors, **kwargs)
+
+    ckpt.write_safetensors = write
+    if rank == fail_rank and phase == "space":
+        checkpointer.check_room = lambda size, **kwargs: (_ for _ in ()).throw(CheckpointError("no room (simulated)"))
+    try:
+        checkpointer.save(2, masters, state, {})
+        outcome = "saved"
+    except CheckpointError as error:
+        outcome = f"CheckpointError: {error}"
+    Path(out, f"outcome{rank}.txt").write_text(outcome)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fail_rank, phase", [(1, "write"), (0, "write"), (1, "space")])
+def test_a_rank_that_fails_its_checkpoint_part_stops_every_rank(tmp_path, fail_rank, phase):
+    # before, the failing rank raised and the others waited at the next barrier for ever
+    mp.set_forkserver_preload(["lazytrain.train.trainer", "test_distributed"])
+    ctx = mp.start_processes(_checkpoint_worker, args=(2, _free_port(), str(tmp_path), fail_rank, phase), nprocs=2,
+                             start_method="forkserver", join=False)
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                process.kill()
+            pytest.fail("a rank is still waiting after the other's checkpoint failure")
+    outcomes = [(tmp_path / f"outcome{r}.txt").read_text() for r in range(2)]
+    assert all(o.startswith("CheckpointError") for o in outcomes), outcomes
+    assert ("disk filled up" if phase == "write" else "no room") in outcomes[fail_rank]
+    assert "another rank failed" in outcomes[1 - fail_rank]
+    # the good checkpoint is the latest and complete; nothing half-written is left
+    found = Checkpointer(tmp_path, world_size=2).latest()
+    assert found is not None and found.step == 1
+    assert not list((tmp_path / "checkpoints").glob(".partial-*"))

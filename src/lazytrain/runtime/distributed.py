@@ -130,6 +130,13 @@ class DataParallel:
     def barrier(self) -> None:
         dist.barrier(group=self.cpu_group)
 
+    def all_agree(self, ok: bool) -> bool:
+        """Whether ``ok`` on every rank (a barrier that also tells each rank whether another
+        failed: a rank that raises alone would leave the others in the next collective)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return bool(flag.item())
+
     def sum_counts(self, values: list[int]) -> list[int]:
         """Integers summed over ranks (the global token counts of a step)."""
         t = torch.tensor(values, dtype=torch.int64)

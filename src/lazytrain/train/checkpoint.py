@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,7 +217,7 @@ class Checkpointer:
     """
 
     def __init__(self, out_dir: Path, keep: int = 1, in_place: bool = False, rank: int = 0,
-                 world_size: int = 1, barrier=None):
+                 world_size: int = 1, agree: Callable[[bool], bool] | None = None):
         self.out_dir = Path(out_dir)
         self.root = self.out_dir / "checkpoints"
         self.keep = keep
@@ -225,7 +226,8 @@ class Checkpointer:
         # data parallel: every rank writes its shard files into one folder (on a filesystem all
         # hosts see); rank 0 alone writes state.json, renames the folder and retires old ones
         self.rank, self.world_size = rank, world_size
-        self.barrier = barrier or (lambda: None)
+        self.agree: Callable[[bool], bool] = agree or (lambda ok: ok)
+        """Every rank calls it with whether its part went well; True when all did (a barrier)."""
 
     # -- finding ---------------------------------------------------------------------------
 
@@ -254,9 +256,28 @@ class Checkpointer:
             )
         return found
 
-    def shard(self, rank: int, world_size: int, barrier) -> None:
-        """Data parallel: this rank writes and reads its shard files; ``barrier`` syncs the ranks."""
-        self.rank, self.world_size, self.barrier = rank, world_size, barrier
+    def shard(self, rank: int, world_size: int, agree: Callable[[bool], bool]) -> None:
+        """Data parallel: this rank writes and reads its shard files; ``agree`` syncs the ranks
+        (each says whether its part went well; all learn whether every part did)."""
+        self.rank, self.world_size, self.agree = rank, world_size, agree
+
+    def barrier(self) -> None:
+        self.agree(True)
+
+    def _on_every_rank(self, action: Callable[[], None], what: str) -> None:
+        """Run ``action`` here while the other ranks run theirs; if it failed on any rank, raise
+        on every rank (a rank that failed alone would leave the others waiting at the next
+        barrier for ever): its own error where it failed, a `CheckpointError` elsewhere."""
+        error = None
+        try:
+            action()
+        except (OSError, CheckpointError) as caught:
+            error = caught
+        if self.agree(error is None):
+            return
+        if error is not None:
+            raise error
+        raise CheckpointError(f"another rank failed {what} (its log says why)")
 
     def _read_state(self, path: Path) -> dict | None:
         try:
@@ -321,24 +342,25 @@ class Checkpointer:
         tree, opt_tensors = flatten_state(optimizer_state)
         master_tensors = {f"g{g}": m for g, m in enumerate(masters)}
         size = tensors_bytes(master_tensors) + tensors_bytes(opt_tensors)
-        self.check_room(size)
-        if self.in_place and main:
-            for old in self.complete()[self.keep - 1:]:
-                self._retire(old.path)
+        self._on_every_rank(lambda: self.check_room(size), f"the free-space check before checkpoint step {step}")
         final = self.root / f"step-{step:08d}"
         tmp = self.root / f".partial-{final.name}"
         masters_name, optimizer_name = shard_file_names(self.rank, self.world_size)
-        if main:
+
+        def prepare() -> None:  # rank 0, before any rank writes
+            if self.in_place:
+                for old in self.complete()[self.keep - 1:]:
+                    self._retire(old.path)
             tmp.mkdir(parents=True)
-        self.barrier()  # the partial folder exists
-        try:
+
+        self._on_every_rank(prepare if main else (lambda: None), f"preparing checkpoint {final}")
+
+        def write_files() -> None:
             write_safetensors(tmp / masters_name, master_tensors, on_half=lambda: self._phase("writing"))
             write_safetensors(tmp / optimizer_name, opt_tensors)
             self._phase("files_written")
-            self.barrier()  # every rank's files are written
-            if not main:
-                self.barrier()  # rank 0 has renamed the folder
-                return final
+
+        def complete() -> None:  # rank 0, once every rank's files are written
             files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
             self._write_json(tmp / "state.json", {**state, "step": step, "optimizer": tree, "files": files,
                                                   "world_size": self.world_size})
@@ -348,7 +370,16 @@ class Checkpointer:
                 self._retire(final)
             tmp.rename(final)
             _fsync_dir(self.root)
-            self.barrier()
+
+        try:
+            self._on_every_rank(write_files, f"writing its files of checkpoint {final}")
+            self._on_every_rank(complete if main else (lambda: None), f"completing checkpoint {final}")
+            if not main:
+                return final
+        except CheckpointError:  # another rank's failure: this rank's files go with the folder
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         except OSError as error:
             shutil.rmtree(tmp, ignore_errors=True)
             previous = self.latest()

@@ -82,7 +82,7 @@ class Trainer:
             self.adapter.check_document_masking()
         self.is_main = self.parallel is None or self.parallel.info.is_main
         if self.parallel is not None:  # every rank writes its shard of each checkpoint
-            self.checkpointer.shard(self.parallel.info.rank, self.parallel.info.world_size, self.parallel.barrier)
+            self.checkpointer.shard(self.parallel.info.rank, self.parallel.info.world_size, self.parallel.all_agree)
         if not self.is_main:
             logging.getLogger("lazytrain").setLevel(logging.WARNING)  # rank 0 logs
         self.template = resolve_template(cfg.data)
