@@ -14,6 +14,7 @@ loss and exact match against fp32 with 90% intervals from resampling the seeds.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -31,27 +32,40 @@ def study(args: argparse.Namespace) -> list[dict]:
     common = [f"model.source=builtin:{args.shape}", f"training.device={args.device}",
               f"data.heldout_size={args.heldout}", f"training.batch_size={args.batch_size}"]
     records = []
-    for seed in args.seeds:
-        with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
-            pretrained = Path(tmp) / "pretrained"
-            base = run("fp32", args.pretrain_steps, pretrained, seed, (
+    with tempfile.TemporaryDirectory(dir=args.scratch) as shared:
+        for seed in args.seeds:
+            records += finetune_seed(args, common, device, seed, Path(shared))
+    return records
+
+
+def finetune_seed(args: argparse.Namespace, common: list[str], device, seed: int, shared: Path) -> list[dict]:
+    """Pretrain (once for all seeds with ``--shared-pretrain``), then fine-tune with each kind."""
+    records = []
+    with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
+        pretrained = shared / "pretrained" if args.shared_pretrain else Path(tmp) / "pretrained"
+        if args.shared_pretrain and (shared / "pretrained.json").exists():
+            base = json.loads((shared / "pretrained.json").read_text())
+        else:
+            base = run("fp32", args.pretrain_steps, pretrained, args.seeds[0] if args.shared_pretrain else seed, (
                 *common, f"data.builtin_tier={args.pretrain_tier}", f"optimizer.lr={args.pretrain_lr}"))
-            for kind in args.kinds:
-                result = run(kind, args.finetune_steps, Path(tmp) / kind, seed, (
-                    *common, f"model.source={pretrained}", f"data.builtin_tier={args.finetune_tier}",
-                    f"optimizer.lr={args.finetune_lr}", "optimizer.weight_decay=0.0"))
-                losses = result["losses"]
-                records.append({
-                    "name": f"finetune_8bit_{args.shape}", **run_header(device), "model": f"builtin:{args.shape}",
-                    "runner": "lazytrain", "kind": kind, "seed": seed, "precision": "bf16" if device.type == "cuda"
-                    else "fp32", "optimizer": "adamw_hybrid8bit" if kind == "hybrid8bit" else "adamw_fp32",
-                    "pretrain_tier": args.pretrain_tier, "pretrain_steps": args.pretrain_steps,
-                    "pretrain_exact_match": base["exact_match"], "finetune_tier": args.finetune_tier,
-                    "finetune_steps": args.finetune_steps, "lr": args.finetune_lr, "batch_size": args.batch_size,
-                    "heldout": args.heldout, "exact_match": result["exact_match"], "no_answer": result["no_answer"],
-                    "tail_loss": statistics.fmean(losses[-args.tail:]), "loss_every_10_steps": losses[::10],
-                    "seconds": result["seconds"],
-                })
+            if args.shared_pretrain:
+                (shared / "pretrained.json").write_text(json.dumps({"exact_match": base["exact_match"]}))
+        for kind in args.kinds:
+            result = run(kind, args.finetune_steps, Path(tmp) / kind, seed, (
+                *common, f"model.source={pretrained}", f"data.builtin_tier={args.finetune_tier}",
+                f"optimizer.lr={args.finetune_lr}", "optimizer.weight_decay=0.0"))
+            losses = result["losses"]
+            records.append({
+                "name": f"finetune_8bit_{args.shape}", **run_header(device), "model": f"builtin:{args.shape}",
+                "runner": "lazytrain", "kind": kind, "seed": seed, "precision": "bf16" if device.type == "cuda"
+                else "fp32", "optimizer": "adamw_hybrid8bit" if kind == "hybrid8bit" else "adamw_fp32",
+                "pretrain_tier": args.pretrain_tier, "pretrain_steps": args.pretrain_steps,
+                "pretrain_exact_match": base["exact_match"], "finetune_tier": args.finetune_tier,
+                "finetune_steps": args.finetune_steps, "lr": args.finetune_lr, "batch_size": args.batch_size,
+                "heldout": args.heldout, "exact_match": result["exact_match"], "no_answer": result["no_answer"],
+                "tail_loss": statistics.fmean(losses[-args.tail:]), "loss_every_10_steps": losses[::10],
+                "seconds": result["seconds"], "shared_pretrain": args.shared_pretrain,
+            })
     return records
 
 
@@ -62,7 +76,8 @@ def report(records: list[dict], command: str) -> str:
         by_kind.setdefault(r["kind"], {})[r["seed"]] = r
     lines = [f"# 8-bit states when fine-tuning ({first['date']})", "", f"`{command}`", "",
              (f"{first['device']}; torch {first['torch']}; {first['model']} pretrained {first['pretrain_steps']} "
-             f"steps on {first['pretrain_tier']} (fp32 states), fine-tuned {first['finetune_steps']} steps on "
+             f"steps on {first['pretrain_tier']} (fp32 states; "
+             f"{'once, every seed fine-tuned from it' if first.get('shared_pretrain') else 'once per seed'}), fine-tuned {first['finetune_steps']} steps on "
              f"{first['finetune_tier']} at lr {first['lr']}, batch {first['batch_size']}, {first['heldout']} "
              "held-out problems."), "",
              ("| kind | seeds | exact match mean | tail loss mean | tail loss / fp32 [90%] | exact match - fp32, "
@@ -96,6 +111,9 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--pretrain-tier", default="add2")
     parser.add_argument("--pretrain-steps", type=int, default=600)
+    parser.add_argument("--shared-pretrain", action=argparse.BooleanOptionalAction, default=True,
+                        help="pretrain once (with the first seed) and fine-tune every seed from it, as users "
+                             "fine-tune one base model (--no-shared-pretrain: one pretraining per seed)")
     parser.add_argument("--pretrain-lr", type=float, default=3e-4)
     parser.add_argument("--finetune-tier", default="addsub")
     parser.add_argument("--finetune-steps", type=int, default=300)
