@@ -62,3 +62,13 @@ def test_packing_bench_on_the_cpu_compares_packed_with_padded(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(sum(r["tokens_per_step"]) / sum(r["step_times_s"]))
     assert records[1]["tokens_per_s_vs_padded"] == pytest.approx(records[1]["tokens_per_s"] / records[0]["tokens_per_s"])
     assert path.with_suffix(".md").exists()
+
+
+def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path):
+    subprocess.run([sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "3",
+                    "--finetune-steps", "3", "--heldout", "2", "--seeds", "1", "2", "--kinds", "fp32", "hybrid8bit",
+                    "--device", "cpu", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    records = [r for p in tmp_path.glob("*.json") for r in json.loads(p.read_text())]
+    assert sorted((r["kind"], r["seed"]) for r in records) == [("fp32", 1), ("fp32", 2), ("hybrid8bit", 1), ("hybrid8bit", 2)]
+    assert all(r["shared_pretrain"] and r["optimizer"] for r in records)
+    assert len({r["pretrain_exact_match"] for r in records}) == 1  # one base model
