@@ -114,7 +114,7 @@ def compute_only(executor: Executor, batch: int, seq: int, repeats: int = 5) -> 
 
 def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial_optimizer: bool = False,
                 optimizer: HostOptimizer | None = None, nvme: NvmeStore | None = None,
-                batches: Callable[[int], Batch] | None = None) -> dict:
+                batches: Callable[[int], Batch] | None = None, stage_memory: bool = False) -> dict:
     """Train ``warmup + steps`` steps of ``plan`` on random tokens; the measured steps' medians.
 
     Step time runs from the start of one measured step to the start of the next. A step's
@@ -123,7 +123,8 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
 
     ``batches`` (step -> a data `Batch`, padded or packed) trains on real data instead; its steps
     differ in real tokens and width, so tokens/s and TFLOPS are then the measured steps' totals
-    over their total time, not medians.
+    over their total time, not medians. ``stage_memory`` (CUDA): the last step records the peak
+    GPU bytes allocated per stage (``stage_memory_gb``: [stage, GB], the simulator's stage names).
     """
     adapter, device = session.adapter, session.device
     optimizer = optimizer or session.optimizer
@@ -136,7 +137,12 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
     batch, seq = plan.batch_size, plan.seq_len
     measured = []
     try:
+        peak_before = 0
         for step in range(warmup + steps):
+            if stage_memory and cuda and step == warmup + steps - 1:
+                # the allocator's peak is reset at every stage from here: keep the run's so far
+                peak_before = torch.cuda.max_memory_allocated(device)
+                executor.stage_memory = []
             if batches is None:
                 ids, labels = random_batch(batch, seq, adapter.vocab_size, seed=step)
                 inputs = {"input_ids": ids, "labels": labels}
@@ -179,7 +185,11 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
         "cpu_optimizer_s": updater.last_step_seconds,
     })
     if cuda:  # peaks over the whole run, not a median
-        record["peak_gpu_alloc_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        stages = executor.stage_memory or []
+        record["peak_gpu_alloc_gb"] = max([peak_before, torch.cuda.max_memory_allocated(device),
+                                           *(b for _, b in stages)]) / 1e9
+        if stages:
+            record["stage_memory_gb"] = [[name, b / 1e9] for name, b in stages]
         record["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
     record.update(compute_only(executor, batch, seq))
     del executor, updater

@@ -205,6 +205,8 @@ def main() -> None:
     parser.add_argument("--nvme-dir", default=None, help="profile the NVMe tier here (and let runs use it)")
     parser.add_argument("--every", type=int, default=4, help="megatrain checkpoint interval")
     parser.add_argument("--head-chunk", type=int, default=4096)
+    parser.add_argument("--stage-memory", action="store_true",
+                        help="record each stage's peak GPU allocation in the last step, against the simulator's")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--cap-gb", type=float, default=None)
@@ -288,13 +290,18 @@ def study(session, args, kernels: str) -> None:
     def measure(policy: str, table: CostTable, plan, name: str, cap_gb: float | None = None) -> bool:
         """Time ``plan``; record it with its prediction (or its out-of-memory). Whether it ran."""
         try:
-            record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps)
+            record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps, stage_memory=args.stage_memory)
         except torch.OutOfMemoryError as error:
             records.append(oom_record(name, common, policy, plan.batch_size, args.seq, error))
             print(f"{name}: out of memory: {records[-1]['oom']}", flush=True)
             save()
             return False
-        record.update(simulate(plan, table, optimizer_overlap=True).metrics())
+        predicted = simulate(plan, table, optimizer_overlap=True)
+        record.update(predicted.metrics())
+        if "stage_memory_gb" in record:  # measured against predicted, stage by stage
+            by_name = dict(zip(predicted.stage_names, predicted.gpu_bytes_by_stage))
+            record["stage_memory_gb"] = [[name, gb, by_name.get(name, 0) / 1e9]
+                                         for name, gb in record["stage_memory_gb"]]
         record["prediction_error"] = record["predicted_step_time_s"] / record["step_time_s"] - 1
         record["per_layer_type"] = per_type(plan, table, record["compute_only_layer_ms_by_type"])
         record["gpu_mem_cap_gb"] = cap_gb
@@ -436,6 +443,11 @@ def markdown(records: list[dict], args) -> str:
             hb = r["host_budget_gb"]
             parts = ", ".join(f"{k} {hb[k]:.1f}" for k in ("weights", "masters", "gradients", "optimizer",
                                                              "activations", "staging"))
+            if r.get("stage_memory_gb"):
+                worst = sorted(r["stage_memory_gb"], key=lambda t: t[1] - t[2], reverse=True)[:5]
+                lines.append(f"\n{r['name']}: stages whose measured peak GPU allocation exceeds the prediction most "
+                             "(GB, measured / predicted): "
+                             + ", ".join(f"{name} {gb:.1f} / {pred:.1f}" for name, gb, pred in worst))
             lines.append(f"\n{r['name']}: host budget (GB) {parts}; total {hb['total']:.1f} of {hb['limit']:.1f} "
                          f"(machine {hb['machine']:.1f}, {'fits' if hb['fits'] else 'OVER'}); measured host RSS "
                          f"{r['host_rss_gb']:.1f} GB." + (f" tokens/s {r['tokens_per_s_vs_baseline']:.3f}x "

@@ -82,3 +82,29 @@ def test_profiler_measures_the_executor_pieces_on_the_cpu(tmp_path):
     assert layer.saved_bytes > layer.input_bytes == 4 * 32 * session.adapter.hidden_size * 4
     assert costs.optimizer_ns_per_param > 0
     assert layer.weight_bytes == session.store.weights[1].numel() * session.store.weights[1].element_size()
+
+
+def test_stage_memory_names_the_simulators_stages_in_order(tmp_path):
+    from lazytrain.config import load_config
+    from lazytrain.plan.plan import LayerPlan, Plan
+    from lazytrain.plan.simulate import simulate
+    from lazytrain.plan.synthetic import random_cost_table
+    from lazytrain.runtime.executor import Executor
+    from lazytrain.train.session import build_session
+
+    config = load_config(None, [f"training.output_dir={tmp_path}", "model.source=builtin:tiny"])
+    session = build_session(config)
+    L = session.adapter.num_layers
+    # a keep layer and a checkpoint segment: both backward paths mark their stages
+    plan = Plan(batch_size=2, seq_len=16, layers=[LayerPlan(mode="keep", tier="gpu")]
+                + [LayerPlan(mode="checkpoint", tier="gpu")] + [LayerPlan(mode="drop")] * (L - 2), policy="test")
+    executor = Executor(session.adapter, session.store, plan, session.device)
+    executor.stage_memory, ticks = [], iter(range(1000))
+    executor.memory_probe = lambda: next(ticks)
+    ids = torch.randint(0, session.adapter.vocab_size, (2, 16))
+    executor.forward_backward(ids, ids.clone())
+    names = [name for name, _ in executor.stage_memory]
+    costs = random_cost_table(0, L).at(2, 16)
+    predicted = simulate(plan, costs)
+    assert names == predicted.stage_names and len(predicted.gpu_bytes_by_stage) == len(names)
+    assert [v for _, v in executor.stage_memory] == list(range(len(names)))

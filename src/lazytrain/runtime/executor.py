@@ -110,6 +110,14 @@ class Executor:
         self.dtype = store.dtype
         self.streams = Streams(device)
         self.trace = StreamTrace(self.streams)
+        self.stage_memory: list[tuple[str, int]] | None = None
+        """Set to a list to record, per stage of the next steps, the peak bytes allocated (the
+        simulator's stage names: ``embed``, ``fwd j``, ``head``, ``bwd j``, ``embed bwd``), to
+        set against `SimResult.gpu_bytes_by_stage`. CUDA: the allocator's peak, reset at each
+        stage's end (so ``max_memory_allocated`` then covers the last stage only)."""
+        self.memory_probe: Callable[[], int] | None = None
+        """What a stage's peak is read from (default on CUDA: the allocator's peak since the
+        last reset, then reset); a test sets its own."""
         """Set ``trace.enabled`` to time compute and copies per step (benchmarks)."""
         self.num_groups = len(adapter.layouts)
         self.before_load = before_load
@@ -197,6 +205,15 @@ class Executor:
         return self.activations.get(packed)
 
     # -- gradients ------------------------------------------------------------------------
+
+    def _stage_done(self, name: str) -> None:
+        if self.stage_memory is None:
+            return
+        if self.memory_probe is not None:
+            self.stage_memory.append((name, self.memory_probe()))
+        elif self.device.type == "cuda":
+            self.stage_memory.append((name, torch.cuda.max_memory_allocated(self.device)))
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def _emit_grads(self, group: int, grads: dict[str, torch.Tensor]) -> None:
         """Squared norm on the GPU, then an async copy into the pinned host gradient buffer."""
@@ -382,6 +399,7 @@ class Executor:
         embed_w = embed_leaf["embed_tokens.weight"]
         with torch.no_grad():
             x = adapter.embed(embed_w, ids)
+        self._stage_done("embed")
 
         # forward: decoder layers
         saved: list = [None] * L
@@ -406,6 +424,7 @@ class Executor:
                     x = adapter.layer_forward(i, layouts[i + 1].views(slot), x, rope, mask)
             self.trace.end("compute", span)
             self.weights.release(i)
+            self._stage_done(f"fwd {i}")
 
         # final norm + chunked LM head + loss, backward per chunk
         final = self.num_groups - 1
@@ -420,6 +439,7 @@ class Executor:
         if not adapter.tied:
             final_grads["lm_head.weight"] = head_grad
         self._emit_grads(final, final_grads)
+        self._stage_done("head")
 
         # backward: segments from the last; tensors on a slower tier are fetched back on the
         # H2D stream `prefetch` segments ahead of their use
@@ -446,6 +466,7 @@ class Executor:
                 g = grads[0]
                 self._emit_grads(start + 1, dict(zip(names, grads[1:])))
                 self.weights.release(start)
+                self._stage_done(f"bwd {start}")
                 continue
             slots = [self.weights.acquire(j) for j in range(start, end)]
             handle = saved[start]
@@ -470,6 +491,7 @@ class Executor:
                 self._emit_grads(j + 1, dict(zip(leaves, grads[1:])))
                 self.weights.release(j)
                 del out, x_in
+                self._stage_done(f"bwd {j}")
             self.activations.free(handle)
             saved[start] = None
 
@@ -481,6 +503,7 @@ class Executor:
         self.trace.end("compute", span)
         self._emit_grads(0, {"embed_tokens.weight": g_embed.to(self.dtype)})
         del g, g_embed
+        self._stage_done("embed bwd")
 
         if self.parallel is not None:
             if self.parallel.world_size > 1:
