@@ -9,9 +9,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lazytrain.memory.host_store import HostStore
+from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.adapter import ModelAdapter, load_hf_config
 from lazytrain.model.loading import load_safetensors
-from lazytrain.plan.plan import RECOMPUTE, LayerPlan, Plan, checkpoint_all_plan, keep_all_plan, megatrain_plan
+from lazytrain.plan.plan import (
+    RECOMPUTE,
+    LayerPlan,
+    Plan,
+    checkpoint_all_plan,
+    keep_all_plan,
+    megatrain_plan,
+)
 from lazytrain.runtime.executor import Executor
 
 CPU = torch.device("cpu")
@@ -160,8 +168,6 @@ def test_sublayer_recompute_matches_hf_autograd(hf_folder, recompute):
     layers = [LayerPlan(mode="keep", tier=tiers[i % 3], recompute=recompute if i % 2 == 0 else "none")
               for i in range(adapter.num_layers)]
     plan = Plan(policy="x", batch_size=3, seq_len=13, layers=layers, head_chunk_tokens=7)
-    from lazytrain.memory.nvme import NvmeStore
-
     nvme = NvmeStore(folder.parent / "nvme")
     stats = Executor(adapter, store, plan, CPU, nvme=nvme).forward_backward(ids, labels, mask)
     assert stats.loss == pytest.approx(ref_loss, rel=1e-5)
