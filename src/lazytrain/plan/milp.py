@@ -480,6 +480,12 @@ def _build(
             most = max(rc, *(kept[i][opt].recompute_ms for opt in options[i]))
             hull(t, compute, bw + most, unit_options(i), grad_out)
             hull(t, compute - rc * not_keep[i] - block_ms, bw, unit_options(i), grad_out)
+            for opt in options[i][1:]:
+                # exact for a kept layer recomputing opt; below the truth for the others
+                ind = total(v for (_, k), v in variants[i].items() if k == opt)
+                r = kept[i][opt].recompute_ms
+                if not ind.is_zero():
+                    hull(t, compute - rc * not_keep[i] - block_ms + r * ind, bw + r, unit_options(i), grad_out)
     stage(c.embed_backward_ms, 0.0, (w[0] + c.const_grad_bytes / GB) * c.grad_share)
 
     upload_ms = c.const_weight_bytes / GB * ch

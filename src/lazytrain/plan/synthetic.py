@@ -87,6 +87,22 @@ def synthetic_cost_table(
     attention_flops = 2 * seq_len * h
     forward_ms = tokens * (2 * params + attention_flops) / rate + 0.2  # + launch overhead
     bf16 = 2
+    # sub-layer options: the MLP keeps its input (the normed hidden, kept already) instead of
+    # gate, up, act and product; attention its input instead of q, k, v and its output
+    mlp_flops = 2 * 3 * h * i
+    attention_block_flops = 2 * (2 * h * h + 2 * h * kv) + attention_flops
+    recompute_options = {
+        "mlp": RecomputeCosts(
+            saved_bytes=tokens * (6 * h + 2 * kv) * bf16,
+            recompute_ms=tokens * mlp_flops / rate,
+            backward_work_bytes=tokens * (8 * i + 4 * h) * bf16,
+        ),
+        "attention": RecomputeCosts(
+            saved_bytes=tokens * (4 * h + 4 * i) * bf16,
+            recompute_ms=tokens * attention_block_flops / rate,
+            backward_work_bytes=tokens * (4 * i + 6 * h + 2 * kv) * bf16,
+        ),
+    }
     layer = LayerCosts(
         params=params,
         weight_bytes=params * bf16,
@@ -98,6 +114,7 @@ def synthetic_cost_table(
         saved_bytes=tokens * (6 * h + 2 * kv + 4 * i) * bf16,
         forward_work_bytes=tokens * (3 * i + h) * bf16,
         backward_work_bytes=tokens * (4 * i + 4 * h) * bf16,
+        recompute_options=recompute_options,
     )
     const = shape.const_params
     head_flops = 6 * shape.vocab * h * tokens
