@@ -174,6 +174,17 @@ def test_sublayer_recompute_matches_hf_autograd(hf_folder, recompute):
     assert_grads_equal(adapter, store, ref)
 
 
+def test_sublayer_recompute_reads_the_backward_weight_slot(qwen2_setup):
+    """Layer 0's forward slot holds another layer by its backward (a recompute segment was
+    loaded in between): a recompute with the forward's weight views gets wrong gradients."""
+    adapter, store, batch, ref = qwen2_setup
+    keep, checkpoint, drop = (LayerPlan(mode="keep", recompute="mlp"), LayerPlan(mode="checkpoint"),
+                              LayerPlan(mode="drop"))
+    plan = Plan(policy="x", batch_size=2, seq_len=11, layers=[keep, checkpoint, drop, drop, keep, keep])
+    Executor(adapter, store, plan, CPU).forward_backward(*batch)
+    assert_grads_equal(adapter, store, ref)
+
+
 def test_sublayer_recompute_keeps_fewer_bytes(qwen2_setup):
     adapter, store, batch, _ = qwen2_setup
     kept = {}
