@@ -10,7 +10,10 @@ Per layer the plan says what survives from forward to backward:
 - ``keep``: the layer runs with autograd; its saved tensors go through
   ``saved_tensors_hooks``. Saved *weights* are replaced by a reference (offset, size,
   stride) into the slot, so backward reads them from whichever slot holds the layer then
-  and the slot can be reused in between. Saved activations go to the plan's tier.
+  and the slot can be reused in between. Saved activations go to the plan's tier, each
+  storage once however many ops save it. With ``LayerPlan.recompute`` (mlp | attention) that
+  block keeps only its inputs (its weights among them, as slot references) and is re-run
+  inside the layer's backward (``model.sublayer``), on the weights of the backward's slot.
 - ``checkpoint``: the layer input is stored on the plan's tier and the layer runs without
   autograd; backward re-runs it with autograd.
 - ``drop``: nothing is stored; backward re-runs the segment from its checkpoint without
