@@ -326,6 +326,7 @@ def _build(
     def saved(i: int, letters: str) -> _Expr:
         """GB kept by layer i when it is kept with a letter in ``letters``."""
         return by_option(i, letters, lambda r: r.saved_bytes / GB)
+
     seg: dict[tuple[int, int], _Expr] = {}
     for s in range(L):
         if not allowed[s] & {"g", "p", "n"}:
@@ -485,7 +486,8 @@ def _build(
                 ind = total(v for (_, k), v in variants[i].items() if k == opt)
                 r = kept[i][opt].recompute_ms
                 if not ind.is_zero():
-                    hull(t, compute - rc * not_keep[i] - block_ms + r * ind, bw + r, unit_options(i), grad_out)
+                    base = compute - rc * not_keep[i] - block_ms + r * ind
+                    hull(t, base, bw + r, unit_options(i), grad_out)
     stage(c.embed_backward_ms, 0.0, (w[0] + c.const_grad_bytes / GB) * c.grad_share)
 
     upload_ms = c.const_weight_bytes / GB * ch
@@ -549,10 +551,10 @@ def _build(
             # spares the solver proving it by branching over interchangeable layers.
             room = cap - fixed_gb - x[L - 1] - c.head_work_bytes / GB - w[L - 1]
             sizes = sorted(
-            min(kept[i][opt].saved_bytes for opt in options[i]) / GB
-            for i in range(L)
-            if not f[i].is_zero()
-        )
+                min(kept[i][opt].saved_bytes for opt in options[i]) / GB
+                for i in range(L)
+                if not f[i].is_zero()
+            )
             k = int(np.searchsorted(np.cumsum(sizes), room, side="right"))
             if k < len(sizes):
                 m.le(total(f), float(k))
@@ -564,9 +566,8 @@ def _build(
                 if u[0] < i
             )
             # a kept layer's backward holds its option's saved bytes and working set
-            kept_work = by_option(
-                i, "fo", lambda r: (r.saved_bytes + r.backward_work_bytes) / GB
-            ) - (f[i] + o[i]) * (a[i] + wb[i])
+            kept_work = by_option(i, "fo", lambda r: (r.saved_bytes + r.backward_work_bytes) / GB)
+            kept_work = kept_work - (f[i] + o[i]) * (a[i] + wb[i])
             m.le(
                 fixed_gb
                 + kept_before[i]

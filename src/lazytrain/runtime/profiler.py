@@ -4,9 +4,10 @@ Times are medians over repeats after warm-up, with CUDA events on a GPU (perf_co
 CPU). Per layer: the no-grad forward (what a segment rebuild runs), the forward under autograd
 (a recompute), its backward, the bytes autograd saves (counted through saved_tensors_hooks,
 storages de-duplicated, weights and step constants left out) and the working sets from the
-allocator's peaks; and, at the reference shape, the same backward numbers of the layer kept
-with its MLP or its attention block recomputed in backward (``LayerCosts.recompute_options``); a stack of several layer types (Qwen3.5's linear and full attention) has
-each type measured on its first layer. Constants: the embedding and the chunked head + loss. Machine: H2D, D2H
+allocator's peaks; and, at the reference shape, the saved bytes, backward time and working
+set of the layer kept with its MLP or its attention block recomputed in backward
+(``LayerCosts.recompute_options``). A stack of several layer types (Qwen3.5's linear and full
+attention) has each type measured on its first layer. Constants: the embedding and the chunked head + loss. Machine: H2D, D2H
 and both-directions bandwidth at one layer's transfer size, the slowdown of compute while a
 copy runs, the CPU optimizer's time per parameter, and (given an `NvmeStore`) the disk's
 write and read bandwidth through the NVMe tier's own path (pinned buffer, thread pool, CRC) at
