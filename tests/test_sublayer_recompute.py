@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import make_hf_model
-from test_executor_parity import streamed
+from conftest import make_hf_model, random_batch
+from test_executor_parity import assert_grads_equal, reference_grads, streamed
 
 from lazytrain.config import load_config
 from lazytrain.optim.factory import make_optimizer
@@ -149,3 +149,27 @@ def test_executor_keeps_what_the_simulator_predicts(profiled):
     assert stats.peak_activation_bytes["host"] < simulate(
         Plan(policy="x", batch_size=costs.batch_size, seq_len=costs.seq_len,
              layers=[replace(lp, recompute="none") for lp in layers]), costs).peak_host_bytes
+
+
+def test_a_forward_set_on_the_block_runs_inside_the_checkpoint_and_stays(tmp_path):
+    """A replacement of the block's forward on the instance (as a memory-lean MLP would be) is
+    what runs, in the forward and in the recompute, and it is still there afterwards."""
+    model = make_hf_model("qwen2", layers=3)
+    model.save_pretrained(tmp_path)
+    adapter, store = streamed(tmp_path)
+    mlp = adapter.templates["full_attention"].mlp
+    calls = []
+
+    def replacement(x):
+        calls.append(torch.is_grad_enabled())
+        return type(mlp).forward(mlp, x)
+
+    mlp.forward = replacement
+    ids, labels, mask = random_batch(2, 9, adapter.vocab_size, padded=True)
+    _, ref = reference_grads(model, ids, labels, mask)
+    plan = Plan(policy="x", batch_size=2, seq_len=9,
+                layers=[LayerPlan(mode="keep", tier="host", recompute="mlp") for _ in range(3)])
+    Executor(adapter, store, plan, CPU).forward_backward(ids, labels, mask)
+    assert_grads_equal(adapter, store, ref)
+    assert mlp.forward is replacement
+    assert len(calls) == 6  # each layer's forward and its recompute

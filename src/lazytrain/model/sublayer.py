@@ -18,6 +18,7 @@ same reason: checkpoint keeps keyword arguments by reference, outside any hook.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch.utils import _pytree as pytree
@@ -37,17 +38,19 @@ def block_name(layer_type: str, recompute: str) -> str:
 
 
 class _Checkpointed:
-    """Installed as ``block.forward`` while the layer's forward runs."""
+    """Installed as ``block.forward`` while the layer's forward runs; ``inner`` is the forward
+    it replaces."""
 
-    def __init__(self, block: torch.nn.Module, weights: dict[str, torch.Tensor]):
+    def __init__(self, block: torch.nn.Module, weights: dict[str, torch.Tensor], inner):
         self.block = block
+        self.inner = inner
         self.names = list(weights)
         self.weights = [weights[n] for n in self.names]
         self.inside = False
 
     def __call__(self, *args, **kwargs):
         if self.inside:  # the checkpointed function calling the block itself
-            return type(self.block).forward(self.block, *args, **kwargs)
+            return self.inner(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         others = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
@@ -77,8 +80,14 @@ def recomputed(template: torch.nn.Module, name: str, params: dict[str, torch.Ten
     block = getattr(template, name)
     prefix = name + "."
     weights = {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
-    block.forward = _Checkpointed(block, weights)
+    # a forward set on the instance (a memory-lean replacement of the block's) is kept: it is
+    # what runs inside the checkpoint, and it is put back afterwards
+    own = block.__dict__.get("forward")
+    block.forward = _Checkpointed(block, weights, own or partial(type(block).forward, block))
     try:
         yield
     finally:
-        del block.forward
+        if own is None:
+            del block.forward
+        else:
+            block.forward = own
