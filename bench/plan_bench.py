@@ -110,9 +110,13 @@ def per_type(plan: Plan, table: CostTable, measured_ms: dict[str, float]) -> dic
         for i in members:
             lp = plan.layers[i]
             label = lp.mode if lp.mode == "drop" else f"{lp.mode}/{lp.tier}"
+            if lp.recompute != "none":
+                label += f"+{lp.recompute}"
             decisions[label] = decisions.get(label, 0) + 1
             compute_ms += lc.forward_ms + lc.backward_ms
-            if lp.mode != "keep":
+            if lp.mode == "keep":
+                compute_ms += lc.kept(lp.recompute).recompute_ms
+            else:
                 compute_ms += lc.recompute_ms
             if lp.mode == "drop":
                 compute_ms += lc.forward_ms
@@ -127,6 +131,8 @@ def per_type(plan: Plan, table: CostTable, measured_ms: dict[str, float]) -> dic
             "predicted_compute_s": compute_ms / 1e3,
             "weight_bytes": lc.weight_bytes,
             "saved_bytes": lc.saved_bytes,
+            "recompute_options": {k: {"saved_bytes": rc.saved_bytes, "recompute_ms": rc.recompute_ms}
+                                  for k, rc in lc.recompute_options.items()},
         }
     return out
 
@@ -278,6 +284,8 @@ def study(session, args, kernels: str) -> None:
     layers = "; ".join(
         f"{kind}: fwd {lc.forward_ms:.1f} ms, bwd {lc.backward_ms:.1f} ms, recompute {lc.recompute_ms:.1f} ms, "
         f"saved {lc.saved_bytes / 1e9:.2f} GB, input {lc.input_bytes / 1e9:.2f} GB"
+        + "".join(f", {k} recomputed: saved {rc.saved_bytes / 1e9:.2f} GB, +{rc.recompute_ms:.1f} ms"
+                  for k, rc in lc.recompute_options.items())
         for kind, lc in costs.type_costs().items()
     )
     print(f"profiled in {time.perf_counter() - t0:.0f} s: {layers}; "

@@ -9,9 +9,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lazytrain.memory.host_store import HostStore
+from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.adapter import ModelAdapter, load_hf_config
 from lazytrain.model.loading import load_safetensors
-from lazytrain.plan.plan import LayerPlan, Plan, checkpoint_all_plan, keep_all_plan, megatrain_plan
+from lazytrain.plan.plan import (
+    RECOMPUTE,
+    LayerPlan,
+    Plan,
+    checkpoint_all_plan,
+    keep_all_plan,
+    megatrain_plan,
+)
 from lazytrain.runtime.executor import Executor
 
 CPU = torch.device("cpu")
@@ -82,9 +90,11 @@ def random_plans(draw, num_layers: int):
         modes = ["keep", "checkpoint"]
         if i > 0 and layers[-1].mode != "keep":
             modes.append("drop")
-        layers.append(LayerPlan(mode=draw(st.sampled_from(modes)),
+        mode = draw(st.sampled_from(modes))
+        layers.append(LayerPlan(mode=mode,
                                 tier=draw(st.sampled_from(["gpu", "host", "nvme"])),
-                                prefetch=draw(st.integers(1, 3))))
+                                prefetch=draw(st.integers(1, 3)),
+                                recompute=draw(st.sampled_from(RECOMPUTE)) if mode == "keep" else "none"))
     return Plan(
         policy="random",
         batch_size=2,
@@ -146,6 +156,52 @@ def test_random_plans_match_hf_autograd_hybrid(hybrid_setup, nvme, data):
     _check_random_plan(hybrid_setup, nvme, data)
 
 
+@pytest.mark.parametrize("recompute", ["mlp", "attention"])
+def test_sublayer_recompute_matches_hf_autograd(hf_folder, recompute):
+    """Every family (Qwen3.5: Gated-DeltaNet and gated attention blocks), every tier, a kept
+    layer next to one that recomputes a block, padded."""
+    model, folder = hf_folder
+    adapter, store = streamed(folder)
+    ids, labels, mask = random_batch(3, 13, adapter.vocab_size, padded=True)
+    ref_loss, ref = reference_grads(model, ids, labels, mask)
+    tiers = ["host", "gpu", "nvme"]
+    layers = [LayerPlan(mode="keep", tier=tiers[i % 3], recompute=recompute if i % 2 == 0 else "none")
+              for i in range(adapter.num_layers)]
+    plan = Plan(policy="x", batch_size=3, seq_len=13, layers=layers, head_chunk_tokens=7)
+    nvme = NvmeStore(folder.parent / "nvme")
+    stats = Executor(adapter, store, plan, CPU, nvme=nvme).forward_backward(ids, labels, mask)
+    assert stats.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert_grads_equal(adapter, store, ref)
+
+
+def test_sublayer_recompute_reads_the_backward_weight_slot(qwen2_setup):
+    """Layer 0's forward slot holds another layer by its backward (a recompute segment was
+    loaded in between): a recompute with the forward's weight views gets wrong gradients."""
+    adapter, store, batch, ref = qwen2_setup
+    keep, checkpoint, drop = (LayerPlan(mode="keep", recompute="mlp"), LayerPlan(mode="checkpoint"),
+                              LayerPlan(mode="drop"))
+    plan = Plan(policy="x", batch_size=2, seq_len=11, layers=[keep, checkpoint, drop, drop, keep, keep])
+    Executor(adapter, store, plan, CPU).forward_backward(*batch)
+    assert_grads_equal(adapter, store, ref)
+
+
+def test_sublayer_recompute_keeps_fewer_bytes(qwen2_setup):
+    adapter, store, batch, _ = qwen2_setup
+    kept = {}
+    for recompute in RECOMPUTE:
+        layers = [LayerPlan(mode="keep", tier="host", recompute=recompute) for _ in range(adapter.num_layers)]
+        plan = Plan(policy="x", batch_size=2, seq_len=11, layers=layers)
+        kept[recompute] = Executor(adapter, store, plan, CPU).forward_backward(*batch).peak_activation_bytes["host"]
+    assert kept["mlp"] < kept["none"] and kept["attention"] < kept["none"]
+
+
+def test_recompute_is_for_keep_layers():
+    with pytest.raises(ValueError, match="recompute='mlp' is for 'keep' layers"):
+        LayerPlan(mode="checkpoint", recompute="mlp")
+    with pytest.raises(ValueError, match="not one of"):
+        LayerPlan(mode="keep", recompute="norm")
+
+
 def test_weights_cross_at_most_twice(qwen2_setup):
     adapter, store, batch, _ = qwen2_setup
     layer_bytes = store.weights[1].numel() * store.weights[1].element_size()
@@ -168,8 +224,20 @@ def test_drop_after_keep_is_rejected():
 
 def test_plan_json_round_trip(tmp_path):
     plan = megatrain_plan(7, 4, 64, every=3)
+    plan.layers[1] = LayerPlan(mode="keep", tier="host", recompute="mlp")
     plan.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json") == plan
+
+
+def test_plan_json_without_recompute_loads(tmp_path):
+    """A plan.json written before sub-layer recompute existed: every layer recomputes nothing."""
+    import json
+
+    d = keep_all_plan(3, 2, 8).to_dict()
+    for layer in d["layers"]:
+        del layer["recompute"]
+    (tmp_path / "plan.json").write_text(json.dumps(d))
+    assert Plan.load(tmp_path / "plan.json") == keep_all_plan(3, 2, 8)
 
 
 def test_abandoned_step_frees_everything(qwen2_setup, monkeypatch):

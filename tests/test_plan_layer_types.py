@@ -24,7 +24,8 @@ def mixed_table(num_layers: int = 12) -> CostTable:
     shape = DecoderShape(num_layers=num_layers, hidden=2048, intermediate=6144, num_heads=16,
                          num_kv_heads=4, vocab=32000)
     table = synthetic_cost_table(shape, batch_size=8, seq_len=1024)
-    base = table.layers[0]
+    # whole layers only: the synthetic sub-layer options are for the unmodified layer
+    base = replace(table.layers[0], recompute_options={})
     costs = {
         "linear_attention": replace(base, saved_bytes=base.saved_bytes // 2, recompute_ms=3 * base.forward_ms,
                                     forward_ms=3 * base.forward_ms),

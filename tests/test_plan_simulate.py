@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lazytrain.plan.costs import CostTable
 from lazytrain.plan.milp import MODE_LAYER, NVME_TAIL, milp_evaluate
 from lazytrain.plan.plan import (
     LayerPlan,
@@ -19,9 +20,12 @@ from lazytrain.plan.simulate import simulate
 from lazytrain.plan.synthetic import random_cost_table
 
 
-def random_plan(seed: int, num_layers: int, batch: int, seq: int, milp_only: bool) -> Plan:
-    """A valid plan; with milp_only, one the MILP can express (prefetch 1, tier rules)."""
+def random_plan(seed: int, num_layers: int, batch: int, seq: int, milp_only: bool,
+                table: CostTable | None = None) -> Plan:
+    """A valid plan; with milp_only, one the MILP can express (prefetch 1, tier rules). Kept
+    layers recompute one of the blocks ``table`` has costs for, or none."""
     rng = random.Random(seed)
+    sub = random.Random(seed + 1)
     layers = []
     for i in range(num_layers):
         letters = ["f", "g"] + (["d"] if i > 0 and layers[-1].mode != "keep" else [])
@@ -33,7 +37,8 @@ def random_plan(seed: int, num_layers: int, batch: int, seq: int, milp_only: boo
         if not milp_only and mode == "keep" and rng.random() < 0.2:
             tier = "nvme"
         prefetch = 1 if milp_only else rng.choice([1, 1, 2, 3])
-        layers.append(LayerPlan(mode=mode, tier=tier, prefetch=prefetch))
+        options = ["none", *table.layers[i].recompute_options] if table is not None and mode == "keep" else ["none"]
+        layers.append(LayerPlan(mode=mode, tier=tier, prefetch=prefetch, recompute=sub.choice(options)))
     if not milp_only:
         # NVMe needs a few stages between the write and the read: keep the tail off NVMe.
         for lp in layers[-3:]:
@@ -52,7 +57,7 @@ def random_plan(seed: int, num_layers: int, batch: int, seq: int, milp_only: boo
 @given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(1, 10), overlap=st.booleans())
 def test_simulator_matches_milp_model(seed, num_layers, overlap):
     table = random_cost_table(seed, num_layers)
-    plan = random_plan(seed, num_layers, table.batch_size, table.seq_len, milp_only=True)
+    plan = random_plan(seed, num_layers, table.batch_size, table.seq_len, milp_only=True, table=table)
     sim = simulate(plan, table, optimizer_overlap=overlap)
     step_s, peak_gpu = milp_evaluate(plan, table, optimizer_overlap=overlap)
     # Without overlap the two model the same stages exactly; with it the MILP ignores how a
@@ -65,7 +70,7 @@ def test_simulator_matches_milp_model(seed, num_layers, overlap):
 @given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(1, 10), overlap=st.booleans())
 def test_exposure_adds_up_to_step_time(seed, num_layers, overlap):
     table = random_cost_table(seed, num_layers)
-    plan = random_plan(seed, num_layers, table.batch_size, table.seq_len, milp_only=False)
+    plan = random_plan(seed, num_layers, table.batch_size, table.seq_len, milp_only=False, table=table)
     sim = simulate(plan, table, optimizer_overlap=overlap)
     assert sum(sim.exposed_s.values()) == pytest.approx(sim.step_time_s, rel=1e-9)
     assert sim.exposed_s["compute"] == pytest.approx(sim.busy_s["compute"], rel=1e-9)

@@ -8,6 +8,7 @@ in fp32 and rounds once (``ModelAdapter.embed_backward``).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lazytrain.config import DataConfig
@@ -19,23 +20,41 @@ from lazytrain.runtime.executor import Executor
 CPU = torch.device("cpu")
 
 
-def _grads(dtype: torch.dtype, batch) -> list[torch.Tensor]:
+def _grads(dtype: torch.dtype, batch, device: torch.device = CPU, sublayer: bool = False) -> list[torch.Tensor]:
+    """Every group's gradient under keep_all; ``sublayer``: layer 0 kept with its MLP and layer
+    1 with its attention recomputed in backward, on the host tier."""
     tokenizer = load_tokenizer("builtin:tiny")
-    adapter, store = build_model("builtin:tiny", CPU, dtype, seed=0, vocab_size=len(tokenizer), pin=False)
+    adapter, store = build_model("builtin:tiny", device, dtype, seed=0, vocab_size=len(tokenizer),
+                                 pin=device.type == "cuda")
+    if device != CPU:  # the random init draws on the device: take the CPU reference's weights
+        _, reference = build_model("builtin:tiny", CPU, dtype, seed=0, vocab_size=len(tokenizer), pin=False)
+        for weights, same in zip(store.weights, reference.weights):
+            weights.copy_(same)
     plan = baseline_plan("keep_all", adapter.num_layers, batch.input_ids.shape[0], batch.input_ids.shape[1],
                          PolicyOptions())
-    Executor(adapter, store, plan, CPU).forward_backward(batch.input_ids, batch.labels, batch.attention_mask)
+    if sublayer:
+        for i, lp in enumerate(plan.layers):
+            lp.tier, lp.recompute = "host", ("mlp", "attention")[i % 2]
+    Executor(adapter, store, plan, device).forward_backward(batch.input_ids, batch.labels, batch.attention_mask)
     return [g.float() for g in store.grads]
 
 
-def test_bf16_gradients_of_every_group_within_one_percent_of_fp32():
+DEVICES = [CPU, pytest.param(torch.device("cuda"), marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=["cpu", "cuda"])
+@pytest.mark.parametrize("sublayer", [False, True], ids=["whole", "sublayer"])
+def test_bf16_gradients_of_every_group_within_one_percent_of_fp32(device, sublayer):
+    """fp32 on the CPU is the reference; bf16 on ``device``, kept whole or with sub-layer
+    recompute (which re-runs the blocks in bf16: the same ops as the forward)."""
     data = DataConfig(builtin_train_size=64)
     tokenizer = load_tokenizer("builtin:tiny")
     batches, _ = training_batches(data, tokenizer, resolve_template(data), batch_size=32, seed=0)
     batch = next(batches)
     real = batch.input_ids[batch.attention_mask.bool()]
     assert int(torch.bincount(real).max()) > 500  # a frequent token: the case that failed
-    fp32, bf16 = _grads(torch.float32, batch), _grads(torch.bfloat16, batch)
+    fp32, bf16 = _grads(torch.float32, batch), _grads(torch.bfloat16, batch, device, sublayer)
     errors = [float((b - f).norm() / f.norm()) for b, f in zip(bf16, fp32)]
     assert max(errors) < 0.01, f"relative gradient error per group (embedding first): {errors}"
 

@@ -96,6 +96,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         (f"{kind} layer " if len(types) > 1 else "layer ")
         + f"forward {layer.forward_ms:.2f} ms, recompute {layer.recompute_ms:.2f} ms, "
         f"backward {layer.backward_ms:.2f} ms, saved {layer.saved_bytes / 2**20:.1f} MiB"
+        + "".join(
+            f" ({name} recomputed: saved {rc.saved_bytes / 2**20:.1f} MiB, +{rc.recompute_ms:.2f} ms)"
+            for name, rc in layer.recompute_options.items()
+        )
         for kind, layer in types.items()
     )
     print(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import transformers
 from lazytrain.errors import LazyTrainError
 from lazytrain.model.kernels import KernelChoice, select_linear_attention_kernels
 from lazytrain.model.lean import apply_lean_ops
+from lazytrain.model.sublayer import block_name, recomputed
 
 SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
@@ -343,22 +345,27 @@ class ModelAdapter:
         hidden: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         masks: dict[str, torch.Tensor | None],
+        recompute: str = "none",
         **kwargs,
     ) -> torch.Tensor:
         """Decoder layer ``layer`` on ``hidden`` with ``params`` (views of its weight slot);
-        ``masks`` from `layer_masks`; ``kwargs`` go to the HF layer (a cache when generating)."""
+        ``masks`` from `layer_masks`; ``kwargs`` go to the HF layer (a cache when generating).
+
+        ``recompute`` (``mlp`` | ``attention``; under autograd): that block keeps only its
+        inputs and is re-run in backward (`lazytrain.model.sublayer`)."""
         kind = self.layer_types[layer]
         template = self.templates[kind]
         # a cache is indexed by the layer's own index: the shared template takes it per call
         mixer = template.linear_attn if kind == "linear_attention" else template.self_attn
         mixer.layer_idx = layer
-        return torch.func.functional_call(
-            template,
-            params,
-            (hidden,),
-            {"attention_mask": masks[kind], "position_embeddings": position_embeddings, **kwargs},
-            strict=True,
-        )
+        with recomputed(template, block_name(kind, recompute), params) if recompute != "none" else nullcontext():
+            return torch.func.functional_call(
+                template,
+                params,
+                (hidden,),
+                {"attention_mask": masks[kind], "position_embeddings": position_embeddings, **kwargs},
+                strict=True,
+            )
 
     def embed(self, weight: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, weight)

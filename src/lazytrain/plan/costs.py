@@ -127,6 +127,27 @@ def default_fits() -> dict[str, ShapeFit]:
     return fits
 
 
+RECOMPUTE_OPTIONS = ("mlp", "attention")
+"""Blocks a kept layer may recompute in its backward (``LayerPlan.recompute``)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RecomputeCosts:
+    """A kept layer that recomputes one block in its backward (``LayerPlan.recompute``)."""
+
+    saved_bytes: int
+    """What the layer keeps: the other blocks' saved tensors and this block's inputs."""
+    recompute_ms: float
+    """The block's re-forward under autograd, added to the layer's backward."""
+    backward_work_bytes: int
+    """Peak transient bytes during backward beyond ``saved_bytes`` (the recomputed block's
+    tensors included)."""
+
+    def __post_init__(self) -> None:
+        if self.saved_bytes < 0 or self.recompute_ms < 0 or self.backward_work_bytes < 0:
+            raise ValueError(f"recompute costs must be >= 0, got {self}")
+
+
 @dataclass(kw_only=True, slots=True)
 class LayerCosts:
     """One decoder layer at the table's reference batch shape."""
@@ -149,8 +170,18 @@ class LayerCosts:
     """Peak transient bytes during forward, the output included, beyond input and saved."""
     backward_work_bytes: int
     """Peak transient bytes during backward beyond the saved tensors (gradients in flight)."""
+    recompute_options: dict[str, RecomputeCosts] = field(default_factory=dict)
+    """Per block of ``RECOMPUTE_OPTIONS`` the layer can recompute when kept (a table written
+    before these existed has none: no plan recomputes a block)."""
 
     def __post_init__(self) -> None:
+        self.recompute_options = {
+            k: v if isinstance(v, RecomputeCosts) else RecomputeCosts(**v)
+            for k, v in self.recompute_options.items()
+        }
+        unknown = sorted(set(self.recompute_options) - set(RECOMPUTE_OPTIONS))
+        if unknown:
+            raise ValueError(f"recompute options {unknown} are not among {RECOMPUTE_OPTIONS}")
         for name in ("params", "weight_bytes", "input_bytes", "saved_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"layer {name} must be >= 0, got {getattr(self, name)}")
@@ -164,6 +195,19 @@ class LayerCosts:
                 f"layer saved_bytes ({self.saved_bytes}) < input_bytes ({self.input_bytes}): "
                 "saved tensors include the layer input; re-profile the layer"
             )
+
+    def kept(self, recompute: str = "none") -> RecomputeCosts:
+        """The layer kept, recomputing ``recompute`` (``none``: nothing) in its backward."""
+        if recompute == "none":
+            return RecomputeCosts(saved_bytes=self.saved_bytes, recompute_ms=0.0,
+                                  backward_work_bytes=self.backward_work_bytes)
+        if recompute not in self.recompute_options:
+            raise CostTableMismatch(
+                f"the cost table has no costs for a kept layer recomputing {recompute!r} (it has "
+                f"{sorted(self.recompute_options) or 'none'}); re-profile (`lazytrain profile`) "
+                "or plan without sub-layer recompute"
+            )
+        return self.recompute_options[recompute]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -381,6 +425,14 @@ class CostTable:
                 ),
                 forward_work_bytes=round(lc.forward_work_bytes * scaled["forward_work_bytes"]),
                 backward_work_bytes=round(lc.backward_work_bytes * scaled["backward_work_bytes"]),
+                recompute_options={
+                    k: RecomputeCosts(
+                        saved_bytes=round(rc.saved_bytes * scaled["saved_bytes"]),
+                        recompute_ms=rc.recompute_ms * scaled["recompute_ms"],
+                        backward_work_bytes=round(rc.backward_work_bytes * scaled["backward_work_bytes"]),
+                    )
+                    for k, rc in lc.recompute_options.items()
+                },
             )
             for lc in self.layers
         ]

@@ -11,6 +11,11 @@ n_i   ... on NVMe                                   LayerPlan(checkpoint, nvme)
 d_i   keep nothing (segment recompute)              LayerPlan(drop)
 ====  ===========================================  ==========================
 
+A kept layer (f or o) may also recompute one block in its backward (``LayerPlan.recompute``:
+``mlp`` or ``attention``, where the table has that option's costs): f_i and o_i are then sums
+of one binary per option, each with the option's saved bytes, backward working set and the
+block's re-forward added to the layer's backward stage.
+
 The run-length of drop layers is explicit: a binary ``s[a, e]`` per possible segment [a, e)
 (a checkpoint at a followed by e-a-1 drop layers, e - a <= ``max_segment``; e - a = 1 is a lone
 checkpoint). The keeps and segments partition the layers (one equality row per layer), g/p/n
@@ -60,7 +65,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from lazytrain.errors import LazyTrainError
-from lazytrain.plan.costs import CostTable
+from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable
 from lazytrain.plan.plan import LayerPlan, Plan
 
 MODE_LAYER = {
@@ -200,6 +205,8 @@ class _Model:
 class _Built:
     model: _Model
     layer_modes: list[dict[str, _Expr]]
+    variants: list[dict[tuple[str, str], _Expr]]
+    """Per layer, (f or o, recompute option) -> its binary."""
     segments: dict[tuple[int, int], _Expr]
     gpu_var: _Expr | None
     num_binaries: int
@@ -230,6 +237,7 @@ def _build(
     fixed: Plan | None = None,
     memory: bool = True,
     minimize_gpu: bool = False,
+    recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
 ) -> _Built:
     """The MILP, in ms and GB. ``fixed`` pins every decision to that plan's (evaluation)."""
     c = costs
@@ -257,14 +265,20 @@ def _build(
     # checkpoint): a binary. The segments and keeps partition the layers, so the shape of every
     # recompute segment is explicit and every cost below is linear without big-M rows.
     allowed = [_allowed(c, tiers, i) for i in range(L)]
+    # per layer, the ways to keep it: "none" (all saved tensors) and each block it may recompute
+    options = [["none", *(k for k in recompute if k in lc.recompute_options)] for lc in lay]
+    kept = [{k: lc.kept(k) for k in options[i]} for i, lc in enumerate(lay)]
     fixed_letter: list[str | None] = [None] * L
+    fixed_option: list[str] = ["none"] * L
     fixed_segments: set[tuple[int, int]] = set()
     if fixed is not None:
         for i, lp in enumerate(fixed.layers):
             fixed_letter[i] = layer_mode(lp)
-            if fixed_letter[i] not in allowed[i]:
+            fixed_option[i] = lp.recompute
+            if fixed_letter[i] not in allowed[i] or lp.recompute not in options[i]:
                 raise ValueError(
-                    f"layer {i}: {lp.mode}/{lp.tier} is not a mode the MILP offers there"
+                    f"layer {i}: {lp.mode}/{lp.tier} recomputing {lp.recompute!r} is not a mode "
+                    "the MILP offers there"
                 )
         fixed_segments = {
             (s, e) for s, e in fixed.segments() if fixed.layers[s].mode == "checkpoint"
@@ -282,11 +296,37 @@ def _build(
         nbin += 1
         return m.var(0, 1, integer=True)
 
-    def pin(i: int, letter: str) -> bool | None:
-        return None if fixed_letter[i] is None else fixed_letter[i] == letter
+    def pin(i: int, letter: str, option: str = "none") -> bool | None:
+        if fixed_letter[i] is None:
+            return None
+        return fixed_letter[i] == letter and fixed_option[i] == option
 
-    modes = [{k: binary(k in allowed[i], pin(i, k)) for k in "fogpn"} for i in range(L)]
+    # keep variants (letter f or o, option): f_i and o_i are their sums
+    variants = [
+        {(k, opt): binary(k in allowed[i], pin(i, k, opt)) for k in "fo" for opt in options[i]}
+        for i in range(L)
+    ]
+    modes = [
+        {
+            **{k: sum((v for (kk, _), v in variants[i].items() if kk == k), _Expr()) for k in "fo"},
+            **{k: binary(k in allowed[i], pin(i, k)) for k in "gpn"},
+        }
+        for i in range(L)
+    ]
     f, o, g, p, n = ([modes[i][k] for i in range(L)] for k in "fogpn")
+
+    def by_option(i: int, letters: str, value) -> _Expr:
+        """Sum over layer i's keep variants with a letter in ``letters`` of their binary times
+        ``value`` of the variant's `RecomputeCosts`."""
+        return total(v * value(kept[i][opt]) for (k, opt), v in variants[i].items() if k in letters)
+
+    def total(terms) -> _Expr:
+        return sum(terms, _Expr())
+
+    def saved(i: int, letters: str) -> _Expr:
+        """GB kept by layer i when it is kept with a letter in ``letters``."""
+        return by_option(i, letters, lambda r: r.saved_bytes / GB)
+
     seg: dict[tuple[int, int], _Expr] = {}
     for s in range(L):
         if not allowed[s] & {"g", "p", "n"}:
@@ -319,15 +359,12 @@ def _build(
             m.ge(on_nvme[s, e], v - g[s] - p[s])
 
     not_keep = [1.0 - f[i] - o[i] for i in range(L)]
-    gpu_kept = [f[i] * a[i] + g[i] * x[i] for i in range(L)]
-    offload = [o[i] * a[i] + (p[i] + n[i]) * x[i] for i in range(L)]
-
-    def total(terms) -> _Expr:
-        return sum(terms, _Expr())
+    gpu_kept = [saved(i, "f") + g[i] * x[i] for i in range(L)]
+    offload = [saved(i, "o") + (p[i] + n[i]) * x[i] for i in range(L)]
 
     def unit_bytes(i: int) -> _Expr:
         """Weights + host/NVMe tensors of the unit ending at layer i-1 (fetched before it)."""
-        keep = (f[i - 1] + o[i - 1]) * w[i - 1] + o[i - 1] * a[i - 1]
+        keep = (f[i - 1] + o[i - 1]) * w[i - 1] + saved(i - 1, "o")
         return keep + total(seg[u] * span(w, u[0], i - 1) + held[u] * x[u[0]] for u in ending[i])
 
     def unit_nvme(i: int) -> _Expr:
@@ -382,7 +419,12 @@ def _build(
     def unit_options(i: int) -> list[tuple[_Expr, float, float]]:
         """(indicator, H2D bytes, bytes already counted) per way the unit ending at layer i-1
         can look; the indicators are exclusive (the held parts refine their segment's)."""
-        opts = [(f[i - 1], w[i - 1], 0.0), (o[i - 1], w[i - 1] + a[i - 1], 0.0)]
+        opts = [(f[i - 1], w[i - 1], 0.0)]
+        opts += [
+            (v, w[i - 1] + kept[i - 1][opt].saved_bytes / GB, 0.0)
+            for (k, opt), v in variants[i - 1].items()
+            if k == "o"
+        ]
         for u in ending[i]:
             weights = span(w, u[0], i - 1)
             opts.append((seg[u], weights, 0.0))
@@ -410,11 +452,15 @@ def _build(
         t_fwd.append(stage(fw[i], h2d, offload[i - 1] if i > 0 else 0.0, nvme_ms))
         if i > 0:
             base = stage_ms(fw[i], h2d, 0.0)
-            options = [(o[i - 1], a[i - 1], 0.0), (p[i - 1] + n[i - 1], x[i - 1], 0.0)]
+            offloads = [(p[i - 1] + n[i - 1], x[i - 1])]
+            offloads += [
+                (v, kept[i - 1][opt].saved_bytes / GB)
+                for (k, opt), v in variants[i - 1].items()
+                if k == "o"
+            ]
             m.ge(
                 t_fwd[-1],
-                base
-                + total(ind * (stage_ms(fw[i], h2d, nbytes) - base) for ind, nbytes, _ in options),
+                base + total(ind * (stage_ms(fw[i], h2d, nbytes) - base) for ind, nbytes in offloads),
             )
     head_nvme = unit_nvme(L - 1) * cnr + (n[L - 2] * (x[L - 2] * cnw) if L >= 2 else 0.0)
     t_head = stage(c.head_ms, unit_bytes(L), offload[L - 1], head_nvme)
@@ -423,14 +469,25 @@ def _build(
     prefetch = [_Expr()] + [unit_bytes(i) for i in range(1, L)]
     for i in range(L):
         bw, rc = lay[i].backward_ms, lay[i].recompute_ms
-        compute = bw + rc * not_keep[i] + rebuild_ms(i)
+        block_ms = by_option(i, "fo", lambda r: r.recompute_ms)
+        compute = bw + rc * not_keep[i] + block_ms + rebuild_ms(i)
         grad_out = w[i + 1] * c.grad_share if i + 1 < L else 0.0
         nvme_ms = unit_nvme(i - 1) * cnr if i >= 2 else 0.0
         t = stage(compute, prefetch[i], grad_out, nvme_ms)
         if i > 0:
-            # A stage that prefetches starts a unit: it computes bw (keep) or bw + rc.
-            hull(t, compute, bw + rc, unit_options(i), grad_out)
-            hull(t, compute - rc * (1.0 - f[i] - o[i]), bw, unit_options(i), grad_out)
+            # A stage that prefetches ends its unit (a unit of one layer: no rebuild): it
+            # computes bw, bw + a block's re-forward (keep) or bw + rc. Each hull holds for a
+            # compute up to its reference.
+            most = max(rc, *(kept[i][opt].recompute_ms for opt in options[i]))
+            hull(t, compute, bw + most, unit_options(i), grad_out)
+            hull(t, compute - rc * not_keep[i] - block_ms, bw, unit_options(i), grad_out)
+            for opt in options[i][1:]:
+                # exact for a kept layer recomputing opt; below the truth for the others
+                ind = total(v for (_, k), v in variants[i].items() if k == opt)
+                r = kept[i][opt].recompute_ms
+                if not ind.is_zero():
+                    base = compute - rc * not_keep[i] - block_ms + r * ind
+                    hull(t, base, bw + r, unit_options(i), grad_out)
     stage(c.embed_backward_ms, 0.0, (w[0] + c.const_grad_bytes / GB) * c.grad_share)
 
     upload_ms = c.const_weight_bytes / GB * ch
@@ -468,7 +525,7 @@ def _build(
 
         m.le(fixed_gb + w[0], cap)
         for i in range(L):
-            current = x[i] + (f[i] + o[i]) * (a[i] - x[i])
+            current = x[i] + saved(i, "fo") - (f[i] + o[i]) * x[i]
             m.le(
                 fixed_gb
                 + w[i]
@@ -493,7 +550,11 @@ def _build(
             # k layers fit kept on the GPU, k from the k smallest saved sizes. Valid, and it
             # spares the solver proving it by branching over interchangeable layers.
             room = cap - fixed_gb - x[L - 1] - c.head_work_bytes / GB - w[L - 1]
-            sizes = sorted(a[i] for i in range(L) if not f[i].is_zero())
+            sizes = sorted(
+                min(kept[i][opt].saved_bytes for opt in options[i]) / GB
+                for i in range(L)
+                if not f[i].is_zero()
+            )
             k = int(np.searchsorted(np.cumsum(sizes), room, side="right"))
             if k < len(sizes):
                 m.le(total(f), float(k))
@@ -504,8 +565,19 @@ def _build(
                 for u in covering[i]
                 if u[0] < i
             )
+            # a kept layer's backward holds its option's saved bytes and working set
+            kept_work = by_option(i, "fo", lambda r: (r.saved_bytes + r.backward_work_bytes) / GB)
+            kept_work = kept_work - (f[i] + o[i]) * (a[i] + wb[i])
             m.le(
-                fixed_gb + kept_before[i] + cache + a[i] + wb[i] + weights + grads + prefetch[i],
+                fixed_gb
+                + kept_before[i]
+                + cache
+                + a[i]
+                + wb[i]
+                + kept_work
+                + weights
+                + grads
+                + prefetch[i],
                 cap,
             )
             rebuilds = [u for u in ending[i + 1] if u[0] < i]
@@ -521,12 +593,13 @@ def _build(
                 m.le(fixed_gb + kept_before[i] + peak + grads, cap)
         m.le(fixed_gb + grads, cap)
         m.le(
-            total(o[i] * a[i] + p[i] * x[i] for i in range(L)),
+            total(saved(i, "o") + p[i] * x[i] for i in range(L)),
             max(c.host_bytes / GB - _MARGIN_GB, 0.0),
         )
         m.le(total(n[i] * x[i] for i in range(L)), max(c.nvme_bytes / GB - _MARGIN_GB, 0.0))
 
-    return _Built(model=m, layer_modes=modes, segments=seg, gpu_var=gpu_var, num_binaries=nbin)
+    return _Built(model=m, layer_modes=modes, variants=variants, segments=seg, gpu_var=gpu_var,
+                  num_binaries=nbin)
 
 
 def _value(e: _Expr, sol: np.ndarray) -> float:
@@ -535,10 +608,11 @@ def _value(e: _Expr, sol: np.ndarray) -> float:
 
 def _decode(built: _Built, sol: np.ndarray, num_layers: int) -> list[LayerPlan]:
     letters: list[str] = [""] * num_layers
-    for i, modes in enumerate(built.layer_modes):
-        for k in "fo":
-            if _value(modes[k], sol) > 0.5:
-                letters[i] = k
+    recompute = ["none"] * num_layers
+    for i, variants in enumerate(built.variants):
+        for (k, opt), v in variants.items():
+            if _value(v, sol) > 0.5:
+                letters[i], recompute[i] = k, opt
     for (s, e), v in built.segments.items():
         if _value(v, sol) > 0.5:
             letters[s] = max("gpn", key=lambda k: _value(built.layer_modes[s][k], sol))
@@ -546,7 +620,10 @@ def _decode(built: _Built, sol: np.ndarray, num_layers: int) -> list[LayerPlan]:
                 letters[i] = "d"
     if not all(letters):
         raise RuntimeError(f"MILP solution leaves layers without a mode: {letters}")
-    return [LayerPlan(mode=MODE_LAYER[k][0], tier=MODE_LAYER[k][1], prefetch=1) for k in letters]
+    return [
+        LayerPlan(mode=MODE_LAYER[k][0], tier=MODE_LAYER[k][1], prefetch=1, recompute=r)
+        for k, r in zip(letters, recompute)
+    ]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -572,24 +649,31 @@ def solve_plan(
     max_segment: int = DEFAULT_MAX_SEGMENT,
     time_limit_s: float = 10.0,
     mip_rel_gap: float = 1e-4,
+    recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
 ) -> Plan:
     """The plan with the least predicted step time at ``costs``' batch shape.
 
     ``gpu_bytes`` overrides ``costs.gpu_bytes`` (a memory cap); ``tiers`` limits where
     activations may live; ``max_segment`` bounds a recompute segment's length (checkpoint +
-    drop layers). The plan is optimal within ``mip_rel_gap`` (relative), or the best found
+    drop layers); ``recompute`` lists the blocks a kept layer may recompute (where the table
+    has their costs; ``()``: whole layers only). The plan is optimal within ``mip_rel_gap`` (relative), or the best found
     in ``time_limit_s`` (``notes["milp"]["status"] == "time limit"``, with its gap). Raises
     `PlanInfeasible` when no plan fits.
     """
     start = time.perf_counter()
     built = _build(
-        costs, gpu_bytes=gpu_bytes, tiers=tiers, overlap=optimizer_overlap, max_segment=max_segment
+        costs,
+        gpu_bytes=gpu_bytes,
+        tiers=tiers,
+        overlap=optimizer_overlap,
+        max_segment=max_segment,
+        recompute=recompute,
     )
     res = built.model.solve(time_limit_s, mip_rel_gap)
     elapsed = time.perf_counter() - start
     if res.x is None:
         if res.status == 2:
-            raise PlanInfeasible(_infeasible_message(costs, gpu_bytes, tiers, max_segment))
+            raise PlanInfeasible(_infeasible_message(costs, gpu_bytes, tiers, max_segment, recompute))
         raise RuntimeError(f"MILP solver failed: {res.message}")
     layers = _decode(built, res.x, costs.num_layers)
     objective_ms = float(res.fun) + built.model.objective_const
@@ -653,6 +737,7 @@ def min_gpu_bytes(
     tiers: tuple[str, ...] = ("gpu", "host", "nvme"),
     max_segment: int = DEFAULT_MAX_SEGMENT,
     time_limit_s: float = 30.0,
+    recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
 ) -> int:
     """The least GPU memory (fixed part included) any plan needs at ``costs``' batch shape,
     within the host and NVMe capacities."""
@@ -663,6 +748,7 @@ def min_gpu_bytes(
         overlap=False,
         max_segment=max_segment,
         minimize_gpu=True,
+        recompute=recompute,
     )
     res = built.model.solve(time_limit_s, 1e-6)
     if res.x is None:
@@ -671,10 +757,14 @@ def min_gpu_bytes(
 
 
 def _infeasible_message(
-    costs: CostTable, gpu_bytes: int | None, tiers: tuple[str, ...], max_segment: int
+    costs: CostTable,
+    gpu_bytes: int | None,
+    tiers: tuple[str, ...],
+    max_segment: int,
+    recompute: tuple[str, ...],
 ) -> str:
     budget = costs.gpu_bytes if gpu_bytes is None else gpu_bytes
-    need = min_gpu_bytes(costs, tiers=tiers, max_segment=max_segment)
+    need = min_gpu_bytes(costs, tiers=tiers, max_segment=max_segment, recompute=recompute)
     return (
         f"GPU memory: no plan fits batch {costs.batch_size} x seq {costs.seq_len} in "
         f"{budget / GiB:.2f} GiB; the cheapest plan needs {need / GiB:.2f} GiB (with "

@@ -11,6 +11,10 @@ Per layer, exactly one mode:
 - ``drop``: nothing is kept; backward regenerates the input by re-running the forward from
   the previous checkpoint (segment recompute). A ``drop`` layer must follow a
   ``checkpoint`` or another ``drop`` layer.
+
+A ``keep`` layer may also recompute one block (``LayerPlan.recompute``): ``mlp``, or
+``attention`` (the token mixer: self-attention, or Gated-DeltaNet linear attention). That
+block's inputs are kept instead of its saved tensors, and the layer's backward re-runs it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from lazytrain.errors import LazyTrainError
 
 MODES = ("keep", "checkpoint", "drop")
 TIERS = ("gpu", "host", "nvme")
+RECOMPUTE = ("none", "mlp", "attention")
 
 
 class PlanError(LazyTrainError, ValueError):
@@ -37,6 +42,9 @@ class LayerPlan:
     """Where the kept tensors (keep) or the layer input (checkpoint) live: gpu | host | nvme."""
     prefetch: int = 1
     """Backward: how many layers ahead tensors on host/nvme are fetched back to the GPU."""
+    recompute: str = "none"
+    """keep layers: none | mlp | attention, a block whose saved tensors are not kept but
+    recomputed in the layer's backward from its inputs (which are kept, on ``tier``)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -45,6 +53,13 @@ class LayerPlan:
             raise ValueError(f"activation tier {self.tier!r} is not one of {TIERS}")
         if self.prefetch < 1:
             raise ValueError(f"prefetch distance must be >= 1, got {self.prefetch}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"layer recompute {self.recompute!r} is not one of {RECOMPUTE}")
+        if self.recompute != "none" and self.mode != "keep":
+            raise ValueError(
+                f"recompute={self.recompute!r} is for 'keep' layers; a {self.mode!r} layer "
+                "recomputes the whole layer already (set recompute='none')"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

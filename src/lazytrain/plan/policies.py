@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lazytrain.plan.costs import CostTable
+from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable
 from lazytrain.plan.plan import Plan, checkpoint_all_plan, keep_all_plan, megatrain_plan
 
 BASELINE_POLICIES = ("megatrain", "keep_all", "checkpoint_gpu", "checkpoint_host", "checkpoint_nvme")
@@ -31,6 +31,8 @@ class PolicyOptions:
     tiers: tuple[str, ...] = ("gpu", "host")
     """Activation tiers the MILP may use (``solved`` only)."""
     optimizer_overlap: bool = True
+    recompute: tuple[str, ...] = RECOMPUTE_OPTIONS
+    """Blocks a kept layer may recompute in its backward (``solved`` only)."""
 
 
 def baseline_plan(name: str, num_layers: int, batch_size: int, seq_len: int,
@@ -67,7 +69,7 @@ def policy_plan(name: str, costs: CostTable, options: PolicyOptions | None = Non
     from lazytrain.plan.milp import solve_plan
 
     plan = solve_plan(costs, gpu_bytes=gpu_bytes, tiers=o.tiers, optimizer_overlap=o.optimizer_overlap,
-                      head_chunk_tokens=o.head_chunk_tokens)
+                      head_chunk_tokens=o.head_chunk_tokens, recompute=o.recompute)
     plan.weight_prefetch = o.weight_prefetch
     return plan
 

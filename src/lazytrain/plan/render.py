@@ -38,7 +38,7 @@ def _decision(plan: Plan, i: int) -> tuple[str, str]:
 def _layer_bytes(plan: Plan, costs: CostTable, i: int) -> int:
     lp, lc = plan.layers[i], costs.layers[i]
     if lp.mode == "keep":
-        return lc.saved_bytes
+        return lc.kept(lp.recompute).saved_bytes
     return lc.input_bytes if lp.mode == "checkpoint" else 0
 
 
@@ -67,7 +67,7 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
         )
         + f"; {sim.tokens_per_s:,.0f} tokens/s",
         "",
-        f"{'layers':>9}  {'mode':<10}  {'tier':<4}  {'prefetch':>8}"
+        f"{'layers':>9}  {'mode':<10}  {'tier':<4}  {'prefetch':>8}  {'recompute':<9}"
         + (f"  {'kept/layer':>10}" if costs else "")
         + (f"  {'type':<16}" if mixed else ""),
     ]
@@ -77,6 +77,7 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
             lp.mode,
             "-" if lp.mode == "drop" else lp.tier,
             lp.prefetch,
+            "-" if lp.recompute == "none" else lp.recompute,
             _layer_bytes(plan, costs, i) if costs else None,
             costs.layer_types[i] if mixed else None,
         )
@@ -84,9 +85,9 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
             rows[-1] = (rows[-1][0], i, key)
         else:
             rows.append((i, i, key))
-    for first, last, (mode, tier, prefetch, nbytes, kind) in rows:
+    for first, last, (mode, tier, prefetch, recompute, nbytes, kind) in rows:
         span = f"{first}" if first == last else f"{first}-{last}"
-        line = f"{span:>9}  {mode:<10}  {tier:<4}  {prefetch:>8}"
+        line = f"{span:>9}  {mode:<10}  {tier:<4}  {prefetch:>8}  {recompute:<9}"
         if costs:
             line += f"  {nbytes / MiB:>6.0f} MiB"
         if mixed:
@@ -104,6 +105,8 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
             for i in members:
                 mode, tier = _decision(plan, i)
                 label = mode if mode == "drop" else f"{mode}/{tier}"
+                if plan.layers[i].recompute != "none":
+                    label += f" recomputing {plan.layers[i].recompute}"
                 tally[label] = tally.get(label, 0) + 1
             decisions = ", ".join(f"{n} {label}" for label, n in tally.items())
             lines.append(
@@ -152,7 +155,9 @@ def render_plan_png(plan: Plan, sim: SimResult, path: str | Path, costs: CostTab
     mixed = _mixed(costs)
     height = 0.75 if mixed else 1.0
     for i in range(plan.num_layers):
-        ax_plan.add_patch(plt.Rectangle((i, 0), 1, height, color=COLORS[_decision(plan, i)]))
+        # a kept layer recomputing a block in its backward is hatched
+        hatch = "//" if plan.layers[i].recompute != "none" else None
+        ax_plan.add_patch(plt.Rectangle((i, 0), 1, height, facecolor=COLORS[_decision(plan, i)], hatch=hatch))
     type_handles = []
     if mixed:
         kinds = list(costs.type_costs())

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lazytrain.plan.costs import CostTable
+from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable
 from lazytrain.plan.milp import DEFAULT_MAX_SEGMENT, PlanInfeasible, min_gpu_bytes, solve_plan
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.simulate import SimResult, simulate
@@ -53,6 +53,7 @@ def search_batch(
     head_chunk_tokens: int = 4096,
     time_limit_s: float = 10.0,
     mip_rel_gap: float = 1e-4,
+    recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
 ) -> SearchResult:
     """Pick the batch size (and its plan) for ``seq_len``.
 
@@ -74,6 +75,7 @@ def search_batch(
         "head_chunk_tokens": head_chunk_tokens,
         "time_limit_s": time_limit_s,
         "mip_rel_gap": mip_rel_gap,
+        "recompute": recompute,
     }
     tried: list[dict] = []
 
@@ -83,7 +85,7 @@ def search_batch(
         while hi - lo > 1:
             mid = (lo + hi) // 2
             table = costs.at(batches[mid], seq_len)
-            need = min_gpu_bytes(table, tiers=tiers, max_segment=max_segment)
+            need = min_gpu_bytes(table, tiers=tiers, max_segment=max_segment, recompute=recompute)
             tried.append(
                 {"batch_size": batches[mid], "min_gpu_bytes": need, "feasible": need <= budget}
             )

@@ -306,10 +306,16 @@ class _StepModel:
         first = st.bwd(end - 1)
         keep = lp.mode == "keep"
 
+        # a kept layer may recompute one block in its backward: it keeps fewer bytes
+        kept = layers[start].kept(lp.recompute) if keep else None
         for j in range(start, end):
-            ms = layers[j].backward_ms + (0.0 if keep else layers[j].recompute_ms)
+            if keep:
+                ms = layers[j].backward_ms + kept.recompute_ms
+                self.phases[st.bwd(j)].append(kept.saved_bytes + kept.backward_work_bytes)
+            else:
+                ms = layers[j].backward_ms + layers[j].recompute_ms
+                self.phases[st.bwd(j)].append(layers[j].saved_bytes + layers[j].backward_work_bytes)
             compute_ms[st.bwd(j)] = ms
-            self.phases[st.bwd(j)].append(layers[j].saved_bytes + layers[j].backward_work_bytes)
 
         if end - start >= 2:
             # Segment: the first stage re-runs (no grad) start..end-2 to rebuild their inputs,
@@ -331,7 +337,7 @@ class _StepModel:
             self._wait(first, op)
             self.gpu.append((layers[j].weight_bytes, issue_w, st.bwd(j)))
 
-        nbytes = layers[start].saved_bytes if keep else layers[start].input_bytes
+        nbytes = kept.saved_bytes if keep else layers[start].input_bytes
         what = "acts" if keep else "ckpt"
         fwd = st.fwd(start)
         last_gpu = st.bwd(start) - 1

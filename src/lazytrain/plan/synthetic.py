@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from lazytrain.plan.costs import CostTable, LayerCosts, ShapeFit
+from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable, LayerCosts, RecomputeCosts, ShapeFit
 
 GB = 1e9
 
@@ -87,6 +87,22 @@ def synthetic_cost_table(
     attention_flops = 2 * seq_len * h
     forward_ms = tokens * (2 * params + attention_flops) / rate + 0.2  # + launch overhead
     bf16 = 2
+    # sub-layer options: the MLP keeps its input (the normed hidden, kept already) instead of
+    # gate, up, act and product; attention its input instead of q, k, v and its output
+    mlp_flops = 2 * 3 * h * i
+    attention_block_flops = 2 * (2 * h * h + 2 * h * kv) + attention_flops
+    recompute_options = {
+        "mlp": RecomputeCosts(
+            saved_bytes=tokens * (6 * h + 2 * kv) * bf16,
+            recompute_ms=tokens * mlp_flops / rate,
+            backward_work_bytes=tokens * (8 * i + 4 * h) * bf16,
+        ),
+        "attention": RecomputeCosts(
+            saved_bytes=tokens * (4 * h + 4 * i) * bf16,
+            recompute_ms=tokens * attention_block_flops / rate,
+            backward_work_bytes=tokens * (4 * i + 6 * h + 2 * kv) * bf16,
+        ),
+    }
     layer = LayerCosts(
         params=params,
         weight_bytes=params * bf16,
@@ -98,6 +114,7 @@ def synthetic_cost_table(
         saved_bytes=tokens * (6 * h + 2 * kv + 4 * i) * bf16,
         forward_work_bytes=tokens * (3 * i + h) * bf16,
         backward_work_bytes=tokens * (4 * i + 4 * h) * bf16,
+        recompute_options=recompute_options,
     )
     const = shape.const_params
     head_flops = 6 * shape.vocab * h * tokens
@@ -138,9 +155,10 @@ def synthetic_cost_table(
     )
 
 
-def random_cost_table(seed: int, num_layers: int, *, uniform: bool = False) -> CostTable:
+def random_cost_table(seed: int, num_layers: int, *, uniform: bool = False, options: bool = True) -> CostTable:
     """A random but self-consistent table, for fuzzing the planner (capacities unconstrained:
-    GPU memory is set to fit every plan; tests shrink it)."""
+    GPU memory is set to fit every plan; tests shrink it). Layers may recompute a random subset
+    of the sub-layer blocks (``options``)."""
     rng = random.Random(seed)
 
     def u(lo: float, hi: float) -> float:
@@ -162,8 +180,25 @@ def random_cost_table(seed: int, num_layers: int, *, uniform: bool = False) -> C
             backward_work_bytes=int(input_bytes * u(0, 30)),
         )
 
+    # the sub-layer options from a second generator: the tables without them stay as they were
+    sub = random.Random(seed + 1)
+
+    def with_options(lc: LayerCosts) -> LayerCosts:
+        options = {}
+        for name in sub.sample(RECOMPUTE_OPTIONS, sub.randint(0, len(RECOMPUTE_OPTIONS))):
+            share = sub.uniform(0.1, 0.9)  # of the saved bytes beyond the input
+            options[name] = RecomputeCosts(
+                saved_bytes=lc.input_bytes + int((lc.saved_bytes - lc.input_bytes) * (1 - share)),
+                recompute_ms=lc.recompute_ms * share * sub.uniform(0.8, 1.2),
+                backward_work_bytes=int(lc.backward_work_bytes * sub.uniform(1.0, 1.5)),
+            )
+        return replace(lc, recompute_options=options)
+
     first = layer()
     layers = [replace(first) if uniform else layer() for _ in range(num_layers)]
+    if options:
+        first = with_options(layers[0])
+        layers = [replace(first) if uniform else with_options(lc) for lc in layers]
     h2d, d2h = u(10, 60), u(10, 60)
     serial = h2d * d2h / (h2d + d2h)
     saved = sum(lc.saved_bytes for lc in layers)

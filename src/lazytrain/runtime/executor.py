@@ -10,7 +10,10 @@ Per layer the plan says what survives from forward to backward:
 - ``keep``: the layer runs with autograd; its saved tensors go through
   ``saved_tensors_hooks``. Saved *weights* are replaced by a reference (offset, size,
   stride) into the slot, so backward reads them from whichever slot holds the layer then
-  and the slot can be reused in between. Saved activations go to the plan's tier.
+  and the slot can be reused in between. Saved activations go to the plan's tier, each
+  storage once however many ops save it. With ``LayerPlan.recompute`` (mlp | attention) that
+  block keeps only its inputs (its weights among them, as slot references) and is re-run
+  inside the layer's backward (``model.sublayer``), on the weights of the backward's slot.
 - ``checkpoint``: the layer input is stored on the plan's tier and the layer runs without
   autograd; backward re-runs it with autograd.
 - ``drop``: nothing is stored; backward re-runs the segment from its checkpoint without
@@ -72,6 +75,16 @@ class _WeightRef:
     """A saved tensor that is a view of layer ``layer``'s weight slot."""
 
     layer: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class _StoredRef:
+    """A saved tensor as a view of a storage the activation store holds (``handle``)."""
+
+    handle: Handle
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
@@ -180,19 +193,28 @@ class Executor:
     def _pack_hook(self, layer: int, slot: torch.Tensor, tier: str, handles: list[Handle]):
         slot_ptr = slot.untyped_storage().data_ptr()
         const_ptrs = {c.untyped_storage().data_ptr(): i for i, c in enumerate(self._consts)}
+        # each storage is stored once per layer, however many ops save it or views of it (the
+        # q/k/v projections all save the normed input): what the profiler counts. The entry
+        # holds the GPU storage, so its address is not reused for another tensor meanwhile
+        stored: dict[tuple[int, torch.dtype], tuple[Handle, torch.Tensor]] = {}
 
         def pack(t: torch.Tensor):
-            ptr = t.untyped_storage().data_ptr()
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            where = (tuple(t.size()), tuple(t.stride()), t.storage_offset())
             if ptr == slot_ptr:
-                return _WeightRef(layer, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+                return _WeightRef(layer, *where)
             if ptr in const_ptrs:
-                return _ConstRef(const_ptrs[ptr], tuple(t.size()), tuple(t.stride()), t.storage_offset())
-            # detach: a handle holding an op's own output would close a reference cycle
-            # (output -> grad_fn -> saved handle -> output) that no backward ever breaks
-            # if the step is abandoned (an out-of-memory error, an interrupt)
-            handle = self.activations.put(t.detach(), tier)
-            handles.append(handle)
-            return handle
+                return _ConstRef(const_ptrs[ptr], *where)
+            key = (ptr, t.dtype)
+            if key not in stored:
+                # detach: a handle holding an op's own output would close a reference cycle
+                # (output -> grad_fn -> saved handle -> output) that no backward ever breaks
+                # if the step is abandoned (an out-of-memory error, an interrupt)
+                whole = t.detach().as_strided((storage.nbytes() // t.element_size(),), (1,), 0)
+                stored[key] = (self.activations.put(whole, tier), whole)
+                handles.append(stored[key][0])
+            return _StoredRef(stored[key][0], *where)
 
         return pack
 
@@ -202,7 +224,7 @@ class Executor:
             return slot.as_strided(packed.size, packed.stride, packed.offset)
         if isinstance(packed, _ConstRef):
             return self._consts[packed.index].as_strided(packed.size, packed.stride, packed.offset)
-        return self.activations.get(packed)
+        return self.activations.get(packed.handle).as_strided(packed.size, packed.stride, packed.offset)
 
     # -- gradients ------------------------------------------------------------------------
 
@@ -414,7 +436,7 @@ class Executor:
                 with torch.enable_grad(), saved_tensors_hooks(
                     self._pack_hook(i, slot, lp.tier, handles), self._unpack
                 ):
-                    out = adapter.layer_forward(i, leaves, x_in, rope, mask)
+                    out = adapter.layer_forward(i, leaves, x_in, rope, mask, recompute=lp.recompute)
                 saved[i] = (x_in, out, leaves, handles)
                 x = out.detach()
             else:

@@ -4,8 +4,10 @@ Times are medians over repeats after warm-up, with CUDA events on a GPU (perf_co
 CPU). Per layer: the no-grad forward (what a segment rebuild runs), the forward under autograd
 (a recompute), its backward, the bytes autograd saves (counted through saved_tensors_hooks,
 storages de-duplicated, weights and step constants left out) and the working sets from the
-allocator's peaks; a stack of several layer types (Qwen3.5's linear and full attention) has
-each type measured on its first layer. Constants: the embedding and the chunked head + loss. Machine: H2D, D2H
+allocator's peaks; and, at the reference shape, the saved bytes, backward time and working
+set of the layer kept with its MLP or its attention block recomputed in backward
+(``LayerCosts.recompute_options``). A stack of several layer types (Qwen3.5's linear and full
+attention) has each type measured on its first layer. Constants: the embedding and the chunked head + loss. Machine: H2D, D2H
 and both-directions bandwidth at one layer's transfer size, the slowdown of compute while a
 copy runs, the CPU optimizer's time per parameter, and (given an `NvmeStore`) the disk's
 write and read bandwidth through the NVMe tier's own path (pinned buffer, thread pool, CRC) at
@@ -27,7 +29,15 @@ from lazytrain.memory.nvme import NvmeStore, aligned_empty
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.optim.split import SplitMaster
-from lazytrain.plan.costs import CostTable, LayerCosts, ShapeFit, default_fits, usable_gpu_bytes
+from lazytrain.plan.costs import (
+    RECOMPUTE_OPTIONS,
+    CostTable,
+    LayerCosts,
+    RecomputeCosts,
+    ShapeFit,
+    default_fits,
+    usable_gpu_bytes,
+)
 from lazytrain.plan.plan import keep_all_plan
 from lazytrain.runtime.device import time_ms
 from lazytrain.runtime.executor import Executor
@@ -74,7 +84,9 @@ def saved_tensor_bytes(fn: Callable[[], object], excluded: tuple[torch.Tensor, .
 
 
 def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch: int, seq: int,
-                       repeats: int) -> dict:
+                       repeats: int, options: bool = False) -> dict:
+    """One layer's costs at one batch shape; with ``options``, also those of the layer kept
+    with each block recomputed in its backward (``recompute_options``)."""
     adapter, device, dtype = executor.adapter, executor.device, executor.dtype
     layout = adapter.layouts[layer + 1]
     masks = adapter.layer_masks(None)
@@ -87,11 +99,11 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
         with torch.no_grad():
             return adapter.layer_forward(layer, layout.views(slot), x, rope, masks)
 
-    def forward_grad():
+    def forward_grad(recompute: str = "none"):
         leaves = layout.leaves(slot)
         x_in = x.detach().requires_grad_()
         with torch.enable_grad():
-            return adapter.layer_forward(layer, leaves, x_in, rope, masks), x_in, leaves
+            return adapter.layer_forward(layer, leaves, x_in, rope, masks, recompute=recompute), x_in, leaves
 
     state = {}
 
@@ -102,21 +114,32 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
         out, x_in, leaves = state["out"]
         torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
 
+    def backward_costs(recompute: str = "none") -> tuple[float, int, int]:
+        """(backward ms, saved bytes, backward working set) of the layer kept with ``recompute``."""
+        times = []
+        for _ in range(repeats + 2):
+            state["out"] = forward_grad(recompute)
+            times.append(time_ms(device, run_backward, 1, warmup=0))
+        state["out"], saved = saved_tensor_bytes(lambda: forward_grad(recompute), excluded)
+        with _Peak(device) as peak:
+            run_backward()
+        return statistics.median(times[2:]), max(saved, input_bytes), peak.bytes
+
+    input_bytes = x.numel() * x.element_size()
     forward_ms = time_ms(device, forward_no_grad, repeats)
     recompute_ms = time_ms(device, run_forward_grad, repeats)
-    backward = []
-    for _ in range(repeats + 2):
-        state["out"] = forward_grad()
-        backward.append(time_ms(device, run_backward, 1, warmup=0))
-    backward_ms = statistics.median(backward[2:])
-    (out, x_in, leaves), saved = saved_tensor_bytes(forward_grad, excluded)
-    input_bytes = x.numel() * x.element_size()
-    saved_bytes = max(saved, input_bytes)
     with _Peak(device) as fwd_peak:
         forward_no_grad()
-    state["out"] = (out, x_in, leaves)
-    with _Peak(device) as bwd_peak:
-        run_backward()
+    backward_ms, saved_bytes, backward_work_bytes = backward_costs()
+    recompute_options = {}
+    for name in RECOMPUTE_OPTIONS if options else ():
+        option_ms, option_saved, option_work = backward_costs(name)
+        recompute_options[name] = RecomputeCosts(
+            saved_bytes=option_saved,
+            # the block's re-forward: what the backward takes beyond the whole-layer keep's
+            recompute_ms=max(option_ms - backward_ms, 0.0),
+            backward_work_bytes=option_work,
+        )
     return {
         "forward_ms": forward_ms,
         "recompute_ms": recompute_ms,
@@ -124,7 +147,8 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
         "input_bytes": input_bytes,
         "saved_bytes": saved_bytes,
         "forward_work_bytes": fwd_peak.bytes,
-        "backward_work_bytes": bwd_peak.bytes,
+        "backward_work_bytes": backward_work_bytes,
+        "recompute_options": recompute_options,
     }
 
 
@@ -275,7 +299,10 @@ def profile(
     measured: dict[str, dict] = {}
     for kind, layer in first.items():
         slot = store.weights[layer + 1].to(device)
-        measured[kind] = {shape: _layer_shape_costs(executor, layer, slot, *shape, repeats) for shape in shapes}
+        measured[kind] = {
+            shape: _layer_shape_costs(executor, layer, slot, *shape, repeats, options=shape == shapes[0])
+            for shape in shapes
+        }
         del slot
     ref = {kind: m[(batch_size, seq_len)] for kind, m in measured.items()}
     fits = default_fits()
@@ -325,6 +352,7 @@ def profile(
             saved_bytes=ref[kind]["saved_bytes"],
             forward_work_bytes=ref[kind]["forward_work_bytes"],
             backward_work_bytes=ref[kind]["backward_work_bytes"],
+            recompute_options=ref[kind]["recompute_options"],
         )
         for kind, layer in first.items()
     }

@@ -74,7 +74,7 @@ class Session:
             megatrain_every=pc.megatrain_every, checkpoint_tier=pc.checkpoint_tier,
             head_chunk_tokens=pc.head_chunk_tokens, weight_prefetch=pc.weight_prefetch,
             tiers=("gpu", "host", "nvme") if self.nvme is not None else ("gpu", "host"),
-            optimizer_overlap=pc.overlap_optimizer,
+            optimizer_overlap=pc.overlap_optimizer, recompute=tuple(pc.recompute_blocks),
         )
 
     def host_memory(self, activations: int = 0, costs: CostTable | None = None) -> budget.HostBudget:

@@ -1,0 +1,93 @@
+"""Sub-layer recompute: a kept layer whose attention or MLP block is recomputed in backward.
+
+A ``keep`` layer runs under autograd and keeps every tensor its backward needs. With
+``LayerPlan.recompute`` = ``mlp`` (or ``attention``: ``self_attn``, or ``linear_attn`` in a
+Gated-DeltaNet layer) that block runs under non-reentrant `torch.utils.checkpoint` instead: its
+internals are not saved; only its inputs are (through whatever saved-tensor hooks are active
+outside, i.e. the executor's, which put them on the plan's tier), and the layer's backward
+re-runs the block from them when it first needs one of its tensors.
+
+The block's weights are passed to the checkpoint as explicit inputs, so they are saved like its
+other inputs: the executor's pack hook turns a weight into a reference into the layer's weight
+slot, and the recompute reads it from the slot that holds the layer in backward (the forward's
+slot may hold another layer by then). Tensors in the block's keyword arguments (the mask, the
+rotary cos/sin, the hidden states HF passes by name) are moved to positional inputs for the
+same reason: checkpoint keeps keyword arguments by reference, outside any hook.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
+
+RECOMPUTE_BLOCKS = ("mlp", "attention")
+"""The blocks of a decoder layer a kept layer may recompute (``LayerPlan.recompute``)."""
+
+
+def block_name(layer_type: str, recompute: str) -> str:
+    """The HF submodule of a ``layer_type`` layer that ``recompute`` names."""
+    if recompute == "mlp":
+        return "mlp"
+    if recompute == "attention":
+        return "linear_attn" if layer_type == "linear_attention" else "self_attn"
+    raise ValueError(f"recompute {recompute!r} is not one of {RECOMPUTE_BLOCKS}")
+
+
+class _Checkpointed:
+    """Installed as ``block.forward`` while the layer's forward runs; ``inner`` is the forward
+    it replaces."""
+
+    def __init__(self, block: torch.nn.Module, weights: dict[str, torch.Tensor], inner):
+        self.block = block
+        self.inner = inner
+        self.names = list(weights)
+        self.weights = [weights[n] for n in self.names]
+        self.inside = False
+
+    def __call__(self, *args, **kwargs):
+        if self.inside:  # the checkpointed function calling the block itself
+            return self.inner(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        others = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        names, block, n = self.names, self.block, len(self.names)
+
+        def run(*tensors):
+            flat = list(others)
+            for i, t in zip(where, tensors[n:]):
+                flat[i] = t
+            a, kw = pytree.tree_unflatten(flat, spec)
+            self.inside = True
+            try:
+                # forward: the block's weights are the tensors given (the layer's leaves);
+                # recompute in backward: the ones the executor's unpack hook returns
+                return torch.func.functional_call(block, dict(zip(names, tensors[:n])), a, kw, strict=True)
+            finally:
+                self.inside = False
+
+        return checkpoint(run, *self.weights, *(leaves[i] for i in where),
+                          use_reentrant=False, preserve_rng_state=False)
+
+
+@contextmanager
+def recomputed(template: torch.nn.Module, name: str, params: dict[str, torch.Tensor]):
+    """Within the block, ``template.<name>`` runs under checkpoint with its weights from
+    ``params`` (the layer's parameters, by name inside the layer)."""
+    block = getattr(template, name)
+    prefix = name + "."
+    weights = {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+    # a forward set on the instance (a memory-lean replacement of the block's) is kept: it is
+    # what runs inside the checkpoint, and it is put back afterwards
+    own = block.__dict__.get("forward")
+    block.forward = _Checkpointed(block, weights, own or partial(type(block).forward, block))
+    try:
+        yield
+    finally:
+        if own is None:
+            del block.forward
+        else:
+            block.forward = own
