@@ -173,6 +173,23 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
 
 
+def torch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, autocast: bool = False
+               ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """One training step with a torch optimizer: loss (under bf16 autocast on CUDA with
+    ``autocast``), backward, clipping at MAX_GRAD_NORM, update; returns the loss."""
+
+    def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(ids, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def timed_loop(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], job: Job, adapter: ModelAdapter,
                device: torch.device) -> dict:
     """``warmup + steps`` synchronous steps; each measured step from its start to the end of its
@@ -275,15 +292,7 @@ def run_fsdp2(job: Job) -> dict:
                                           foreach=True)
             implementation = "foreach"
 
-        def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            loss = model(ids, labels)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        record = timed_loop(step, job, adapter, device)
+        record = timed_loop(torch_step(model, optimizer), job, adapter, device)
     finally:
         dist.destroy_process_group()
     n = adapter.num_params()
@@ -396,16 +405,7 @@ def run_pytorch_gpu(job: Job) -> dict:
     model = ChunkedLossModel(lm, job.head_chunk)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
 
-    def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(ids, labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    record = timed_loop(step, job, adapter, device)
+    record = timed_loop(torch_step(model, optimizer, autocast=True), job, adapter, device)
     return {
         **record, "optimizer": "torch.optim.AdamW (fused, GPU, fp32)", "optimizer_exact": True,
         "precision": "fp32 parameters, bf16 autocast", "host_bytes_per_param": {"total": 0},
