@@ -123,8 +123,10 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
 
     ``batches`` (step -> a data `Batch`, padded or packed) trains on real data instead; its steps
     differ in real tokens and width, so tokens/s and TFLOPS are then the measured steps' totals
-    over their total time, not medians. ``stage_memory`` (CUDA): the last step records the peak
-    GPU bytes allocated per stage (``stage_memory_gb``: [stage, GB], the simulator's stage names).
+    over their total time, not medians. ``stage_memory`` (CUDA): every step records the peak
+    GPU bytes allocated per stage; the record keeps the last step's (``stage_memory_gb``:
+    [stage, GB], the simulator's stage names). A step that runs out of GPU memory raises with
+    its stages so far as the error's ``stage_memory`` ([stage, bytes]), for `oom_record`.
     """
     adapter, device = session.adapter, session.device
     optimizer = optimizer or session.optimizer
@@ -136,12 +138,12 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
     executor.trace.enabled = True
     batch, seq = plan.batch_size, plan.seq_len
     measured = []
+    run_peak = 0  # with stage memory the allocator's peak is reset at every stage
     try:
-        peak_before = 0
         for step in range(warmup + steps):
-            if stage_memory and cuda and step == warmup + steps - 1:
-                # the allocator's peak is reset at every stage from here: keep the run's so far
-                peak_before = torch.cuda.max_memory_allocated(device)
+            if stage_memory and cuda:
+                run_peak = max([run_peak, torch.cuda.max_memory_allocated(device),
+                                *(b for _, b in executor.stage_memory or [])])
                 executor.stage_memory = []
             if batches is None:
                 ids, labels = random_batch(batch, seq, adapter.vocab_size, seed=step)
@@ -161,7 +163,9 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
             if step >= warmup:
                 measured.append((t0, stats, trace, waited, inputs["input_ids"].shape[1]))
         updater.finish()
-    except BaseException:
+    except BaseException as error:
+        if executor.stage_memory is not None:
+            error.stage_memory = list(executor.stage_memory)
         try:
             updater.finish()
         except RuntimeError:
@@ -186,7 +190,7 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
     })
     if cuda:  # peaks over the whole run, not a median
         stages = executor.stage_memory or []
-        record["peak_gpu_alloc_gb"] = max([peak_before, torch.cuda.max_memory_allocated(device),
+        record["peak_gpu_alloc_gb"] = max([run_peak, torch.cuda.max_memory_allocated(device),
                                            *(b for _, b in stages)]) / 1e9
         if stages:
             record["stage_memory_gb"] = [[name, b / 1e9] for name, b in stages]
@@ -200,9 +204,16 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
 
 
 def oom_record(name: str, header: dict, policy: str, batch: int, seq: int, error: BaseException) -> dict:
-    """A run that ran out of GPU memory, recorded with the allocator's message."""
+    """A run that ran out of GPU memory, recorded with the allocator's message (and, when the
+    step recorded its stages, the peak of each stage it finished: ``stage_memory_gb``, and
+    ``oom_after_stage``, the last of them)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"name": name, **header, "policy": policy, "batch_size": batch, "seq_len": seq,
-            "oom": str(error).split("\n")[0]}
+    record = {"name": name, **header, "policy": policy, "batch_size": batch, "seq_len": seq,
+              "oom": str(error).split("\n")[0]}
+    stages = getattr(error, "stage_memory", None)
+    if stages is not None:
+        record["stage_memory_gb"] = [[stage, b / 1e9] for stage, b in stages]
+        record["oom_after_stage"] = stages[-1][0] if stages else "step start"
+    return record

@@ -65,12 +65,13 @@ from bench.common import (
 from lazytrain.model.kernels import select_linear_attention_kernels
 from lazytrain.plan.costs import CostTable, usable_gpu_bytes
 from lazytrain.plan.milp import PlanInfeasible
-from lazytrain.plan.plan import Plan
+from lazytrain.plan.plan import Plan, keep_all_plan
 from lazytrain.plan.policies import PolicyOptions, policy_plan
 from lazytrain.plan.search import search_batch
 from lazytrain.plan.simulate import simulate
 from lazytrain.runtime.device import cap_gpu_memory
 from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.profiler import CONSTANTS, measure_constants
 
 GiB = 2**30
 
@@ -247,6 +248,31 @@ def main() -> None:
         study(session, args, kernels)
 
 
+def predicted_stages(record: dict, predicted) -> None:
+    """Each measured stage's peak next to the simulator's: [stage, measured GB, predicted GB]."""
+    if "stage_memory_gb" in record:
+        by_name = dict(zip(predicted.stage_names, predicted.gpu_bytes_by_stage))
+        record["stage_memory_gb"] = [[name, gb, by_name.get(name, 0) / 1e9] for name, gb in record["stage_memory_gb"]]
+
+
+def load_costs(path: str, session, args) -> CostTable:
+    """A saved cost table; one written before the embedding's and the head's working sets were
+    measured as now (`profiler.CONSTANTS`) gets those constants measured here, on this model at
+    the table's shape, so an older profile's layer costs stay usable."""
+    d = json.loads(Path(path).read_text())
+    missing = [name for name in CONSTANTS if name not in d]
+    if missing:
+        batch, seq = d["batch_size"], d["seq_len"]
+        executor = Executor(session.adapter, session.store,
+                            keep_all_plan(session.adapter.num_layers, batch, seq, args.head_chunk), session.device)
+        measured = measure_constants(executor, session.store, session.device, batch, seq)
+        print(f"{path} has no {', '.join(missing)}: embedding and head measured now at b{batch} s{seq}: "
+              + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()), flush=True)
+        d = {**d, **measured, "notes": {**d.get("notes", {}), "constants": (
+            f"{', '.join(CONSTANTS)} measured by bench/plan_bench.py on {today()}: the table predates {', '.join(missing)}")}}
+    return CostTable.from_dict(d)
+
+
 def study(session, args, kernels: str) -> None:
     """Profile, then every run of ``args.runs`` meant for ``kernels``; one record file."""
     device, store = session.device, session.store
@@ -277,7 +303,7 @@ def study(session, args, kernels: str) -> None:
     given = dict(spec.rpartition("=")[::2] for spec in args.costs)
     costs_file = given.get(kernels) or given.get("")
     if costs_file:
-        costs = CostTable.load(costs_file).at(args.batch, args.seq)
+        costs = load_costs(costs_file, session, args).at(args.batch, args.seq)
     else:
         costs = session.cost_table()
         costs.save(os.path.join(args.out, f"costs_{args.model}_{dev}_{date}_s{args.seq}_b{args.batch}{kernels_tag}{args.tag}.json"))
@@ -301,15 +327,15 @@ def study(session, args, kernels: str) -> None:
             record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps, stage_memory=args.stage_memory)
         except torch.OutOfMemoryError as error:
             records.append(oom_record(name, common, policy, plan.batch_size, args.seq, error))
-            print(f"{name}: out of memory: {records[-1]['oom']}", flush=True)
+            predicted_stages(records[-1], simulate(plan, table, optimizer_overlap=True))
+            print(f"{name}: out of memory: {records[-1]['oom']}"
+                  + (f" after stage {records[-1]['oom_after_stage']}" if "oom_after_stage" in records[-1] else ""),
+                  flush=True)
             save()
             return False
         predicted = simulate(plan, table, optimizer_overlap=True)
         record.update(predicted.metrics())
-        if "stage_memory_gb" in record:  # measured against predicted, stage by stage
-            by_name = dict(zip(predicted.stage_names, predicted.gpu_bytes_by_stage))
-            record["stage_memory_gb"] = [[name, gb, by_name.get(name, 0) / 1e9]
-                                         for name, gb in record["stage_memory_gb"]]
+        predicted_stages(record, predicted)
         record["prediction_error"] = record["predicted_step_time_s"] / record["step_time_s"] - 1
         record["per_layer_type"] = per_type(plan, table, record["compute_only_layer_ms_by_type"])
         record["gpu_mem_cap_gb"] = cap_gb
@@ -460,6 +486,11 @@ def markdown(records: list[dict], args) -> str:
                          f"(machine {hb['machine']:.1f}, {'fits' if hb['fits'] else 'OVER'}); measured host RSS "
                          f"{r['host_rss_gb']:.1f} GB." + (f" tokens/s {r['tokens_per_s_vs_baseline']:.3f}x "
                          f"{r['baseline']}." if "baseline" in r else ""))
+    for r in records:
+        if "oom" in r and r.get("stage_memory_gb"):
+            last = ", ".join(f"{name} {gb:.1f} / {pred:.1f}" for name, gb, pred in r["stage_memory_gb"][-4:])
+            lines.append(f"\n{r['name']}: out of GPU memory in the stage after {r['oom_after_stage']}; the stages "
+                         f"before it (GB, measured / predicted): {last}.")
     caps = [r for r in records if "measured_max_batch" in r]
     if caps:
         lines += ["", f"Largest batch with the GPU capped at {caps[0]['cap_gb']:g} GiB "

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {"name", "date", "device", "torch", "model", "seq_len", "batch_size", "policy", "tokens_per_s",
@@ -27,6 +28,22 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
         assert FIELDS <= r.keys(), FIELDS - r.keys()
         assert r["tokens_per_s"] > 0 and r["predicted_step_time_s"] > 0 and r["world_size"] == 1
     assert (tmp_path / next(tmp_path.glob("plan_tiny_*.json")).name.replace(".json", ".md")).exists()
+
+    # a cost table from before the embedding's and head's working sets were measured: the
+    # bench measures those constants on the model and keeps the table's layer costs
+    (costs_file,) = tmp_path.glob("costs_tiny_*.json")
+    old = json.loads(costs_file.read_text())
+    del old["head_token_bytes"], old["embed_backward_work_bytes"]
+    costs_file.write_text(json.dumps(old))
+    again = tmp_path / "again"
+    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+                    "--seq", "32", "--runs", "megatrain", "--split-master", "off", "--warmup", "0", "--steps", "1",
+                    "--costs", str(costs_file), "--out", str(again)], cwd=ROOT, check=True, capture_output=True,
+                   timeout=300)
+    (records,) = [json.loads(p.read_text()) for p in again.glob("plan_tiny_*.json")]
+    (costs,) = [r["costs"] for r in records if r["name"] == "costs"]
+    assert "predates embed_backward_work_bytes, head_token_bytes" in costs["notes"]["constants"]
+    assert costs["layers"] == old["layers"]
 
 
 def test_merge_results_keeps_every_record_once(tmp_path):
@@ -72,3 +89,14 @@ def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path):
     assert sorted((r["kind"], r["seed"]) for r in records) == [("fp32", 1), ("fp32", 2), ("hybrid8bit", 1), ("hybrid8bit", 2)]
     assert all(r["shared_pretrain"] and r["optimizer"] for r in records)
     assert len({r["pretrain_exact_match"] for r in records}) == 1  # one base model
+
+
+def test_an_out_of_memory_record_keeps_the_stages_that_finished():
+    from bench.common import oom_record
+
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.79 GiB.\nmore")
+    error.stage_memory = [("embed", 2 * 10**9), ("fwd 0", 3 * 10**9)]
+    record = oom_record("run", {"model": "m"}, "solved", 64, 1024, error)
+    assert record["oom"] == "CUDA out of memory. Tried to allocate 3.79 GiB."
+    assert record["stage_memory_gb"] == [["embed", 2.0], ["fwd 0", 3.0]] and record["oom_after_stage"] == "fwd 0"
+    assert "stage_memory_gb" not in oom_record("run", {}, "solved", 64, 1024, torch.OutOfMemoryError("x"))

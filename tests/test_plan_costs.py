@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lazytrain.plan.costs import CostTable, ShapeFit
+from lazytrain.plan.costs import CostTable, CostTableMismatch, ShapeFit
 from lazytrain.plan.synthetic import QWEN25_32B, random_cost_table, synthetic_cost_table
 
 
@@ -34,7 +34,9 @@ def test_at_scales_bytes_with_tokens_and_attention_with_seq():
     assert ls.saved_bytes == 2 * ref.saved_bytes
     # Same tokens, but twice the attention per token: longer sequences cost more per token.
     assert ls.forward_ms > lb.forward_ms > 1.9 * ref.forward_ms
-    assert double_batch.head_work_bytes == table.head_work_bytes  # chunked: constant
+    # the head's chunk is the same, its per-token tensors double
+    assert double_batch.head_work_bytes == round(table.head_work_bytes + table.head_token_bytes * 4 * 4096)
+    assert double_batch.embed_backward_work_bytes == 2 * table.embed_backward_work_bytes
     assert double_batch.head_ms == pytest.approx(2 * table.head_ms)
 
 
@@ -58,12 +60,16 @@ def test_validation_says_what_to_do():
         ShapeFit(per_token=0.0)
 
 
-def test_head_working_set_grows_with_tokens_up_to_one_chunk():
-    costs = replace(synthetic_cost_table(QWEN25_32B, 8, 1024), head_chunk_tokens=4096)
-    assert costs.at(8, 1024).head_work_bytes == costs.head_work_bytes
-    # 8192 tokens fill two chunks; 2048 tokens fill half of one
-    assert costs.at(2, 1024).head_work_bytes == round(costs.head_work_bytes / 2)
-    assert costs.at(64, 1024).head_work_bytes == costs.head_work_bytes
-    unknown = replace(costs, head_chunk_tokens=0)
-    assert unknown.at(2, 1024).head_work_bytes == round(
-        unknown.head_work_bytes * unknown.fits["head_work_bytes"].ratio(2048, 1, 8192, 1))
+def test_head_working_set_grows_by_its_measured_bytes_per_token():
+    costs = replace(synthetic_cost_table(QWEN25_32B, 8, 1024), head_work_bytes=10**9, head_token_bytes=1000.0)
+    assert costs.at(8, 1024).head_work_bytes == 10**9
+    assert costs.at(16, 1024).head_work_bytes == 10**9 + 1000 * 8 * 1024
+    assert costs.at(4, 1024).head_work_bytes == 10**9 - 1000 * 4 * 1024
+    assert replace(costs, head_token_bytes=10**6).at(1, 1024).head_work_bytes == 0  # never below zero
+
+
+def test_a_table_without_the_newer_fields_says_to_profile_again():
+    d = synthetic_cost_table(QWEN25_32B, 8, 1024).to_dict()
+    del d["embed_backward_work_bytes"], d["head_token_bytes"]
+    with pytest.raises(CostTableMismatch, match="embed_backward_work_bytes, head_token_bytes.*profile again"):
+        CostTable.from_dict(d)

@@ -37,7 +37,11 @@ def mixed_table(num_layers: int = 12) -> CostTable:
 
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("costs_*.json")), ids=lambda p: p.name)
 def test_tables_written_before_layer_types_load_as_one_type(path):
-    table = CostTable.load(path)
+    d = json.loads(path.read_text())
+    # tables written before the head's per-token bytes and the embedding's backward working
+    # set were measured (they load only with them given; neither matters here)
+    d = {"head_token_bytes": 0.0, "embed_backward_work_bytes": 0, **d}
+    table = CostTable.from_dict(d)
     if "layer_types" not in json.loads(path.read_text()):
         assert set(table.layer_types) == {"full_attention"}
         assert list(table.type_costs()) == ["full_attention"]

@@ -123,3 +123,20 @@ def test_plan_for_another_shape_is_rejected():
     plan = keep_all_plan(4, table.batch_size + 1, table.seq_len)
     with pytest.raises(ValueError, match=r"costs\.at"):
         simulate(plan, table)
+
+
+def test_the_embedding_backward_working_set_is_a_stage_of_its_own():
+    """Its fp32 sums and incoming gradient live after every layer's backward (a 9B solved plan
+    ran out of GPU memory there when nothing counted them)."""
+    from dataclasses import replace
+
+    table = random_cost_table(3, 4)
+    plan = megatrain_plan(4, table.batch_size, table.seq_len, every=2)
+    base = simulate(plan, table)
+    work = base.peak_gpu_bytes + 10**9
+    sim = simulate(plan, replace(table, embed_backward_work_bytes=work))
+    assert sim.peak_gpu_stage == "embed bwd"
+    w_max = max(lc.weight_bytes for lc in table.layers)
+    assert sim.peak_gpu_bytes == pytest.approx(table.gpu_fixed_bytes + table.grad_buffers * w_max + work)
+    assert milp_evaluate(plan, replace(table, embed_backward_work_bytes=work))[1] == pytest.approx(
+        sim.peak_gpu_bytes, abs=4096)

@@ -64,8 +64,26 @@ def test_embedding_gradient_is_summed_in_fp32():
     adapter, _ = build_model("builtin:tiny", CPU, torch.bfloat16, seed=0, vocab_size=len(tokenizer), pin=False)
     ids = torch.zeros(1, 4096, dtype=torch.long)  # one token, 4096 times
     grad = torch.full((1, 4096, adapter.hidden_size), 1.0 + 2**-7, dtype=torch.bfloat16)
-    shape = (adapter.vocab_size, adapter.hidden_size)
-    g = adapter.embed_backward(ids, grad, torch.Size(shape))
-    assert g.dtype == torch.float32
+    out = torch.zeros(adapter.vocab_size, adapter.hidden_size, dtype=torch.float32)
+    g = adapter.embed_backward(ids, grad, out, chunk_tokens=1000)
+    assert g is out
     # a running sum in bf16 stops growing once its spacing exceeds twice the term
     torch.testing.assert_close(g[0], torch.full_like(g[0], 4096 * (1.0 + 2**-7)))
+    assert not g[1:].any()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_embedding_gradient_equals_a_full_fp32_sum_rounded_once(tied):
+    """Summing only the batch's tokens' rows, a chunk at a time, gives the bits of a dense
+    vocab x hidden fp32 sum (plus the tied head's gradient) rounded once."""
+    adapter, _ = build_model("builtin:tiny", CPU, torch.bfloat16, seed=0, vocab_size=64, pin=False)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 40, (3, 300), generator=gen)  # repeats, and rows never touched
+    grad = torch.randn(3, 300, adapter.hidden_size, generator=gen).to(torch.bfloat16)
+    shape = (adapter.vocab_size, adapter.hidden_size)
+    head = torch.randn(shape, generator=gen).to(torch.bfloat16) if tied else torch.zeros(shape, dtype=torch.bfloat16)
+    dense = torch.zeros(shape).index_add_(0, ids.reshape(-1), grad.reshape(-1, shape[1]).float())
+    expected = (dense + head.float()).to(torch.bfloat16)
+    got = adapter.embed_backward(ids, grad, head.clone(), chunk_tokens=128)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, expected)

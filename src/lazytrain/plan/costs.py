@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +103,6 @@ UNIFORM_TYPE = "full_attention"
 """The layer type of a table without ``layer_types`` (every family before Qwen3.5)."""
 
 TOKEN_LINEAR = ShapeFit()
-CONSTANT = ShapeFit(per_token=0.0, const=1.0)
 
 FITTED = (
     "forward_ms",
@@ -115,16 +114,13 @@ FITTED = (
     "backward_work_bytes",
     "embed_ms",
     "head_ms",
-    "head_work_bytes",
 )
 """Quantities `CostTable.at` rescales; each has a `ShapeFit` in `CostTable.fits`."""
 
 
 def default_fits() -> dict[str, ShapeFit]:
-    """Everything linear in tokens, except the chunked LM head's working set (constant)."""
-    fits = {name: replace(TOKEN_LINEAR) for name in FITTED}
-    fits["head_work_bytes"] = replace(CONSTANT)
-    return fits
+    """Everything linear in tokens."""
+    return {name: replace(TOKEN_LINEAR) for name in FITTED}
 
 
 RECOMPUTE_OPTIONS = ("mlp", "attention")
@@ -229,7 +225,16 @@ class CostTable:
     head_ms: float
     """Final norm + chunked LM head + loss, forward and backward together."""
     head_work_bytes: int
-    """Peak transient bytes of the chunked head and loss (beyond its input)."""
+    """Peak transient bytes of the final norm, chunked head and loss (beyond its input) at
+    the table's shape."""
+    head_token_bytes: float
+    """What ``head_work_bytes`` grows by per token: the final norm's and the hidden states'
+    per-token tensors (the head's chunk of logits is the same at any batch that fills a
+    chunk). The profiler measures the head at two token counts."""
+    embed_backward_work_bytes: int
+    """Peak transient bytes of the embedding's backward: the gradient flowing into it and the
+    fp32 sums of the batch's tokens (`ModelAdapter.embed_backward`), beyond the resident
+    weights and their gradients (``gpu_fixed_bytes``)."""
     const_params: int
     """Parameters outside the decoder layers (embedding, final norm, head)."""
     const_weight_bytes: int
@@ -258,8 +263,7 @@ class CostTable:
     nvme_bytes: int = 0
     """NVMe space for activations (0: no NVMe tier)."""
     head_chunk_tokens: int = 0
-    """Tokens per head + loss chunk when ``head_work_bytes`` was measured: the head's working
-    set grows with the tokens up to one chunk, then stays (0: unknown, held constant)."""
+    """Tokens per head + loss chunk when ``head_work_bytes`` was measured (0: unknown)."""
 
     world_size: int = 1
     """Data-parallel ranks: each rank brings back 1/world_size of every gradient (reduce-
@@ -444,23 +448,27 @@ class CostTable:
             embed_forward_ms=self.embed_forward_ms * scaled["embed_ms"],
             embed_backward_ms=self.embed_backward_ms * scaled["embed_ms"],
             head_ms=self.head_ms * scaled["head_ms"],
-            head_work_bytes=round(self.head_work_bytes * self._head_work_ratio(batch_size * seq_len)),
+            head_work_bytes=max(0, round(self.head_work_bytes
+                                         + self.head_token_bytes * (batch_size * seq_len - self.tokens))),
+            embed_backward_work_bytes=round(
+                self.embed_backward_work_bytes * TOKEN_LINEAR.ratio(batch_size, seq_len, *ref)),
             fits={k: replace(v) for k, v in self.fits.items()},
             notes=dict(self.notes),
             layer_types=list(self.layer_types),
         )
-
-    def _head_work_ratio(self, tokens: int) -> float:
-        if self.head_chunk_tokens <= 0:
-            return self.fits["head_work_bytes"].ratio(tokens, 1, self.tokens, 1)
-        chunk = self.head_chunk_tokens
-        return min(tokens, chunk) / min(self.tokens, chunk)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> CostTable:
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        missing = sorted(required - set(d))
+        if missing:
+            raise CostTableMismatch(
+                f"the cost table has no {', '.join(missing)}: it was written by an older LazyTrain; "
+                "profile again (`lazytrain profile`), or drop plan.costs"
+            )
         return cls(**d)
 
     def save(self, path: str | Path) -> None:

@@ -591,7 +591,7 @@ def _build(
                     for u in rebuilds
                 )
                 m.le(fixed_gb + kept_before[i] + peak + grads, cap)
-        m.le(fixed_gb + grads, cap)
+        m.le(fixed_gb + grads + c.embed_backward_work_bytes / GB, cap)
         m.le(
             total(saved(i, "o") + p[i] * x[i] for i in range(L)),
             max(c.host_bytes / GB - _MARGIN_GB, 0.0),

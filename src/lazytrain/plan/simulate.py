@@ -261,6 +261,7 @@ class _StepModel:
             )
 
         self.phases[st.head].append(layers[L - 1].input_bytes + c.head_work_bytes)
+        self.phases[st.embed_bwd].append(c.embed_backward_work_bytes)
 
         for start, end in units(plan):
             self._unit(start, end, compute_ms)

@@ -128,7 +128,12 @@ def synthetic_cost_table(
         embed_forward_ms=0.5 + tokens * h * bf16 / 2e9,
         embed_backward_ms=1.0 + tokens * h * 4 / 1e9,
         head_ms=head_flops / rate,
-        head_work_bytes=chunk * shape.vocab * 6,
+        # the chunk's bf16 logits and their fp32 copy; per token: the final norm's input, output
+        # and gradients, the selected hidden rows and their gradient
+        head_work_bytes=chunk * shape.vocab * 6 + tokens * h * 12,
+        head_token_bytes=h * 12,
+        # the incoming gradient, the fp32 sums of the (at most) distinct tokens, one fp32 chunk
+        embed_backward_work_bytes=(tokens * bf16 + min(tokens, shape.vocab) * 4 + min(tokens, 8192) * 4) * h,
         head_chunk_tokens=head_chunk_tokens,
         const_params=const,
         const_weight_bytes=const * bf16,
@@ -148,7 +153,6 @@ def synthetic_cost_table(
             "forward_ms": time_fit,
             "backward_ms": time_fit,
             "recompute_ms": time_fit,
-            "head_work_bytes": ShapeFit(per_token=0.0, const=1.0),
         },
         device=mc.device,
         notes={"synthetic": True, "matmul_tflops": mc.matmul_tflops},
@@ -211,6 +215,8 @@ def random_cost_table(seed: int, num_layers: int, *, uniform: bool = False, opti
         embed_backward_ms=u(0.1, 5),
         head_ms=u(1, 100),
         head_work_bytes=int(u(0, 2) * GB),
+        head_token_bytes=u(0, 20_000),
+        embed_backward_work_bytes=int(u(0, 2) * GB),
         const_params=const_params,
         const_weight_bytes=2 * const_params,
         const_grad_bytes=2 * const_params,

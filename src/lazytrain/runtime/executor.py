@@ -519,11 +519,9 @@ class Executor:
 
         # embedding (and the tied head), summed in fp32 and rounded once
         span = self.trace.begin()
-        g_embed = adapter.embed_backward(ids, g, embed_w.shape)
-        if adapter.tied:
-            g_embed += head_grad
+        g_embed = adapter.embed_backward(ids, g, head_grad if adapter.tied else torch.zeros_like(embed_w))
         self.trace.end("compute", span)
-        self._emit_grads(0, {"embed_tokens.weight": g_embed.to(self.dtype)})
+        self._emit_grads(0, {"embed_tokens.weight": g_embed})
         del g, g_embed
         self._stage_done("embed bwd")
 

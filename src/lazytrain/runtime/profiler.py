@@ -312,34 +312,7 @@ def profile(
                 [(b, s, sum(m[(b, s)][name] for m in measured.values())) for b, s in shapes]
             )
 
-    # constants: embedding forward/backward, chunked head + loss (forward and backward)
-    tokens = batch_size * seq_len
-    ids = torch.randint(0, adapter.vocab_size, (batch_size, seq_len), device=device)
-    embed = store.weights[0].to(device)
-    final = store.weights[-1].to(device)
-    embed_leaf = adapter.layouts[0].leaves(embed)
-    final_leaf = adapter.final_layout.leaves(final)
-    head_w = adapter.head_weight(embed_leaf, final_leaf)
-    x = torch.randn(batch_size, seq_len, adapter.hidden_size, device=device, dtype=store.dtype)
-    valid = torch.arange(tokens, device=device)
-    targets = torch.randint(0, adapter.vocab_size, (tokens,), device=device)
-    embed_state = {}
-
-    def embed_forward():
-        with torch.enable_grad():
-            embed_state["h"] = adapter.embed(embed_leaf["embed_tokens.weight"], ids)
-
-    def embed_backward():
-        torch.autograd.grad(embed_state["h"], [embed_leaf["embed_tokens.weight"]], torch.ones_like(embed_state["h"]))
-
-    embed_forward_ms = time_ms(device, embed_forward, repeats)
-    embed_backward_times = []
-    for _ in range(repeats + 1):
-        embed_forward()
-        embed_backward_times.append(time_ms(device, embed_backward, 1, warmup=0))
-    with _Peak(device) as head_peak:
-        head_ms = time_ms(device, lambda: executor.head_loss_backward(
-            x, final_leaf["model.norm.weight"], head_w, valid, targets, tokens), repeats)
+    constants = measure_constants(executor, store, device, batch_size, seq_len, repeats)
     esize = store.weights[1].element_size()
     type_costs = {
         kind: LayerCosts(
@@ -378,10 +351,7 @@ def profile(
         type_costs,
         batch_size=batch_size,
         seq_len=seq_len,
-        embed_forward_ms=embed_forward_ms,
-        embed_backward_ms=statistics.median(embed_backward_times[1:]),
-        head_ms=head_ms,
-        head_work_bytes=head_peak.bytes,
+        **constants,
         head_chunk_tokens=head_chunk_tokens,
         const_params=const_params,
         const_weight_bytes=const_params * esize,
@@ -393,7 +363,7 @@ def profile(
         gpu_bytes=usable_gpu_bytes(gpu_bytes or total_gpu),
         # resident embedding and final group and their gradients; the CUDA context and the
         # allocator's slack come out of gpu_bytes (usable_gpu_bytes), not here
-        gpu_fixed_bytes=2 * (embed.numel() + final.numel()) * esize,
+        gpu_fixed_bytes=2 * (store.weights[0].numel() + store.weights[-1].numel()) * esize,
         host_bytes=max(int(host_free), 0),
         fits=fits,
         world_size=local_world_size,
@@ -402,3 +372,68 @@ def profile(
         notes={"profiled_shapes": [list(s) for s in shapes], "nvme": disk_note},
         **machine,
     )
+
+
+CONSTANTS = ("embed_forward_ms", "embed_backward_ms", "embed_backward_work_bytes", "head_ms",
+             "head_work_bytes", "head_token_bytes")
+"""The `CostTable` fields `measure_constants` gives."""
+
+
+def measure_constants(executor: Executor, store: HostStore, device: torch.device, batch_size: int,
+                      seq_len: int, repeats: int = 3) -> dict:
+    """The embedding's forward and backward and the final norm + chunked head + loss (forward
+    and backward) at ``(batch_size, seq_len)``: times, and the working sets from the allocator's
+    peaks (0 on the CPU), through the executor's own code.
+
+    The head is measured at two token counts as well (the whole batch and half of it), for
+    ``head_token_bytes``; the embedding's backward with every token distinct (its fp32 sums'
+    largest size at this many tokens).
+    """
+    adapter = executor.adapter
+    embed = store.weights[0].to(device)
+    final = store.weights[-1].to(device)
+    embed_leaf = adapter.layouts[0].leaves(embed)
+    final_leaf = adapter.final_layout.leaves(final)
+    embed_w = embed_leaf["embed_tokens.weight"]
+    head_w = adapter.head_weight(embed_leaf, final_leaf)
+    tokens = batch_size * seq_len
+    ids = torch.randint(0, adapter.vocab_size, (batch_size, seq_len), device=device)
+    distinct = (torch.arange(tokens, device=device) % adapter.vocab_size).view(batch_size, seq_len)
+
+    with torch.no_grad():
+        embed_forward_ms = time_ms(device, lambda: adapter.embed(embed_w, ids), repeats)
+
+    def embed_backward() -> tuple[float, int]:
+        # the gradient buffer is resident (in gpu_fixed_bytes), the incoming gradient is not
+        grad_out = torch.zeros_like(embed_w)
+        with _Peak(device) as peak:
+            g = torch.randn(batch_size, seq_len, adapter.hidden_size, device=device, dtype=store.dtype)
+            ms = time_ms(device, lambda: adapter.embed_backward(distinct, g, grad_out), repeats)
+        return ms, peak.bytes
+
+    embed_backward_ms, embed_backward_bytes = embed_backward()
+
+    def head(rows: int) -> tuple[float, int]:
+        x = torch.randn(rows, seq_len, adapter.hidden_size, device=device, dtype=store.dtype)
+        n = rows * seq_len
+        valid = torch.arange(n, device=device)
+        targets = torch.randint(0, adapter.vocab_size, (n,), device=device)
+        with _Peak(device) as peak:
+            ms = time_ms(device, lambda: executor.head_loss_backward(
+                x, final_leaf["model.norm.weight"], head_w, valid, targets, n), repeats)
+        return ms, peak.bytes
+
+    head_ms, head_bytes = head(batch_size)
+    half = batch_size // 2
+    head_token_bytes = 0.0
+    if half >= 1:
+        _, half_bytes = head(half)
+        head_token_bytes = max(0.0, (head_bytes - half_bytes) / ((batch_size - half) * seq_len))
+    return {
+        "embed_forward_ms": embed_forward_ms,
+        "embed_backward_ms": embed_backward_ms,
+        "embed_backward_work_bytes": embed_backward_bytes,
+        "head_ms": head_ms,
+        "head_work_bytes": head_bytes,
+        "head_token_bytes": head_token_bytes,
+    }
