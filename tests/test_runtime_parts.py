@@ -108,3 +108,40 @@ def test_stage_memory_names_the_simulators_stages_in_order(tmp_path):
     predicted = simulate(plan, costs)
     assert names == predicted.stage_names and len(predicted.gpu_bytes_by_stage) == len(names)
     assert [v for _, v in executor.stage_memory] == list(range(len(names)))
+
+
+@pytest.mark.parametrize("recompute", ["none", "attention"])
+def test_a_host_tier_keep_layer_lets_go_of_its_device_tensors_after_its_forward(tmp_path, recompute):
+    """Autograd keeps a pack hook (and what it refers to) as long as the graph: the executor's
+    per-layer table of stored tensors must not outlive the layer's forward, or every offloaded
+    tensor's GPU copy stays until backward (a Qwen3.5-9B solved plan ran out of GPU memory so)."""
+    import gc
+    import weakref
+
+    from lazytrain.config import load_config
+    from lazytrain.plan.plan import LayerPlan, Plan
+    from lazytrain.runtime.executor import Executor
+    from lazytrain.train.session import build_session
+
+    session = build_session(load_config(None, [f"training.output_dir={tmp_path}", "model.source=builtin:tiny"]))
+    L = session.adapter.num_layers
+    plan = Plan(batch_size=2, seq_len=16, layers=[LayerPlan(mode="keep", tier="host", recompute=recompute)] * L,
+                policy="test")
+    executor = Executor(session.adapter, session.store, plan, session.device)
+    offloaded = []
+    put = executor.activations.put
+
+    def tracking_put(tensor, tier):
+        offloaded.append(weakref.ref(tensor))
+        return put(tensor, tier)
+
+    def alive():
+        gc.collect()
+        return sum(ref() is not None for ref in offloaded)
+
+    executor.activations.put = tracking_put
+    executor.stage_memory, executor.memory_probe = [], alive
+    ids = torch.randint(0, session.adapter.vocab_size, (2, 16))
+    executor.forward_backward(ids, ids.clone())
+    assert len(offloaded) > 0
+    assert [n for _, n in executor.stage_memory] == [0] * len(executor.stage_memory)

@@ -190,13 +190,16 @@ class Executor:
 
     # -- saved-tensor hooks for "keep" layers --------------------------------------------
 
-    def _pack_hook(self, layer: int, slot: torch.Tensor, tier: str, handles: list[Handle]):
+    def _pack_hook(self, layer: int, slot: torch.Tensor, tier: str, handles: list[Handle],
+                   stored: dict[tuple[int, torch.dtype], tuple[Handle, torch.Tensor]]):
+        """The saved-tensor pack hook of a keep layer's forward. ``stored``: each storage is
+        stored once per layer, however many ops save it or views of it (the q/k/v projections
+        all save the normed input): what the profiler counts. An entry holds the GPU storage,
+        so its address is not reused for another tensor during the forward; the caller clears
+        ``stored`` after it (autograd keeps a pack hook, and all it refers to, as long as the
+        graph: an entry left there would keep an offloaded tensor's GPU copy until backward)."""
         slot_ptr = slot.untyped_storage().data_ptr()
         const_ptrs = {c.untyped_storage().data_ptr(): i for i, c in enumerate(self._consts)}
-        # each storage is stored once per layer, however many ops save it or views of it (the
-        # q/k/v projections all save the normed input): what the profiler counts. The entry
-        # holds the GPU storage, so its address is not reused for another tensor meanwhile
-        stored: dict[tuple[int, torch.dtype], tuple[Handle, torch.Tensor]] = {}
 
         def pack(t: torch.Tensor):
             storage = t.untyped_storage()
@@ -433,10 +436,12 @@ class Executor:
                 x_in = x.requires_grad_()
                 leaves = layouts[i + 1].leaves(slot)
                 handles: list[Handle] = []
+                stored: dict = {}
                 with torch.enable_grad(), saved_tensors_hooks(
-                    self._pack_hook(i, slot, lp.tier, handles), self._unpack
+                    self._pack_hook(i, slot, lp.tier, handles, stored), self._unpack
                 ):
                     out = adapter.layer_forward(i, leaves, x_in, rope, mask, recompute=lp.recompute)
+                stored.clear()
                 saved[i] = (x_in, out, leaves, handles)
                 x = out.detach()
             else:
