@@ -256,9 +256,10 @@ def predicted_stages(record: dict, predicted) -> None:
 
 
 def load_costs(path: str, session, args) -> CostTable:
-    """A saved cost table; one written before the embedding's and the head's working sets were
-    measured as now (`profiler.CONSTANTS`) gets those constants measured here, on this model at
-    the table's shape, so an older profile's layer costs stay usable."""
+    """A saved cost table with this run's host budget (``--host-limit-gb``) and GPU; one written
+    before the embedding's and the head's working sets were measured as now
+    (`profiler.CONSTANTS`) gets those constants measured here, on this model at the table's
+    shape, so an older profile's layer costs stay usable."""
     d = json.loads(Path(path).read_text())
     missing = [name for name in CONSTANTS if name not in d]
     if missing:
@@ -270,7 +271,7 @@ def load_costs(path: str, session, args) -> CostTable:
               + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()), flush=True)
         d = {**d, **measured, "notes": {**d.get("notes", {}), "constants": (
             f"{', '.join(CONSTANTS)} measured by bench/plan_bench.py on {today()}: the table predates {', '.join(missing)}")}}
-    return CostTable.from_dict(d)
+    return session.for_this_run(CostTable.from_dict(d))
 
 
 def study(session, args, kernels: str) -> None:

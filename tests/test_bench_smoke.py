@@ -38,12 +38,15 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
     again = tmp_path / "again"
     subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
                     "--seq", "32", "--runs", "megatrain", "--split-master", "off", "--warmup", "0", "--steps", "1",
-                    "--costs", str(costs_file), "--out", str(again)], cwd=ROOT, check=True, capture_output=True,
+                    "--costs", str(costs_file), "--host-limit-gb", "0.5", "--out", str(again)], cwd=ROOT, check=True,
+                   capture_output=True,
                    timeout=300)
     (records,) = [json.loads(p.read_text()) for p in again.glob("plan_tiny_*.json")]
     (costs,) = [r["costs"] for r in records if r["name"] == "costs"]
     assert "predates embed_backward_work_bytes, head_token_bytes" in costs["notes"]["constants"]
     assert costs["layers"] == old["layers"]
+    # the host room is this run's (--host-limit-gb), not the profiled run's
+    assert costs["host_bytes"] < 0.5 * 2**30 < old["host_bytes"]
 
 
 def test_merge_results_keeps_every_record_once(tmp_path):

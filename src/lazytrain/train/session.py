@@ -96,11 +96,7 @@ class Session:
         if cfg.plan.costs:
             costs = CostTable.load(cfg.plan.costs).at(batch, seq)
             costs.check_layers(self.adapter.layer_types, f"plan.costs={cfg.plan.costs}")
-            # the room for host activations is this run's (its model state, its budget), not the profiled one's
-            state = self.host_memory()
-            costs = dataclasses.replace(costs, host_bytes=max(state.limit - state.total, 0))
-            if cfg.memory.gpu_gb:
-                costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(cfg.memory.gpu_gb * GiB)))
+            costs = self.for_this_run(costs)
         else:
             from lazytrain.runtime.profiler import profile
 
@@ -118,6 +114,16 @@ class Session:
             return costs
         # one rank's table: the host's ranks share its PCIe host side and cores
         return costs.for_ranks(self.parallel.info.world_size, self.parallel.info.local_world_size)
+
+    def for_this_run(self, costs: CostTable) -> CostTable:
+        """A saved table with this run's capacities: the room for host activations is this
+        run's (its model state, its host budget), not the profiled one's; the GPU is
+        ``memory.gpu_gb`` when set."""
+        state = self.host_memory()
+        costs = dataclasses.replace(costs, host_bytes=max(state.limit - state.total, 0))
+        if self.config.memory.gpu_gb:
+            costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(self.config.memory.gpu_gb * GiB)))
+        return costs
 
     def resolved_policy(self) -> str:
         """``plan.policy`` with ``auto`` decided: solved on a GPU; on the CPU keep_all when its
