@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +75,36 @@ def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path):
     assert sorted((r["kind"], r["seed"]) for r in records) == [("fp32", 1), ("fp32", 2), ("hybrid8bit", 1), ("hybrid8bit", 2)]
     assert all(r["shared_pretrain"] and r["optimizer"] for r in records)
     assert len({r["pretrain_exact_match"] for r in records}) == 1  # one base model
+
+
+def test_accuracy_finetune_8bit_jobs_fine_tune_in_processes_of_their_own(tmp_path):
+    subprocess.run([sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "2",
+                    "--finetune-steps", "2", "--heldout", "1", "--seeds", "1", "2", "--kinds", "fp32", "--jobs", "2",
+                    "--device", "cpu", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    # one record file, one report and one archive of the per-run files and logs; nothing else
+    (path,) = tmp_path.glob("finetune_8bit_tiny_*.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [path.name, path.with_suffix(".md").name, f"{path.stem}_runs.tgz"])
+    with tarfile.open(tmp_path / f"{path.stem}_runs.tgz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {"pretrain.log", "fp32_s1.log", "fp32_s2.log"} <= names
+    records = json.loads(path.read_text())
+    assert [(r["kind"], r["seed"]) for r in records] == [("fp32", 1), ("fp32", 2)]
+    assert len({(r["pretrain_seed"], r["pretrain_exact_match"]) for r in records}) == 1  # one base model
+    assert records[0]["loss_every_10_steps"] != records[1]["loss_every_10_steps"]  # each process its own seed
+    assert all(r["cpu_threads"] == max(1, len(os.sched_getaffinity(0)) // 2) for r in records)
+
+
+def test_accuracy_finetune_8bit_jobs_stop_at_the_time_limit(tmp_path):
+    from bench.accuracy_finetune_8bit import Job, run_jobs
+
+    def sleeper(name, kind, seconds=0.0, code=0):
+        return Job(name, kind, [sys.executable, "-c", f"import sys, time; time.sleep({seconds}); sys.exit({code})"], 1)
+
+    jobs = [sleeper("bad", "x", code=3), sleeper("quick", "k", 2.5), sleeper("again", "k", 2.5),
+            sleeper("long", "other", 60)]
+    outcome = run_jobs(jobs, 1, tmp_path, time.monotonic() + 4.0)
+    assert outcome["bad"].startswith("failed (exit 3") and outcome["quick"].startswith("finished")
+    # under 1.5 s left, and a k job took 2.5 s: not started; "long" has no finished job of its kind
+    assert outcome["again"].startswith("not started") and outcome["long"] == "stopped at the time limit"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.log", "long.log", "quick.log"]
