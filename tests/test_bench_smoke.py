@@ -108,3 +108,34 @@ def test_accuracy_finetune_8bit_jobs_stop_at_the_time_limit(tmp_path):
     # under 1.5 s left, and a k job took 2.5 s: not started; "long" has no finished job of its kind
     assert outcome["again"].startswith("not started") and outcome["long"] == "stopped at the time limit"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.log", "long.log", "quick.log"]
+
+
+def test_embed_grad_cost_on_the_cpu_times_both_sums_against_a_step(tmp_path):
+    import torch
+
+    from lazytrain.runtime.device import device_name
+
+    step = tmp_path / "steps.json"
+    step.write_text(json.dumps([{"name": "tiny_solved", "date": "2026-01-01", "device": device_name(torch.device("cpu")),
+                                 "policy": "solved", "batch_size": 4, "seq_len": 256, "step_time_s": 0.5}]))
+    subprocess.run([sys.executable, "bench/embed_grad_cost.py", "--model", "tiny", "--batch", "4", "--seq", "256",
+                    "--device", "cpu", "--warmup", "1", "--repeats", "3", "--step-record", str(step),
+                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    (path,) = tmp_path.glob("embed_grad_cost_tiny_*.json")
+    (record,) = json.loads(path.read_text())
+    assert record["autograd_bf16_ms"] > 0 and record["fp32_sum_ms"] > 0 and record["reference_name"] == "tiny_solved"
+    assert record["fraction_of_step"] == pytest.approx((record["fp32_sum_ms"] - record["autograd_bf16_ms"]) / 500)
+    # ~4 ids a row: summing in bf16 lands further from the exact sum than rounding it once does
+    assert 0 < record["fp32_sum_rel_error"] < record["autograd_bf16_rel_error"] < 2**-6
+    assert path.with_suffix(".md").exists()
+
+
+def test_embed_grad_cost_compares_with_the_newest_uncapped_h200_step():
+    from bench.embed_grad_cost import step_time_reference
+
+    path, record = step_time_reference("qwen2.5-7b", 64, 1024, "NVIDIA H200")
+    others = [r for p in path.parent.glob("plan_qwen2.5-7b_*.json") for r in json.loads(p.read_text())
+              if r.get("policy") == "solved" and r.get("batch_size") == 64 and r.get("seq_len") == 1024
+              and r.get("device") == "NVIDIA H200" and not r.get("gpu_mem_cap_gb") and r.get("step_time_s")]
+    assert record in others and record["date"] == max(r["date"] for r in others)
+    assert record["step_time_s"] == min(r["step_time_s"] for r in others if r["date"] == record["date"])
