@@ -125,8 +125,9 @@ class Job:
 def run_jobs(jobs: list[Job], at_once: int, logs: Path, deadline: float) -> dict[str, str]:
     """Run ``jobs`` in order, ``at_once`` at a time, each with its CPU threads and its log in
     ``logs``; at ``deadline`` (``time.monotonic``) the running ones are killed. A job is not
-    started when less time is left than the quickest finished job of its kind took (it would
-    only take CPU from the runs that can finish). Each job's outcome, by name."""
+    started when less time is left than the quickest finished job of its kind took, or of any
+    kind while none of its kind has finished (it would only take CPU from the runs that can
+    finish). Each job's outcome, by name."""
     pending, running, outcome, took = list(jobs), {}, {}, {}
     while pending or running:
         for job, (proc, started, log) in list(running.items()):
@@ -150,9 +151,11 @@ def run_jobs(jobs: list[Job], at_once: int, logs: Path, deadline: float) -> dict
             break
         while pending and len(running) < at_once:
             job = pending[0]
-            quickest = min(took.get(job.kind, [0.0]))
+            # a kind not seen finishing yet takes at least as long as the quickest run seen
+            known = took.get(job.kind) or [t for times in took.values() for t in times]
+            quickest = min(known, default=0.0)
             if deadline - now < quickest:
-                outcome[job.name] = f"not started: {deadline - now:.0f} s left, a {job.kind} run took {quickest:.0f} s"
+                outcome[job.name] = f"not started: {deadline - now:.0f} s left, the quickest run took {quickest:.0f} s"
                 pending.pop(0)
                 continue
             log = open(logs / f"{job.name}.log", "w")

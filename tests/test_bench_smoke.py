@@ -101,12 +101,14 @@ def test_accuracy_finetune_8bit_jobs_stop_at_the_time_limit(tmp_path):
     def sleeper(name, kind, seconds=0.0, code=0):
         return Job(name, kind, [sys.executable, "-c", f"import sys, time; time.sleep({seconds}); sys.exit({code})"], 1)
 
-    jobs = [sleeper("bad", "x", code=3), sleeper("quick", "k", 2.5), sleeper("again", "k", 2.5),
-            sleeper("long", "other", 60)]
-    outcome = run_jobs(jobs, 1, tmp_path, time.monotonic() + 4.0)
+    jobs = [sleeper("bad", "x", code=3), sleeper("quick", "k", 1.5), sleeper("long", "other", 60),
+            sleeper("again", "k"), sleeper("late", "new")]
+    outcome = run_jobs(jobs, 2, tmp_path, time.monotonic() + 3.0)
     assert outcome["bad"].startswith("failed (exit 3") and outcome["quick"].startswith("finished")
-    # under 1.5 s left, and a k job took 2.5 s: not started; "long" has no finished job of its kind
-    assert outcome["again"].startswith("not started") and outcome["long"] == "stopped at the time limit"
+    # "long" starts when "bad" fails; when "quick" ends under 1.5 s is left, and it took 1.5 s: "again"
+    # (its kind) and "late" (a kind not seen finishing) are not started; "long" is stopped
+    assert outcome["again"].startswith("not started") and outcome["late"].startswith("not started")
+    assert outcome["long"] == "stopped at the time limit"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.log", "long.log", "quick.log"]
 
 
