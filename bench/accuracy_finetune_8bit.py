@@ -15,10 +15,11 @@ fine-tune in its own process, N at once on the one device with ``cores // N`` CP
 each, each writing its record file as it finishes; what finished (by ``--time-limit``) is
 merged into one record file + report and the per-run files and logs are packed into one
 archive. The paired fp32 and 8-bit runs go first, seed by seed, the null (``fp32_unfused``)
-after them: its CPU step is about twice fp32's, and the CPU step (not the GPU) bounds these runs.
+after them: the CPU step (host memory bandwidth, not the GPU) bounds these runs, and the null's
+is two to three times fp32's (torch's single-tensor loop makes several passes).
 
     python bench/accuracy_finetune_8bit.py --shape qwen2.5-0.5b --seeds 1 2 3 4 5 --jobs 3 --time-limit 480
-    python bench/accuracy_finetune_8bit.py --merge OUT/RUNS/*.json --seeds 1 2 3 4 5   # what a cut-off run left
+    python bench/accuracy_finetune_8bit.py --merge RUNS/*.json --tag _h200    # what a cut-off run left
 """
 
 from __future__ import annotations
