@@ -61,6 +61,7 @@ done
 
 wait "$accuracy" || note "accuracy_seeds: exit $?"
 note "done"
+grep -hE ": (started|finished|failed|stopped|not started)" "$out/finetune_8bit.log"
 tar czf "$out/accuracy_device_logs.tgz" -C "$out" embed_grad_cost.log accuracy_seeds.log finetune_8bit.log \
   && rm -f "$out"/{embed_grad_cost,accuracy_seeds,finetune_8bit}.log
 ls -l "$out"

@@ -130,6 +130,11 @@ def run_jobs(jobs: list[Job], at_once: int, logs: Path, deadline: float) -> dict
     kind while none of its kind has finished (it would only take CPU from the runs that can
     finish). Each job's outcome, by name."""
     pending, running, outcome, took = list(jobs), {}, {}, {}
+
+    def settle(job: Job, what: str) -> None:
+        outcome[job.name] = what
+        print(f"{time.strftime('%H:%M:%S')} {job.name}: {what}", flush=True)
+
     while pending or running:
         for job, (proc, started, log) in list(running.items()):
             if proc.poll() is not None:
@@ -138,35 +143,32 @@ def run_jobs(jobs: list[Job], at_once: int, logs: Path, deadline: float) -> dict
                 seconds = time.monotonic() - started
                 if proc.returncode == 0:
                     took.setdefault(job.kind, []).append(seconds)
-                    outcome[job.name] = f"finished in {seconds:.0f} s"
+                    settle(job, f"finished in {seconds:.0f} s")
                 else:
-                    outcome[job.name] = f"failed (exit {proc.returncode}, see {job.name}.log)"
-                print(f"{job.name}: {outcome[job.name]}", flush=True)
+                    settle(job, f"failed (exit {proc.returncode}, see {job.name}.log)")
         now = time.monotonic()
         if now >= deadline:
             for job, (proc, _, log) in running.items():
                 proc.kill()
                 proc.wait()
                 log.close()
-                outcome[job.name] = "stopped at the time limit"
+                settle(job, "stopped at the time limit")
             break
         while pending and len(running) < at_once:
-            job = pending[0]
+            job = pending.pop(0)
             # a kind not seen finishing yet takes at least as long as the quickest run seen
             known = took.get(job.kind) or [t for times in took.values() for t in times]
             quickest = min(known, default=0.0)
             if deadline - now < quickest:
-                outcome[job.name] = f"not started: {deadline - now:.0f} s left, the quickest run took {quickest:.0f} s"
-                pending.pop(0)
+                settle(job, f"not started: {deadline - now:.0f} s left, the quickest run took {quickest:.0f} s")
                 continue
             log = open(logs / f"{job.name}.log", "w")
             env = {**os.environ, "OMP_NUM_THREADS": str(job.threads)}
-            proc = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-            running[pending.pop(0)] = (proc, now, log)
-            print(f"{job.name}: started ({job.threads} threads)", flush=True)
+            running[job] = (subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, env=env), now, log)
+            print(f"{time.strftime('%H:%M:%S')} {job.name}: started ({job.threads} threads)", flush=True)
         time.sleep(0.5)
     for job in pending:
-        outcome[job.name] = "not started: time limit"
+        settle(job, "not started: time limit")
     return outcome
 
 
