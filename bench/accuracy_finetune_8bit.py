@@ -9,15 +9,35 @@ loss and exact match against fp32 with 90% intervals from resampling the seeds.
 
     python bench/accuracy_finetune_8bit.py --shape qwen2.5-0.5b --seeds 1 2 3     # the H200 study
     python bench/accuracy_finetune_8bit.py --shape tiny --pretrain-steps 5 --finetune-steps 5 --heldout 4
+
+``--jobs N``: the shared pretraining runs in a process of its own, then each (kind, seed)
+fine-tune in its own process, N at once on the one device with ``cores // N`` CPU threads
+each, each writing its record file as it finishes; what finished (by ``--time-limit``) is
+merged into one record file + report and the per-run files and logs are packed into one
+archive. The paired fp32 and 8-bit runs go first, seed by seed, the null (``fp32_unfused``)
+after them: the CPU step (host memory bandwidth, not the GPU) bounds these runs, and the null's
+is two to three times fp32's (torch's single-tensor loop makes several passes).
+
+    python bench/accuracy_finetune_8bit.py --shape qwen2.5-0.5b --seeds 1 2 3 4 5 --jobs 3 --time-limit 480
+    python bench/accuracy_finetune_8bit.py --merge RUNS/*.json --tag _h200    # what a cut-off run left
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tarfile
 import tempfile
+import time
 from pathlib import Path
+
+import torch
 
 from bench.common import RESULTS, run_header, today, write_results
 from bench.optim_convergence import run
@@ -25,6 +45,11 @@ from bench.optim_convergence_seeds import interval, points, ratio
 from lazytrain.runtime.device import resolve_device
 
 KINDS = ("fp32", "fp32_unfused", "hybrid8bit")
+STUDY_OPTIONS = ("shape", "pretrain_tier", "pretrain_steps", "pretrain_lr", "finetune_tier", "finetune_steps",
+                 "finetune_lr", "batch_size", "heldout", "tail", "device")
+"""The options that define the study: every process of a ``--jobs`` run is given them."""
+PRETRAIN_SETTINGS = ("shape", "pretrain_tier", "pretrain_steps", "pretrain_lr", "batch_size", "heldout")
+"""What a reused pretraining must have been made with."""
 
 
 def study(args: argparse.Namespace) -> list[dict]:
@@ -32,35 +57,53 @@ def study(args: argparse.Namespace) -> list[dict]:
     common = [f"model.source=builtin:{args.shape}", f"training.device={args.device}",
               f"data.heldout_size={args.heldout}", f"training.batch_size={args.batch_size}"]
     records = []
-    with tempfile.TemporaryDirectory(dir=args.scratch) as shared:
+    with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
+        shared = Path(args.pretrained or tmp)
+        if args.pretrain_only:
+            pretrain(args, common, shared, args.seeds[0])
+            return []
         for seed in args.seeds:
-            records += finetune_seed(args, common, device, seed, Path(shared))
+            records += finetune_seed(args, common, device, seed, shared)
     return records
+
+
+def pretrain(args: argparse.Namespace, common: list[str], folder: Path, seed: int) -> dict:
+    """Train from scratch with fp32 states into ``folder/pretrained``, or reuse the pretraining
+    there (``folder/pretrained.json``: its settings, seed, exact match and seconds)."""
+    meta = folder / "pretrained.json"
+    settings = {name: getattr(args, name) for name in PRETRAIN_SETTINGS}
+    if meta.exists():
+        base = json.loads(meta.read_text())
+        if base["settings"] != settings:
+            raise SystemExit(f"{meta}: pretrained with {base['settings']}, this study asks for {settings}; "
+                             "give another --pretrained folder")
+        return base
+    result = run("fp32", args.pretrain_steps, folder / "pretrained", seed, (
+        *common, f"data.builtin_tier={args.pretrain_tier}", f"optimizer.lr={args.pretrain_lr}"))
+    base = {"settings": settings, "seed": seed, "exact_match": result["exact_match"], "seconds": result["seconds"]}
+    meta.write_text(json.dumps(base))
+    return base
 
 
 def finetune_seed(args: argparse.Namespace, common: list[str], device, seed: int, shared: Path) -> list[dict]:
     """Pretrain (once for all seeds with ``--shared-pretrain``), then fine-tune with each kind."""
     records = []
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
-        pretrained = shared / "pretrained" if args.shared_pretrain else Path(tmp) / "pretrained"
-        if args.shared_pretrain and (shared / "pretrained.json").exists():
-            base = json.loads((shared / "pretrained.json").read_text())
-        else:
-            base = run("fp32", args.pretrain_steps, pretrained, args.seeds[0] if args.shared_pretrain else seed, (
-                *common, f"data.builtin_tier={args.pretrain_tier}", f"optimizer.lr={args.pretrain_lr}"))
-            if args.shared_pretrain:
-                (shared / "pretrained.json").write_text(json.dumps({"exact_match": base["exact_match"]}))
+        folder = shared if args.shared_pretrain else Path(tmp)
+        base = pretrain(args, common, folder, args.seeds[0] if args.shared_pretrain else seed)
         for kind in args.kinds:
             result = run(kind, args.finetune_steps, Path(tmp) / kind, seed, (
-                *common, f"model.source={pretrained}", f"data.builtin_tier={args.finetune_tier}",
+                *common, f"model.source={folder / 'pretrained'}", f"data.builtin_tier={args.finetune_tier}",
                 f"optimizer.lr={args.finetune_lr}", "optimizer.weight_decay=0.0"))
             losses = result["losses"]
             records.append({
                 "name": f"finetune_8bit_{args.shape}", **run_header(device), "model": f"builtin:{args.shape}",
                 "runner": "lazytrain", "kind": kind, "seed": seed, "precision": "bf16" if device.type == "cuda"
                 else "fp32", "optimizer": "adamw_hybrid8bit" if kind == "hybrid8bit" else "adamw_fp32",
+                "optimizer_backend": result["optimizer_backend"],
                 "pretrain_tier": args.pretrain_tier, "pretrain_steps": args.pretrain_steps,
-                "pretrain_exact_match": base["exact_match"], "finetune_tier": args.finetune_tier,
+                "pretrain_seed": base["seed"], "pretrain_exact_match": base["exact_match"],
+                "finetune_tier": args.finetune_tier,
                 "finetune_steps": args.finetune_steps, "lr": args.finetune_lr, "batch_size": args.batch_size,
                 "heldout": args.heldout, "exact_match": result["exact_match"], "no_answer": result["no_answer"],
                 "tail_loss": statistics.fmean(losses[-args.tail:]), "loss_every_10_steps": losses[::10],
@@ -69,7 +112,139 @@ def finetune_seed(args: argparse.Namespace, common: list[str], device, seed: int
     return records
 
 
-def report(records: list[dict], command: str) -> str:
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One process of a ``--jobs`` run (``threads``: its OMP_NUM_THREADS); ``kind`` groups jobs
+    of about the same duration."""
+
+    name: str
+    kind: str
+    argv: list[str]
+    threads: int
+
+
+def run_jobs(jobs: list[Job], at_once: int, logs: Path, deadline: float) -> dict[str, str]:
+    """Run ``jobs`` in order, ``at_once`` at a time, each with its CPU threads and its log in
+    ``logs``; at ``deadline`` (``time.monotonic``) the running ones are killed. A job is not
+    started when less time is left than the quickest finished job of its kind took, or of any
+    kind while none of its kind has finished (it would only take CPU from the runs that can
+    finish). Each job's outcome, by name."""
+    pending, running, outcome, took = list(jobs), {}, {}, {}
+
+    def settle(job: Job, what: str) -> None:
+        outcome[job.name] = what
+        print(f"{time.strftime('%H:%M:%S')} {job.name}: {what}", flush=True)
+
+    while pending or running:
+        for job, (proc, started, log) in list(running.items()):
+            if proc.poll() is not None:
+                log.close()
+                del running[job]
+                seconds = time.monotonic() - started
+                if proc.returncode == 0:
+                    took.setdefault(job.kind, []).append(seconds)
+                    settle(job, f"finished in {seconds:.0f} s")
+                else:
+                    settle(job, f"failed (exit {proc.returncode}, see {job.name}.log)")
+        now = time.monotonic()
+        if now >= deadline:
+            for job, (proc, _, log) in running.items():
+                proc.kill()
+                proc.wait()
+                log.close()
+                settle(job, "stopped at the time limit")
+            break
+        while pending and len(running) < at_once:
+            job = pending.pop(0)
+            # a kind not seen finishing yet takes at least as long as the quickest run seen
+            known = took.get(job.kind) or [t for times in took.values() for t in times]
+            quickest = min(known, default=0.0)
+            if deadline - now < quickest:
+                settle(job, f"not started: {deadline - now:.0f} s left, the quickest run took {quickest:.0f} s")
+                continue
+            log = open(logs / f"{job.name}.log", "w")
+            env = {**os.environ, "OMP_NUM_THREADS": str(job.threads)}
+            running[job] = (subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, env=env), now, log)
+            print(f"{time.strftime('%H:%M:%S')} {job.name}: started ({job.threads} threads)", flush=True)
+        time.sleep(0.5)
+    for job in pending:
+        settle(job, "not started: time limit")
+    return outcome
+
+
+def parallel_study(args: argparse.Namespace) -> Path | None:
+    """``--jobs``: the shared pretraining, then one process per (kind, seed); what finished is
+    merged into one record file + report in ``--out``, the per-run files and logs packed into
+    ``STEM_runs.tgz`` there. The merged record file, or None when nothing finished."""
+    deadline = time.monotonic() + args.time_limit if args.time_limit else float("inf")
+    stem = f"finetune_8bit_{args.shape}_{today()}{args.tag}"
+    out = Path(args.out)
+    runs = out / f"{stem}_runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    cores = len(os.sched_getaffinity(0))
+    threads = max(1, cores // args.jobs)
+    with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
+        shared = args.pretrained or tmp
+        script = [sys.executable, str(Path(__file__).resolve()), *study_arguments(args), "--pretrained", shared,
+                  *(["--scratch", args.scratch] if args.scratch else [])]
+        pretrain_threads = args.pretrain_threads or cores
+        first = [Job("pretrain", "pretrain", [*script, "--seeds", str(args.seeds[0]), "--pretrain-only",
+                                              "--threads", str(pretrain_threads)], pretrain_threads)]
+        if "hybrid8bit" in args.kinds:  # built once now, not by the 8-bit runs racing for it
+            build = "from lazytrain.optim.kernel import load_kernel; load_kernel(required=True)"
+            first.append(Job("kernel_build", "kernel_build", [sys.executable, "-c", build], 1))
+        before = run_jobs(first, len(first), runs, deadline)
+        if not (Path(shared) / "pretrained.json").exists():
+            print(f"the pretraining did not finish ({before['pretrain']}): no fine-tuning", flush=True)
+            outcome = {f"{k}_s{s}": "not started: no pretraining" for s in args.seeds for k in args.kinds}
+        else:
+            order = sorted(((k, s) for s in args.seeds for k in args.kinds),
+                           key=lambda ks: (ks[0] == "fp32_unfused", args.seeds.index(ks[1]), args.kinds.index(ks[0])))
+            jobs = [Job(f"{k}_s{s}", k, [*script, "--kinds", k, "--seeds", str(s), "--out", str(runs),
+                                         "--tag", f"_{k}_s{s}", "--threads", str(threads)], threads)
+                    for k, s in order]
+            outcome = run_jobs(jobs, args.jobs, runs, deadline)
+        pretrained = json.loads((Path(shared) / "pretrained.json").read_text()) \
+            if (Path(shared) / "pretrained.json").exists() else None
+    files = sorted(runs.glob(f"finetune_8bit_{args.shape}_*.json"))
+    notes = [f"{args.jobs} fine-tunes at once, {threads} of {cores} CPU threads each"
+             + (f"; time limit {args.time_limit:.0f} s" if args.time_limit else "") + "."]
+    if pretrained:
+        notes.append(f"Pretraining (seed {pretrained['seed']}): {pretrained['seconds']:.0f} s, "
+                     f"exact match {pretrained['exact_match']:.3f}.")
+    if not before.get("kernel_build", "finished").startswith("finished"):
+        notes.append(f"The 8-bit kernel build {before['kernel_build']} (records say each run's optimizer backend).")
+    missing = {name: why for name, why in outcome.items() if not why.startswith("finished")}
+    if missing:
+        notes.append("Without a record: " + "; ".join(f"{name} ({why})" for name, why in missing.items()) + ".")
+    path = merge(files, stem, command_line(args), out, notes) if files else None
+    with tarfile.open(out / f"{stem}_runs.tgz", "w:gz") as tar:
+        tar.add(runs, arcname=runs.name)
+    shutil.rmtree(runs)
+    return path
+
+
+def study_arguments(args: argparse.Namespace) -> list[str]:
+    return [item for name in STUDY_OPTIONS for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+
+
+def command_line(args: argparse.Namespace) -> str:
+    extra = [f"--jobs {args.jobs}"] if args.jobs else []
+    extra += [f"--time-limit {args.time_limit:g}"] if args.time_limit else []
+    return " ".join(["python bench/accuracy_finetune_8bit.py", *study_arguments(args),
+                     f"--seeds {' '.join(map(str, args.seeds))}", f"--kinds {' '.join(args.kinds)}", *extra])
+
+
+def merge(files: list[Path], stem: str, command: str, out: Path | str, notes: list[str] = ()) -> Path:
+    """The records of ``files`` as one record file + report ``out/stem``."""
+    records = [r for f in files for r in json.loads(Path(f).read_text())]
+    records.sort(key=lambda r: (r["seed"], KINDS.index(r["kind"])))
+    text = report(records, command, notes)
+    print(text)
+    return write_results(records, stem, text, out)
+
+
+def report(records: list[dict], command: str, notes: list[str] = ()) -> str:
     first = records[0]
     by_kind: dict[str, dict[int, dict]] = {}
     for r in records:
@@ -79,7 +254,7 @@ def report(records: list[dict], command: str) -> str:
              f"steps on {first['pretrain_tier']} (fp32 states; "
              f"{'once, every seed fine-tuned from it' if first.get('shared_pretrain') else 'once per seed'}), fine-tuned {first['finetune_steps']} steps on "
              f"{first['finetune_tier']} at lr {first['lr']}, batch {first['batch_size']}, {first['heldout']} "
-             "held-out problems."), "",
+             "held-out problems."), "", *(f"{note}\n" for note in notes),
              ("| kind | seeds | exact match mean | tail loss mean | tail loss / fp32 [90%] | exact match - fp32, "
              "points [90%] |"), "| --- | --- | --- | --- | --- | --- |"]
     fp32 = by_kind.get("fp32", {})
@@ -87,7 +262,8 @@ def report(records: list[dict], command: str) -> str:
         seeds = sorted(runs)
         em = [runs[s]["exact_match"] for s in seeds]
         tail = [runs[s]["tail_loss"] for s in seeds]
-        row = f"| {kind} | {len(seeds)} | {statistics.fmean(em):.4f} | {statistics.fmean(tail):.4g} |"
+        row = (f"| {kind} | {', '.join(map(str, seeds))} | {statistics.fmean(em):.4f} | "
+               f"{statistics.fmean(tail):.4g} |")
         paired = [s for s in seeds if s in fp32]
         if kind != "fp32" and paired:
             base_tail = [fp32[s]["tail_loss"] for s in paired]
@@ -102,6 +278,7 @@ def report(records: list[dict], command: str) -> str:
             row += " - | - |"
         lines.append(row)
     return "\n".join(lines) + "\n"
+
 
 
 def main() -> None:
@@ -122,17 +299,42 @@ def main() -> None:
     parser.add_argument("--heldout", type=int, default=200)
     parser.add_argument("--tail", type=int, default=50, help="last fine-tuning steps whose mean loss is compared")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--scratch", default=None, help="folder for the pretrained model (default: the temp dir)")
+    parser.add_argument("--scratch", default=None, help="folder for temporary folders: pretrained and fine-tuned "
+                                                        "models, checkpoints (default: the system's)")
+    parser.add_argument("--pretrained", default=None,
+                        help="folder of the shared pretraining (DIR/pretrained, DIR/pretrained.json): reused when "
+                             "there, else made there and kept (default: a temporary folder)")
+    parser.add_argument("--pretrain-only", action="store_true", help="pretrain into --pretrained and stop")
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="fine-tune in processes of their own, this many at once (see the top of this file)")
+    parser.add_argument("--time-limit", type=float, default=0,
+                        help="with --jobs: seconds after which running fine-tunes are stopped; what finished is "
+                             "merged")
+    parser.add_argument("--pretrain-threads", type=int, default=0,
+                        help="with --jobs: CPU threads of the pretraining (default: all cores)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--tag", default="")
+    parser.add_argument("--merge", nargs="+", help="record files to report as one (no training)")
     args = parser.parse_args()
-    records = study(args)
-    command = (f"python bench/accuracy_finetune_8bit.py --shape {args.shape} --seeds {' '.join(map(str, args.seeds))} "
-               f"--pretrain-steps {args.pretrain_steps} --finetune-steps {args.finetune_steps} --heldout {args.heldout} "
-               f"--device {args.device}")
-    text = report(records, command)
-    write_results(records, f"finetune_8bit_{args.shape}_{today()}{args.tag}", text, args.out)
-    print(text)
+    if args.pretrain_only and not args.pretrained:
+        parser.error("--pretrain-only needs --pretrained DIR (where the pretraining is kept)")
+    if (args.jobs or args.pretrained) and not args.shared_pretrain:
+        parser.error("--jobs and --pretrained share one pretraining: leave out --no-shared-pretrain")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.merge:
+        first = json.loads(Path(args.merge[0]).read_text())[0]
+        merge([Path(f) for f in args.merge], f"finetune_8bit_{first['model'].split(':')[-1]}_{today()}{args.tag}",
+              f"python bench/accuracy_finetune_8bit.py --merge {' '.join(args.merge)}", args.out)
+    elif args.jobs:
+        parallel_study(args)
+    else:
+        records = study(args)
+        if records:
+            text = report(records, command_line(args))
+            write_results(records, f"finetune_8bit_{args.shape}_{today()}{args.tag}", text, args.out)
+            print(text)
 
 
 if __name__ == "__main__":

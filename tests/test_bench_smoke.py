@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -103,3 +106,69 @@ def test_an_out_of_memory_record_keeps_the_stages_that_finished():
     assert record["oom"] == "CUDA out of memory. Tried to allocate 3.79 GiB."
     assert record["stage_memory_gb"] == [["embed", 2.0], ["fwd 0", 3.0]] and record["oom_after_stage"] == "fwd 0"
     assert "stage_memory_gb" not in oom_record("run", {}, "solved", 64, 1024, torch.OutOfMemoryError("x"))
+
+
+def test_accuracy_finetune_8bit_jobs_fine_tune_in_processes_of_their_own(tmp_path):
+    subprocess.run([sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "2",
+                    "--finetune-steps", "2", "--heldout", "1", "--seeds", "1", "2", "--kinds", "fp32", "--jobs", "2",
+                    "--device", "cpu", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    # one record file, one report and one archive of the per-run files and logs; nothing else
+    (path,) = tmp_path.glob("finetune_8bit_tiny_*.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [path.name, path.with_suffix(".md").name, f"{path.stem}_runs.tgz"])
+    with tarfile.open(tmp_path / f"{path.stem}_runs.tgz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {"pretrain.log", "fp32_s1.log", "fp32_s2.log"} <= names
+    records = json.loads(path.read_text())
+    assert [(r["kind"], r["seed"]) for r in records] == [("fp32", 1), ("fp32", 2)]
+    assert len({(r["pretrain_seed"], r["pretrain_exact_match"]) for r in records}) == 1  # one base model
+    assert records[0]["loss_every_10_steps"] != records[1]["loss_every_10_steps"]  # each process its own seed
+    assert all(r["cpu_threads"] == max(1, len(os.sched_getaffinity(0)) // 2) for r in records)
+
+
+def test_accuracy_finetune_8bit_jobs_stop_at_the_time_limit(tmp_path):
+    from bench.accuracy_finetune_8bit import Job, run_jobs
+
+    def sleeper(name, kind, seconds=0.0, code=0):
+        return Job(name, kind, [sys.executable, "-c", f"import sys, time; time.sleep({seconds}); sys.exit({code})"], 1)
+
+    jobs = [sleeper("bad", "x", code=3), sleeper("quick", "k", 1.5), sleeper("long", "other", 60),
+            sleeper("again", "k"), sleeper("late", "new")]
+    outcome = run_jobs(jobs, 2, tmp_path, time.monotonic() + 3.0)
+    assert outcome["bad"].startswith("failed (exit 3") and outcome["quick"].startswith("finished")
+    # "long" starts when "bad" fails; when "quick" ends under 1.5 s is left, and it took 1.5 s: "again"
+    # (its kind) and "late" (a kind not seen finishing) are not started; "long" is stopped
+    assert outcome["again"].startswith("not started") and outcome["late"].startswith("not started")
+    assert outcome["long"] == "stopped at the time limit"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.log", "long.log", "quick.log"]
+
+
+def test_embed_grad_cost_on_the_cpu_times_both_sums_against_a_step(tmp_path):
+    import torch
+
+    from lazytrain.runtime.device import device_name
+
+    step = tmp_path / "steps.json"
+    step.write_text(json.dumps([{"name": "tiny_solved", "date": "2026-01-01", "device": device_name(torch.device("cpu")),
+                                 "policy": "solved", "batch_size": 4, "seq_len": 256, "step_time_s": 0.5}]))
+    subprocess.run([sys.executable, "bench/embed_grad_cost.py", "--model", "tiny", "--batch", "4", "--seq", "256",
+                    "--device", "cpu", "--warmup", "1", "--repeats", "3", "--step-record", str(step),
+                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    (path,) = tmp_path.glob("embed_grad_cost_tiny_*.json")
+    (record,) = json.loads(path.read_text())
+    assert record["autograd_bf16_ms"] > 0 and record["fp32_sum_ms"] > 0 and record["reference_name"] == "tiny_solved"
+    assert record["fraction_of_step"] == pytest.approx((record["fp32_sum_ms"] - record["autograd_bf16_ms"]) / 500)
+    # ~4 ids a row: summing in bf16 lands further from the exact sum than rounding it once does
+    assert 0 < record["fp32_sum_rel_error"] < record["autograd_bf16_rel_error"] < 2**-6
+    assert path.with_suffix(".md").exists()
+
+
+def test_embed_grad_cost_compares_with_the_newest_uncapped_h200_step():
+    from bench.embed_grad_cost import step_time_reference
+
+    path, record = step_time_reference("qwen2.5-7b", 64, 1024, "NVIDIA H200")
+    others = [r for p in path.parent.glob("plan_qwen2.5-7b_*.json") for r in json.loads(p.read_text())
+              if r.get("policy") == "solved" and r.get("batch_size") == 64 and r.get("seq_len") == 1024
+              and r.get("device") == "NVIDIA H200" and not r.get("gpu_mem_cap_gb") and r.get("step_time_s")]
+    assert record in others and record["date"] == max(r["date"] for r in others)
+    assert record["step_time_s"] == min(r["step_time_s"] for r in others if r["date"] == record["date"])
