@@ -243,7 +243,8 @@ def main() -> None:
         overrides=(f"memory.split_master={'true' if args.split_master == 'on' else 'false'}",
                    *([f"memory.host_limit_gb={args.host_limit_gb}"] if args.host_limit_gb else [])))
     print(f"model {args.model}: {session.store.num_params / 1e9:.2f}B params, built in "
-          f"{time.perf_counter() - t0:.0f} s", flush=True)
+          f"{time.perf_counter() - t0:.0f} s ("
+          + ", ".join(f"{k} {v:.1f} s" for k, v in session.store.build_seconds.items()) + ")", flush=True)
     for kernels in args.kernels:
         study(session, args, kernels)
 

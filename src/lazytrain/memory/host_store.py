@@ -189,6 +189,8 @@ class HostStore:
             self.masters = [torch.empty(n, dtype=torch.float32) for n in sizes]
         self.num_params = total
         self.carried: dict[str, torch.Tensor] = {}
+        self.build_seconds: dict[str, float] = {}
+        """Seconds the build took per phase (`model.build.build_model` and the session fill it)."""
         """Checkpoint tensors outside the trained model (a vision tower), by HF name: loaded
         and saved unchanged, never streamed or stepped."""
 

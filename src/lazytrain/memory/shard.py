@@ -157,6 +157,8 @@ class ShardedHostStore:
         self.masters = [torch.empty(r.numel, dtype=torch.float32) for r in self.ranges]
         self.split_master = False  # a rank's masters are fp32 shards
         self.carried: dict[str, torch.Tensor] = {}
+        self.build_seconds: dict[str, float] = {}
+        """Seconds the build took per phase (`model.build.build_model` and the session fill it)."""
         """Checkpoint tensors outside the trained model (a vision tower), as in `HostStore`."""
 
     @property

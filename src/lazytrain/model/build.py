@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,8 +56,10 @@ def build_model(
     ``ShardedHostStore``, with its rank arguments bound). ``lean_ops``: `model.lean` forwards in
     the layer templates (``model.lean_ops``).
     """
+    started = time.perf_counter()
     config = model_config(source, vocab_size)
     adapter = ModelAdapter(config, device, dtype, lean_ops=lean_ops)
+    adapter_ready = time.perf_counter()
     if preflight is not None:
         preflight([g.numel for g in adapter.layouts])
     if callable(optimizer_bytes_per_param):
@@ -69,8 +72,11 @@ def build_model(
         host_limit_bytes=host_limit_bytes,
         **({"split_master": True} if split_master else {}),  # a sharded store has no split master
     )
+    allocated = time.perf_counter()
     if source.startswith("builtin:"):
         random_init(adapter, store, seed, device)
     else:
         load_safetensors(adapter, store, Path(source).expanduser())
+    store.build_seconds = {"adapter_and_kernels": adapter_ready - started, "host_store": allocated - adapter_ready,
+                           "weights": time.perf_counter() - allocated}
     return adapter, store

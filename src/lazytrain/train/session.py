@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -237,6 +238,7 @@ def build_session(config: Config) -> Session:
     if config.memory.gpu_gb:
         cap_gpu_memory(device, config.memory.gpu_gb)
     decay = [g.decay_numel for g in adapter.layouts]
+    started = time.perf_counter()
     if parallel is None:
         optimizer = make_optimizer(config.optimizer, store.masters, decay)
     else:
@@ -244,6 +246,8 @@ def build_session(config: Config) -> Session:
         optimizer = make_optimizer(config.optimizer, store.masters,
                                    [shard_decay_numel(d, r) for d, r in zip(decay, store.ranges)],
                                    group_numels=[g.numel for g in adapter.layouts])
+    store.build_seconds["optimizer"] = time.perf_counter() - started
+    log.info("model built: %s", ", ".join(f"{k} {v:.1f} s" for k, v in store.build_seconds.items()))
     nvme = NvmeStore(config.memory.nvme_dir) if config.memory.nvme_dir else None
     return Session(config=config, device=device, dtype=dtype, tokenizer=tokenizer, adapter=adapter,
                    store=store, optimizer=optimizer, nvme=nvme, parallel=parallel)
