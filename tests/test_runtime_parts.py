@@ -145,3 +145,24 @@ def test_a_host_tier_keep_layer_lets_go_of_its_device_tensors_after_its_forward(
     executor.forward_backward(ids, ids.clone())
     assert len(offloaded) > 0
     assert [n for _, n in executor.stage_memory] == [0] * len(executor.stage_memory)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_loss_and_grad_equals_autograd_cross_entropy(dtype):
+    """The head's in-place softmax gradient is autograd's linear + fp32 cross-entropy."""
+    import torch.nn.functional as F
+
+    from lazytrain.runtime.executor import chunk_loss_and_grad
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 16, generator=gen)).to(dtype)
+    w = (torch.randn(101, 16, generator=gen) * 0.3).to(dtype)
+    targets = torch.randint(0, 101, (37,), generator=gen)
+    logits = F.linear(x, w).requires_grad_()
+    expected = F.cross_entropy(logits.float(), targets, reduction="sum") / 50
+    (expected_grad,) = torch.autograd.grad(expected, [logits])
+    loss, grad = chunk_loss_and_grad(x, w, targets, 50)
+    assert grad.dtype == dtype and loss.dtype == torch.float32 and not grad.requires_grad
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-6)
+    tol = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-4}
+    torch.testing.assert_close(grad, expected_grad, **tol)

@@ -100,6 +100,26 @@ class _ConstRef:
     offset: int
 
 
+
+def chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                        denominator: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of ``x @ weight.T`` against ``targets`` (summed, / ``denominator``) and its
+    gradient with respect to the logits, in ``weight``'s dtype.
+
+    Autograd's linear + fp32 cross-entropy held 16 bytes per logit at its peak (the logits, their
+    fp32 copy, the fp32 log-softmax it saves and its fp32 gradient, and that gradient rounded);
+    here the fp32 logits are turned into the gradient in place (softmax minus the one-hot
+    target), 6 bytes per logit at the peak: at Qwen3.5's 248,320-token vocab and 4,096-token
+    chunks, 6.1 GB instead of 16.3. The same math in fp32, one rounding of the gradient.
+    """
+    with torch.no_grad():
+        logits = F.linear(x, weight).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        loss = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum() / denominator
+        probs = logits.sub_(lse[:, None]).exp_()
+        probs[torch.arange(len(targets), device=targets.device), targets] -= 1.0
+        return loss, probs.mul_(1.0 / denominator).to(weight.dtype)
+
 class Executor:
     """Runs forward + backward of one batch under ``plan``; the optimizer is separate."""
 
@@ -321,15 +341,13 @@ class Executor:
         loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
         chunk = self.plan.head_chunk_tokens
         for a in range(0, num_targets, chunk):
-            xc = hidden[a : a + chunk].detach().requires_grad_()
-            with torch.enable_grad():
-                logits = F.linear(xc, head_weight)
-                loss = F.cross_entropy(logits.float(), targets[a : a + chunk], reduction="sum") / denominator
-                gx, gw = torch.autograd.grad(loss, [xc, head_weight])
-            grad_hidden[a : a + chunk] = gx
-            head_grad += gw
-            loss_sum += loss.detach()
-            del logits, loss, gx, gw
+            xc = hidden[a : a + chunk]
+            loss, g_logits = chunk_loss_and_grad(xc, head_weight, targets[a : a + chunk], denominator)
+            with torch.no_grad():
+                torch.mm(g_logits, head_weight, out=grad_hidden[a : a + chunk])
+                head_grad.addmm_(g_logits.t(), xc)  # accumulated in the matmul, rounded once per chunk
+            loss_sum += loss
+            del g_logits
         grad_normed = torch.zeros(batch * seq, hidden_size, dtype=x.dtype, device=x.device)
         grad_normed.index_copy_(0, valid, grad_hidden)
         del hidden, grad_hidden
