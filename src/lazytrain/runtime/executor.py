@@ -114,7 +114,8 @@ def chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     """
     with torch.no_grad():
         logits = F.linear(x, weight).float()
-        lse = torch.logsumexp(logits, dim=-1)
+        # logsumexp holds a temporary the size of its input: a block of rows at a time
+        lse = torch.cat([torch.logsumexp(logits[r : r + 256], dim=-1) for r in range(0, len(logits), 256)])
         loss = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum() / denominator
         probs = logits.sub_(lse[:, None]).exp_()
         probs[torch.arange(len(targets), device=targets.device), targets] -= 1.0
