@@ -12,6 +12,7 @@ import gc
 import json
 import re
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ import transformers
 
 from lazytrain.config import load_config
 from lazytrain.data.dataset import Batch
+from lazytrain.memory.host_store import host_memory_available, host_memory_total
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.plan.plan import Plan
@@ -112,6 +114,33 @@ def compute_only(executor: Executor, batch: int, seq: int, repeats: int = 5) -> 
             "compute_only_layers_s": sum(by_type[kind] for kind in adapter.layer_types) / 1e3}
 
 
+class HostSampler:
+    """The least MemAvailable seen (``least``, bytes; None where /proc/meminfo is missing),
+    polled every ``period`` seconds on a thread of its own until `stop`."""
+
+    def __init__(self, period: float = 0.1):
+        self.least: int | None = host_memory_available()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, args=(period,), daemon=True)
+        self._thread.start()
+
+    def _poll(self, period: float) -> None:
+        while not self._stop.wait(period):
+            now = host_memory_available()
+            if now is not None:
+                self.least = now if self.least is None else min(self.least, now)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+ALLOCATOR_EVENTS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+"""CUDA caching-allocator counters a timed step reports the increase of (``cuda_<name>``): an
+allocation that failed and was retried after freeing cached blocks, whole-device syncs,
+cudaMalloc / cudaFree calls (or their expandable-segment map / unmap)."""
+
+
 def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial_optimizer: bool = False,
                 optimizer: HostOptimizer | None = None, nvme: NvmeStore | None = None,
                 batches: Callable[[int], Batch] | None = None, stage_memory: bool = False) -> dict:
@@ -139,6 +168,7 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
     batch, seq = plan.batch_size, plan.seq_len
     measured = []
     run_peak = 0  # with stage memory the allocator's peak is reset at every stage
+    available = HostSampler()
     try:
         for step in range(warmup + steps):
             if stage_memory and cuda:
@@ -153,17 +183,24 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
                 inputs = {"input_ids": data.input_ids, "labels": data.labels, "attention_mask": data.attention_mask,
                           "position_ids": data.position_ids, "document_ids": data.document_ids}
             t0 = time.perf_counter()
+            allocator = torch.cuda.memory_stats(device) if cuda else {}
             stats = executor.forward_backward(**inputs)
             trace = executor.trace.summary()
+            extra = {"act_fetch_alloc_s": executor.activations.fetch_alloc_seconds}
+            if cuda:  # the caching allocator's slow paths during the step
+                now = torch.cuda.memory_stats(device)
+                extra.update({f"cuda_{key}": float(now.get(key, 0) - allocator.get(key, 0)) for key in ALLOCATOR_EVENTS})
             waited = updater.wait_seconds  # this step's forward waiting for the last update
             updater.start(min(1.0, 1.0 / (stats.grad_norm + 1e-6)), 1e-5)
             if serial_optimizer:
                 updater.finish()
             end = time.perf_counter()  # when the next step would start
             if step >= warmup:
-                measured.append((t0, stats, trace, waited, inputs["input_ids"].shape[1]))
+                measured.append((t0, stats, trace, waited, inputs["input_ids"].shape[1], extra))
         updater.finish()
+        available.stop()
     except BaseException as error:
+        available.stop()
         if executor.stage_memory is not None:
             error.stage_memory = list(executor.stage_memory)
         try:
@@ -173,7 +210,7 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
         raise
     starts = [m[0] for m in measured] + [end]
     step_times = [b - a for a, b in zip(starts, starts[1:])]
-    per_step = [step_metrics(adapter, m[1], m[2], t, m[4], device) | {"optimizer_wait_s": m[3]}
+    per_step = [step_metrics(adapter, m[1], m[2], t, m[4], device) | {"optimizer_wait_s": m[3]} | m[5]
                 for m, t in zip(measured, step_times)]
     record = {key: statistics.median(r[key] for r in per_step) for key in per_step[0]
               if isinstance(per_step[0][key], float)}
@@ -187,6 +224,8 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
         "policy": plan.policy, "batch_size": batch, "seq_len": seq, "step_times_s": step_times,
         "predicted_step_time_s": None, "gpu_mem_cap_gb": None, "loss": measured[-1][1].loss,
         "cpu_optimizer_s": updater.last_step_seconds,
+        "host_total_gb": host_memory_total() / 1e9,
+        "host_available_min_gb": None if available.least is None else available.least / 1e9,
     })
     if cuda:  # peaks over the whole run, not a median
         stages = executor.stage_memory or []

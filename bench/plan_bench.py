@@ -9,7 +9,9 @@ One process, one model in host memory (random init of a real config):
    the `CostTable` is written next to the results.
 2. Each run in ``--runs`` at ``--batch``: ``solved`` (the MILP's plan), ``megatrain``,
    ``keep_all``, ``checkpoint_gpu|host``; ``POLICY:max`` runs the largest batch <= ``--batch``
-   the simulator says fits the GPU (and walks down on out-of-memory). Per run: tokens/s,
+   the simulator says fits the GPU (and walks down on out-of-memory); ``POLICY@GIB`` plans
+   that run with a host limit of GIB GiB (its room for host activations: GIB less the model
+   state), ``KERNELS/RUN`` runs it only with ``--kernels KERNELS``. Per run: tokens/s,
    TFLOPS by both formulas, step time, the stream breakdown from CUDA events, peak GPU memory
    and activation bytes per tier, host RSS, each next to the simulator's prediction.
 3. With ``--cap-gb``: the allocator is capped (``torch.cuda.set_per_process_memory_fraction``)
@@ -138,6 +140,36 @@ def per_type(plan: Plan, table: CostTable, measured_ms: dict[str, float]) -> dic
     return out
 
 
+def copy_check(device: torch.device, nbytes: int = 2 * 10**9, repeats: int = 3) -> dict:
+    """H2D and D2H GB/s (median of ``repeats``) of one ``nbytes`` copy between a GPU tensor and
+    host memory pinned two ways: in place by cudaHostRegister (`aligned_empty`, what the
+    activation store and the host weights use) and by torch's pinned allocator (cudaHostAlloc,
+    what the profiler's copy measurement uses); with the machine's available host memory at the
+    time. Tells a slow kind of pinned memory, or a host short of memory, from a slow plan."""
+    from lazytrain.memory.host_store import host_memory_available
+    from lazytrain.memory.nvme import aligned_empty
+
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {"bytes": nbytes, "host_available_gb": (host_memory_available() or 0) / 1e9}
+    for how, host in (("registered", aligned_empty(nbytes, torch.uint8, pin=True)),
+                      ("allocated", torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))):
+        for direction, (dst, src) in (("h2d", (gpu, host)), ("d2h", (host, gpu))):
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            out[f"{how}_{direction}_gbps"] = nbytes / sorted(times)[len(times) // 2] / 1e6
+        del host
+    del gpu
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
 def probe(session, plan) -> tuple[bool, str, float]:
     """One forward+backward of ``plan``: (fits, out-of-memory message, peak allocated GB)."""
     device = session.device
@@ -223,6 +255,9 @@ def main() -> None:
     parser.add_argument("--cap-measure", action="store_true", help="time solved and megatrain at their cap batch")
     parser.add_argument("--costs", nargs="+", default=[], metavar="[KERNELS=]FILE",
                         help="use this costs.json instead of profiling (KERNELS=FILE: for that kernel study only)")
+    parser.add_argument("--copy-check", action="store_true",
+                        help="time 2 GB copies to and from host memory pinned in place and by torch's pinned "
+                             "allocator, before and after the runs (`copy_check`)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
@@ -323,7 +358,17 @@ def study(session, args, kernels: str) -> None:
     records.append({"name": "costs", **common, "costs": costs.to_dict()})
     save()
 
-    def measure(policy: str, table: CostTable, plan, name: str, cap_gb: float | None = None) -> bool:
+    def check_copies(when: str) -> None:
+        if args.copy_check and device.type == "cuda":
+            measured = {"name": f"copy_check_{when}", **copy_check(device)}
+            records.append({**common, **measured})
+            print(json.dumps(measured), flush=True)
+            save()
+
+    check_copies("before_runs")
+
+    def measure(policy: str, table: CostTable, plan, name: str, cap_gb: float | None = None,
+                host_limit_gib: float | None = None) -> bool:
         """Time ``plan``; record it with its prediction (or its out-of-memory). Whether it ran."""
         try:
             record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps, stage_memory=args.stage_memory)
@@ -342,9 +387,10 @@ def study(session, args, kernels: str) -> None:
         record["per_layer_type"] = per_type(plan, table, record["compute_only_layer_ms_by_type"])
         record["gpu_mem_cap_gb"] = cap_gb
         host = session.host_memory(int(record["predicted_act_host_gb"] * 1e9), table)
+        limit = host.limit if host_limit_gib is None else int(host_limit_gib * GiB)
         record["host_budget_gb"] = {**{k: v / 1e9 for k, v in host.components().items()},
-                                    "total": host.total / 1e9, "limit": host.limit / 1e9,
-                                    "machine": host.machine / 1e9, "fits": host.fits}
+                                    "total": host.total / 1e9, "limit": limit / 1e9,
+                                    "machine": host.machine / 1e9, "fits": host.total <= limit}
         base = next((b for b in baseline if b.get("policy") == policy and b.get("batch_size") == plan.batch_size
                      and "tokens_per_s" in b), None)
         if base is not None:
@@ -360,18 +406,28 @@ def study(session, args, kernels: str) -> None:
         only, _, spec = spec.rpartition("/")
         if only and only != kernels:
             continue
+        spec, _, host_gib = spec.partition("@")
         policy, _, size = spec.partition(":")
+        run_costs, suffix = costs, ""
+        if host_gib:  # this run's host limit: the room for host activations is what it leaves
+            state = session.host_memory()
+            run_costs = dataclasses.replace(costs, host_bytes=max(int(float(host_gib) * GiB) - state.total, 0))
+            suffix = f"_host{host_gib}"
         batch = args.batch
         if size == "max":
-            batch = predicted_max_batch(policy, costs, args.seq, costs.gpu_bytes, args, args.max_batch or args.batch)
-            print(f"{policy}: largest batch the simulator fits: {batch}", flush=True)
+            batch = predicted_max_batch(policy, run_costs, args.seq, run_costs.gpu_bytes, args,
+                                        args.max_batch or args.batch)
+            print(f"{policy}{suffix}: largest batch the simulator fits: {batch}", flush=True)
         while batch >= 1:
-            table = costs.at(batch, args.seq)
+            table = run_costs.at(batch, args.seq)
             plan = policy_plan(policy, table, options(args))
-            if measure(policy, table, plan, f"{args.model}_{policy}_b{batch}_s{args.seq}{args.tag}") or size != "max":
+            name = f"{args.model}_{policy}_b{batch}_s{args.seq}{suffix}{args.tag}"
+            if measure(policy, table, plan, name, host_limit_gib=float(host_gib) if host_gib else None) \
+                    or size != "max":
                 break
             batch -= 1
 
+    check_copies("after_runs")
     if args.cap_gb:
         cap_gpu_memory(device, args.cap_gb)
         cap = usable_gpu_bytes(int(args.cap_gb * GiB))  # what the planner may fill
@@ -488,6 +544,26 @@ def markdown(records: list[dict], args) -> str:
                          f"(machine {hb['machine']:.1f}, {'fits' if hb['fits'] else 'OVER'}); measured host RSS "
                          f"{r['host_rss_gb']:.1f} GB." + (f" tokens/s {r['tokens_per_s_vs_baseline']:.3f}x "
                          f"{r['baseline']}." if "baseline" in r else ""))
+    for r in records:
+        if "tokens_per_s" in r and "h2d_act_busy_s" in r:
+            act_gb = r.get("act_host_gb", 0)
+            lines.append(
+                f"\n{r['name']}: saved activations on the copy streams: H2D {r['h2d_act_busy_s']:.2f} s busy, D2H "
+                f"{r['d2h_act_busy_s']:.2f} s busy for {act_gb:.1f} GB each way"
+                + (f" ({act_gb / r['h2d_act_busy_s']:.1f} / {act_gb / r['d2h_act_busy_s']:.1f} GB/s)"
+                   if r["h2d_act_busy_s"] > 0 and r["d2h_act_busy_s"] > 0 else "")
+                + f"; host time in their GPU allocations {r.get('act_fetch_alloc_s', NAN):.3f} s; allocator per "
+                f"step: {r.get('cuda_num_alloc_retries', NAN):.0f} retries, {r.get('cuda_num_sync_all_streams', NAN):.0f} "
+                f"device syncs, {r.get('cuda_num_device_alloc', NAN):.0f} / {r.get('cuda_num_device_free', NAN):.0f} "
+                f"device allocations / frees; least host memory available {r.get('host_available_min_gb') or NAN:.1f} "
+                f"of {r.get('host_total_gb', NAN):.1f} GB.")
+    for r in records:
+        if r["name"].startswith("copy_check"):
+            lines.append(
+                f"\n{r['name']}: {r['bytes'] / 1e9:g} GB copies, host memory pinned in place (cudaHostRegister) "
+                f"H2D {r['registered_h2d_gbps']:.1f} / D2H {r['registered_d2h_gbps']:.1f} GB/s, by torch's pinned "
+                f"allocator H2D {r['allocated_h2d_gbps']:.1f} / D2H {r['allocated_d2h_gbps']:.1f} GB/s; "
+                f"{r['host_available_gb']:.1f} GB of host memory available.")
     for r in records:
         if "oom" in r and r.get("stage_memory_gb"):
             last = ", ".join(f"{name} {gb:.1f} / {pred:.1f}" for name, gb, pred in r["stage_memory_gb"][-4:])

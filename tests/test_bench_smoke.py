@@ -22,14 +22,18 @@ FIELDS = {"name", "date", "device", "torch", "model", "seq_len", "batch_size", "
 
 def test_plan_bench_on_the_cpu_writes_records(tmp_path):
     subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
-                    "--seq", "32", "--runs", "solved", "megatrain", "--split-master", "off", "--warmup", "1",
+                    "--seq", "32", "--runs", "solved", "megatrain", "solved@0.01", "--split-master", "off", "--warmup", "1",
                     "--steps", "1", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
     (records,) = [json.loads(p.read_text()) for p in tmp_path.glob("plan_tiny_*.json")]
     runs = [r for r in records if "tokens_per_s" in r]
-    assert [r["policy"] for r in runs] == ["solved", "megatrain"]
+    assert [r["policy"] for r in runs] == ["solved", "megatrain", "solved"]
     for r in runs:
         assert FIELDS <= r.keys(), FIELDS - r.keys()
         assert r["tokens_per_s"] > 0 and r["predicted_step_time_s"] > 0 and r["world_size"] == 1
+        assert r["act_fetch_alloc_s"] >= 0 and 0 < r["host_available_min_gb"] <= r["host_total_gb"]
+    # solved@GIB: that run's own host limit (here none of it left for activations)
+    assert runs[2]["name"].endswith("_host0.01") and abs(runs[2]["host_budget_gb"]["limit"] - 0.01 * 2**30 / 1e9) < 1e-8
+    assert runs[0]["host_budget_gb"]["limit"] > 1
     assert (tmp_path / next(tmp_path.glob("plan_tiny_*.json")).name.replace(".json", ".md")).exists()
 
     # a cost table from before the embedding's and head's working sets were measured: the

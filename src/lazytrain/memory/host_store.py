@@ -76,6 +76,18 @@ def pin_in_place(t: torch.Tensor) -> bool:
     return True
 
 
+def host_memory_available() -> int | None:
+    """The machine's MemAvailable (what can be allocated without swapping), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 HOST_RESERVE_FRACTION = 0.05
 HOST_RESERVE_MIN = 4 * 2**30
 """Host memory left out of the default budget: the process itself (torch, CUDA context,

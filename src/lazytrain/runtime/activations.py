@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -45,6 +46,9 @@ class ActivationStore:
         self.bytes_by_tier = {"gpu": 0, "host": 0, "nvme": 0}
         self.peak_by_tier = {"gpu": 0, "host": 0, "nvme": 0}
         self._pool_lock = threading.Lock()
+        self.fetch_alloc_seconds = 0.0
+        """Host time this step in the GPU allocations of fetched activations (an allocator that
+        has to free cached blocks and retry blocks the host here)."""
         # pinned buffers to reuse, each with the event after which nothing reads it any more
         self._pool: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
 
@@ -77,7 +81,7 @@ class ActivationStore:
         with self.streams.on(self.streams.d2h):
             buf.copy_(src.view(-1), non_blocking=True)
         if self.trace:
-            self.trace.end("d2h", span, self.streams.d2h)
+            self.trace.end("d2h:act", span, self.streams.d2h)
         self.streams.keep_alive(src, self.streams.d2h)
         return buf, self.streams.record(self.streams.d2h)
 
@@ -119,12 +123,14 @@ class ActivationStore:
 
     def _to_device(self, handle: Handle, buf: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         self.streams.wait(ready, self.streams.h2d)
-        span = self.trace.begin(self.streams.h2d) if self.trace else None
         with self.streams.on(self.streams.h2d):
+            t0 = time.perf_counter()
             out = torch.empty(handle.shape, dtype=handle.dtype, device=self.device)
+            self.fetch_alloc_seconds += time.perf_counter() - t0
+            span = self.trace.begin(self.streams.h2d) if self.trace else None
             out.view(-1).copy_(buf, non_blocking=True)
         if self.trace:
-            self.trace.end("h2d", span, self.streams.h2d)
+            self.trace.end("h2d:act", span, self.streams.h2d)
         handle.fetched = out
         handle.fetched_event = self.streams.record(self.streams.h2d)
 
@@ -176,4 +182,5 @@ class ActivationStore:
                     str(self.nvme.folder),
                 )
         self.bytes_by_tier = {tier: 0 for tier in self.bytes_by_tier}
+        self.fetch_alloc_seconds = 0.0
         self.reset_peaks()

@@ -74,6 +74,8 @@ class StreamTrace:
         return self.streams.record(stream, timing=True)
 
     def end(self, kind: str, start: torch.cuda.Event | None, stream: torch.cuda.Stream | None = None) -> None:
+        """Close a span of ``kind``: compute, h2d or d2h, optionally ``stream:label`` (``h2d:act``),
+        whose busy time `summary` also reports on its own (``h2d_act_busy_ms``)."""
         if start is not None:
             self.spans.append((kind, start, self.streams.record(stream, timing=True)))
 
@@ -85,9 +87,14 @@ class StreamTrace:
         end.synchronize()
         total = self._origin.elapsed_time(end)
         intervals: dict[str, list[tuple[float, float]]] = {}
+        labelled: dict[str, list[tuple[float, float]]] = {}
         for kind, a, b in self.spans:
-            intervals.setdefault(kind, []).append((self._origin.elapsed_time(a), self._origin.elapsed_time(b)))
-        return exposure(intervals, total)
+            span = (self._origin.elapsed_time(a), self._origin.elapsed_time(b))
+            stream, _, label = kind.partition(":")
+            intervals.setdefault(stream, []).append(span)
+            if label:
+                labelled.setdefault(f"{stream}_{label}", []).append(span)
+        return exposure(intervals, total) | {f"{name}_busy_ms": _length(_union(iv)) for name, iv in labelled.items()}
 
 
 def exposure(intervals: dict[str, list[tuple[float, float]]], total: float) -> dict[str, float]:

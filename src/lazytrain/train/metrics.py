@@ -63,6 +63,9 @@ def step_metrics(adapter: ModelAdapter, stats: StepStats, trace: dict[str, float
             "gpu_idle_other_s": trace["other_idle_ms"] / 1e3,
             "h2d_busy_s": trace.get("h2d_busy_ms", 0.0) / 1e3,
             "d2h_busy_s": trace.get("d2h_busy_ms", 0.0) / 1e3,
+            # the saved activations' share of the copy streams (the rest is weights and gradients)
+            "h2d_act_busy_s": trace.get("h2d_act_busy_ms", 0.0) / 1e3,
+            "d2h_act_busy_s": trace.get("d2h_act_busy_ms", 0.0) / 1e3,
         })
     return record
 
