@@ -9,7 +9,7 @@ One process, one model in host memory (random init of a real config):
    the `CostTable` is written next to the results.
 2. Each run in ``--runs`` at ``--batch``: ``solved`` (the MILP's plan), ``megatrain``,
    ``keep_all``, ``checkpoint_gpu|host``; ``POLICY:max`` runs the largest batch <= ``--batch``
-   the simulator says fits the GPU (and walks down on out-of-memory); ``POLICY@GIB`` plans
+   the simulator says fits the GPU (and walks down by 1/16 of the batch on out-of-memory); ``POLICY@GIB`` plans
    that run with a host limit of GIB GiB (its room for host activations: GIB less the model
    state), ``KERNELS/RUN`` runs it only with ``--kernels KERNELS``. Per run: tokens/s,
    TFLOPS by both formulas, step time, the stream breakdown from CUDA events, peak GPU memory
@@ -425,7 +425,7 @@ def study(session, args, kernels: str) -> None:
             if measure(policy, table, plan, name, host_limit_gib=float(host_gib) if host_gib else None) \
                     or size != "max":
                 break
-            batch -= 1
+            batch -= max(1, batch // 16)  # one step per try: a try at 9B and b200+ takes a minute
 
     check_copies("after_runs")
     if args.cap_gb:

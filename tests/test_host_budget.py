@@ -3,6 +3,7 @@ not fit fails before allocating and names the smallest change, pinned buffers ar
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ import torch
 
 from lazytrain.cli.main import main
 from lazytrain.memory.budget import HostSettings, check_host_fit, host_budget, smallest_fix
-from lazytrain.memory.host_store import HostMemoryError
+from lazytrain.memory.host_store import HostMemoryError, pin_in_place, touch_pages
 from lazytrain.memory.nvme import aligned_empty, padded_bytes
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import model_config
@@ -136,3 +137,28 @@ def test_pinned_activation_buffers_are_pinned_in_place_without_rounding():
     assert buf.is_pinned()
     assert buf.data_ptr() % 4096 == 0
     assert padded_bytes(nbytes) == 3 * 2**20 + 4096
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_touch_pages_backs_every_page_and_keeps_the_contents():
+    """Pinning writes a byte of every page first (memory registered untouched copied at 7-8 GB/s
+    instead of 55 on the H200 machine): every page of a fresh, never-written buffer becomes
+    resident, and a buffer's values are unchanged."""
+    nbytes = 64 * 2**20 + 123
+    fresh = torch.empty(nbytes, dtype=torch.uint8)  # a fresh mapping: its pages are not resident yet
+    before = _resident_bytes()
+    touch_pages(fresh)
+    assert _resident_bytes() - before >= 0.95 * nbytes
+
+    values = torch.randn(3 * 4096 + 7)
+    kept = values.clone()
+    touch_pages(values)
+    assert torch.equal(values, kept)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="contiguous"):
+            pin_in_place(values[::2])
