@@ -9,8 +9,11 @@ way (median, CUDA events), with the host memory available at the time:
 
 - ``allocated``: torch.empty(pin_memory=True) (cudaHostAlloc);
 - ``registered_untouched``: 4 KiB-aligned, registered before any of its pages is written;
-- ``aligned_empty``: `aligned_empty(pin=True)`, what the activation store uses (`pin_in_place`
-  writes a byte of every page first);
+- ``registered_touch_pages``: 4 KiB-aligned, a byte of every page written (`touch_pages`,
+  inside `pin_in_place`), then registered: what `aligned_empty(pin=True)` did before it
+  zero-filled its buffers;
+- ``aligned_empty``: `aligned_empty(pin=True)`, what the activation store uses (every byte
+  zero-filled by the CPU, then `pin_in_place`);
 - ``registered_touched``: 4 KiB-aligned, zeroed, then pinned;
 - ``registered_touched_2mib``: the same at a 2 MiB-aligned address;
 - ``registered_unaligned``: torch.empty, zeroed, registered as it is (what the host store does
@@ -48,6 +51,11 @@ def register_untouched(nbytes: int) -> torch.Tensor:
 def buffers(nbytes: int):
     yield "allocated", torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     yield "registered_untouched", register_untouched(nbytes)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % ALIGN
+    pin_in_place(raw[start : start + nbytes])
+    yield "registered_touch_pages", raw[start : start + nbytes]
+    del raw
     yield "aligned_empty", aligned_empty(nbytes, torch.uint8, pin=True)
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     start = (-raw.data_ptr()) % ALIGN

@@ -168,8 +168,11 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
         return {"h2d_gbps": gbps, "d2h_gbps": gbps, "bidir_gbps": gbps / 2, "copy_slowdown": 1.0}
     gpu = torch.empty(host.numel(), dtype=host.dtype, device=device)
     gpu2 = torch.empty_like(gpu)
-    # torch.empty_like(host) would be pageable (a third of the speed): pin the D2H target
-    back = torch.empty(host.numel(), dtype=host.dtype, pin_memory=True)
+    # the D2H target is a buffer of the activation store's own kind (`aligned_empty`, pinned in
+    # place), so the table has the speed offloaded activations see: torch.empty_like(host)
+    # would be pageable (a third of the speed), and torch's pinned allocator (cudaHostAlloc) is
+    # not what the executor copies into
+    back = aligned_empty(host.numel(), host.dtype, pin=True)
     h2d_stream, d2h_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
     compute = torch.cuda.current_stream(device)
 
