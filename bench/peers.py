@@ -187,18 +187,25 @@ def launch(job: dict, log: Path, reserve: int, timeout: float) -> Worker:
         with log.open("w") as out:
             process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                        start_new_session=True)
-            while process.poll() is None:
-                _, available = meminfo()
-                peak = max(peak, total - available)
-                if status is None and available < reserve:
-                    status = f"killed: host memory low ({available / GB:.1f} GB available)"
-                elif status is None and time.monotonic() - start > timeout:
-                    status = f"timed out after {timeout:.0f} s"
-                if status is not None:
+            try:
+                while process.poll() is None:
+                    _, available = meminfo()
+                    peak = max(peak, total - available)
+                    if status is None and available < reserve:
+                        status = f"killed: host memory low ({available / GB:.1f} GB available)"
+                    elif status is None and time.monotonic() - start > timeout:
+                        status = f"timed out after {timeout:.0f} s"
+                    if status is not None:
+                        break
+                    time.sleep(POLL_S)
+            finally:
+                # the worker runs in a session of its own (a signal to this process's group does
+                # not reach it): stopped here however this loop ends, a SIGTERM to this process
+                # included (`main` turns it into SystemExit). A worker left running once held
+                # its host memory through the next runs on the H200 machine.
+                if process.poll() is None:
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
-                    break
-                time.sleep(POLL_S)
         record = json.loads(result.read_text()) if result.exists() else None
     if status is None and record is None:
         status = f"failed (exit {process.returncode})"
@@ -435,6 +442,8 @@ def main() -> None:
     if args.worker:
         worker_main(args.worker, args.result)
         return
+    # `timeout` and job schedulers stop with SIGTERM: unwind, so `launch` stops its worker
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sizes = [int(b) for b in args.batches if b != "max"]
     if not sizes or any(b != "max" and not b.isdigit() for b in args.batches):
         raise SystemExit(f"--batches takes batch sizes and 'max', with at least one size; got {args.batches}")

@@ -3,17 +3,17 @@
     python bench/pinned_copy.py --gb 2 --out bench/results
 
 The activation store's buffers (`memory.nvme.aligned_empty(pin=True)`) and the host store's
-arenas are page-locked in place with cudaHostRegister (`memory.host_store.pin_in_place`); the
-profiler's copy measurement uses torch's pinned allocator (cudaHostAlloc). Per way of pinning, one ``--gb`` GB buffer, copied ``--repeats`` times each
-way (median, CUDA events), with the host memory available at the time:
+arenas are page-locked in place with cudaHostRegister (`memory.host_store.pin_in_place`).
+Per way of pinning, one ``--gb`` GB buffer, copied ``--repeats`` times each way (median, CUDA
+events), with the host memory available at the time:
 
+- ``pageable``: torch.empty, not pinned (the speed an unpinned buffer gets);
 - ``allocated``: torch.empty(pin_memory=True) (cudaHostAlloc);
 - ``registered_untouched``: 4 KiB-aligned, registered before any of its pages is written;
-- ``registered_touch_pages``: 4 KiB-aligned, a byte of every page written (`touch_pages`,
-  inside `pin_in_place`), then registered: what `aligned_empty(pin=True)` did before it
-  zero-filled its buffers;
-- ``aligned_empty``: `aligned_empty(pin=True)`, what the activation store uses (every byte
-  zero-filled by the CPU, then `pin_in_place`);
+- ``aligned_empty``: `aligned_empty(pin=True)`, what the activation store uses;
+- ``released_on_return``: what `aligned_empty(pin=True)` did until the pinning's owner was
+  explicit: registered, then returned as a dtype view with the unpinning tied to the raw
+  allocation's Python object, which dies on return (the buffer is then unpinned);
 - ``registered_touched``: 4 KiB-aligned, zeroed, then pinned;
 - ``registered_touched_2mib``: the same at a 2 MiB-aligned address;
 - ``registered_unaligned``: torch.empty, zeroed, registered as it is (what the host store does
@@ -36,7 +36,7 @@ from lazytrain.memory.nvme import ALIGN, aligned_empty
 
 def register_untouched(nbytes: int) -> torch.Tensor:
     """A 4 KiB-aligned buffer registered with cudaHostRegister before any of its pages is
-    written (what `pin_in_place` did before it touched the pages first)."""
+    written (a slice: it keeps the raw allocation's Python object, and so its pinning, alive)."""
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     start = (-raw.data_ptr()) % ALIGN
     view = raw[start : start + nbytes]
@@ -48,15 +48,21 @@ def register_untouched(nbytes: int) -> torch.Tensor:
     return view
 
 
-def buffers(nbytes: int):
-    yield "allocated", torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    yield "registered_untouched", register_untouched(nbytes)
+def released_on_return(nbytes: int) -> torch.Tensor:
+    """`aligned_empty(pin=True)` before its fix: the unpinning tied to ``raw``, a dtype view
+    returned (it keeps the storage, not ``raw``'s Python object: unpinned on return)."""
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     start = (-raw.data_ptr()) % ALIGN
-    pin_in_place(raw[start : start + nbytes])
-    yield "registered_touch_pages", raw[start : start + nbytes]
-    del raw
+    pin_in_place(raw[start : start + nbytes], owner=raw)
+    return raw[start : start + nbytes].view(torch.uint8)
+
+
+def buffers(nbytes: int):
+    yield "pageable", torch.empty(nbytes, dtype=torch.uint8)
+    yield "allocated", torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    yield "registered_untouched", register_untouched(nbytes)
     yield "aligned_empty", aligned_empty(nbytes, torch.uint8, pin=True)
+    yield "released_on_return", released_on_return(nbytes)
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     start = (-raw.data_ptr()) % ALIGN
     raw.zero_()

@@ -99,6 +99,42 @@ def test_the_watchdog_kills_a_worker_when_host_memory_runs_low(tmp_path, monkeyp
     assert worker.record is None and worker.status.startswith("killed: host memory low")
 
 
+def _workers() -> list[int]:
+    """Pids of running `bench.peers` worker processes."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"bench.peers" in cmdline and b"--worker" in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs Linux /proc")
+def test_a_stopped_parent_stops_its_worker(tmp_path):
+    """SIGTERM to the parent (what `timeout` sends) ends the worker too: it runs in a session of
+    its own, and one left running kept its host memory through the next runs."""
+    import signal
+    import time
+
+    assert _workers() == []
+    parent = subprocess.Popen([sys.executable, "-m", "bench.peers", "--device", "cpu", "--models", "tiny", "--seq",
+                               "32", "--batches", "2", "--runs", "fsdp2_cpu_offload", "--warmup", "1", "--steps",
+                               "1000", "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not _workers():
+        assert parent.poll() is None and time.monotonic() < deadline, parent.stdout.read()
+        time.sleep(0.2)
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=60) == 128 + signal.SIGTERM
+    while _workers():
+        assert time.monotonic() < deadline, "the worker outlived its parent"
+        time.sleep(0.2)
+
+
 def test_peer_models_get_lazytrain_weights_and_loss():
     """The peers' HF model holds exactly the host store's random init, and the chunked loss is
     HF's causal-LM loss."""

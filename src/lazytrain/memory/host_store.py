@@ -53,34 +53,25 @@ def host_memory_total() -> int:
     return total
 
 
-def touch_pages(t: torch.Tensor) -> None:
-    """Write one byte of every page of contiguous ``t`` (its own value back: the contents stay),
-    so each page is backed by memory of its own before it is page-locked.
-
-    Measured on the H200 machine (bench/pinned_copy.py, 2 and 8 GB): memory registered with
-    cudaHostRegister while its pages were never written copies at 7-8 GB/s to the GPU and
-    11-15 GB/s back; the same memory written first copies at 55 GB/s each way, as torch's
-    pinned allocator does. The activation store's buffers are written only by the GPU's
-    copies, so without this they stayed on the slow path (a 9B plan with 54 GB of host
-    activations ran at half its predicted speed)."""
-    flat = t.view(-1).view(torch.uint8)
-    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-    stride = flat[::page]
-    stride.copy_(stride.clone())
-    flat[-1:].copy_(flat[-1:].clone())
-
-
-def pin_in_place(t: torch.Tensor) -> bool:
+def pin_in_place(t: torch.Tensor, owner: torch.Tensor | None = None) -> bool:
     """Page-lock ``t``'s memory with cudaHostRegister (no copy, no rounding: torch's pinned
-    allocator would round each allocation up to a power of two), its pages written first
-    (`touch_pages`). Unregistered when the tensor's base is freed, so the address can be
-    pinned again. ``t`` must not share a page with another pinned range. False (nothing done)
-    without CUDA."""
+    allocator would round each allocation up to a power of two). Unregistered when ``owner``
+    (default: ``t``'s base, or ``t``) is freed, so the address can be pinned again: ``owner``
+    must be the Python tensor that lives as long as the memory is copied from or to. ``t``
+    must not share a page with another pinned range. False (nothing done) without CUDA.
+
+    The owner is explicit because a tensor's Python object can die while its memory is still
+    used: a dtype view (``x.view(torch.bfloat16)``) keeps the storage but not ``x._base``, so
+    a finalizer on the base fired as soon as `memory.nvme.aligned_empty` returned such a view,
+    and every activation-store buffer ran unpinned: 7.7 GB/s to the GPU and 14.6 back, against
+    52-53 for pinned memory however it was allocated or touched
+    (`bench/results/pinned_copy_2026-12-01.md`), and a Qwen2.5-7B step with 40 GB of host-tier
+    activations took 14.5 s where 6.6 s was planned.
+    """
     if not torch.cuda.is_available() or t.numel() == 0:
         return False
     if not t.is_contiguous():
         raise ValueError("pin_in_place needs a contiguous tensor (it page-locks one address range)")
-    touch_pages(t)
     cudart = torch.cuda.cudart()
     nbytes = t.numel() * t.element_size()
     err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
@@ -91,7 +82,8 @@ def pin_in_place(t: torch.Tensor) -> bool:
             f"{code}); the memlock limit (`ulimit -l`, or the container's) may be too low: raise "
             "it, or set memory.pin=false (transfers then run at pageable speed)"
         )
-    owner = t if t._base is None else t._base
+    if owner is None:
+        owner = t if t._base is None else t._base
     # not at exit: the process's memory goes anyway, and unpinning 100 GB takes seconds
     weakref.finalize(owner, cudart.cudaHostUnregister, t.data_ptr()).atexit = False
     return True

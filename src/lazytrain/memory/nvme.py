@@ -58,28 +58,20 @@ def _round_up(n: int) -> int:
 def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
     """``numel`` elements at a 4 KiB-aligned address, with storage up to the next 4 KiB.
 
-    With ``pin`` the aligned pages are zero-filled by the CPU, then page-locked in place
-    (`pin_in_place`): they hold `padded_bytes` of host memory, where torch's pinned allocator
-    would round up to a power of two (a 14.8 GB saved set took 16 GiB). Whole pages only, so no
-    other buffer shares them.
-
-    Why every byte is written, not only a byte per page as `pin_in_place` does: on the H200
-    machine the activation store's buffers pinned after a byte-per-page touch still copied at
-    6.6 GB/s to the GPU and 12.7 GB/s back in a Qwen2.5-7B step (40 GB of host-tier
-    activations, `bench/results/peers_qwen2.5-7b_h200_2026-12-01_s1024.json`), the speed of
-    never-written registered memory, while the host store's arenas, written whole by the CPU
-    after pinning, ran at 41 / 52 GB/s in the same step. These buffers are otherwise written
-    only by the GPU's copies. The fill costs one pass over each new buffer; the activation
-    store reuses its buffers, so that is once per buffer size a run.
+    With ``pin`` the aligned pages are page-locked in place (`pin_in_place`) for as long as the
+    returned tensor lives: they hold `padded_bytes` of host memory, where torch's pinned
+    allocator would round up to a power of two (a 14.8 GB saved set took 16 GiB). Whole pages
+    only, so no other buffer shares them. Keep the returned tensor itself while copying: it
+    owns the pinning (a dtype view of it does not keep it alive).
     """
     nbytes = numel * dtype.itemsize
     raw = torch.empty(_round_up(nbytes) + ALIGN, dtype=torch.uint8)
     start = (-raw.data_ptr()) % ALIGN
-    if pin and torch.cuda.is_available():
-        region = raw[start : start + _round_up(nbytes)]
-        region.zero_()
-        pin_in_place(region)
-    return raw[start : start + nbytes].view(dtype)
+    out = raw[start : start + nbytes].view(dtype)
+    if pin:
+        # owned by `out`: `raw`'s Python object dies on return (a dtype view keeps no _base)
+        pin_in_place(raw[start : start + _round_up(nbytes)], owner=out)
+    return out
 
 
 def padded_bytes(nbytes: int) -> int:
