@@ -68,18 +68,29 @@ class _Peak:
 
 def saved_tensor_bytes(fn: Callable[[], object], excluded: tuple[torch.Tensor, ...] = ()) -> tuple[object, int]:
     """``fn()`` under autograd, and the bytes of the distinct storages autograd saved for its
-    backward, not counting those of ``excluded`` tensors (the weight slot, rotary tables)."""
+    backward, not counting those of ``excluded`` tensors (the weight slot, rotary tables).
+
+    Each storage is held until ``fn`` returns, as the executor's pack hook holds what it
+    stores during a layer's forward: a tensor saved by a node that autograd frees before the
+    forward ends (a branch the output does not depend on) would otherwise free its address for
+    a later saved tensor, and the two would count once. That made this count, and a test
+    comparing it with the executor's, depend on where the allocator put things (12,288 bytes
+    short in about one run in six on a tiny Qwen3.5 stack)."""
     skip = {t.untyped_storage().data_ptr() for t in excluded}
     saved: dict[int, int] = {}
+    held: list[torch.UntypedStorage] = []
 
     def pack(t: torch.Tensor):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            saved[ptr] = t.untyped_storage().nbytes()
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in skip and ptr not in saved:
+            saved[ptr] = storage.nbytes()
+            held.append(storage)
         return t
 
     with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t):
         result = fn()
+    del held
     return result, sum(saved.values())
 
 
