@@ -208,12 +208,17 @@ def timed_loop(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], job: 
         print(f"{job.run} b{job.batch} step {i}: {elapsed:.2f} s, loss {loss:.4f}", flush=True)
         if i >= job.warmup:
             times.append(elapsed)
-    tokens = job.batch * job.seq
+    return {**step_figures(times, job.batch, job.seq, adapter), "losses": losses, "loss": losses[-1],
+            **gpu_peaks(device)}
+
+
+def step_figures(times: list[float], batch: int, seq: int, adapter: ModelAdapter) -> dict:
+    """Medians over the measured steps' ``times``: step time, tokens/s, TFLOPS by both formulas."""
+    tokens = batch * seq
     per_step = [{"step_time_s": t, "tokens_per_s": tokens / t,
                  "tflops_6nt": flops_6nt(adapter, tokens) / t / 1e12,
-                 "tflops_model": model_flops(adapter, tokens, job.seq) / t / 1e12} for t in times]
-    return {**{key: statistics.median(s[key] for s in per_step) for key in per_step[0]},
-            "step_times_s": times, "losses": losses, "loss": losses[-1], **gpu_peaks(device)}
+                 "tflops_model": model_flops(adapter, tokens, seq) / t / 1e12} for t in times]
+    return {**{key: statistics.median(s[key] for s in per_step) for key in per_step[0]}, "step_times_s": times}
 
 
 # -- LazyTrain --------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -162,6 +163,22 @@ class Worker:
     """Set when the parent ended the worker or it died: killed, timed out, failed."""
     host_used_gb: float
     log: Path
+
+
+STEP_LINE = re.compile(r"^\S+ b\d+ step (?P<step>\d+): (?P<seconds>[0-9.]+) s, loss (?P<loss>\S+)$")
+"""What `peer_runners.timed_loop` prints after each step."""
+
+
+def steps_from_log(log: Path, warmup: int) -> tuple[list[float], list[float]]:
+    """(measured step times, every step's loss) a worker printed before it ended: what a run
+    stopped before its record (timed out, killed, its parent stopped) still measured."""
+    times, losses = [], []
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        if match := STEP_LINE.match(line.strip()):
+            losses.append(float(match["loss"]))
+            if int(match["step"]) >= warmup:
+                times.append(float(match["seconds"]))
+    return times, losses
 
 
 def tail(path: Path, lines: int = 3) -> str:
@@ -305,12 +322,34 @@ class Study:
             if worker.status is not None:
                 record["status"] = worker.status
                 record["error"] = tail(log)
+                if worker.record is None:
+                    self.partial(record, log)
         self.records.append(record)
         self.save()
         numbers = (f"{record['tokens_per_s']:,.0f} tokens/s, {record['step_time_s']:.2f} s/step, "
                    f"{record['tflops_model']:.1f} TFLOPS (model), loss {record['loss']:.4f}"
                    if record["status"] == "ok" else record.get("error"))
         print(f"{record['name']}: {record['status']}" + (f": {numbers}" if numbers else ""), flush=True)
+        return record
+
+    def partial(self, record: dict, log: Path) -> None:
+        """Add to a run that ended without its record the figures of the steps its log shows
+        (``partial_steps``: how many; the row keeps its status, so it is not read as a finished run)."""
+        from bench.peer_runners import shape_adapter, step_figures
+
+        times, losses = steps_from_log(log, self.args.warmup)
+        if times:
+            adapter = shape_adapter(self.model, torch.device("cpu"))
+            record.update(step_figures(times, record["batch_size"], self.args.seq, adapter), losses=losses,
+                          loss=losses[-1], partial_steps=len(times))
+
+    def from_log(self, run: str, batch: int, log: Path, why: str) -> dict:
+        """The row of a run whose parent was stopped before it wrote the row: its header, the
+        steps its log shows, and ``why``."""
+        record = {**self.header(run, batch), "status": why, "error": tail(log), "log": log.name, "search": False}
+        self.partial(record, log)
+        self.records.append(record)
+        self.save()
         return record
 
     def largest_batch(self, run: str, first: dict) -> None:
@@ -369,9 +408,15 @@ def markdown(records: list[dict], args, model: str) -> str:
     for r in records:
         run = r["runner"] + (f" {r['optimizer_kind']}" if r.get("optimizer_kind") else "")
         run += " (largest batch)" if r.get("largest_batch") else ""
-        ok = r["status"] == "ok"
+        ok = r["status"] == "ok" or bool(r.get("partial_steps"))
         ratio = r["tokens_per_s"] / reference[r["batch_size"]] if ok and r["batch_size"] in reference else None
-        status = r["status"] if ok else f"{r['status']}: {r.get('error', '')}".rstrip(": ")
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}".rstrip(": ")
+        if r.get("partial_steps"):
+            status = f"{r['status']} after {r['partial_steps']} measured steps (figures from its log)"
+        if r.get("note"):
+            status += f" ({r['note']})"
+        if r.get("invalid"):
+            status = f"not a measurement of the trainer: {r['invalid']}"
         exact = {True: "yes", False: "no", None: "-"}[r.get("optimizer_exact")]
         lines.append(
             f"| {run} | {r.get('optimizer', '-')} | {exact} | {r['batch_size']} | {status} | "
@@ -407,6 +452,40 @@ def command_line(args) -> str:
     return " ".join(parts)
 
 
+def annotations(pairs: list[str], flag: str) -> list[tuple[str, str]]:
+    for pair in pairs:
+        if "=" not in pair:
+            raise SystemExit(f"{flag} takes NAME=TEXT, got {pair!r}")
+    return [tuple(pair.split("=", 1)) for pair in pairs]
+
+
+def merge(args) -> None:
+    """``--merge``: record files of one model become one study file + report (``--into``), with
+    ``--note`` and ``--invalid`` set on the rows they name; the inputs are left in place."""
+    if not args.into:
+        raise SystemExit("--merge needs --into STEM (the study file's name without .json)")
+    records = [r for path in args.merge for r in json.loads(path.read_text())]
+    models = {r["model"] for r in records}
+    if len(models) != 1:
+        raise SystemExit(f"--merge takes the records of one model; these have {sorted(models)}")
+    notes, invalid = annotations(args.note, "--note"), annotations(args.invalid, "--invalid")
+    for r in records:
+        for name, text in notes:
+            if name in r["name"]:
+                r["note"] = text
+        for name, text in invalid:
+            if name in r["name"]:
+                r["invalid"] = text
+    head = records[0]
+    args.seq, args.warmup, args.steps, args.seed = head["seq_len"], head["warmup_steps"], head["steps"], head["seed"]
+    args.head_chunk = head["head_chunk_tokens"]
+    report = markdown(records, args, head["model"]).replace(
+        f"Command: `{command_line(args)}`",
+        "Merged from " + ", ".join(f"`{path.name}`" for path in args.merge) + " (`python -m bench.peers --merge`)")
+    write_results(records, args.into, report, args.out)
+    print(f"wrote {Path(args.out) / args.into}.json and .md", flush=True)
+
+
 def worker_main(spec: str, result: str) -> None:
     from bench.peer_runners import Job, run_job
 
@@ -436,11 +515,37 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=512, help="the largest-batch search's upper bound")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                        help="no training: these record files (one model) become one study file and report, "
+                             "named by --into")
+    parser.add_argument("--into", help="the merged study's file stem (with --merge)")
+    parser.add_argument("--note", nargs="*", default=[], metavar="NAME=TEXT",
+                        help="with --merge: a note on the rows whose name contains NAME (the report shows it)")
+    parser.add_argument("--invalid", nargs="*", default=[], metavar="NAME=TEXT",
+                        help="with --merge: rows whose name contains NAME are kept but marked not a measurement "
+                             "of the trainer (TEXT: why); bench/readme_table.py leaves them out")
+    parser.add_argument("--from-log", type=Path, metavar="LOG",
+                        help="no training: the row of the first --runs / --batches run from a worker log its "
+                             "parent left (stopped before writing the row), headed like --like's first record")
+    parser.add_argument("--like", type=Path, help="with --from-log: a record file of the same machine and run")
+    parser.add_argument("--why", default="stopped with its parent", help="with --from-log: the row's status")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker_main(args.worker, args.result)
+        return
+    if args.merge:
+        merge(args)
+        return
+    if args.from_log:
+        like = json.loads(args.like.read_text())[0]
+        study = Study(args.models[0], args, like["device"])
+        study.stem += "_from_log"
+        record = study.from_log(args.runs[0], int(args.batches[0]), args.from_log, args.why)
+        record.update({key: like[key] for key in ("date", "device", "torch", "transformers")})
+        study.save()
+        print(f"wrote {Path(args.out) / study.stem}.json and .md", flush=True)
         return
     # `timeout` and job schedulers stop with SIGTERM: unwind, so `launch` stops its worker
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

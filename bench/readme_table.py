@@ -30,6 +30,7 @@ LABEL = {
     "pytorch_gpu": "PyTorch, all on the GPU",
 }
 REFERENCE = "lazytrain:hybrid8bit"
+CEILING = "pytorch_gpu"
 
 
 def load(paths: list[Path]) -> list[dict]:
@@ -37,6 +38,8 @@ def load(paths: list[Path]) -> list[dict]:
     newest: dict[tuple, dict] = {}
     for path in sorted(paths):
         for record in json.loads(path.read_text()):
+            if record.get("invalid"):  # kept in its file, not a measurement of the trainer (`peers.py --invalid`)
+                continue
             record = {**record, "source": path.name}
             key = (record["model"], record["run"], record["batch_size"], record["device"])
             if key not in newest or record["date"] >= newest[key]["date"]:
@@ -48,28 +51,45 @@ def number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def measured(record: dict) -> bool:
+    """A run with figures: finished, or stopped after measured steps (``partial_steps``)."""
+    return record["status"] == "ok" or bool(record.get("partial_steps"))
+
+
 def outcome(record: dict) -> str:
     """tokens/s, or why there are none."""
     if record["status"] == "ok":
         return number(record["tokens_per_s"], ",.0f")
+    if record.get("partial_steps"):
+        return (f"{number(record['tokens_per_s'], ',.0f')} ({record['partial_steps']} measured steps, from its log: "
+                f"{record['status']})")
     if record["status"] == "does not fit host memory" and record.get("host_estimate_gb") is not None:
         return f"does not fit host memory ({record['host_estimate_gb']:.0f} GB needed, {record['host_room_gb']:.0f} free)"
     return record["status"]
 
 
 def summary(model: str, rows: list[dict]) -> str:
-    """LazyTrain 8-bit's tokens/s against the fastest peer that ran, each at its fastest batch."""
+    """LazyTrain 8-bit's tokens/s against the fastest offloading peer that ran, each at its
+    fastest batch, and against plain PyTorch on the GPU (the no-offload ceiling) where it ran."""
     ours = [r for r in rows if r["run"] == REFERENCE and r["status"] == "ok"]
-    peers = [r for r in rows if not r["run"].startswith("lazytrain") and r["status"] == "ok"]
+    peers = [r for r in rows if not r["run"].startswith("lazytrain") and r["run"] != CEILING and measured(r)]
+    ceiling = [r for r in rows if r["run"] == CEILING and r["status"] == "ok"]
     if not ours:
         return f"{model}: LazyTrain (8-bit states) has no measured row."
     best_ours = max(ours, key=lambda r: r["tokens_per_s"])
     text = f"{model}: LazyTrain (8-bit states) {best_ours['tokens_per_s']:,.0f} tokens/s (batch {best_ours['batch_size']})"
-    if not peers:
-        return f"{text}; no peer runs this model on this machine."
-    best = max(peers, key=lambda r: r["tokens_per_s"])
-    return (f"{text}, **{best_ours['tokens_per_s'] / best['tokens_per_s']:.2f}x** the fastest peer "
-            f"({LABEL.get(best['run'], best['run'])}, batch {best['batch_size']}: {best['tokens_per_s']:,.0f}).")
+    if peers:
+        best = max(peers, key=lambda r: r["tokens_per_s"])
+        partial = f", {best['partial_steps']} measured steps before it was stopped" if best["status"] != "ok" else ""
+        text += (f", **{best_ours['tokens_per_s'] / best['tokens_per_s']:.2f}x** the fastest offloading peer "
+                 f"({LABEL.get(best['run'], best['run'])}, batch {best['batch_size']}: {best['tokens_per_s']:,.0f}{partial})")
+    else:
+        text += "; no offloading peer runs this model on this machine"
+    if ceiling:
+        top = max(ceiling, key=lambda r: r["tokens_per_s"])
+        text += (f"; {best_ours['tokens_per_s'] / top['tokens_per_s']:.2f}x {LABEL[CEILING]} (no offload, batch "
+                 f"{top['batch_size']}: {top['tokens_per_s']:,.0f})")
+    return text + "."
 
 
 def table(records: list[dict]) -> str:
@@ -84,7 +104,7 @@ def table(records: list[dict]) -> str:
          "host GB | exact AdamW | device, date |"),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    notes = []
+    notes, footnotes = [], []
     for model in models:
         # the runs at the batches asked for, and each run's largest batch (not the search's other tries)
         rows = sorted((r for r in records if r["model"] == model and (not r.get("search") or r.get("largest_batch"))),
@@ -92,19 +112,25 @@ def table(records: list[dict]) -> str:
         reference = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["run"] == REFERENCE and r["status"] == "ok"}
         for r in rows:
             ratio = (r["tokens_per_s"] / reference[r["batch_size"]]
-                     if r["status"] == "ok" and r["batch_size"] in reference else None)
+                     if measured(r) and r["batch_size"] in reference else None)
+            label = LABEL.get(r["run"], r["run"])
+            if r.get("note"):
+                if r["note"] not in footnotes:
+                    footnotes.append(r["note"])
+                label += f" [{footnotes.index(r['note']) + 1}]"
             batch = f"{r['batch_size']}" + (" (largest)" if r.get("largest_batch") else "")
             exact = {True: "yes", False: "no", None: "-"}[r.get("optimizer_exact")]
             host = r.get("host_used_gb") if r["status"] == "ok" else None
             lines.append(
-                f"| {model} | {LABEL.get(r['run'], r['run'])} | {batch} | {outcome(r)} | {number(ratio, '.2f')} | "
+                f"| {model} | {label} | {batch} | {outcome(r)} | {number(ratio, '.2f')} | "
                 f"{number(r['tflops_model'], '.1f')} | {number(r['step_time_s'], '.2f')} | "
                 f"{number(r['peak_gpu_alloc_gb'], '.1f')} | {number(host, '.1f')} | {exact} | "
                 f"{r['device']}, {r['date']} |"
             )
         notes.append(summary(model, rows))
     sources = sorted({r["source"] for r in records})
-    return "\n".join(lines + [""] + [f"- {n}" for n in notes] + [
+    return "\n".join(lines + [""] + [f"- {n}" for n in notes] + [""] * bool(footnotes)
+                     + [f"[{i}] {text}" + ("  " if i < len(footnotes) else "") for i, text in enumerate(footnotes, 1)] + [
         "",
         (f"From {', '.join(f'`bench/results/{s}`' for s in sources)} (`python bench/readme_table.py`). "
          "host GB: the machine's used memory during the run less before it; exact AdamW: fp32 masters and "

@@ -183,9 +183,10 @@ def test_readme_table_is_deterministic_and_follows_the_records(tmp_path):
     first = readme_table.table(readme_table.load([path]))
     assert first == readme_table.table(readme_table.load([path]))
     assert first.index("| qwen2.5-3b |") < first.index("| qwen2.5-7b |")  # smaller model first
-    assert "9,000 tokens/s (batch 64), **3.00x** the fastest peer (FSDP2, CPUOffloadPolicy, batch 64: 3,000)" in first
+    assert ("9,000 tokens/s (batch 64), **3.00x** the fastest offloading peer (FSDP2, CPUOffloadPolicy, batch 64: "
+            "3,000).") in first
     assert "does not fit host memory (140 GB needed, 124 free)" in first
-    assert "qwen2.5-3b: LazyTrain (8-bit states) 16,500 tokens/s (batch 96); no peer runs" in first
+    assert "qwen2.5-3b: LazyTrain (8-bit states) 16,500 tokens/s (batch 96); no offloading peer runs" in first
     assert "| 96 (largest) | 16,500 |" in first and "| 128 |" not in first
     records[1]["tokens_per_s"] = 4500.0
     changed = readme_table.table(readme_table.load([write(tmp_path, records)]))
@@ -199,6 +200,52 @@ def test_readme_table_is_deterministic_and_follows_the_records(tmp_path):
     assert text.startswith("intro\n") and text.endswith("rest\n") and "stale" not in text and "**2.00x**" in text
     subprocess.run([sys.executable, "bench/readme_table.py", str(path), "--readme", str(readme), "--check"],
                    cwd=ROOT, check=True)
+
+
+def test_readme_table_ceiling_partial_invalid_and_notes(tmp_path):
+    """Plain PyTorch on the GPU is the ceiling, not a peer; a run stopped after measured steps
+    counts with its figures and says so; an invalid row is left out; a note is a footnote."""
+    records = [
+        record("qwen2.5-3b", "lazytrain:hybrid8bit", 64, 12000.0, note="buffers unpinned"),
+        record("qwen2.5-3b", "lazytrain:hybrid8bit", 64, None, status="does not fit host memory",
+               invalid="host memory held by a leftover worker", date="2026-12-02"),
+        record("qwen2.5-3b", "deepspeed_zero3_offload", 64, 10000.0),
+        record("qwen2.5-3b", "fsdp2_cpu_offload", 64, 15000.0, status="stopped with its parent", partial_steps=2),
+        record("qwen2.5-3b", "pytorch_gpu", 64, 24000.0),
+    ]
+    text = readme_table.table(readme_table.load([write(tmp_path, records)]))
+    assert ("**0.80x** the fastest offloading peer (FSDP2, CPUOffloadPolicy, batch 64: 15,000, 2 measured steps "
+            "before it was stopped); 0.50x PyTorch, all on the GPU (no offload, batch 64: 24,000).") in text
+    assert "| 15,000 (2 measured steps, from its log: stopped with its parent) | 1.25 |" in text
+    assert "LazyTrain, 8-bit states [1] | 64 | 12,000 |" in text and "\n[1] buffers unpinned" in text
+    assert "does not fit" not in text and "leftover" not in text
+
+
+def test_peers_merge_and_rows_from_a_log(tmp_path):
+    """--from-log turns the steps a stopped worker printed into a row; --merge makes one study of
+    record files, with notes and invalid marks on the rows named."""
+    log = tmp_path / "w.log"
+    log.write_text("fsdp2_cpu_offload b2 step 0: 9.00 s, loss 5.5000\nfsdp2_cpu_offload b2 step 1: 2.00 s, loss 5.4000\n"
+                   "fsdp2_cpu_offload b2 step 2: 4.00 s, loss 5.3000\nTraceback (most recent call last):\n")
+    like = write(tmp_path, [record("tiny", "lazytrain:hybrid8bit", 2, 100.0, name="tiny_lazytrain_hybrid8bit_b2_s32",
+                                   torch="2.11.0+cu130", transformers="5.17.0", seq_len=32, warmup_steps=1, steps=2,
+                                   seed=0, head_chunk_tokens=4096, tflops_6nt=1.0, peak_gpu_reserved_gb=101.0,
+                                   host_rss_gb=50.0, optimizer_kind="hybrid8bit", loss=5.0)])
+    common = [sys.executable, "-m", "bench.peers", "--models", "tiny", "--seq", "32", "--out", str(tmp_path)]
+    subprocess.run([*common, "--from-log", str(log), "--like", str(like), "--runs", "fsdp2_cpu_offload",
+                    "--batches", "2", "--why", "stopped with its parent"], cwd=ROOT, check=True, capture_output=True)
+    (partial,) = json.loads(next(tmp_path.glob("peers_tiny_*_from_log.json")).read_text())
+    assert partial["status"] == "stopped with its parent" and partial["partial_steps"] == 2
+    assert partial["step_time_s"] == pytest.approx(3.0) and partial["tokens_per_s"] == pytest.approx((64 / 2 + 64 / 4) / 2)  # median of the steps' figures
+    assert partial["loss"] == 5.3 and partial["device"] == "NVIDIA H200"
+    subprocess.run([*common, "--merge", str(like), str(next(tmp_path.glob("peers_tiny_*_from_log.json"))),
+                    "--into", "peers_tiny_merged", "--note", "lazytrain=a note", "--invalid", "fsdp2=why not"],
+                   cwd=ROOT, check=True, capture_output=True)
+    merged = json.loads((tmp_path / "peers_tiny_merged.json").read_text())
+    assert [(r["run"], r.get("note"), r.get("invalid")) for r in merged] == [
+        ("lazytrain:hybrid8bit", "a note", None), ("fsdp2_cpu_offload", None, "why not")]
+    report = (tmp_path / "peers_tiny_merged.md").read_text()
+    assert "ok (a note)" in report and "not a measurement of the trainer: why not" in report
 
 
 def test_the_readme_table_is_the_committed_records():
