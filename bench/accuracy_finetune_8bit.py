@@ -2,8 +2,10 @@
 
 Per seed: train a built-in shape from scratch on one built-in tier with fp32 states, then
 fine-tune that model on another tier at a fine-tuning learning rate with each optimizer kind
-(``bench/optim_convergence.py``'s kinds: ``fp32``; ``fp32_unfused``, the same fp32 AdamW math
-with other float rounding, the null; ``hybrid8bit``). One record per (kind, seed) with the
+(``bench/optim_convergence.py``'s kinds: ``fp32``; the nulls, the same fp32 AdamW math with
+other float rounding: ``fp32_kernel`` (LazyTrain's fused kernel with fp32 states for every
+group, as fast as fp32) and ``fp32_unfused`` (torch's single-tensor loop, 2-3x fp32's time, not
+run unless asked for); ``hybrid8bit``). One record per (kind, seed) with the
 fine-tuning loss curve and held-out exact match; the report gives 8-bit's and the null's tail
 loss and exact match against fp32 with 90% intervals from resampling the seeds.
 
@@ -14,9 +16,9 @@ loss and exact match against fp32 with 90% intervals from resampling the seeds.
 fine-tune in its own process, N at once on the one device with ``cores // N`` CPU threads
 each, each writing its record file as it finishes; what finished (by ``--time-limit``) is
 merged into one record file + report and the per-run files and logs are packed into one
-archive. The paired fp32 and 8-bit runs go first, seed by seed, the null (``fp32_unfused``)
-after them: the CPU step (host memory bandwidth, not the GPU) bounds these runs, and the null's
-is two to three times fp32's (torch's single-tensor loop makes several passes).
+archive. The runs go seed by seed, each seed's kinds together, ``fp32_unfused`` (when asked
+for) after all of them: the CPU step (host memory bandwidth, not the GPU) bounds these runs,
+and that null's is two to three times fp32's (torch's single-tensor loop makes several passes).
 
     python bench/accuracy_finetune_8bit.py --shape qwen2.5-0.5b --seeds 1 2 3 4 5 --jobs 3 --time-limit 480
     python bench/accuracy_finetune_8bit.py --merge RUNS/*.json --tag _h200    # what a cut-off run left
@@ -44,7 +46,8 @@ from bench.optim_convergence import run
 from bench.optim_convergence_seeds import interval, points, ratio
 from lazytrain.runtime.device import resolve_device
 
-KINDS = ("fp32", "fp32_unfused", "hybrid8bit")
+KINDS = ("fp32", "fp32_kernel", "fp32_unfused", "hybrid8bit")
+DEFAULT_KINDS = ("fp32", "fp32_kernel", "hybrid8bit")
 STUDY_OPTIONS = ("shape", "pretrain_tier", "pretrain_steps", "pretrain_lr", "finetune_tier", "finetune_steps",
                  "finetune_lr", "batch_size", "heldout", "tail", "device")
 """The options that define the study: every process of a ``--jobs`` run is given them."""
@@ -285,7 +288,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen2.5-0.5b")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1])
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(DEFAULT_KINDS))
     parser.add_argument("--pretrain-tier", default="add2")
     parser.add_argument("--pretrain-steps", type=int, default=600)
     parser.add_argument("--shared-pretrain", action=argparse.BooleanOptionalAction, default=True,

@@ -101,6 +101,16 @@ def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path):
     assert len({r["pretrain_exact_match"] for r in records}) == 1  # one base model
 
 
+def test_the_kernel_null_is_fp32_adamw_through_the_8bit_kernel(tmp_path):
+    """fp32_kernel (the fine-tuning study's null): every group keeps fp32 states (the run
+    checks it), and the losses follow fp32's to rounding."""
+    from bench.optim_convergence import run
+
+    fp32 = run("fp32", 5, tmp_path / "a", seed=1, overrides=("data.heldout_size=2",))
+    null = run("fp32_kernel", 5, tmp_path / "b", seed=1, overrides=("data.heldout_size=2",))
+    assert null["losses"] == pytest.approx(fp32["losses"], rel=1e-5)
+
+
 def test_an_out_of_memory_record_keeps_the_stages_that_finished():
     from bench.common import oom_record
 
