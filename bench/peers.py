@@ -343,14 +343,15 @@ class Study:
             record.update(step_figures(times, record["batch_size"], self.args.seq, adapter), losses=losses,
                           loss=losses[-1], partial_steps=len(times))
 
-    def from_log(self, run: str, batch: int, log: Path, why: str) -> dict:
-        """The row of a run whose parent was stopped before it wrote the row: its header, the
-        steps its log shows, and ``why``."""
-        record = {**self.header(run, batch), "status": why, "error": tail(log), "log": log.name, "search": False}
+    def from_log(self, run: str, batch: int, log: Path, why: str, like: dict) -> None:
+        """The row of a run whose parent was stopped before it wrote the row: its header (the
+        date, device and versions of ``like``, a record of the same machine), the steps its log
+        shows, and ``why``; saved as this study."""
+        record = {**self.header(run, batch), **{key: like[key] for key in ("date", "device", "torch", "transformers")},
+                  "status": why, "error": tail(log), "log": log.name, "search": False}
         self.partial(record, log)
         self.records.append(record)
         self.save()
-        return record
 
     def largest_batch(self, run: str, first: dict) -> None:
         """Double from ``first``'s batch while it fits the GPU, then bisect; mark the largest
@@ -542,9 +543,7 @@ def main() -> None:
         like = json.loads(args.like.read_text())[0]
         study = Study(args.models[0], args, like["device"])
         study.stem += "_from_log"
-        record = study.from_log(args.runs[0], int(args.batches[0]), args.from_log, args.why)
-        record.update({key: like[key] for key in ("date", "device", "torch", "transformers")})
-        study.save()
+        study.from_log(args.runs[0], int(args.batches[0]), args.from_log, args.why, like)
         print(f"wrote {Path(args.out) / study.stem}.json and .md", flush=True)
         return
     # `timeout` and job schedulers stop with SIGTERM: unwind, so `launch` stops its worker

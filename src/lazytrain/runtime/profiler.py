@@ -90,7 +90,6 @@ def saved_tensor_bytes(fn: Callable[[], object], excluded: tuple[torch.Tensor, .
 
     with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t):
         result = fn()
-    del held
     return result, sum(saved.values())
 
 
