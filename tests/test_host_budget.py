@@ -171,6 +171,9 @@ def test_aligned_buffers_stay_pinned_while_they_live(monkeypatch, dtype):
     buf = aligned_empty(nbytes // dtype.itemsize, dtype, pin=True)
     gc.collect()
     assert cudart.pinned == {buf.data_ptr(): padded_bytes(nbytes)}
+    # torch's is_pinned() asks whether the *storage's* first byte is pinned: the range must
+    # start there (on the H200 a buffer cut from a larger allocation reported False)
+    assert buf.untyped_storage().data_ptr() == buf.data_ptr()
     assert cudart.unregistered == []
     flat = buf.view(-1).view(torch.uint8)  # what the store copies through: views, the buffer kept
     del flat

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import errno
 import itertools
+import mmap
 import os
 import shutil
 import threading
@@ -58,19 +59,21 @@ def _round_up(n: int) -> int:
 def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
     """``numel`` elements at a 4 KiB-aligned address, with storage up to the next 4 KiB.
 
-    With ``pin`` the aligned pages are page-locked in place (`pin_in_place`) for as long as the
-    returned tensor lives: they hold `padded_bytes` of host memory, where torch's pinned
-    allocator would round up to a power of two (a 14.8 GB saved set took 16 GiB). Whole pages
-    only, so no other buffer shares them. Keep the returned tensor itself while copying: it
-    owns the pinning (a dtype view of it does not keep it alive).
+    The storage is an anonymous memory mapping of exactly those whole pages, so it *starts* at
+    the aligned address: torch's ``is_pinned()`` asks about a tensor's storage's first byte,
+    and a slice of a larger allocation (what this did before) reported False for memory that
+    was pinned and copied at pinned speed. With ``pin`` the pages are page-locked in place
+    (`pin_in_place`) for as long as the returned tensor lives: they hold `padded_bytes` of host
+    memory, where torch's pinned allocator would round up to a power of two (a 14.8 GB saved
+    set took 16 GiB). Whole pages only, so no other buffer shares them. Keep the returned
+    tensor itself while copying: it owns the pinning (a dtype view of it does not keep it alive).
     """
     nbytes = numel * dtype.itemsize
-    raw = torch.empty(_round_up(nbytes) + ALIGN, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % ALIGN
-    out = raw[start : start + nbytes].view(dtype)
+    # freed (munmap) when the last tensor on the storage goes; pages are zero until written
+    pages = torch.frombuffer(mmap.mmap(-1, _round_up(max(nbytes, 1))), dtype=torch.uint8)
+    out = pages[:nbytes].view(dtype)
     if pin:
-        # owned by `out`: `raw`'s Python object dies on return (a dtype view keeps no _base)
-        pin_in_place(raw[start : start + _round_up(nbytes)], owner=out)
+        pin_in_place(pages, owner=out)
     return out
 
 
