@@ -26,7 +26,7 @@ from lazytrain.memory.host_store import host_memory_available, host_memory_total
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.plan.plan import Plan
-from lazytrain.runtime.device import device_name, time_ms
+from lazytrain.runtime.device import device_name, release_failed_step, time_ms
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.update import HostUpdater
 from lazytrain.train.metrics import step_metrics
@@ -246,9 +246,7 @@ def oom_record(name: str, header: dict, policy: str, batch: int, seq: int, error
     """A run that ran out of GPU memory, recorded with the allocator's message (and, when the
     step recorded its stages, the peak of each stage it finished: ``stage_memory_gb``, and
     ``oom_after_stage``, the last of them)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_failed_step(error)  # else its frames keep the try's GPU memory and the next try fails too
     record = {"name": name, **header, "policy": policy, "batch_size": batch, "seq_len": seq,
               "oom": str(error).split("\n")[0]}
     stages = getattr(error, "stage_memory", None)

@@ -11,6 +11,8 @@ import tarfile
 import time
 from pathlib import Path
 
+import weakref
+
 import pytest
 import torch
 
@@ -120,6 +122,31 @@ def test_an_out_of_memory_record_keeps_the_stages_that_finished():
     assert record["oom"] == "CUDA out of memory. Tried to allocate 3.79 GiB."
     assert record["stage_memory_gb"] == [["embed", 2.0], ["fwd 0", 3.0]] and record["oom_after_stage"] == "fwd 0"
     assert "stage_memory_gb" not in oom_record("run", {}, "solved", 64, 1024, torch.OutOfMemoryError("x"))
+
+
+class _Held:
+    """Stands for what a failed step holds (an executor with its GPU slots and activations)."""
+
+
+def _failing_step(held: list) -> None:
+    state = _Held()  # a local of the failed frame, as the executor is in forward_backward's
+    held.append(weakref.ref(state))
+    state.cycle = state  # executors are in reference cycles: only the collector frees them
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.61 GiB.")
+
+
+def test_an_out_of_memory_record_lets_go_of_the_failed_try():
+    """A largest-batch search steps down after an out-of-memory: the failed try's memory must be
+    free by then. Its frames live on in the exception's traceback while the handler runs, so
+    the 9B search on the H200 failed at every batch from 231 down to 111 with ~138 GB held."""
+    from bench.common import oom_record
+
+    held = []
+    try:
+        _failing_step(held)
+    except torch.OutOfMemoryError as error:
+        oom_record("run", {}, "solved", 231, 1024, error)
+        assert held[0]() is None  # gone while the handler (the search) still runs
 
 
 def test_accuracy_finetune_8bit_jobs_fine_tune_in_processes_of_their_own(tmp_path):

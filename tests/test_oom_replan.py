@@ -3,7 +3,9 @@ anything else is one clear error (simulated on the CPU by an executor that raise
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -54,6 +56,27 @@ def test_a_solved_plan_is_resolved_smaller_and_the_step_runs_again(tmp_path, mon
     assert "ran out of GPU memory" in caplog.text and "try 1 of" in caplog.text
     # the failed attempt changed nothing: the same losses as a run that never failed
     assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_failed_steps_executor_is_gone_before_the_next_plan_starts(tmp_path, monkeypatch):
+    """On a GPU the failed step's executor holds its weight slots and activations; the re-solved
+    plan's executor must not be built beside it. The exception's traceback keeps the failed
+    frames (and the executor in them) alive while the handler runs, so they are cleared first."""
+    trainer = _trainer(tmp_path, "plan.policy=solved")
+    old = weakref.ref(trainer.executor)
+    _failing(monkeypatch, times=1)
+    real_start = Trainer._start_plan
+    alive_at_start = []
+
+    def start_plan(self):
+        gc.collect()
+        alive_at_start.append(old() is not None)
+        real_start(self)
+
+    monkeypatch.setattr(Trainer, "_start_plan", start_plan)
+    trainer.train_step(next(trainer.batches))
+    trainer.updater.finish()
+    assert alive_at_start == [False]
 
 
 def test_repeated_failures_end_in_one_clear_error(tmp_path, monkeypatch):

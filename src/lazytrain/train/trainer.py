@@ -16,7 +16,6 @@ rank writes its shard of each checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import math
 import time
@@ -32,6 +31,7 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.model.loading import save_hf
 from lazytrain.plan.policies import policy_plan
 from lazytrain.plan.simulate import simulate
+from lazytrain.runtime.device import release_failed_step
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.update import HostUpdater
 from lazytrain.train.checkpoint import Checkpointer, check_output_dir, gb
@@ -152,9 +152,8 @@ class Trainer:
         lower = budget - max(excess + 2**30 if excess > 0 else 0, int(0.04 * budget))
         self.updater.finish()
         del self.executor, self.updater
-        gc.collect()
+        release_failed_step(error)  # the failed step's frames hold the old executor's GPU memory
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         self.costs = dataclasses.replace(self.costs, gpu_bytes=lower)
         self.plan = policy_plan("solved", self.costs, self.session.policy_options())
