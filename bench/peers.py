@@ -417,7 +417,7 @@ def markdown(records: list[dict], args, model: str) -> str:
         if r.get("note"):
             status += f" ({r['note']})"
         if r.get("invalid"):
-            status = f"not a measurement of the trainer: {r['invalid']}"
+            status = f"left out (not shown in the README): {r['invalid']}"
         exact = {True: "yes", False: "no", None: "-"}[r.get("optimizer_exact")]
         lines.append(
             f"| {run} | {r.get('optimizer', '-')} | {exact} | {r['batch_size']} | {status} | "
@@ -470,13 +470,13 @@ def merge(args) -> None:
     if len(models) != 1:
         raise SystemExit(f"--merge takes the records of one model; these have {sorted(models)}")
     notes, invalid = annotations(args.note, "--note"), annotations(args.invalid, "--invalid")
-    for r in records:
-        for name, text in notes:
-            if name in r["name"]:
-                r["note"] = text
-        for name, text in invalid:
-            if name in r["name"]:
-                r["invalid"] = text
+    def named(name: str) -> list[dict]:  # the row of that exact name, else every row containing it
+        return [r for r in records if r["name"] == name] or [r for r in records if name in r["name"]]
+
+    for key, pairs in (("note", notes), ("invalid", invalid)):
+        for name, text in pairs:
+            for r in named(name):
+                r[key] = text
     head = records[0]
     args.seq, args.warmup, args.steps, args.seed = head["seq_len"], head["warmup_steps"], head["steps"], head["seed"]
     args.head_chunk = head["head_chunk_tokens"]
@@ -521,10 +521,12 @@ def main() -> None:
                              "named by --into")
     parser.add_argument("--into", help="the merged study's file stem (with --merge)")
     parser.add_argument("--note", nargs="*", default=[], metavar="NAME=TEXT",
-                        help="with --merge: a note on the rows whose name contains NAME (the report shows it)")
+                        help="with --merge: a note on the row named NAME, or if none is, on the rows whose name "
+                             "contains NAME (the report shows it)")
     parser.add_argument("--invalid", nargs="*", default=[], metavar="NAME=TEXT",
-                        help="with --merge: rows whose name contains NAME are kept but marked not a measurement "
-                             "of the trainer (TEXT: why); bench/readme_table.py leaves them out")
+                        help="with --merge: the row named NAME (or if none is, the rows whose name contains NAME) "
+                             "is kept but marked not to be shown: not a measurement of the trainer, or "
+                             "superseded (TEXT: why); bench/readme_table.py leaves them out")
     parser.add_argument("--from-log", type=Path, metavar="LOG",
                         help="no training: the row of the first --runs / --batches run from a worker log its "
                              "parent left (stopped before writing the row), headed like --like's first record")

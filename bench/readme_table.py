@@ -38,7 +38,7 @@ def load(paths: list[Path]) -> list[dict]:
     newest: dict[tuple, dict] = {}
     for path in sorted(paths):
         for record in json.loads(path.read_text()):
-            if record.get("invalid"):  # kept in its file, not a measurement of the trainer (`peers.py --invalid`)
+            if record.get("invalid"):  # kept in its file, not a measurement of the trainer or superseded (`peers.py --invalid`)
                 continue
             record = {**record, "source": path.name}
             key = (record["model"], record["run"], record["batch_size"], record["device"])

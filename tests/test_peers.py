@@ -245,7 +245,14 @@ def test_peers_merge_and_rows_from_a_log(tmp_path):
     assert [(r["run"], r.get("note"), r.get("invalid")) for r in merged] == [
         ("lazytrain:hybrid8bit", "a note", None), ("fsdp2_cpu_offload", None, "why not")]
     report = (tmp_path / "peers_tiny_merged.md").read_text()
-    assert "ok (a note)" in report and "not a measurement of the trainer: why not" in report
+    assert "ok (a note)" in report and "left out (not shown in the README): why not" in report
+    # a name that is a row's whole name marks that row only, not the rows it is a prefix of
+    rerun = tmp_path / "rerun.json"
+    rerun.write_text(json.dumps([{**merged[0], "name": merged[0]["name"] + "_fix", "note": None}]))
+    subprocess.run([*common, "--merge", str(tmp_path / "peers_tiny_merged.json"), str(rerun), "--into", "again",
+                    "--invalid", f"{merged[0]['name']}=superseded"], cwd=ROOT, check=True, capture_output=True)
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert [r.get("invalid") for r in again] == ["superseded", "why not", None]
 
 
 def test_the_readme_table_is_the_committed_records():
