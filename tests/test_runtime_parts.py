@@ -185,6 +185,44 @@ def test_layer_inputs_copied_to_the_host_hold_no_device_memory_until_backward(tm
     assert len(inputs) == L and stages["head"] == 0, executor.stage_memory
 
 
+@pytest.mark.parametrize("last", ["keep", "checkpoint"])
+def test_the_last_hidden_state_is_not_held_through_backward(tmp_path, last):
+    """The head's input (the last layer's output) is counted in the head stage only: the
+    executor held it in a local variable through every backward stage, one batch x seq x
+    hidden tensor beyond the simulator's stages. (A keep last layer's saved output, another
+    tensor on the same storage, holds it until that layer's backward, no longer.)"""
+    import weakref
+
+    from lazytrain.config import load_config
+    from lazytrain.plan.plan import LayerPlan, Plan
+    from lazytrain.runtime.executor import Executor
+    from lazytrain.train.session import build_session
+
+    session = build_session(load_config(None, [f"training.output_dir={tmp_path}", "model.source=builtin:tiny"]))
+    L = session.adapter.num_layers
+    layers = [LayerPlan(mode="checkpoint", tier="gpu")] * (L - 1) + [LayerPlan(mode=last, tier="gpu")]
+    executor = Executor(session.adapter, session.store, Plan(batch_size=2, seq_len=16, layers=layers, policy="test"),
+                        session.device)
+    head_input: list[weakref.ref] = []
+    head = executor.head_loss_backward
+
+    def recording_head(x, *args, **kwargs):
+        head_input.append(weakref.ref(x))
+        return head(x, *args, **kwargs)
+
+    def holding():
+        t = head_input[0]() if head_input else None
+        return int(t is not None and t.untyped_storage().nbytes() > 0)
+
+    executor.head_loss_backward = recording_head
+    executor.stage_memory, executor.memory_probe = [], holding
+    ids = torch.randint(0, session.adapter.vocab_size, (2, 16))
+    executor.forward_backward(ids, ids.clone())
+    stages = dict(executor.stage_memory)
+    held = {name for name, n in stages.items() if n and name.startswith(("bwd", "embed bwd"))}
+    assert stages["head"] == 0 and not held, executor.stage_memory
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunk_loss_and_grad_equals_autograd_cross_entropy(dtype):
     """The head's in-place softmax gradient is autograd's linear + fp32 cross-entropy."""

@@ -505,6 +505,10 @@ class Executor:
         g, g_norm, head_grad, loss_sum = self.head_loss_backward(
             x, final_leaf["model.norm.weight"], head_w, valid, targets, num_targets, global_targets
         )
+        # the last hidden state is not needed past the head: held by ``x`` it stayed on the GPU
+        # through the whole backward, one batch x seq x hidden tensor the simulator counts in
+        # the head only (a keep last layer's saved output still holds it until its backward)
+        del x
         self.trace.end("compute", span)
         final_grads = {"model.norm.weight": g_norm}
         if not adapter.tied:
@@ -530,7 +534,7 @@ class Executor:
                 span = self.trace.begin()
                 grads = torch.autograd.grad(out, [x_in, *leaves.values()], g)
                 self.trace.end("compute", span)
-                del self._bwd_slot[start]
+                del self._bwd_slot[start], out, x_in  # the output's storage must not outlive this stage
                 for h in handles:
                     self.activations.free(h)
                 saved[start] = None
