@@ -64,6 +64,9 @@ from bench.common import cpu_run_device, device_tag, today, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
+GUESS_FILL = 0.9
+"""The share of the GPU the largest-batch search's first guess aims to fill (fragmentation and
+the allocator's reserve take some of the rest)."""
 RUNS = ("lazytrain:hybrid8bit", "lazytrain:fp32", "deepspeed_zero3_offload", "fsdp2_cpu_offload", "pytorch_gpu")
 PROCESS_BYTES = 3 * 10**9
 """A worker beyond its model state: interpreter, torch and CUDA libraries, CUDA context."""
@@ -353,16 +356,43 @@ class Study:
         self.records.append(record)
         self.save()
 
+    def first_guess(self, first: dict) -> int | None:
+        """The batch at which a straight line through ``first``'s GPU peak reaches `GUESS_FILL` of
+        the card: peak = fixed + per sample x batch, the fixed part being what does not grow with
+        the batch (one loss chunk's logits at 14 B each, and for the no-offload run its 16 B/param
+        of model state). None without a measured peak, for LazyTrain (its plan fills the card at
+        any batch), or when the line says no larger batch fits."""
+        peak = first.get("peak_gpu_alloc_gb")
+        if not self.gpu_bytes or peak is None or first["runner"] == "lazytrain" or first["status"] != "ok":
+            return None
+        fixed = 14 * self.args.head_chunk * self.vocab
+        if first["runner"] == "pytorch_gpu":
+            fixed += 16 * sum(self.numels)
+        per_sample = (peak * GB - fixed) / first["batch_size"]
+        if per_sample <= 0:
+            return None
+        guess = min(int((GUESS_FILL * self.gpu_bytes - fixed) / per_sample) // 8 * 8, self.args.max_batch)
+        return guess if guess > first["batch_size"] else None
+
     def largest_batch(self, run: str, first: dict) -> None:
-        """Double from ``first``'s batch while it fits the GPU, then bisect; mark the largest
-        batch that ran."""
+        """Find the largest batch that runs, in few tries (each is a process that builds the model
+        and times a few steps: minutes at 7B): first the batch `first_guess` extrapolates from
+        ``first``'s GPU peak, then steps of 1/8 up from a batch that ran near it (doubling without
+        a guess) until one runs out of memory, then bisect; mark the largest batch that ran."""
         fits = {first["batch_size"]: first["status"] == "ok"}
         if first["status"] not in ("ok", *GPU_MEMORY):
             return
         lo = first["batch_size"] if fits[first["batch_size"]] else 0
         hi = None if fits[first["batch_size"]] else first["batch_size"]
+        guess = self.first_guess(first)
+        near = guess is not None
         for _ in range(self.args.max_tries):
-            batch = min(2 * lo, self.args.max_batch) if hi is None else (lo + hi) // 2
+            if guess is not None:
+                batch, guess = guess, None
+            elif hi is None:
+                batch = min(lo + max(1, lo // 8) if near else 2 * lo, self.args.max_batch)
+            else:
+                batch = (lo + hi) // 2
             if batch in fits or batch < 1:
                 break
             record = self.run(run, batch, search=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 import subprocess
 import sys
 from pathlib import Path
@@ -260,3 +261,34 @@ def test_the_readme_table_is_the_committed_records():
     done = subprocess.run([sys.executable, "bench/readme_table.py", "--check"], cwd=ROOT, capture_output=True,
                           text=True, check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_largest_batch_search_starts_where_the_first_peak_points(monkeypatch):
+    """A peer whose GPU peak is 4 GB + 0.25 GB per sample on a 100 GB card, where 352 is the
+    largest batch that runs. The search guesses from batch 64's peak (a line through it and the
+    loss chunk, so an under-guess here: 288), steps up by 1/8 and bisects: 344 in 4 tries, where
+    doubling from 64 ends at 256 (128, 256, 512 and 384 tried)."""
+    from bench.peers import GB, Study
+
+    study = Study.__new__(Study)
+    study.args = SimpleNamespace(max_tries=4, max_batch=512, head_chunk=4096)
+    study.gpu_bytes, study.vocab, study.numels, study.records = int(100 * GB), 1000, [10], []
+    tried = []
+
+    def run(run, batch, search=False):
+        tried.append(batch)
+        ok = batch <= 352
+        record = {"run": run, "runner": "fsdp2_cpu_offload", "batch_size": batch,
+                  "status": "ok" if ok else "out of GPU memory", "peak_gpu_alloc_gb": 4 + 0.25 * batch}
+        study.records.append(record)
+        return record
+
+    monkeypatch.setattr(study, "run", run)
+    monkeypatch.setattr(study, "save", lambda: None)
+    first = run("fsdp2_cpu_offload", 64)
+    tried.clear()
+    study.largest_batch("fsdp2_cpu_offload", first)
+    per_sample = (20 - 14 * 4096 * 1000 / GB) / 64
+    assert tried[0] == int((90 - 14 * 4096 * 1000 / GB) / per_sample) // 8 * 8 == 288
+    assert tried == [288, 324, 364, 344]
+    assert [r["batch_size"] for r in study.records if r.get("largest_batch")] == [344]
