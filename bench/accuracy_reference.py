@@ -71,9 +71,11 @@ def run_lazytrain(cfg: Config) -> dict:
 
 
 def reference_model(cfg: Config, device: torch.device, tokenizer) -> transformers.PreTrainedModel:
-    """The HF model with LazyTrain's random init of the same seed (generated on ``device``)."""
+    """The HF model with LazyTrain's random init of the same seed (drawn on ``device``, or on the
+    CPU with ``model.init_device=cpu``)."""
     adapter, store = build_model(cfg.model.source, device, torch.float32, seed=cfg.training.seed,
-                                 vocab_size=len(tokenizer), pin=False)
+                                 vocab_size=len(tokenizer), pin=False,
+                                 init_device=torch.device("cpu") if cfg.model.init_device == "cpu" else None)
     state = {}
     for g, layout in enumerate(adapter.layouts):
         for p in layout.params:
@@ -147,9 +149,15 @@ def run_torch(kind: str, cfg: Config) -> dict:
             "no_answer": report["no_answer"], "skipped_steps": skipped}
 
 
+def init_override(args: argparse.Namespace) -> list[str]:
+    """``--init-device`` as a config override (every kind's)."""
+    return [f"model.init_device={args.init_device}"] if args.init_device != "auto" else []
+
+
 def run(kind: str, seed: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = make_config(seed, args.steps, args.heldout, args.device, args.dtype, args.set, Path(tmp))
+        cfg = make_config(seed, args.steps, args.heldout, args.device, args.dtype, [*args.set, *init_override(args)],
+                          Path(tmp))
         device = resolve_device(cfg.training.device)
         start = time.perf_counter()
         result = run_lazytrain(cfg) if kind == "lazytrain" else run_torch(kind, cfg)
@@ -162,7 +170,7 @@ def run(kind: str, seed: int, args: argparse.Namespace) -> dict:
         "optimizer": f"adamw_{cfg.optimizer.kind}" if kind == "lazytrain" else "torch_adamw",
         "steps": args.steps, "batch_size": cfg.training.batch_size,
         "seq_len": cfg.data.max_seq_len, "lr": cfg.optimizer.lr, "heldout": cfg.data.heldout_size,
-        "overrides": args.set if kind == "lazytrain" else [], **result,
+        "overrides": (args.set if kind == "lazytrain" else []) + init_override(args), **result,
         "tail_loss": statistics.fmean(tail), "loss_every_10_steps": losses[::10],
         "seconds": time.perf_counter() - start,
     }
@@ -200,6 +208,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", help="model.dtype of the lazytrain kind")
     parser.add_argument("--set", nargs="*", default=[], help="more config overrides for the lazytrain kind")
+    parser.add_argument("--init-device", choices=["auto", "cpu"], default="auto",
+                        help="where every kind's random init is drawn (model.init_device): cpu gives a seed the "
+                             "same weights on a GPU as on the CPU")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--tag", default="")
     parser.add_argument("--merge", nargs="+", help="record files to report as one (no training)")
@@ -212,7 +223,8 @@ def main() -> None:
         command = "python bench/accuracy_reference.py " + " ".join(
             [f"--kinds {' '.join(args.kinds)}", f"--seeds {' '.join(map(str, args.seeds))}", f"--steps {args.steps}",
              f"--heldout {args.heldout}", f"--device {args.device}", f"--dtype {args.dtype}"]
-            + ([f"--set {' '.join(args.set)}"] if args.set else []))
+            + ([f"--set {' '.join(args.set)}"] if args.set else [])
+            + ([f"--init-device {args.init_device}"] if args.init_device != "auto" else []))
     path = write_results(records, f"accuracy_reference_{today()}{args.tag}", report(records, command), args.out)
     print(path.read_text() if len(records) == 1 else report(records, command))
 

@@ -24,12 +24,9 @@ def _grads(dtype: torch.dtype, batch, device: torch.device = CPU, sublayer: bool
     """Every group's gradient under keep_all; ``sublayer``: layer 0 kept with its MLP and layer
     1 with its attention recomputed in backward, on the host tier."""
     tokenizer = load_tokenizer("builtin:tiny")
+    # the random init drawn on the CPU, so the CUDA run starts from the CPU reference's weights
     adapter, store = build_model("builtin:tiny", device, dtype, seed=0, vocab_size=len(tokenizer),
-                                 pin=device.type == "cuda")
-    if device != CPU:  # the random init draws on the device: take the CPU reference's weights
-        _, reference = build_model("builtin:tiny", CPU, dtype, seed=0, vocab_size=len(tokenizer), pin=False)
-        for weights, same in zip(store.weights, reference.weights):
-            weights.copy_(same)
+                                 pin=device.type == "cuda", init_device=CPU)
     plan = baseline_plan("keep_all", adapter.num_layers, batch.input_ids.shape[0], batch.input_ids.shape[1],
                          PolicyOptions())
     if sublayer:
@@ -87,3 +84,30 @@ def test_embedding_gradient_equals_a_full_fp32_sum_rounded_once(tied):
     got = adapter.embed_backward(ids, grad, head.clone(), chunk_tokens=128)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("where", ["auto", "cpu"])
+def test_model_init_device_reaches_the_build(monkeypatch, where):
+    """``model.init_device=cpu`` draws a built-in shape's random init on the CPU whatever the
+    training device, so a seed means the same weights on a GPU as on the CPU (a GPU's generator
+    draws others: the H200 accuracy study's seeds were other models than the CPU's)."""
+    import lazytrain.train.session as session_module
+    from lazytrain.config import load_config
+
+    seen = []
+    real = session_module.build_model
+
+    def build_model(*args, **kwargs):
+        seen.append(kwargs.get("init_device"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session_module, "build_model", build_model)
+    session_module.build_session(load_config(None, [f"model.init_device={where}", "training.device=cpu"]))
+    assert seen == [CPU if where == "cpu" else None]
+
+
+def test_model_init_device_takes_auto_or_cpu():
+    from lazytrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="init_device"):
+        load_config(None, ["model.init_device=cuda"])

@@ -54,6 +54,10 @@ class ModelConfig:
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Compute dtype of streamed weights and activations: auto (bf16 on GPU, fp32 on CPU),
     bf16, fp32."""
+    init_device: Literal["auto", "cpu"] = "auto"
+    """Where a ``builtin:`` model's random init is drawn: auto (the training device: fast on a
+    GPU, but a GPU's generator gives other weights than the CPU's for the same seed), cpu (the
+    same weights from a seed on every machine)."""
     lean_ops: bool = True
     """SwiGLU MLPs and RMSNorms that save fewer tensors for backward (`model/lean.py`: the same
     forward, the elementwise parts recomputed in backward; a Qwen2.5-7B layer saves about 45%

@@ -47,6 +47,7 @@ def build_model(
     preflight: Callable[[list[int]], None] | None = None,
     store_factory: Callable[..., HostStore] = HostStore,
     lean_ops: bool = True,
+    init_device: torch.device | None = None,
 ) -> tuple[ModelAdapter, HostStore]:
     """Adapter + host store holding the weights (loaded, or random for built-in shapes).
 
@@ -54,7 +55,8 @@ def build_model(
     ``preflight`` gets the groups' sizes before any host memory is allocated (and may raise).
     ``store_factory`` builds the store from the layouts and dtype (a data-parallel rank's
     ``ShardedHostStore``, with its rank arguments bound). ``lean_ops``: `model.lean` forwards in
-    the layer templates (``model.lean_ops``).
+    the layer templates (``model.lean_ops``). ``init_device``: where a built-in shape's random
+    init is drawn (default ``device``; ``model.init_device``).
     """
     started = time.perf_counter()
     config = model_config(source, vocab_size)
@@ -74,7 +76,7 @@ def build_model(
     )
     allocated = time.perf_counter()
     if source.startswith("builtin:"):
-        random_init(adapter, store, seed, device)
+        random_init(adapter, store, seed, init_device or device)
     else:
         load_safetensors(adapter, store, Path(source).expanduser())
     store.build_seconds = {"adapter_and_kernels": adapter_ready - started, "host_store": allocated - adapter_ready,

@@ -233,6 +233,7 @@ def build_session(config: Config) -> Session:
         host_limit_bytes=host_limit_bytes(config),
         split_master=use_split_master(config, device, dtype, distributed=parallel is not None),
         preflight=preflight, lean_ops=config.model.lean_ops,
+        init_device=torch.device("cpu") if config.model.init_device == "cpu" else None,
         **({"store_factory": sharded_store_factory(parallel, config)} if parallel is not None else {}),
     )
     if config.memory.gpu_gb:
