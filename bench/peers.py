@@ -30,8 +30,11 @@ drops below the reserve (a host whose RAM fills stops answering). ``host_rss_gb`
 worker's peak RSS; ``host_used_gb`` the machine's peak used memory during the run less what
 was used before it (pinned memory included either way).
 
-``--batches 64 max`` adds, per run, a search for its largest batch: doubling from the first
-batch while it fits the GPU, then bisection, at most ``--max-tries`` extra runs.
+``--batches 64 max`` adds, per run, a search for its largest batch, at most ``--max-tries``
+extra runs (`Study.largest_batch`): from where a line through the first batch's GPU peak fills
+0.9 of the card (LazyTrain, whose plan fills the card at any batch: doubling), then up, then
+bisection. The largest batch that ran is marked, and whether a failure or ``--max-batch``
+bounded it (``largest_batch_bounded``; the reports say "largest tried" when not).
 
 JSON records (DESIGN.md section 6; written after every row) and a Markdown report per model
 go to ``--out`` as ``peers_MODEL_DEVICE_DATE_sSEQ``; each worker's log to ``--out``/peers_logs.
@@ -378,7 +381,8 @@ class Study:
         """Find the largest batch that runs, in few tries (each is a process that builds the model
         and times a few steps: minutes at 7B): first the batch `first_guess` extrapolates from
         ``first``'s GPU peak, then steps of 1/8 up from a batch that ran near it (doubling without
-        a guess) until one runs out of memory, then bisect; mark the largest batch that ran."""
+        a guess) until one runs out of memory, then bisect; mark the largest batch that ran, and
+        whether an out-of-memory run or ``--max-batch`` bounds it (``largest_batch_bounded``)."""
         fits = {first["batch_size"]: first["status"] == "ok"}
         if first["status"] not in ("ok", *GPU_MEMORY):
             return
@@ -401,9 +405,12 @@ class Study:
             fits[batch] = record["status"] == "ok"
             lo, hi = (batch, hi) if fits[batch] else (lo, batch)
         best = max((b for b, ok in fits.items() if ok), default=None)
+        bounded = best is not None and (best >= self.args.max_batch
+                                        or any(not ok and b > best for b, ok in fits.items()))
         for record in self.records:
             if record["run"] == run and record["batch_size"] == best:
                 record["largest_batch"] = True
+                record["largest_batch_bounded"] = bounded
         self.save()
 
     def save(self) -> None:
@@ -438,7 +445,8 @@ def markdown(records: list[dict], args, model: str) -> str:
                  if r.get("optimizer_kind") == "hybrid8bit" and r["status"] == "ok"}
     for r in records:
         run = r["runner"] + (f" {r['optimizer_kind']}" if r.get("optimizer_kind") else "")
-        run += " (largest batch)" if r.get("largest_batch") else ""
+        if r.get("largest_batch"):
+            run += " (largest batch)" if r.get("largest_batch_bounded", True) else " (largest batch tried)"
         ok = r["status"] == "ok" or bool(r.get("partial_steps"))
         ratio = r["tokens_per_s"] / reference[r["batch_size"]] if ok and r["batch_size"] in reference else None
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}".rstrip(": ")

@@ -38,7 +38,7 @@ def load(paths: list[Path]) -> list[dict]:
     newest: dict[tuple, dict] = {}
     for path in sorted(paths):
         for record in json.loads(path.read_text()):
-            if record.get("invalid"):  # kept in its file, not a measurement of the trainer or superseded (`peers.py --invalid`)
+            if record.get("invalid"):  # kept in its file: not a measurement, or superseded (`--invalid`)
                 continue
             record = {**record, "source": path.name}
             key = (record["model"], record["run"], record["batch_size"], record["device"])
@@ -118,7 +118,8 @@ def table(records: list[dict]) -> str:
                 if r["note"] not in footnotes:
                     footnotes.append(r["note"])
                 label += f" [{footnotes.index(r['note']) + 1}]"
-            batch = f"{r['batch_size']}" + (" (largest)" if r.get("largest_batch") else "")
+            largest = " (largest)" if r.get("largest_batch_bounded", True) else " (largest tried)"
+            batch = f"{r['batch_size']}" + (largest if r.get("largest_batch") else "")
             exact = {True: "yes", False: "no", None: "-"}[r.get("optimizer_exact")]
             host = r.get("host_used_gb") if r["status"] == "ok" else None
             lines.append(

@@ -9,9 +9,8 @@ import subprocess
 import sys
 import tarfile
 import time
-from pathlib import Path
-
 import weakref
+from pathlib import Path
 
 import pytest
 import torch

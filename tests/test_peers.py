@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from types import SimpleNamespace
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -263,32 +263,47 @@ def test_the_readme_table_is_the_committed_records():
     assert done.returncode == 0, done.stderr
 
 
-def test_the_largest_batch_search_starts_where_the_first_peak_points(monkeypatch):
-    """A peer whose GPU peak is 4 GB + 0.25 GB per sample on a 100 GB card, where 352 is the
-    largest batch that runs. The search guesses from batch 64's peak (a line through it and the
-    loss chunk, so an under-guess here: 288), steps up by 1/8 and bisects: 344 in 4 tries, where
-    doubling from 64 ends at 256 (128, 256, 512 and 384 tried)."""
+def _search(monkeypatch, limit: int, max_tries: int, max_batch: int = 512) -> tuple[list[int], list[dict]]:
+    """The largest-batch search of a peer whose GPU peak is 4 GB + 0.25 GB per sample on a
+    100 GB card and which runs every batch up to ``limit``: (batches tried, marked records)."""
     from bench.peers import GB, Study
 
     study = Study.__new__(Study)
-    study.args = SimpleNamespace(max_tries=4, max_batch=512, head_chunk=4096)
+    study.args = SimpleNamespace(max_tries=max_tries, max_batch=max_batch, head_chunk=4096)
     study.gpu_bytes, study.vocab, study.numels, study.records = int(100 * GB), 1000, [10], []
     tried = []
 
     def run(run, batch, search=False):
         tried.append(batch)
-        ok = batch <= 352
         record = {"run": run, "runner": "fsdp2_cpu_offload", "batch_size": batch,
-                  "status": "ok" if ok else "out of GPU memory", "peak_gpu_alloc_gb": 4 + 0.25 * batch}
+                  "status": "ok" if batch <= limit else "out of GPU memory", "peak_gpu_alloc_gb": 4 + 0.25 * batch}
         study.records.append(record)
         return record
 
     monkeypatch.setattr(study, "run", run)
     monkeypatch.setattr(study, "save", lambda: None)
-    first = run("fsdp2_cpu_offload", 64)
-    tried.clear()
-    study.largest_batch("fsdp2_cpu_offload", first)
+    study.largest_batch("fsdp2_cpu_offload", run("fsdp2_cpu_offload", 64))
+    return tried[1:], [r for r in study.records if r.get("largest_batch")]
+
+
+def test_the_largest_batch_search_starts_where_the_first_peak_points(monkeypatch):
+    """352 is the largest batch that runs. The search guesses from batch 64's peak (a line
+    through it and the loss chunk, so an under-guess here: 288), steps up by 1/8 and bisects:
+    344 in 4 tries, bounded by 364's out-of-memory, where doubling from 64 ends at 256 (128,
+    256, 512 and 384 tried)."""
+    from bench.peers import GB
+
+    tried, marked = _search(monkeypatch, limit=352, max_tries=4)
     per_sample = (20 - 14 * 4096 * 1000 / GB) / 64
     assert tried[0] == int((90 - 14 * 4096 * 1000 / GB) / per_sample) // 8 * 8 == 288
     assert tried == [288, 324, 364, 344]
-    assert [r["batch_size"] for r in study.records if r.get("largest_batch")] == [344]
+    assert [(r["batch_size"], r["largest_batch_bounded"]) for r in marked] == [(344, True)]
+
+
+def test_a_search_that_never_ran_out_of_memory_says_so(monkeypatch):
+    """A card that runs every batch up to 900 (the guess far too low): with the tries spent
+    before any out-of-memory, the largest batch is marked as not bounded (the reports say
+    "largest tried"), not as the card's largest."""
+    tried, marked = _search(monkeypatch, limit=900, max_tries=3, max_batch=1024)
+    assert tried == [288, 324, 364]
+    assert [(r["batch_size"], r["largest_batch_bounded"]) for r in marked] == [(364, False)]

@@ -90,20 +90,29 @@ def test_embedding_gradient_equals_a_full_fp32_sum_rounded_once(tied):
 def test_model_init_device_reaches_the_build(monkeypatch, where):
     """``model.init_device=cpu`` draws a built-in shape's random init on the CPU whatever the
     training device, so a seed means the same weights on a GPU as on the CPU (a GPU's generator
-    draws others: the H200 accuracy study's seeds were other models than the CPU's)."""
+    draws others: the H200 accuracy study's seeds were other models than the CPU's). Checked
+    here: the session hands the setting to the build, and the init is drawn on that device (on
+    this CPU-only run both settings draw on the CPU; the CUDA precision test above draws its
+    init on the CPU this way)."""
+    import lazytrain.model.build as build_module
     import lazytrain.train.session as session_module
     from lazytrain.config import load_config
 
-    seen = []
-    real = session_module.build_model
+    handed, drawn = [], []
+    real_build, real_init = session_module.build_model, build_module.random_init
 
     def build_model(*args, **kwargs):
-        seen.append(kwargs.get("init_device"))
-        return real(*args, **kwargs)
+        handed.append(kwargs.get("init_device"))
+        return real_build(*args, **kwargs)
+
+    def random_init(adapter, store, seed, device):
+        drawn.append(device)
+        real_init(adapter, store, seed, device)
 
     monkeypatch.setattr(session_module, "build_model", build_model)
+    monkeypatch.setattr(build_module, "random_init", random_init)
     session_module.build_session(load_config(None, [f"model.init_device={where}", "training.device=cpu"]))
-    assert seen == [CPU if where == "cpu" else None]
+    assert handed == [CPU if where == "cpu" else None] and drawn == [CPU]
 
 
 def test_model_init_device_takes_auto_or_cpu():

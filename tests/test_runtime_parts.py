@@ -242,3 +242,43 @@ def test_chunk_loss_and_grad_equals_autograd_cross_entropy(dtype):
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-6)
     tol = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-4}
     torch.testing.assert_close(grad, expected_grad, **tol)
+
+
+def test_a_kept_layers_output_does_not_outlive_its_backward(tmp_path):
+    """Every layer kept on the GPU: after layer 0's backward, its output (the tensor autograd
+    started that backward from) is not held into the embedding's backward stage, which the
+    simulator prices without it. The backward loop's prefetch bound the kept layer's saved
+    tuple to a local, which held it to the end of the step."""
+    import weakref
+
+    from lazytrain.config import load_config
+    from lazytrain.plan.plan import LayerPlan, Plan
+    from lazytrain.runtime.executor import Executor
+    from lazytrain.train.session import build_session
+
+    session = build_session(load_config(None, [f"training.output_dir={tmp_path}", "model.source=builtin:tiny"]))
+    adapter = session.adapter
+    layers = [LayerPlan(mode="keep", tier="gpu") for _ in range(adapter.num_layers)]
+    executor = Executor(adapter, session.store, Plan(batch_size=2, seq_len=16, layers=layers, policy="test"),
+                        session.device)
+    outputs: dict[int, weakref.ref] = {}
+    forward = adapter.layer_forward
+
+    def recording_forward(layer, *args, **kwargs):
+        out = forward(layer, *args, **kwargs)
+        if torch.is_grad_enabled():
+            outputs[layer] = weakref.ref(out)
+        return out
+
+    def holding():
+        t = outputs[0]() if 0 in outputs else None
+        return int(t is not None)
+
+    adapter.layer_forward = recording_forward
+    try:
+        executor.stage_memory, executor.memory_probe = [], holding
+        ids = torch.randint(0, adapter.vocab_size, (2, 16))
+        executor.forward_backward(ids, ids.clone())
+    finally:
+        del adapter.layer_forward
+    assert dict(executor.stage_memory)["embed bwd"] == 0, executor.stage_memory

@@ -69,8 +69,9 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Te
     tensor itself while copying: it owns the pinning (a dtype view of it does not keep it alive).
     """
     nbytes = numel * dtype.itemsize
-    # freed (munmap) when the last tensor on the storage goes; pages are zero until written
-    pages = torch.frombuffer(mmap.mmap(-1, _round_up(max(nbytes, 1))), dtype=torch.uint8)
+    # private anonymous memory (mmap's default is shared), unmapped when the last tensor on the
+    # storage goes; pages are zero until written
+    pages = torch.frombuffer(mmap.mmap(-1, _round_up(max(nbytes, 1)), flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
     out = pages[:nbytes].view(dtype)
     if pin:
         pin_in_place(pages, owner=out)

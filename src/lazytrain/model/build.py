@@ -33,6 +33,12 @@ def model_config(source: str, vocab_size: int | None = None) -> transformers.Pre
     return load_hf_config(source)
 
 
+def init_device_of(setting: str) -> torch.device | None:
+    """The device a built-in shape's random init is drawn on for ``model.init_device``
+    (None: the training device)."""
+    return torch.device("cpu") if setting == "cpu" else None
+
+
 def build_model(
     source: str,
     device: torch.device,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -67,16 +69,20 @@ def release_failed_step(error: BaseException) -> None:
     the executor, its weight slots, activations and gradients. While it is alive (inside the
     ``except`` that handles it) a `gc.collect` frees none of that, so a retry with a smaller
     plan ran out of memory too: a 9B batch search on the H200 went from batch 231 down to 111,
-    every try failing with ~138 GB still allocated. Call it before retrying.
+    every try failing with ~138 GB still allocated. Call it before retrying. The GPU is
+    synchronised first: a copy the failed step queued may still target a host buffer that the
+    collection unpins and frees.
     """
-    import gc
-    import traceback
-
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)  # frames still running are left as they are
-        error = error.__cause__ or error.__context__
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    pending, seen = [error], set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # frames still running are left as they are
+        pending += [e.__cause__, e.__context__]
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

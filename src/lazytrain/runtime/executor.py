@@ -523,8 +523,10 @@ class Executor:
             for ahead in range(k, min(k + 1 + max(lp.prefetch for lp in plan.layers), len(order))):
                 first = order[ahead][0]
                 if ahead - k <= plan.layers[first].prefetch and saved[first] is not None:
-                    entry = saved[first]
-                    for handle in entry[3] if plan.layers[first].mode == "keep" else [entry]:
+                    # no local names saved[first]: one bound here held a kept layer's
+                    # output (and inputs) past its backward, to the end of the step
+                    keep = plan.layers[first].mode == "keep"
+                    for handle in saved[first][3] if keep else [saved[first]]:
                         self.activations.prefetch(handle)
             if plan.layers[start].mode == "keep":
                 slot = self.weights.acquire(start)

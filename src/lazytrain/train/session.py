@@ -25,7 +25,7 @@ from lazytrain.memory.host_store import HostStore
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.memory.shard import ShardedHostStore, shard_decay_numel
 from lazytrain.model.adapter import ModelAdapter
-from lazytrain.model.build import build_model
+from lazytrain.model.build import build_model, init_device_of
 from lazytrain.model.loading import check_model_folder
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.optim.factory import fp32_state_groups, make_optimizer, state_bytes_per_param
@@ -233,7 +233,7 @@ def build_session(config: Config) -> Session:
         host_limit_bytes=host_limit_bytes(config),
         split_master=use_split_master(config, device, dtype, distributed=parallel is not None),
         preflight=preflight, lean_ops=config.model.lean_ops,
-        init_device=torch.device("cpu") if config.model.init_device == "cpu" else None,
+        init_device=init_device_of(config.model.init_device),
         **({"store_factory": sharded_store_factory(parallel, config)} if parallel is not None else {}),
     )
     if config.memory.gpu_gb:
