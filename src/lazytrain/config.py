@@ -57,7 +57,8 @@ class ModelConfig:
     init_device: Literal["auto", "cpu"] = "auto"
     """Where a ``builtin:`` model's random init is drawn: auto (the training device: fast on a
     GPU, but a GPU's generator gives other weights than the CPU's for the same seed), cpu (the
-    same weights from a seed on every machine)."""
+    same weights from a seed on every machine; slower at billions of parameters, and under data
+    parallel every rank draws the whole init)."""
     lean_ops: bool = True
     """SwiGLU MLPs and RMSNorms that save fewer tensors for backward (`model/lean.py`: the same
     forward, the elementwise parts recomputed in backward; a Qwen2.5-7B layer saves about 45%
