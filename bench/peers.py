@@ -525,6 +525,19 @@ def merge(args) -> None:
     print(f"wrote {Path(args.out) / args.into}.json and .md", flush=True)
 
 
+def searched_from(records: list[dict], model: str, run: str, batch: int, device: str, seq: int) -> dict | None:
+    """The committed row a largest-batch search may start from instead of running ``batch``
+    again (``--search-from``): the same model, run, batch, sequence length and device, measured
+    or out of GPU memory, not marked invalid; the newest such. The device is compared by its
+    file tag (`device_tag`: "h200"), as a worker's record names a CPU without its threads. If
+    the search finds no larger batch, that row (in its own file) is the largest, unmarked."""
+    rows = [r for r in records if r.get("model") == model and r.get("run") == run and r.get("batch_size") == batch
+            and r.get("seq_len") == seq and device_tag(r.get("device", "")) == device_tag(device)
+            and not r.get("invalid")
+            and r.get("status") in ("ok", *GPU_MEMORY)]
+    return max(rows, key=lambda r: r.get("date", ""), default=None)
+
+
 def worker_main(spec: str, result: str) -> None:
     from bench.peer_runners import Job, run_job
 
@@ -552,6 +565,9 @@ def main() -> None:
     parser.add_argument("--worker-timeout", type=float, default=480.0, help="seconds before a worker is killed")
     parser.add_argument("--max-tries", type=int, default=4, help="runs the largest-batch search may add per run")
     parser.add_argument("--max-batch", type=int, default=512, help="the largest-batch search's upper bound")
+    parser.add_argument("--search-from", nargs="*", type=Path, default=[], metavar="JSON",
+                        help="record files whose row at the first --batches size (same model, run, seq, device) "
+                             "the largest-batch search starts from instead of running that batch again")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
@@ -592,10 +608,15 @@ def main() -> None:
     if not sizes or any(b != "max" and not b.isdigit() for b in args.batches):
         raise SystemExit(f"--batches takes batch sizes and 'max', with at least one size; got {args.batches}")
     device = device_description(args.device)
+    measured = [r for path in args.search_from for r in json.loads(path.read_text())]
     for model in args.models:
         study = Study(model, args, device)
         for run in args.runs:
-            first, *_ = [study.run(run, batch) for batch in sizes]
+            first = searched_from(measured, model, run, sizes[0], device, args.seq)
+            if first is None:
+                first, *_ = [study.run(run, batch) for batch in sizes]
+            else:
+                print(f"{run}: the search starts from {first['name']} in --search-from", flush=True)
             if "max" in args.batches:
                 study.largest_batch(run, first)
         print(f"wrote {Path(args.out) / study.stem}.json and .md", flush=True)

@@ -307,3 +307,21 @@ def test_a_search_that_never_ran_out_of_memory_says_so(monkeypatch):
     tried, marked = _search(monkeypatch, limit=900, max_tries=3, max_batch=1024)
     assert tried == [288, 324, 364]
     assert [(r["batch_size"], r["largest_batch_bounded"]) for r in marked] == [(364, False)]
+
+
+def test_a_search_can_start_from_a_committed_row():
+    """``--search-from``: the newest valid row of the same model, run, batch, seq and device,
+    measured or out of GPU memory, saves the search the first batch's run (minutes at 7B)."""
+    from bench.peers import searched_from
+
+    base = {"model": "m", "run": "fsdp2_cpu_offload", "batch_size": 64, "seq_len": 1024, "device": "NVIDIA H200"}
+    rows = [{**base, "name": "old", "date": "2026-11-30", "status": "ok"},
+            {**base, "name": "new", "date": "2026-12-01", "status": "ok"},
+            {**base, "name": "superseded", "date": "2026-12-02", "status": "ok", "invalid": "why"},
+            {**base, "name": "killed", "date": "2026-12-02", "status": "killed: host memory low"},
+            {**base, "name": "other card", "date": "2026-12-02", "status": "ok", "device": "NVIDIA H100"},
+            {**base, "name": "other seq", "date": "2026-12-02", "status": "ok", "seq_len": 4096}]
+    assert searched_from(rows, "m", "fsdp2_cpu_offload", 64, "NVIDIA H200", 1024)["name"] == "new"
+    assert searched_from(rows, "m", "pytorch_gpu", 64, "NVIDIA H200", 1024) is None
+    oom = [{**base, "name": "oom", "date": "2026-12-01", "status": "out of GPU memory"}]
+    assert searched_from(oom, "m", "fsdp2_cpu_offload", 64, "NVIDIA H200", 1024)["name"] == "oom"
