@@ -256,8 +256,11 @@ class Study:
         and attention activations) and one loss chunk (bf16 and fp32 logits, their gradients)."""
         tokens = batch * self.args.seq
         layer = 2 * tokens * (3 * self.intermediate + 4 * self.hidden)
-        return (16 * sum(self.numels) + 4 * self.layers * tokens * self.hidden + layer
-                + 14 * self.args.head_chunk * self.vocab)
+        return 16 * sum(self.numels) + 4 * self.layers * tokens * self.hidden + layer + self.loss_chunk_bytes()
+
+    def loss_chunk_bytes(self) -> int:
+        """One LM-head and loss chunk: bf16 and fp32 logits and their gradients, 14 B each."""
+        return 14 * self.args.head_chunk * self.vocab
 
     def header(self, run: str, batch: int) -> dict:
         runner, _, kind = run.partition(":")
@@ -368,9 +371,7 @@ class Study:
         peak = first.get("peak_gpu_alloc_gb")
         if not self.gpu_bytes or peak is None or first["runner"] == "lazytrain" or first["status"] != "ok":
             return None
-        fixed = 14 * self.args.head_chunk * self.vocab
-        if first["runner"] == "pytorch_gpu":
-            fixed += 16 * sum(self.numels)
+        fixed = self.gpu_need(0) if first["runner"] == "pytorch_gpu" else self.loss_chunk_bytes()
         per_sample = (peak * GB - fixed) / first["batch_size"]
         if per_sample <= 0:
             return None

@@ -71,7 +71,8 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Te
     nbytes = numel * dtype.itemsize
     # private anonymous memory (mmap's default is shared), unmapped when the last tensor on the
     # storage goes; pages are zero until written
-    pages = torch.frombuffer(mmap.mmap(-1, _round_up(max(nbytes, 1)), flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
+    region = mmap.mmap(-1, _round_up(max(nbytes, 1)), flags=mmap.MAP_PRIVATE)
+    pages = torch.frombuffer(region, dtype=torch.uint8)
     out = pages[:nbytes].view(dtype)
     if pin:
         pin_in_place(pages, owner=out)
