@@ -32,7 +32,7 @@ import torch
 import transformers
 
 from bench.common import RESULTS, run_header, today, write_results
-from lazytrain.config import Config, load_config
+from lazytrain.config import Config, TrainingConfig, load_config
 from lazytrain.data.pipeline import (
     heldout_samples,
     load_tokenizer,
@@ -181,18 +181,18 @@ def report(records: list[dict], command: str) -> str:
     lines = [f"# Held-out exact match: LazyTrain against plain PyTorch ({first['date']})", "",
              f"`{command}`", "",
              (f"{first['device']}; torch {first['torch']}, transformers {first['transformers']}; "
-             f"{first['model']}, {first['steps']} steps, batch {first['batch_size']}, lr {first['lr']}, "
+             f"{first['model']}, batch {first['batch_size']}, lr {first['lr']}, "
              f"{first['heldout']} held-out problems."), "",
-             "| kind | precision | overrides | seeds | exact match mean | min | max | per seed | tail loss mean |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| kind | precision | steps | overrides | seeds | exact match mean | min | max | per seed | tail loss mean |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((r["kind"], r["precision"], " ".join(r["overrides"])), []).append(r)
-    for (kind, precision, overrides), rs in groups.items():
+        groups.setdefault((r["kind"], r["precision"], r["steps"], " ".join(r["overrides"])), []).append(r)
+    for (kind, precision, steps, overrides), rs in groups.items():
         rs = sorted(rs, key=lambda r: r["seed"])
         em = [r["exact_match"] for r in rs]
         per_seed = ", ".join(f"{r['seed']}: {r['exact_match']:.3f}" for r in rs)
-        lines.append(f"| {kind} | {precision} | {overrides or '-'} | {len(rs)} | {statistics.fmean(em):.4f} | "
+        lines.append(f"| {kind} | {precision} | {steps} | {overrides or '-'} | {len(rs)} | {statistics.fmean(em):.4f} | "
                      f"{min(em):.3f} | {max(em):.3f} | {per_seed} | "
                      f"{statistics.fmean(r['tail_loss'] for r in rs):.4f} |")
     return "\n".join(lines) + "\n"
@@ -202,7 +202,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=TrainingConfig().steps,
+                        help="training.steps (default: the built-in default's)")
     parser.add_argument("--heldout", type=int, default=200)
     parser.add_argument("--tail", type=int, default=100, help="last steps whose mean loss is reported")
     parser.add_argument("--device", default="auto")

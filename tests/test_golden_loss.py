@@ -20,7 +20,7 @@ STEPS = 25
 
 
 def test_builtin_default_first_steps_match_the_golden_curve(tmp_path):
-    # the default run (1000 steps of schedule), stopped after its first STEPS steps
+    # the default run (training.steps of schedule), stopped after its first STEPS steps
     trainer = Trainer(load_config(None, [f"training.output_dir={tmp_path}", "training.progress=false"]))
     trainer.setup()
     trainer._step_start = 0.0

@@ -111,8 +111,10 @@ class DataConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainingConfig:
-    steps: int = 1000
-    """Optimizer steps."""
+    steps: int = 1500
+    """Optimizer steps. 1500: at 1000 the built-in default's slowest seeds were still learning
+    (loss falling; held-out exact match down to 72% in fp32, 93.5% in bf16); at 1500 LazyTrain's
+    bf16 runs reach >= 99.5% on every seed tried on the H200 (README, accuracy)."""
     batch_size: int = 32
     """Sequences per step (the plan may be solved for it)."""
     max_grad_norm: float = 1.0
