@@ -375,6 +375,7 @@ def study(session, args, kernels: str) -> None:
         except torch.OutOfMemoryError as error:
             records.append(oom_record(name, common, policy, plan.batch_size, args.seq, error))
             predicted_stages(records[-1], simulate(plan, table, optimizer_overlap=True))
+            records[-1]["plan"] = plan.to_dict()  # what ran out of memory, for bench/stage_memory_check.py
             print(f"{name}: out of memory: {records[-1]['oom']}"
                   + (f" after stage {records[-1]['oom_after_stage']}" if "oom_after_stage" in records[-1] else ""),
                   flush=True)
