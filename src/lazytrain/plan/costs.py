@@ -23,6 +23,11 @@ from scipy.optimize import nnls
 
 from lazytrain.errors import LazyTrainError
 
+TABLE_VERSION = 2
+"""What the profiler's fields mean. 1: a layer's ``backward_work_bytes`` left out the layer
+output the backward starts from (it was in the profiler's base, and no saved tensor); `CostTable`
+adds it (``input_bytes``, the output's size) to a version-1 table when it loads one."""
+
 GPU_RESERVE_FRACTION = 0.05
 """Share of a GPU memory capacity the planner leaves unplanned: the caching allocator's
 fragmentation and small buffers the model does not count (on the H200 a solved plan
@@ -165,7 +170,9 @@ class LayerCosts:
     forward_work_bytes: int
     """Peak transient bytes during forward, the output included, beyond input and saved."""
     backward_work_bytes: int
-    """Peak transient bytes during backward beyond the saved tensors (gradients in flight)."""
+    """Peak transient bytes during backward beyond the saved tensors: the layer output the
+    backward starts from, the gradient flowing in, the gradients it produces (the layer's weight
+    gradients among them: `CostTable.at` keeps those at their size)."""
     recompute_options: dict[str, RecomputeCosts] = field(default_factory=dict)
     """Per block of ``RECOMPUTE_OPTIONS`` the layer can recompute when kept (a table written
     before these existed has none: no plan recomputes a block)."""
@@ -280,9 +287,23 @@ class CostTable:
     layer_types: list[str] = field(default_factory=list)
     """Each decoder layer's type (HF ``layer_types`` names); empty in tables written before
     types existed: one type, ``full_attention``."""
+    version: int = TABLE_VERSION
+    """What the measured fields mean (`TABLE_VERSION`); a file without it is version 1."""
 
     def __post_init__(self) -> None:
         self.layers = [lc if isinstance(lc, LayerCosts) else LayerCosts(**lc) for lc in self.layers]
+        if self.version < 2:
+            # the profiler's backward window started with the layer output allocated (in its
+            # base): add it, a hidden state like the layer input (measured on the H200: every
+            # checkpointed layer's backward 8.0-8.2 KB/token, one bf16 4096-wide state, above
+            # the prediction)
+            self.layers = [
+                replace(lc, backward_work_bytes=lc.backward_work_bytes + lc.input_bytes,
+                        recompute_options={k: replace(rc, backward_work_bytes=rc.backward_work_bytes + lc.input_bytes)
+                                           for k, rc in lc.recompute_options.items()})
+                for lc in self.layers
+            ]
+            self.version = 2
         if not self.layer_types:
             self.layer_types = [UNIFORM_TYPE] * len(self.layers)
         if len(self.layer_types) != len(self.layers):
@@ -325,6 +346,13 @@ class CostTable:
             raise ValueError(
                 f"local_world_size {self.local_world_size} must divide world_size {self.world_size}"
             )
+
+    @property
+    def forward_fixed_bytes(self) -> int:
+        """What of ``gpu_fixed_bytes`` is resident before the head: the embedding's and the head's
+        weights, not their gradients (the head's is allocated in the head, inside
+        ``head_work_bytes``; both are held from then to the end of the step)."""
+        return max(self.gpu_fixed_bytes - self.const_grad_bytes, 0)
 
     @property
     def num_layers(self) -> int:
@@ -416,6 +444,12 @@ class CostTable:
             return self.fits[name].ratio(batch_size, seq_len, *ref)
 
         scaled = {name: ratio(name) for name in FITTED}
+
+        def backward_work(lc: LayerCosts, nbytes: int) -> int:
+            # the layer's weight gradients are in the backward's working set at their own size
+            grads = min(lc.weight_bytes, nbytes)
+            return grads + round((nbytes - grads) * scaled["backward_work_bytes"])
+
         layers = [
             replace(
                 lc,
@@ -428,12 +462,12 @@ class CostTable:
                     round(lc.input_bytes * scaled["input_bytes"]),
                 ),
                 forward_work_bytes=round(lc.forward_work_bytes * scaled["forward_work_bytes"]),
-                backward_work_bytes=round(lc.backward_work_bytes * scaled["backward_work_bytes"]),
+                backward_work_bytes=backward_work(lc, lc.backward_work_bytes),
                 recompute_options={
                     k: RecomputeCosts(
                         saved_bytes=round(rc.saved_bytes * scaled["saved_bytes"]),
                         recompute_ms=rc.recompute_ms * scaled["recompute_ms"],
-                        backward_work_bytes=round(rc.backward_work_bytes * scaled["backward_work_bytes"]),
+                        backward_work_bytes=backward_work(lc, rc.backward_work_bytes),
                     )
                     for k, rc in lc.recompute_options.items()
                 },
@@ -463,6 +497,7 @@ class CostTable:
     @classmethod
     def from_dict(cls, d: dict) -> CostTable:
         required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        d = {"version": 1, **d}
         missing = sorted(required - set(d))
         if missing:
             raise CostTableMismatch(

@@ -515,6 +515,7 @@ def _build(
         else:
             cap = (c.gpu_bytes if gpu_bytes is None else gpu_bytes) / GB - _MARGIN_GB
         fixed_gb = c.gpu_fixed_bytes / GB
+        forward_fixed_gb = c.forward_fixed_bytes / GB
         grads = c.grad_buffers * max(w)
         # GPU-kept bytes of layers < i, as running-sum columns (keeps the matrix sparse).
         kept_before = [_Expr()]
@@ -523,23 +524,23 @@ def _build(
             m.eq(total_i, kept_before[-1] + gpu_kept[i])
             kept_before.append(total_i)
 
-        m.le(fixed_gb + w[0], cap)
+        # before the head: no gradients of the embedding and head; an offloaded tensor's GPU
+        # copy is freed in its own stage
+        m.le(forward_fixed_gb + w[0] + x[0], cap)  # the embedding's output
         for i in range(L):
             current = x[i] + saved(i, "fo") - (f[i] + o[i]) * x[i]
             m.le(
-                fixed_gb
+                forward_fixed_gb
                 + w[i]
                 + (w[i + 1] if i + 1 < L else 0.0)
                 + kept_before[i]
-                + (offload[i - 1] if i > 0 else 0.0)
                 + current
                 + wf[i],
                 cap,
             )
         m.le(
-            fixed_gb
+            forward_fixed_gb
             + kept_before[L]
-            + offload[L - 1]
             + x[L - 1]
             + c.head_work_bytes / GB
             + unit_bytes(L),
@@ -549,7 +550,7 @@ def _build(
             # Cardinality cut from the head row (every GPU-kept tensor is live there): at most
             # k layers fit kept on the GPU, k from the k smallest saved sizes. Valid, and it
             # spares the solver proving it by branching over interchangeable layers.
-            room = cap - fixed_gb - x[L - 1] - c.head_work_bytes / GB - w[L - 1]
+            room = cap - forward_fixed_gb - x[L - 1] - c.head_work_bytes / GB - w[L - 1]
             sizes = sorted(
                 min(kept[i][opt].saved_bytes for opt in options[i]) / GB
                 for i in range(L)

@@ -16,8 +16,9 @@ Executor rules the dependencies encode (a stage "waits" = its compute does not s
 - Weights: forward layer j's weights are copied ``weight_prefetch`` stages ahead; a backward
   unit's weights (one layer, or every layer of a recompute segment) arrive ``weight_prefetch``
   stages before the unit's first backward stage. The consuming stage waits for them.
-- Offloaded tensors (tier host/nvme) stay on the GPU during the next stage, which copies them
-  out; the stage after waits for that copy (the GPU buffer is then freed). NVMe writes run one
+- Offloaded tensors (tier host/nvme) are copied out in the next stage, and the stage after
+  waits for that copy; their GPU memory is freed in their own stage (the allocator reuses it
+  once the copy is done). NVMe writes run one
   stage after the copy, from a pinned bounce buffer that the following stage waits for.
 - Backward fetches them back ``LayerPlan.prefetch`` stages before the unit's first stage (an
   NVMe read one stage before that copy; the stage issuing the copy waits for the read).
@@ -29,8 +30,8 @@ Executor rules the dependencies encode (a stage "waits" = its compute does not s
 With every prefetch distance 1 each stage waits for everything the previous stage issued, so
 the step time is a sum of per-stage maxima; that is what the MILP (``milp.py``) optimises.
 
-GPU memory is counted per stage: the fixed part, every buffer live in that stage and the
-largest transient phase of the stage (a layer's working set; in a segment's first backward
+GPU memory is counted per stage: the fixed part (before the head without the embedding's and
+the head's gradients), every buffer live in that stage and the largest transient phase of the stage (a layer's working set; in a segment's first backward
 stage also each re-forward of the segment rebuild).
 """
 
@@ -260,6 +261,7 @@ class _StepModel:
                 + (layers[j].input_bytes if plan.layers[j].mode == "drop" else 0)
             )
 
+        self.phases[st.embed].append(layers[0].input_bytes)  # the embedding's output
         self.phases[st.head].append(layers[L - 1].input_bytes + c.head_work_bytes)
         self.phases[st.embed_bwd].append(c.embed_backward_work_bytes)
 
@@ -345,7 +347,9 @@ class _StepModel:
         if lp.tier == "gpu":
             self.gpu.append((nbytes, fwd, last_gpu))
             return
-        self.gpu.append((nbytes, fwd, fwd + 1))
+        # the GPU copy is freed in its own stage, once the layer's forward is queued (the copy
+        # out, on the D2H stream, keeps the block from reuse until it is done)
+        self.gpu.append((nbytes, fwd, fwd))
         out = self._copy("d2h", nbytes, f"{what} {start}", fwd + 1, order=fwd)
         self._wait(fwd + 2, out)
         if lp.tier == "host":
@@ -508,7 +512,10 @@ class _StepModel:
 
     def _memory(self) -> tuple[list[int], list[int], list[int]]:
         n = self.st.embed_bwd + 1
-        gpu = [self.costs.gpu_fixed_bytes + max(self.phases.get(s, [0])) for s in range(n)]
+        c = self.costs
+        # the embedding's and the head's gradients exist from the head on
+        fixed = [c.forward_fixed_bytes if s <= self.st.head else c.gpu_fixed_bytes for s in range(n)]
+        gpu = [fixed[s] + max(self.phases.get(s, [0])) for s in range(n)]
         host, nvme = [0] * n, [0] * n
         for buffers, out in ((self.gpu, gpu), (self.host, host), (self.nvme, nvme)):
             for nbytes, first, last in buffers:

@@ -131,9 +131,13 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
             state["out"] = forward_grad(recompute)
             times.append(time_ms(device, run_backward, 1, warmup=0))
         state["out"], saved = saved_tensor_bytes(lambda: forward_grad(recompute), excluded)
+        out = state["out"][0]
         with _Peak(device) as peak:
             run_backward()
-        return statistics.median(times[2:]), max(saved, input_bytes), peak.bytes
+        # the output the backward starts from is live through it (the executor holds it until
+        # the layer's backward is done) but was allocated before the peak's base, and it is no
+        # saved tensor (a decoder layer ends in a residual add, which saves nothing)
+        return statistics.median(times[2:]), max(saved, input_bytes), peak.bytes + out.untyped_storage().nbytes()
 
     input_bytes = x.numel() * x.element_size()
     forward_ms = time_ms(device, forward_no_grad, repeats)
