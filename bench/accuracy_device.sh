@@ -14,7 +14,10 @@
 # The CPU step of the 0.5B fine-tunes (host memory bandwidth) bounds how many finish.
 # Settings (environment): END, TAG (file names, default _h200), A_KINDS, A_SEEDS, A_ARGS (more
 # accuracy_reference.py options), B_SEEDS, B_ARGS (more accuracy_finetune_8bit.py options), JOBS,
-# PRETRAIN_THREADS, EMBED_ARGS (embed_grad_cost.py options), PYTHON (default python3). The CPU test:
+# PRETRAIN_THREADS (default 8 beside the accuracy study, every core without it), EMBED_ARGS
+# (embed_grad_cost.py options), PYTHON (default python3). A_KINDS="" skips the accuracy study;
+# B_ARGS="--pretrained DIR" (DIR outside OUT_DIR) keeps the pretraining for a later call on the
+# same, still warm machine, which then only fine-tunes. The CPU test:
 #   END=200 TAG=_cpu JOBS=2 PRETRAIN_THREADS=1 EMBED_ARGS="--model tiny --batch 2 --seq 64 --device cpu" \
 #   A_KINDS="lazytrain torch_fp32" A_SEEDS="0 1" A_ARGS="--steps 5 --heldout 4 --device cpu" B_SEEDS="1 2" \
 #   B_ARGS="--shape tiny --pretrain-steps 5 --finetune-steps 5 --heldout 4 --device cpu" bench/accuracy_device.sh OUT
@@ -35,19 +38,24 @@ note "embed_grad_cost"
 timeout -k 5 90 "$PYTHON" bench/embed_grad_cost.py ${EMBED_ARGS:-} --out "$out" > "$out/embed_grad_cost.log" 2>&1 \
   || note "embed_grad_cost: exit $?"
 
-note "accuracy study, built-in default (background)"
-read -ra seeds <<< "${A_SEEDS:-0 1 2 3 4}"
-# shellcheck disable=SC2086
-TIME_LIMIT=$(($(left) - 30)) nice -n 10 bash bench/accuracy_seeds.sh "$out" "${tag}_s${seeds[0]}-${seeds[-1]}" \
-  "${A_KINDS:-lazytrain torch_fp32 torch_autocast_bf16 torch_bf16_master}" "${seeds[*]}" ${A_ARGS:-} \
-  > "$out/accuracy_seeds.log" 2>&1 &
-accuracy=$!
+a_kinds=${A_KINDS-lazytrain torch_fp32 torch_autocast_bf16 torch_bf16_master}  # set but empty: no study
+accuracy=
+if [[ -n $a_kinds ]]; then
+  note "accuracy study, built-in default (background)"
+  read -ra seeds <<< "${A_SEEDS:-0 1 2 3 4}"
+  # shellcheck disable=SC2086
+  TIME_LIMIT=$(($(left) - 30)) nice -n 10 bash bench/accuracy_seeds.sh "$out" "${tag}_s${seeds[0]}-${seeds[-1]}" \
+    "$a_kinds" "${seeds[*]}" ${A_ARGS:-} > "$out/accuracy_seeds.log" 2>&1 &
+  accuracy=$!
+else
+  note "accuracy study: skipped (A_KINDS is empty)"
+fi
 
 note "8-bit fine-tuning study"
 limit=$(($(left) - 20))
 # shellcheck disable=SC2086
 timeout -k 5 $((limit + 10)) "$PYTHON" bench/accuracy_finetune_8bit.py --shape qwen2.5-0.5b --seeds ${B_SEEDS:-1 2 3 4 5} \
-  --jobs "${JOBS:-3}" --time-limit "$limit" --pretrain-threads "${PRETRAIN_THREADS:-8}" --scratch "$scratch" \
+  --jobs "${JOBS:-3}" --time-limit "$limit" --pretrain-threads "${PRETRAIN_THREADS:-$([[ -n $accuracy ]] && echo 8 || nproc)}" --scratch "$scratch" \
   --out "$out" --tag "$tag" ${B_ARGS:-} > "$out/finetune_8bit.log" 2>&1 || note "finetune_8bit: exit $?"
 for runs in "$out"/finetune_8bit_*_runs; do  # left by a study stopped from outside: merge what it finished
   [[ -d $runs ]] || continue
@@ -59,10 +67,11 @@ for runs in "$out"/finetune_8bit_*_runs; do  # left by a study stopped from outs
   tar czf "$runs.tgz" -C "$out" "$(basename "$runs")" && rm -rf "$runs"
 done
 
-wait "$accuracy" || note "accuracy_seeds: exit $?"
+if [[ -n $accuracy ]]; then wait "$accuracy" || note "accuracy_seeds: exit $?"; fi
 note "done"
 grep -hE ": (started|finished|failed|stopped|not started)" "$out/finetune_8bit.log"
-tar czf "$out/accuracy_device_logs.tgz" -C "$out" embed_grad_cost.log accuracy_seeds.log finetune_8bit.log \
-  && rm -f "$out"/{embed_grad_cost,accuracy_seeds,finetune_8bit}.log
+logs=()
+for log in embed_grad_cost accuracy_seeds finetune_8bit; do [[ -f $out/$log.log ]] && logs+=("$log.log"); done
+tar czf "$out/accuracy_device_logs.tgz" -C "$out" "${logs[@]}" && (cd "$out" && rm -f "${logs[@]}")
 ls -l "$out"
 for report in "$out"/*.md; do echo; cat "$report"; done
