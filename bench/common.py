@@ -12,8 +12,10 @@ import gc
 import json
 import re
 import statistics
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -162,6 +164,7 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    at_start = torch.cuda.memory_allocated(device) if cuda else 0  # a failed try's leftovers show here
     executor = Executor(adapter, session.store, plan, device, nvme=nvme if nvme is not None else session.nvme)
     updater = HostUpdater(executor, optimizer, overlap=not serial_optimizer)
     executor.trace.enabled = True
@@ -203,6 +206,7 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
         available.stop()
         if executor.stage_memory is not None:
             error.stage_memory = list(executor.stage_memory)
+        error.gpu_alloc_at_start = at_start
         try:
             updater.finish()
         except RuntimeError:
@@ -234,12 +238,36 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
         if stages:
             record["stage_memory_gb"] = [[name, b / 1e9] for name, b in stages]
         record["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
+        record["gpu_alloc_at_start_gb"] = at_start / 1e9
     record.update(compute_only(executor, batch, seq))
     del executor, updater
     gc.collect()  # the layer's slot and activations of compute_only go with it
     if cuda:
         torch.cuda.empty_cache()
     return record
+
+
+def live_tensors(device_type: str = "cuda", top: int = 10) -> list[list]:
+    """The largest tensors on ``device_type`` Python still refers to, [shape, dtype, GB, the
+    types of what refers to each], largest first: after a failed try, what the release did not free (the H200's torch retries
+    of 2026-12-02 started ~5 GB above their first try; an empty list means the bytes are held
+    where Python does not see them)."""
+    found = {}
+    for obj in gc.get_objects():
+        # type(), not isinstance: that asks a dead weak proxy or a deprecated torch object itself
+        is_tensor = issubclass(type(obj), torch.Tensor)
+        if is_tensor and obj.device.type == device_type and obj.layout == torch.strided:
+            storage = obj.untyped_storage()
+            found.setdefault(storage.data_ptr(), (weakref.ref(obj), storage.nbytes()))
+    here = sys._getframe()
+    rows = []
+    for ref, nbytes in sorted(found.values(), key=lambda item: -item[1])[:top]:
+        tensor = ref()
+        if tensor is not None:
+            holders = sorted({type(r).__name__ for r in gc.get_referrers(tensor) if r is not here})
+            rows.append([list(tensor.shape), str(tensor.dtype).removeprefix("torch."), nbytes / 1e9, holders])
+        del tensor
+    return rows
 
 
 def oom_record(name: str, header: dict, policy: str, batch: int, seq: int, error: BaseException) -> dict:
@@ -249,6 +277,11 @@ def oom_record(name: str, header: dict, policy: str, batch: int, seq: int, error
     release_failed_step(error)  # else its frames keep the try's GPU memory and the next try fails too
     record = {"name": name, **header, "policy": policy, "batch_size": batch, "seq_len": seq,
               "oom": str(error).split("\n")[0]}
+    if torch.cuda.is_available():  # what the release left: the next try starts with it
+        if hasattr(error, "gpu_alloc_at_start"):
+            record["gpu_alloc_at_start_gb"] = error.gpu_alloc_at_start / 1e9
+        record["gpu_alloc_after_release_gb"] = torch.cuda.memory_allocated() / 1e9
+        record["gpu_tensors_after_release"] = live_tensors("cuda")
     stages = getattr(error, "stage_memory", None)
     if stages is not None:
         record["stage_memory_gb"] = [[stage, b / 1e9] for stage, b in stages]

@@ -148,6 +148,26 @@ def test_an_out_of_memory_record_lets_go_of_the_failed_try():
         assert held[0]() is None  # gone while the handler (the search) still runs
 
 
+class _Holder:
+    pass
+
+
+def test_live_tensors_names_what_still_holds_the_largest_tensors():
+    """After a failed try, `oom_record` lists the largest device tensors still referred to and
+    their holders' types (the H200's retries started ~5 GB above their first try)."""
+    from bench.common import live_tensors
+
+    holder = _Holder()
+    holder.big = torch.empty(3_000_000, dtype=torch.bfloat16)  # 6 MB, larger than anything the suite keeps
+    small = torch.empty(10)
+    rows = live_tensors("cpu", top=3)
+    assert rows[0][:3] == [[3_000_000], "bfloat16", 0.006]
+    assert {"_Holder", "dict"} & set(rows[0][3]), rows[0]  # the owner or its __dict__, by Python version
+    assert all(row[2] >= small.numel() * 4 / 1e9 for row in rows)
+    del holder
+    assert all(row[0] != [3_000_000] for row in live_tensors("cpu", top=3))
+
+
 def test_accuracy_finetune_8bit_jobs_fine_tune_in_processes_of_their_own(tmp_path):
     subprocess.run([sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "2",
                     "--finetune-steps", "2", "--heldout", "1", "--seeds", "1", "2", "--kinds", "fp32", "--jobs", "2",
