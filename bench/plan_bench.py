@@ -8,8 +8,10 @@ One process, one model in host memory (random init of a real config):
 1. ``lazytrain profile``'s measurement (`runtime.profiler.profile`) at ``--batch x --seq``;
    the `CostTable` is written next to the results.
 2. Each run in ``--runs`` at ``--batch``: ``solved`` (the MILP's plan), ``megatrain``,
-   ``keep_all``, ``checkpoint_gpu|host``; ``POLICY:max`` runs the largest batch <= ``--batch``
-   the simulator says fits the GPU (and walks down by 1/16 of the batch on out-of-memory); ``POLICY@GIB`` plans
+   ``keep_all``, ``checkpoint_gpu|host``; ``POLICY:max`` runs the largest batch <=
+   ``--max-batch`` (default ``--batch``) the simulator says fits the GPU; on out-of-memory a solved plan is first
+   re-solved at that batch with less GPU memory, as the trainer does (`gpu_budget_after_oom`,
+   up to `MAX_OOM_REPLANS` times), then the batch walks down by 1/16; ``POLICY@GIB`` plans
    that run with a host limit of GIB GiB (its room for host activations: GIB less the model
    state), ``KERNELS/RUN`` runs it only with ``--kernels KERNELS``. Per run: tokens/s,
    TFLOPS by both formulas, step time, the stream breakdown from CUDA events, peak GPU memory
@@ -46,10 +48,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,7 +73,7 @@ from lazytrain.plan.costs import CostTable, usable_gpu_bytes
 from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.plan import Plan, keep_all_plan
 from lazytrain.plan.policies import PolicyOptions, policy_plan
-from lazytrain.plan.search import search_batch
+from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom, search_batch
 from lazytrain.plan.simulate import simulate
 from lazytrain.runtime.device import cap_gpu_memory
 from lazytrain.runtime.executor import Executor
@@ -80,6 +84,41 @@ GiB = 2**30
 
 def options(args) -> PolicyOptions:
     return PolicyOptions(megatrain_every=args.every, head_chunk_tokens=args.head_chunk, tiers=tuple(args.tiers))
+
+
+def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable[[CostTable], Plan],
+          run_at: Callable[[CostTable, Plan, int], dict | None], walk_down: bool) -> int:
+    """Run ``policy`` at ``batch``; with ``walk_down`` (``POLICY:max``) keep trying after an
+    out-of-memory: a solved plan is first re-solved at the same batch with less GPU memory, as
+    the trainer does (`gpu_budget_after_oom`, up to `MAX_OOM_REPLANS` times: a smaller batch's
+    solved plan fills the card again, and on 2026-12-02 all six batches from 206 down to 151
+    failed in the same stage), then the batch walks down by 1/16 (one step per try: a try at 9B
+    and b200+ takes a minute). ``run_at(table, plan, replans)`` runs a plan and returns None,
+    or the out-of-memory record (``predicted_peak_gpu_gb``, ``seen_peak_gpu_gb``). The batch
+    that ran, or 0."""
+    budget, replans = costs.gpu_bytes, 0
+    while batch >= 1:
+        table = dataclasses.replace(costs.at(batch, seq), gpu_bytes=budget)
+        try:
+            plan = plan_at(table)
+        except PlanInfeasible:  # no plan at this batch within the lowered budget
+            print(f"{policy}: no plan at batch {batch} within {budget / 1e9:.1f} GB", flush=True)
+            plan = None
+        failed = run_at(table, plan, replans) if plan is not None else None
+        if plan is not None and failed is None:
+            return batch
+        if not walk_down:
+            return 0
+        if failed is not None and policy == "solved" and replans < MAX_OOM_REPLANS:
+            budget = gpu_budget_after_oom(budget, int(failed["predicted_peak_gpu_gb"] * 1e9),
+                                          int(failed["seen_peak_gpu_gb"] * 1e9))
+            replans += 1
+            print(f"{policy} b{batch}: re-solving for {budget / 1e9:.1f} GB (try {replans} of "
+                  f"{MAX_OOM_REPLANS}, as the trainer would)", flush=True)
+            continue
+        budget, replans = costs.gpu_bytes, 0
+        batch -= max(1, batch // 16)
+    return 0
 
 
 def predicted_max_batch(policy: str, costs: CostTable, seq: int, cap: int, args, limit: int) -> int:
@@ -374,8 +413,16 @@ def study(session, args, kernels: str) -> None:
             record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps, stage_memory=args.stage_memory)
         except torch.OutOfMemoryError as error:
             records.append(oom_record(name, common, policy, plan.batch_size, args.seq, error))
-            predicted_stages(records[-1], simulate(plan, table, optimizer_overlap=True))
+            predicted = simulate(plan, table, optimizer_overlap=True)
+            predicted_stages(records[-1], predicted)
             records[-1]["plan"] = plan.to_dict()  # what ran out of memory, for bench/stage_memory_check.py
+            records[-1]["planner_gpu_budget_gb"] = table.gpu_bytes / 1e9
+            records[-1]["predicted_peak_gpu_gb"] = predicted.peak_gpu_bytes / 1e9
+            # the failing stage's allocation (the allocator's peak since the last stage's reset)
+            seen = [b for _, b, *_ in records[-1].get("stage_memory_gb", [])]
+            if device.type == "cuda":
+                seen.append(torch.cuda.max_memory_allocated(device) / 1e9)
+            records[-1]["seen_peak_gpu_gb"] = max(seen, default=0.0)
             print(f"{name}: out of memory: {records[-1]['oom']}"
                   + (f" after stage {records[-1]['oom_after_stage']}" if "oom_after_stage" in records[-1] else ""),
                   flush=True)
@@ -398,10 +445,22 @@ def study(session, args, kernels: str) -> None:
             record["baseline"] = base["name"] + (" (split master)" if base.get("split_master") else " (whole master)")
             record["tokens_per_s_vs_baseline"] = record["tokens_per_s"] / base["tokens_per_s"]
         record["plan"] = plan.to_dict()
+        record["planner_gpu_budget_gb"] = table.gpu_bytes / 1e9
         records.append({"name": name, **common, **record})
         print(json.dumps({k: v for k, v in records[-1].items() if k not in ("plan", "step_times_s")}), flush=True)
         save()
         return True
+
+    def plan_for(policy: str, table: CostTable) -> Plan:
+        return policy_plan(policy, table, options(args))
+
+    def run_for(policy: str, suffix: str, host_gib: str, table: CostTable, plan: Plan, replans: int) -> dict | None:
+        """Measure ``plan``: None when it ran, else its out-of-memory record."""
+        name = f"{args.model}_{policy}_b{plan.batch_size}_s{args.seq}{suffix}{args.tag}" + (
+            f"_replan{replans}" if replans else "")
+        if measure(policy, table, plan, name, host_limit_gib=float(host_gib) if host_gib else None):
+            return None
+        return records[-1]
 
     for spec in args.runs:
         only, _, spec = spec.rpartition("/")
@@ -419,14 +478,8 @@ def study(session, args, kernels: str) -> None:
             batch = predicted_max_batch(policy, run_costs, args.seq, run_costs.gpu_bytes, args,
                                         args.max_batch or args.batch)
             print(f"{policy}{suffix}: largest batch the simulator fits: {batch}", flush=True)
-        while batch >= 1:
-            table = run_costs.at(batch, args.seq)
-            plan = policy_plan(policy, table, options(args))
-            name = f"{args.model}_{policy}_b{batch}_s{args.seq}{suffix}{args.tag}"
-            if measure(policy, table, plan, name, host_limit_gib=float(host_gib) if host_gib else None) \
-                    or size != "max":
-                break
-            batch -= max(1, batch // 16)  # one step per try: a try at 9B and b200+ takes a minute
+        tries(policy, batch, run_costs, args.seq, functools.partial(plan_for, policy),
+              functools.partial(run_for, policy, suffix, host_gib), walk_down=size == "max")
 
     check_copies("after_runs")
     if args.cap_gb:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -232,3 +233,52 @@ def test_embed_grad_cost_compares_with_the_newest_uncapped_h200_step():
               and r.get("device") == "NVIDIA H200" and not r.get("gpu_mem_cap_gb") and r.get("step_time_s")]
     assert record in others and record["date"] == max(r["date"] for r in others)
     assert record["step_time_s"] == min(r["step_time_s"] for r in others if r["date"] == record["date"])
+
+
+@dataclasses.dataclass
+class _Costs:
+    """What `plan_bench.tries` reads of a cost table."""
+
+    gpu_bytes: int
+
+    def at(self, batch: int, seq: int) -> _Costs:
+        return self
+
+
+def _tries(policy: str, fits_within: float, needs_more: float, walk_down: bool = True):
+    """`plan_bench.tries` from batch 200 on a 142 GB budget, where a plan runs when its budget
+    is at most ``fits_within`` GB and otherwise fails with ``needs_more`` GB above it."""
+    from bench.plan_bench import tries
+
+    ran = []
+
+    def run_at(table, plan, replans):
+        ran.append((plan, round(table.gpu_bytes / 1e9, 2), replans))
+        if table.gpu_bytes <= fits_within * 1e9:
+            return None
+        return {"predicted_peak_gpu_gb": table.gpu_bytes / 1e9, "seen_peak_gpu_gb": table.gpu_bytes / 1e9 + needs_more}
+
+    def plan_at(table):
+        return len(ran)  # stands for the plan solved for this table
+
+    return tries(policy, 200, _Costs(142 * 10**9), 1024, plan_at, run_at, walk_down), ran
+
+
+def test_a_largest_batch_try_re_solves_a_solved_plan_with_less_memory_before_walking_down():
+    """The 9B torch-reference search of 2026-12-02 stepped the batch down from 206 to 151 and
+    failed in the same stage every time (each smaller batch's solved plan filled the card
+    again); the trainer instead re-solves the same batch with less GPU memory."""
+    from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
+
+    batch, ran = _tries("solved", fits_within=133, needs_more=9)
+    lowered = gpu_budget_after_oom(142 * 10**9, 142 * 10**9, 151 * 10**9)  # the excess + 1 GiB
+    assert batch == 200 and ran == [(0, 142.0, 0), (1, round(lowered / 1e9, 2), 1)]
+    # a policy the planner does not solve walks down at once
+    batch, ran = _tries("megatrain", fits_within=100, needs_more=9)
+    assert batch == 0 and [r[1] for r in ran] == [142.0] * len(ran) and len(ran) > 10
+    # a solved plan that never fits: MAX_OOM_REPLANS re-solves, then the next batch from the full budget
+    batch, ran = _tries("solved", fits_within=10, needs_more=1)
+    assert [r[2] for r in ran[: MAX_OOM_REPLANS + 2]] == [*range(MAX_OOM_REPLANS + 1), 0]
+    assert ran[MAX_OOM_REPLANS + 1][1] == 142.0
+    # without walk_down (a run at its own batch) one try only
+    assert _tries("solved", fits_within=10, needs_more=1, walk_down=False)[0] == 0

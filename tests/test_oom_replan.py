@@ -12,7 +12,8 @@ import torch
 
 from lazytrain.config import load_config
 from lazytrain.runtime.executor import Executor
-from lazytrain.train.trainer import MAX_OOM_REPLANS, OutOfGpuMemory, Trainer
+from lazytrain.plan.search import MAX_OOM_REPLANS
+from lazytrain.train.trainer import OutOfGpuMemory, Trainer
 
 
 def _trainer(tmp_path, *overrides) -> Trainer:

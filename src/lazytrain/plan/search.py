@@ -17,6 +17,21 @@ from lazytrain.plan.simulate import SimResult, simulate
 
 GOALS = ("throughput", "max_batch")
 
+MAX_OOM_REPLANS = 3
+"""Solved plans re-solved with less GPU memory after a step ran out of it (the trainer's
+fallback, and the largest-batch bench's)."""
+
+
+def gpu_budget_after_oom(budget: int, predicted_peak: int, seen_peak: int) -> int:
+    """The planner's GPU budget for the plan re-solved after a step of a plan predicted to peak
+    at ``predicted_peak`` bytes ran out of memory with ``seen_peak`` allocated: lowered by the
+    excess seen plus 1 GiB (the failed allocation never happened, so the excess is a lower
+    bound), and by at least 4% of the budget. The simulator is measured per layer, not per
+    step, and a real step can need more than it predicts (Qwen3.5-9B's kept layers on the
+    H200: up to ~9 GB more in their backward)."""
+    excess = seen_peak - predicted_peak
+    return budget - max(excess + 2**30 if excess > 0 else 0, int(0.04 * budget))
+
 
 def candidate_batches(max_batch: int) -> list[int]:
     """1, 2, 3, 4, 6, 8, 12, 16, 24, ...: powers of two and the midpoints between them."""

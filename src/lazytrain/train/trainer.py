@@ -30,6 +30,7 @@ from lazytrain.data.pipeline import heldout_samples, resolve_template, training_
 from lazytrain.errors import LazyTrainError
 from lazytrain.model.loading import save_hf
 from lazytrain.plan.policies import policy_plan
+from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
 from lazytrain.plan.simulate import simulate
 from lazytrain.runtime.device import release_failed_step
 from lazytrain.runtime.executor import Executor
@@ -42,10 +43,6 @@ from lazytrain.train.session import build_session
 from lazytrain.train.signals import StopRequest, TrainingInterrupted
 
 log = logging.getLogger(__name__)
-
-MAX_OOM_REPLANS = 3
-"""Smaller solved plans tried after a step runs out of GPU memory (`Trainer._replan_after_oom`)."""
-
 
 class OutOfGpuMemory(LazyTrainError, MemoryError):
     pass
@@ -125,11 +122,9 @@ class Trainer:
     def _replan_after_oom(self, error: torch.OutOfMemoryError) -> None:
         """Re-solve the plan with less GPU memory after a step ran out of it, or raise.
 
-        The planner's GPU model is measured per layer, not per step, and a real step can need
-        more than it predicts (Qwen3.5-9B on fla's kernels: about 5 GB more on the H200, so a
-        solved plan that filled the card did not fit). A solved plan, in one process, is
-        re-solved with the budget lowered by the excess seen (at least 4% of it) and the step
-        run again: the failed step changed no weights, optimizer state or data position.
+        A solved plan, in one process, is re-solved with the budget `gpu_budget_after_oom`
+        gives and the step run again: the failed step changed no weights, optimizer state or
+        data position.
         """
         cfg = self.config
         tries = getattr(self, "_oom_replans", 0)
@@ -148,8 +143,7 @@ class Trainer:
         predicted = int(self.predicted.get("predicted_peak_gpu_gb", 0.0) * 1e9)
         seen = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         budget = self.costs.gpu_bytes
-        excess = seen - predicted  # a lower bound: the failed allocation never happened
-        lower = budget - max(excess + 2**30 if excess > 0 else 0, int(0.04 * budget))
+        lower = gpu_budget_after_oom(budget, predicted, seen)
         self.updater.finish()
         del self.executor, self.updater
         release_failed_step(error)  # the failed step's frames hold the old executor's GPU memory
