@@ -195,6 +195,34 @@ def test_sublayer_recompute_keeps_fewer_bytes(qwen2_setup):
     assert kept["mlp"] < kept["none"] and kept["attention"] < kept["none"]
 
 
+@pytest.mark.parametrize("tier", ["gpu", "host"])
+def test_kept_tensors_are_let_go_during_their_layers_backward(qwen2_setup, tier):
+    """A kept layer's saved tensors leave the activation store as its backward reads each for
+    the last time, as autograd frees them without hooks (the profiler's measurement): held to
+    the end of the layer's backward they peaked 8-14 GB above the plan on the H200 (9B). The
+    gradients stay HF's."""
+    adapter, store, batch, ref = qwen2_setup
+    layers = [LayerPlan(mode="keep", tier=tier, recompute=("none", "mlp", "attention")[i % 3])
+              for i in range(adapter.num_layers)]
+    executor = Executor(adapter, store, Plan(policy="x", batch_size=2, seq_len=11, layers=layers), CPU)
+    seen: dict[int, list[int]] = {}
+    real = executor._unpack
+
+    def unpack(packed):
+        out = real(packed)
+        for layer in executor._bwd_slot:  # the kept layer whose backward runs
+            seen.setdefault(layer, []).append(executor.activations.bytes_by_tier[tier])
+        return out
+
+    executor._unpack = unpack
+    executor.forward_backward(*batch)
+    assert_grads_equal(adapter, store, ref)
+    assert sorted(seen) == list(range(adapter.num_layers))
+    for layer, held in seen.items():  # falls within the layer's backward, not only after it
+        assert held[-1] < held[0], (layer, held)
+    assert executor.activations.bytes_by_tier[tier] == 0
+
+
 def test_recompute_is_for_keep_layers():
     with pytest.raises(ValueError, match="recompute='mlp' is for 'keep' layers"):
         LayerPlan(mode="checkpoint", recompute="mlp")
