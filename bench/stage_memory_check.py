@@ -90,15 +90,15 @@ def markdown(rows: list[dict], files: list[str], worst: int, skipped: list[str])
     records = sorted({(r["file"], r["record"]) for r in used})
     lines = [
         "# Stage memory: measured against the simulator", "",
-        f"Files: {', '.join(Path(f).name for f in files)}. {len(records)} records, {len(used)} stages. "
-        "Error = measured - predicted (positive: the simulator under-predicts, the run may run out of memory).",
+        (f"Files: {', '.join(Path(f).name for f in files)}. {len(records)} records, {len(used)} stages. "
+         "Error = measured - predicted (positive: the simulator under-predicts, the run may run out of memory)."),
         "",
     ]
     if skipped:
         lines += [f"Left out (no plan recorded): {', '.join(skipped)}.", ""]
     unchanged = max((abs(r["predicted_gb"] - r["recorded_gb"]) for r in used), default=0.0)
-    lines += [f"Current simulator against the predictions recorded with the runs: largest difference "
-              f"{unchanged:.3f} GB.", ""]
+    lines += [(f"Current simulator against the predictions recorded with the runs: largest difference "
+               f"{unchanged:.3f} GB."), ""]
     lines += ["| stage kind | stages | mean error GB | min | max | mean bytes/token | within 2% or 2 GB |",
               "|---|---|---|---|---|---|---|"]
     for s in summary(used):

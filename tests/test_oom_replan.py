@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lazytrain.config import load_config
-from lazytrain.runtime.executor import Executor
 from lazytrain.plan.search import MAX_OOM_REPLANS
+from lazytrain.runtime.executor import Executor
 from lazytrain.train.trainer import OutOfGpuMemory, Trainer
 
 
