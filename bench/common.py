@@ -282,6 +282,14 @@ def oom_record(name: str, header: dict, policy: str, batch: int, seq: int, error
             record["gpu_alloc_at_start_gb"] = error.gpu_alloc_at_start / 1e9
         record["gpu_alloc_after_release_gb"] = torch.cuda.memory_allocated() / 1e9
         record["gpu_tensors_after_release"] = live_tensors("cuda")
+        # a probe: a backward that failed on the autograd engine's device thread may leave its
+        # work queued there until the next backward runs; one tiny backward, then the bytes again
+        probe = torch.ones(1, device="cuda", requires_grad=True)
+        (probe * 2).sum().backward()
+        del probe
+        gc.collect()
+        torch.cuda.empty_cache()
+        record["gpu_alloc_after_probe_backward_gb"] = torch.cuda.memory_allocated() / 1e9
     stages = getattr(error, "stage_memory", None)
     if stages is not None:
         record["stage_memory_gb"] = [[stage, b / 1e9] for stage, b in stages]
