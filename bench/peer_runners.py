@@ -47,6 +47,7 @@ from lazytrain.model.build import model_config
 from lazytrain.model.flops import flops_6nt, model_flops
 from lazytrain.model.loading import random_init_values
 from lazytrain.plan.milp import PlanInfeasible
+from lazytrain.plan.search import search_batch
 from lazytrain.plan.simulate import simulate
 from lazytrain.runtime.device import prefer_expandable_segments
 
@@ -224,6 +225,23 @@ def step_figures(times: list[float], batch: int, seq: int, adapter: ModelAdapter
 # -- LazyTrain --------------------------------------------------------------------------------
 
 
+PLANNER_BATCH_LIMIT = 4096
+"""The largest batch `planner_max_batch` considers."""
+
+
+def planner_max_batch(session, costs, job: Job) -> int:
+    """The largest batch the planner fits on this machine (GPU and host), from this run's
+    profile: the largest-batch search's first guess for LazyTrain (its plan fills the card at
+    any batch, so its GPU peak says nothing of the next batch); 0 when none fits."""
+    options = session.policy_options()
+    try:
+        return search_batch(costs, job.seq, goal="max_batch", batch_sizes=range(1, PLANNER_BATCH_LIMIT + 1),
+                            tiers=options.tiers, optimizer_overlap=options.optimizer_overlap,
+                            head_chunk_tokens=options.head_chunk_tokens, recompute=options.recompute).plan.batch_size
+    except PlanInfeasible:
+        return 0
+
+
 def run_lazytrain(job: Job) -> dict:
     kind = job.run.partition(":")[2] or "hybrid8bit"
     overrides = [f"training.seed={job.seed}", "plan.policy=solved"]
@@ -240,6 +258,7 @@ def run_lazytrain(job: Job) -> dict:
         return {"status": "does not fit GPU memory", "error": str(error).split("\n")[0]}
     record = timed_steps(session, plan, warmup=job.warmup, steps=job.steps)
     record.update(simulate(plan, costs, optimizer_overlap=True).metrics())
+    record["planner_max_batch"] = planner_max_batch(session, costs, job)
     host = session.store.bytes(session.optimizer.state_bytes()).per_param()
     exact = kind == "fp32"
     return {

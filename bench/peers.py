@@ -366,10 +366,16 @@ class Study:
         """The batch at which a straight line through ``first``'s GPU peak reaches `GUESS_FILL` of
         the card: peak = fixed + per sample x batch, the fixed part being what does not grow with
         the batch (one loss chunk's logits at 14 B each, and for the no-offload run its 16 B/param
-        of model state). None without a measured peak, for LazyTrain (its plan fills the card at
-        any batch), or when the line says no larger batch fits."""
+        of model state). For LazyTrain, whose plan fills the card at any batch, the planner's own
+        largest batch from that run's profile (``planner_max_batch``). None without these, or
+        when no larger batch fits."""
+        if first["status"] != "ok":
+            return None
+        if first["runner"] == "lazytrain":
+            guess = min(first.get("planner_max_batch") or 0, self.args.max_batch)
+            return guess if guess > first["batch_size"] else None
         peak = first.get("peak_gpu_alloc_gb")
-        if not self.gpu_bytes or peak is None or first["runner"] == "lazytrain" or first["status"] != "ok":
+        if not self.gpu_bytes or peak is None:
             return None
         fixed = self.gpu_need(0) if first["runner"] == "pytorch_gpu" else self.loss_chunk_bytes()
         per_sample = (peak * GB - fixed) / first["batch_size"]

@@ -40,6 +40,7 @@ def test_peers_on_the_cpu_writes_records(tmp_path):
         assert r["world_size"] == 1 and r["batch_size"] == 2 and r["seq_len"] == 32
     ours, fsdp, _ = records
     assert ours["policy"] == "solved" and ours["predicted_step_time_s"] > 0 and ours["optimizer_exact"] is False
+    assert ours["planner_max_batch"] >= 2  # the batch the planner says fits: the search's first guess
     assert fsdp["policy"] == "fsdp2_cpu_offload" and fsdp["optimizer_exact"] is True
     assert fsdp["host_bytes_per_param"]["total"] == 16
     for r in (ours, fsdp):
@@ -325,3 +326,30 @@ def test_a_search_can_start_from_a_committed_row():
     assert searched_from(rows, "m", "pytorch_gpu", 64, "NVIDIA H200", 1024) is None
     oom = [{**base, "name": "oom", "date": "2026-12-01", "status": "out of GPU memory"}]
     assert searched_from(oom, "m", "fsdp2_cpu_offload", 64, "NVIDIA H200", 1024)["name"] == "oom"
+
+
+def test_lazytrains_largest_batch_search_starts_at_the_planners_largest(monkeypatch):
+    """LazyTrain's plan fills the card at any batch, so its GPU peak points nowhere: the search
+    starts at the batch the planner fits from the first run's profile (``planner_max_batch``),
+    where doubling from 64 would take five tries to get past 600."""
+    from bench.peers import GB, Study
+
+    study = Study.__new__(Study)
+    study.args = SimpleNamespace(max_tries=3, max_batch=1024, head_chunk=4096)
+    study.gpu_bytes, study.vocab, study.numels, study.records = int(100 * GB), 1000, [10], []
+    tried = []
+
+    def run(run, batch, search=False):
+        tried.append(batch)
+        record = {"run": run, "runner": "lazytrain", "batch_size": batch, "planner_max_batch": 600,
+                  "status": "ok" if batch <= 620 else "does not fit GPU memory", "peak_gpu_alloc_gb": 99.0}
+        study.records.append(record)
+        return record
+
+    monkeypatch.setattr(study, "run", run)
+    monkeypatch.setattr(study, "save", lambda: None)
+    study.largest_batch("lazytrain:hybrid8bit", run("lazytrain:hybrid8bit", 64))
+    assert tried[1:] == [600, 675, 637]
+    assert [r["batch_size"] for r in study.records if r.get("largest_batch")] == [600]
+    # a first row without the planner's figure (committed before it was recorded): doubling
+    assert study.first_guess({"runner": "lazytrain", "status": "ok", "batch_size": 64}) is None
