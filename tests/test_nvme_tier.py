@@ -140,3 +140,50 @@ def test_close_removes_every_file(tmp_path):
     nvme, _, _, _, record = stored(tmp_path)
     nvme.close()
     assert not record.path.exists()
+
+
+class _Event:
+    """Stands for the CUDA event of a pinned buffer's last H2D copy."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def synchronize(self) -> None:
+        self.log.append("copy done")
+
+
+def test_a_read_into_a_reused_buffer_waits_for_its_last_copy_to_the_gpu(tmp_path, monkeypatch):
+    """A freed NVMe handle's read buffer goes back to the pool with the event of its H2D copy;
+    the next NVMe read into it (a CPU thread) waits for that event, or it could overwrite
+    pinned memory a queued copy has not read yet (silently wrong activations on a GPU)."""
+    import lazytrain.memory.nvme as nvme_module
+
+    _, store, x, first, _ = stored(tmp_path)
+    second = store.put(x + 1, "nvme")
+    second.written.result()  # its write buffer is back in the pool before the read buffer below
+    log = []
+    assert torch.equal(store.get(first), x)
+    first.fetched_event = _Event(log)  # on a GPU: the H2D copy out of the read buffer
+    store.free(first)
+    real = nvme_module._read_all
+
+    def read_all(fd, data):
+        log.append("file read")
+        return real(fd, data)
+
+    monkeypatch.setattr(nvme_module, "_read_all", read_all)
+    assert torch.equal(store.get(second), x + 1)  # read into first's buffer, the last one pooled
+    assert log == ["copy done", "file read"]
+    store.free(second)
+
+
+@pytest.mark.parametrize("tier", ["gpu", "host", "nvme"])
+def test_a_read_after_free_is_a_clear_error(tmp_path, tier):
+    """The executor frees a kept layer's storage at its last read; a read after that (a saved
+    tensor read more often than it was saved) must fail loudly, not read a freed buffer."""
+    store = ActivationStore(Streams(CPU), CPU, nvme=NvmeStore(tmp_path / "acts"))
+    handle = store.put(torch.randn(8, 8), tier)
+    store.get(handle)
+    store.free(handle)
+    with pytest.raises(RuntimeError, match="read after it was freed"):
+        store.get(handle)

@@ -190,11 +190,14 @@ class NvmeStore:
             self.bytes_written += nbytes
         return NvmeRecord(path=path, nbytes=nbytes, crc=zlib.crc32(memoryview(data)))
 
-    def read(self, record: NvmeRecord, out: torch.Tensor) -> Future:
-        """Read ``record`` into ``out`` (a contiguous CPU tensor of the same bytes); -> ``out``."""
-        return self._pool.submit(self._read, record, out)
+    def read(self, record: NvmeRecord, out: torch.Tensor, ready: torch.cuda.Event | None = None) -> Future:
+        """Read ``record`` into ``out`` (a contiguous CPU tensor of the same bytes) once
+        ``ready`` has fired (the last GPU copy out of a reused pinned buffer); -> ``out``."""
+        return self._pool.submit(self._read, record, out, ready)
 
-    def _read(self, record: NvmeRecord, out: torch.Tensor) -> torch.Tensor:
+    def _read(self, record: NvmeRecord, out: torch.Tensor, ready: torch.cuda.Event | None = None) -> torch.Tensor:
+        if ready is not None:  # a pooled buffer an H2D copy may still be reading
+            ready.synchronize()
         data = _bytes_view(out)
         region = _direct_region(out) if self.direct else None
         try:

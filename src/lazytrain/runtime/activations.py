@@ -56,16 +56,17 @@ class ActivationStore:
         self.bytes_by_tier[tier] += nbytes
         self.peak_by_tier[tier] = max(self.peak_by_tier[tier], self.bytes_by_tier[tier])
 
-    def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def _host_buffer(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A pinned buffer, and the event after which no GPU copy reads it any more (None: a new
+        one): a D2H copy into it is ordered after that on its stream; a CPU writer (an NVMe
+        read) must wait for it itself."""
         with self._pool_lock:
             free = self._pool.get((numel, dtype))
             entry = free.pop() if free else None
         if entry is not None:
-            buf, last_read = entry
-            self.streams.wait(last_read, self.streams.d2h)
-            return buf
+            return entry
         # 4 KiB-aligned and padded, so the NVMe tier can write and read it with O_DIRECT
-        return aligned_empty(numel, dtype, pin=self.streams.cuda)
+        return aligned_empty(numel, dtype, pin=self.streams.cuda), None
 
     def _release(self, buf: torch.Tensor, last_read: torch.cuda.Event | None) -> None:
         with self._pool_lock:
@@ -74,7 +75,8 @@ class ActivationStore:
     def _offload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Copy ``tensor`` into a pinned buffer on the D2H stream; -> (buffer, copy done)."""
         src = tensor.detach().contiguous()
-        buf = self._host_buffer(src.numel(), src.dtype)
+        buf, last_read = self._host_buffer(src.numel(), src.dtype)
+        self.streams.wait(last_read, self.streams.d2h)
         produced = self.streams.record()
         self.streams.wait(produced, self.streams.d2h)
         span = self.trace.begin(self.streams.d2h) if self.trace else None
@@ -114,8 +116,9 @@ class ActivationStore:
             if handle.read is None:
                 record = handle.written.result()
                 numel = handle.nbytes // torch.empty((), dtype=handle.dtype).element_size()
-                handle.read_buffer = self._host_buffer(numel, handle.dtype)
-                handle.read = self.nvme.read(record, handle.read_buffer)
+                # a pooled buffer's last H2D copy may still be queued: the read waits for it
+                handle.read_buffer, last_read = self._host_buffer(numel, handle.dtype)
+                handle.read = self.nvme.read(record, handle.read_buffer, ready=last_read)
             return
         if handle.tier != "host" or handle.fetched is not None:
             return
@@ -135,6 +138,9 @@ class ActivationStore:
         handle.fetched_event = self.streams.record(self.streams.h2d)
 
     def get(self, handle: Handle) -> torch.Tensor:
+        if handle.nbytes == 0 and handle.tensor is None and handle.fetched is None:
+            raise RuntimeError(f"activation read after it was freed ({handle.tier} tier, shape {handle.shape}): "
+                               "a saved tensor was read more times than it was saved")
         if handle.tier == "gpu":
             return handle.tensor
         self.prefetch(handle)
