@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lazytrain.config import load_config
-from lazytrain.plan.search import MAX_OOM_REPLANS
+from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
+from lazytrain.runtime.device import oom_request_bytes
 from lazytrain.runtime.executor import Executor
 from lazytrain.train.trainer import OutOfGpuMemory, Trainer
 
@@ -37,7 +38,7 @@ def _failing(monkeypatch, times: int) -> list[int]:
     def forward_backward(self, *args, **kwargs):
         calls.append(self.plan.batch_size)
         if len(calls) <= times:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB (simulated)")
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 MiB (simulated)")
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Executor, "forward_backward", forward_backward)
@@ -48,11 +49,13 @@ def test_a_solved_plan_is_resolved_smaller_and_the_step_runs_again(tmp_path, mon
     expected = _losses(_trainer(tmp_path / "plain", "plan.policy=solved"), 3)
     trainer = _trainer(tmp_path / "oom", "plan.policy=solved")
     budget = trainer.costs.gpu_bytes
+    predicted = int(trainer.predicted["predicted_peak_gpu_gb"] * 1e9)
     calls = _failing(monkeypatch, times=1)
     with caplog.at_level(logging.WARNING, logger="lazytrain"):
         losses = _losses(trainer, 3)
     assert len(calls) == 4  # the first step twice
-    assert trainer.costs.gpu_bytes == budget - int(0.04 * budget)  # no CUDA peak to learn from: 4% less
+    # no CUDA peak on the CPU: what the step needed is the failed allocation, 1.50 MiB
+    assert trainer.costs.gpu_bytes == gpu_budget_after_oom(budget, predicted, int(1.5 * 2**20)) < budget
     assert trainer.plan.policy == "solved"
     assert "ran out of GPU memory" in caplog.text and "try 1 of" in caplog.text
     # the failed attempt changed nothing: the same losses as a run that never failed
@@ -92,3 +95,20 @@ def test_a_baseline_policy_is_not_resolved(tmp_path, monkeypatch):
     _failing(monkeypatch, times=1)
     with pytest.raises(OutOfGpuMemory, match="plan 'megatrain' is not re-solved.*plan.policy=megatrain"):
         trainer.train_step(next(trainer.batches))
+
+
+def test_the_budget_after_an_out_of_memory():
+    """Below the failed plan's predicted peak (or the budget, if lower) by the excess the step
+    needed plus 1 GiB, and by at least 4% of the budget; the need includes the allocation that
+    failed, as CUDA's message gives it."""
+    GB = 10**9
+    assert gpu_budget_after_oom(142 * GB, 141 * GB, 151 * GB) == 141 * GB - 10 * GB - 2**30
+    assert gpu_budget_after_oom(142 * GB, 141 * GB, 140 * GB) == 141 * GB - int(0.04 * 141 * GB)
+    # a plan with slack: from its own peak, or the same plan would be solved again
+    assert gpu_budget_after_oom(142 * GB, 100 * GB, 101 * GB) == 100 * GB - int(0.04 * 100 * GB)
+    assert gpu_budget_after_oom(142 * GB, 0, 0) == 142 * GB - int(0.04 * 142 * GB)  # no prediction
+    assert gpu_budget_after_oom(2 * GB, GB, 3 * GB) == 0  # nothing left
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.22 GiB. GPU 0 has a total capacity")
+    assert oom_request_bytes(error) == int(3.22 * 2**30)
+    assert oom_request_bytes(torch.OutOfMemoryError("Tried to allocate 388.00 MiB.")) == 388 * 2**20
+    assert oom_request_bytes(torch.OutOfMemoryError("out of memory")) == 0

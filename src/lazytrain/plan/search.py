@@ -24,13 +24,15 @@ fallback, and the largest-batch bench's)."""
 
 def gpu_budget_after_oom(budget: int, predicted_peak: int, seen_peak: int) -> int:
     """The planner's GPU budget for the plan re-solved after a step of a plan predicted to peak
-    at ``predicted_peak`` bytes ran out of memory with ``seen_peak`` allocated: lowered by the
-    excess seen plus 1 GiB (the failed allocation never happened, so the excess is a lower
-    bound), and by at least 4% of the budget. The simulator is measured per layer, not per
-    step, and a real step can need more than it predicts (Qwen3.5-9B's kept layers on the
-    H200: up to ~9 GB more in their backward)."""
+    at ``predicted_peak`` bytes ran out of memory needing ``seen_peak`` (allocated, plus the
+    allocation that failed): the predicted peak (or the budget, if lower: from the budget a plan
+    with slack would be solved again) less the excess seen plus 1 GiB (a lower bound: the step
+    would have gone on allocating), and at least 4% less. 0 when nothing is left. The simulator
+    is measured per layer, not per step, and a real step can need more than it predicts
+    (Qwen3.5-9B's kept layers on the H200: up to ~9 GB more in their backward)."""
+    base = min(budget, predicted_peak) if predicted_peak > 0 else budget
     excess = seen_peak - predicted_peak
-    return budget - max(excess + 2**30 if excess > 0 else 0, int(0.04 * budget))
+    return max(base - max(excess + 2**30 if excess > 0 else 0, int(0.04 * base)), 0)
 
 
 def candidate_batches(max_batch: int) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import platform
+import re
 import statistics
 import time
 import traceback
@@ -86,6 +87,16 @@ def release_failed_step(error: BaseException) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def oom_request_bytes(error: BaseException) -> int:
+    """The bytes the failed allocation asked for ("Tried to allocate 3.22 GiB" in CUDA's
+    out-of-memory message); 0 when the message does not say."""
+    found = re.search(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)", str(error))
+    return int(float(found.group(1)) * _UNITS[found.group(2)]) if found else 0
 
 
 def cap_gpu_memory(device: torch.device, gigabytes: float) -> None:

@@ -29,10 +29,11 @@ from lazytrain.data.dataset import Batch
 from lazytrain.data.pipeline import heldout_samples, resolve_template, training_batches
 from lazytrain.errors import LazyTrainError
 from lazytrain.model.loading import save_hf
+from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.policies import policy_plan
 from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
 from lazytrain.plan.simulate import simulate
-from lazytrain.runtime.device import release_failed_step
+from lazytrain.runtime.device import oom_request_bytes, release_failed_step
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.update import HostUpdater
 from lazytrain.train.checkpoint import Checkpointer, check_output_dir, gb
@@ -142,6 +143,7 @@ class Trainer:
         self._oom_replans = tries + 1
         predicted = int(self.predicted.get("predicted_peak_gpu_gb", 0.0) * 1e9)
         seen = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        seen += oom_request_bytes(error)  # what the step needed: the failed allocation too
         budget = self.costs.gpu_bytes
         lower = gpu_budget_after_oom(budget, predicted, seen)
         self.updater.finish()
@@ -149,12 +151,22 @@ class Trainer:
         release_failed_step(error)  # the failed step's frames hold the old executor's GPU memory
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.costs = dataclasses.replace(self.costs, gpu_bytes=lower)
-        self.plan = policy_plan("solved", self.costs, self.session.policy_options())
+        try:
+            if lower <= 0:
+                raise PlanInfeasible(f"no GPU memory left to plan with ({lower} bytes)")
+            self.costs = dataclasses.replace(self.costs, gpu_bytes=lower)
+            self.plan = policy_plan("solved", self.costs, self.session.policy_options())
+        except PlanInfeasible as why:
+            raise OutOfGpuMemory(
+                f"the step ran out of GPU memory with plan 'solved' at batch {self.plan.batch_size} x seq "
+                f"{self.plan.seq_len}, and no plan fits the {lower / 1e9:.1f} GB left after it ({why}): "
+                f"{str(error).splitlines()[0]}. Lower training.batch_size or data.max_seq_len, or use "
+                "plan.policy=megatrain"
+            ) from None
         log.warning(
-            "step %d ran out of GPU memory: the solved plan was predicted to peak at %.1f GB and %.1f GB were "
-            "allocated when it failed; re-solving with %.1f GB instead of %.1f GB for the planner (try %d of %d) "
-            "and running the step again",
+            "step %d ran out of GPU memory: the solved plan was predicted to peak at %.1f GB and needed %.1f GB "
+            "(allocated + the allocation that failed); re-solving with %.1f GB instead of %.1f GB for the planner "
+            "(try %d of %d) and running the step again",
             self.step + 1, predicted / 1e9, seen / 1e9, lower / 1e9, budget / 1e9, tries + 1, MAX_OOM_REPLANS,
         )
         self._start_plan()
