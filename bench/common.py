@@ -255,9 +255,14 @@ def live_tensors(device_type: str = "cuda", top: int = 10) -> list[list]:
     found = {}
     for obj in gc.get_objects():
         # type(), not isinstance: that asks a dead weak proxy or a deprecated torch object itself
-        is_tensor = issubclass(type(obj), torch.Tensor)
-        if is_tensor and obj.device.type == device_type and obj.layout == torch.strided:
-            storage = obj.untyped_storage()
+        if not issubclass(type(obj), torch.Tensor):
+            continue
+        try:  # an uninitialised parameter, a fake tensor: no storage to count
+            wanted = obj.device.type == device_type and obj.layout == torch.strided
+            storage = obj.untyped_storage() if wanted else None
+        except (RuntimeError, ValueError, NotImplementedError):
+            storage = None
+        if storage is not None:
             found.setdefault(storage.data_ptr(), (weakref.ref(obj), storage.nbytes()))
     here = sys._getframe()
     rows = []
@@ -281,15 +286,18 @@ def oom_record(name: str, header: dict, policy: str, batch: int, seq: int, error
         if hasattr(error, "gpu_alloc_at_start"):
             record["gpu_alloc_at_start_gb"] = error.gpu_alloc_at_start / 1e9
         record["gpu_alloc_after_release_gb"] = torch.cuda.memory_allocated() / 1e9
-        record["gpu_tensors_after_release"] = live_tensors("cuda")
-        # a probe: a backward that failed on the autograd engine's device thread may leave its
-        # work queued there until the next backward runs; one tiny backward, then the bytes again
-        probe = torch.ones(1, device="cuda", requires_grad=True)
-        (probe * 2).sum().backward()
-        del probe
-        gc.collect()
-        torch.cuda.empty_cache()
-        record["gpu_alloc_after_probe_backward_gb"] = torch.cuda.memory_allocated() / 1e9
+        try:  # diagnostics only: a failure here must not end the search it reports on
+            record["gpu_tensors_after_release"] = live_tensors("cuda")
+            # a probe: a backward that failed on the autograd engine's device thread may leave
+            # its work queued there until the next backward runs; one tiny backward, then again
+            probe = torch.ones(1, device="cuda", requires_grad=True)
+            (probe * 2).sum().backward()
+            del probe
+            gc.collect()
+            torch.cuda.empty_cache()
+            record["gpu_alloc_after_probe_backward_gb"] = torch.cuda.memory_allocated() / 1e9
+        except Exception as diagnostic:  # noqa: BLE001 - recorded, not raised
+            record["gpu_diagnostics_error"] = f"{type(diagnostic).__name__}: {diagnostic}"
     stages = getattr(error, "stage_memory", None)
     if stages is not None:
         record["stage_memory_gb"] = [[stage, b / 1e9] for stage, b in stages]

@@ -75,7 +75,7 @@ from lazytrain.plan.plan import Plan, keep_all_plan
 from lazytrain.plan.policies import PolicyOptions, policy_plan
 from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom, search_batch
 from lazytrain.plan.simulate import simulate
-from lazytrain.runtime.device import cap_gpu_memory
+from lazytrain.runtime.device import cap_gpu_memory, oom_request_bytes
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.profiler import CONSTANTS, measure_constants
 
@@ -84,6 +84,10 @@ GiB = 2**30
 
 def options(args) -> PolicyOptions:
     return PolicyOptions(megatrain_every=args.every, head_chunk_tokens=args.head_chunk, tiers=tuple(args.tiers))
+
+
+MAX_TRIES = 8
+"""Runs a `tries` search may take in all."""
 
 
 def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable[[CostTable], Plan],
@@ -95,15 +99,20 @@ def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable
     failed in the same stage), then the batch walks down by 1/16 (one step per try: a try at 9B
     and b200+ takes a minute). ``run_at(table, plan, replans)`` runs a plan and returns None,
     or the out-of-memory record (``predicted_peak_gpu_gb``, ``seen_peak_gpu_gb``). The batch
-    that ran, or 0."""
-    budget, replans = costs.gpu_bytes, 0
-    while batch >= 1:
+    that ran, or 0. A smaller batch starts from the last budget a re-solve found a plan for
+    (the excess the failures showed is the planner's, not the batch's), and the tries end at
+    `MAX_TRIES` (a minute each at 9B)."""
+    budget, replans, feasible, tried = costs.gpu_bytes, 0, costs.gpu_bytes, 0
+    while batch >= 1 and tried < MAX_TRIES:
         table = dataclasses.replace(costs.at(batch, seq), gpu_bytes=budget)
         try:
             plan = plan_at(table)
         except PlanInfeasible:  # no plan at this batch within the lowered budget
             print(f"{policy}: no plan at batch {batch} within {budget / 1e9:.1f} GB", flush=True)
             plan = None
+        if plan is not None:
+            feasible = budget
+            tried += 1
         failed = run_at(table, plan, replans) if plan is not None else None
         if plan is not None and failed is None:
             return batch
@@ -113,10 +122,11 @@ def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable
             budget = gpu_budget_after_oom(budget, int(failed["predicted_peak_gpu_gb"] * 1e9),
                                           int(failed["seen_peak_gpu_gb"] * 1e9))
             replans += 1
-            print(f"{policy} b{batch}: re-solving for {budget / 1e9:.1f} GB (try {replans} of "
-                  f"{MAX_OOM_REPLANS}, as the trainer would)", flush=True)
-            continue
-        budget, replans = costs.gpu_bytes, 0
+            if budget > 0:
+                print(f"{policy} b{batch}: re-solving for {budget / 1e9:.1f} GB (try {replans} of "
+                      f"{MAX_OOM_REPLANS}, as the trainer would)", flush=True)
+                continue
+        budget, replans = feasible, 0
         batch -= max(1, batch // 16)
     return 0
 
@@ -422,7 +432,8 @@ def study(session, args, kernels: str) -> None:
             seen = [b for _, b, *_ in records[-1].get("stage_memory_gb", [])]
             if device.type == "cuda":
                 seen.append(torch.cuda.max_memory_allocated(device) / 1e9)
-            records[-1]["seen_peak_gpu_gb"] = max(seen, default=0.0)
+            # what it needed: the failed allocation on top
+            records[-1]["seen_peak_gpu_gb"] = max(seen, default=0.0) + oom_request_bytes(error) / 1e9
             print(f"{name}: out of memory: {records[-1]['oom']}"
                   + (f" after stage {records[-1]['oom_after_stage']}" if "oom_after_stage" in records[-1] else ""),
                   flush=True)

@@ -268,17 +268,20 @@ def test_a_largest_batch_try_re_solves_a_solved_plan_with_less_memory_before_wal
     """The 9B torch-reference search of 2026-12-02 stepped the batch down from 206 to 151 and
     failed in the same stage every time (each smaller batch's solved plan filled the card
     again); the trainer instead re-solves the same batch with less GPU memory."""
+    from bench.plan_bench import MAX_TRIES
     from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
 
     batch, ran = _tries("solved", fits_within=133, needs_more=9)
     lowered = gpu_budget_after_oom(142 * 10**9, 142 * 10**9, 151 * 10**9)  # the excess + 1 GiB
     assert batch == 200 and ran == [(0, 142.0, 0), (1, round(lowered / 1e9, 2), 1)]
-    # a policy the planner does not solve walks down at once
+    # a policy the planner does not solve walks down at once, MAX_TRIES runs in all
     batch, ran = _tries("megatrain", fits_within=100, needs_more=9)
-    assert batch == 0 and [r[1] for r in ran] == [142.0] * len(ran) and len(ran) > 10
-    # a solved plan that never fits: MAX_OOM_REPLANS re-solves, then the next batch from the full budget
+    assert batch == 0 and [r[1] for r in ran] == [142.0] * MAX_TRIES
+    # a solved plan that never fits: MAX_OOM_REPLANS re-solves, then the next batch from the
+    # last budget a plan was solved for (the excess belongs to the planner, not the batch)
     batch, ran = _tries("solved", fits_within=10, needs_more=1)
+    assert batch == 0 and len(ran) == MAX_TRIES
     assert [r[2] for r in ran[: MAX_OOM_REPLANS + 2]] == [*range(MAX_OOM_REPLANS + 1), 0]
-    assert ran[MAX_OOM_REPLANS + 1][1] == 142.0
+    assert ran[MAX_OOM_REPLANS + 1][1] == ran[MAX_OOM_REPLANS][1] < 142.0
     # without walk_down (a run at its own batch) one try only
     assert _tries("solved", fits_within=10, needs_more=1, walk_down=False)[0] == 0
