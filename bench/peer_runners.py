@@ -74,6 +74,8 @@ class Job:
     """FSDP2's `CPUOffloadPolicy(pin_memory=...)`, decided by the parent from the host budget."""
     host_limit_gb: float | None = None
     """LazyTrain's ``memory.host_limit_gb``: the room the parent's watchdog leaves (GiB)."""
+    planner_max_batch_limit: int = 0
+    """LazyTrain: find the planner's largest batch up to this (0: not; ~25 s of MILPs at 9B)."""
 
     @property
     def runner(self) -> str:
@@ -225,21 +227,18 @@ def step_figures(times: list[float], batch: int, seq: int, adapter: ModelAdapter
 # -- LazyTrain --------------------------------------------------------------------------------
 
 
-PLANNER_BATCH_LIMIT = 4096
-"""The largest batch `planner_max_batch` considers."""
-
-
 def planner_max_batch(session, costs, job: Job) -> int:
     """The largest batch the planner fits on this machine (GPU and host), from this run's
     profile: the largest-batch search's first guess for LazyTrain (its plan fills the card at
     any batch, so its GPU peak says nothing of the next batch); 0 when none fits."""
-    options = session.policy_options()
+    o = session.policy_options()
     try:
-        return search_batch(costs, job.seq, goal="max_batch", batch_sizes=range(1, PLANNER_BATCH_LIMIT + 1),
-                            tiers=options.tiers, optimizer_overlap=options.optimizer_overlap,
-                            head_chunk_tokens=options.head_chunk_tokens, recompute=options.recompute).plan.batch_size
+        found = search_batch(costs, job.seq, goal="max_batch", batch_sizes=range(1, job.planner_max_batch_limit + 1),
+                             tiers=o.tiers, optimizer_overlap=o.optimizer_overlap,
+                             head_chunk_tokens=o.head_chunk_tokens, recompute=o.recompute)
     except PlanInfeasible:
         return 0
+    return found.plan.batch_size
 
 
 def run_lazytrain(job: Job) -> dict:
@@ -258,7 +257,8 @@ def run_lazytrain(job: Job) -> dict:
         return {"status": "does not fit GPU memory", "error": str(error).split("\n")[0]}
     record = timed_steps(session, plan, warmup=job.warmup, steps=job.steps)
     record.update(simulate(plan, costs, optimizer_overlap=True).metrics())
-    record["planner_max_batch"] = planner_max_batch(session, costs, job)
+    if job.planner_max_batch_limit:
+        record["planner_max_batch"] = planner_max_batch(session, costs, job)
     host = session.store.bytes(session.optimizer.state_bytes()).per_param()
     exact = kind == "fp32"
     return {

@@ -321,7 +321,9 @@ class Study:
             host_limit = (room - PROCESS_BYTES) / 2**30 if runner == "lazytrain" else None
             job = {"run": run, "model": self.model, "batch": batch, "seq": args.seq, "warmup": args.warmup,
                    "steps": args.steps, "device": args.device, "seed": args.seed, "head_chunk": args.head_chunk,
-                   "pin_memory": pin, "host_limit_gb": host_limit}
+                   "pin_memory": pin, "host_limit_gb": host_limit,
+                   # the planner's largest batch: the search's first guess, needed from its first run only
+                   "planner_max_batch_limit": 0 if search else args.max_batch}
             log = Path(args.out) / "peers_logs" / f"{record['name']}.log"
             print(f"{record['name']}: running ({run}, batch {batch})", flush=True)
             worker = launch(job, log, reserve, args.worker_timeout)
