@@ -211,6 +211,7 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
             updater.finish()
         except RuntimeError:
             pass
+        executor.abandon()  # its buffers go even if the failed graph still refers to it
         raise
     starts = [m[0] for m in measured] + [end]
     step_times = [b - a for a, b in zip(starts, starts[1:])]

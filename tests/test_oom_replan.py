@@ -112,3 +112,17 @@ def test_the_budget_after_an_out_of_memory():
     assert oom_request_bytes(error) == int(3.22 * 2**30)
     assert oom_request_bytes(torch.OutOfMemoryError("Tried to allocate 388.00 MiB.")) == 388 * 2**20
     assert oom_request_bytes(torch.OutOfMemoryError("out of memory")) == 0
+
+
+def test_a_failed_executor_held_elsewhere_holds_no_buffers(tmp_path, monkeypatch):
+    """On CUDA something may outlive the failed step and still refer to its executor (the
+    H200's 9B retries started 5.0 GB above their first try: an executor's resident groups and
+    weight slots); abandoned, that executor holds none of its step-long buffers."""
+    trainer = _trainer(tmp_path, "plan.policy=solved")
+    held = trainer.executor  # stands for the reference that outlives the step
+    assert held.weights.slots and held.resident
+    _failing(monkeypatch, times=1)
+    trainer.train_step(next(trainer.batches))
+    trainer.updater.finish()
+    assert held is not trainer.executor
+    assert held.weights.slots == [] and held.resident == {} and held._consts == []

@@ -189,6 +189,19 @@ class Executor:
         if self.before_load is not None:
             self.before_load(layer + 1)
 
+    def abandon(self) -> None:
+        """Let go of the GPU buffers this executor owns for the whole step (the weight slots,
+        the resident groups, the step's constants), for one given up after a failed step; it
+        cannot run a step afterwards. Something may still refer to the executor itself: on
+        CUDA, plausibly the failed backward's graph, whose saved-tensor hooks refer to it, on
+        the autograd engine's device thread (the H200's 9B retries of 2026-12-02 each started
+        5.0 GB above their first try, what the last executor's resident groups, 4.07 GB, and
+        its two weight slots hold). Dropped here, those bytes go whoever holds the executor."""
+        self.weights.slots = []
+        self.resident = {}
+        self._consts = []
+        self._bwd_slot = {}
+
     def weights_updated(self, group: int) -> None:
         """The optimizer wrote new weights for ``group`` into the host buffer."""
         self.weight_version[group] += 1

@@ -147,6 +147,7 @@ class Trainer:
         budget = self.costs.gpu_bytes
         lower = gpu_budget_after_oom(budget, predicted, seen)
         self.updater.finish()
+        self.executor.abandon()  # its buffers go even if the failed graph still refers to it
         del self.executor, self.updater
         release_failed_step(error)  # the failed step's frames hold the old executor's GPU memory
         if self.device.type == "cuda":
