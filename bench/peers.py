@@ -32,8 +32,8 @@ was used before it (pinned memory included either way).
 
 ``--batches 64 max`` adds, per run, a search for its largest batch, at most ``--max-tries``
 extra runs (`Study.largest_batch`): from where a line through the first batch's GPU peak fills
-0.9 of the card (LazyTrain, whose plan fills the card at any batch: doubling), then up, then
-bisection. The largest batch that ran is marked, and whether a failure or ``--max-batch``
+0.9 of the card (LazyTrain, whose plan fills the card at any batch: from the planner's own
+largest batch, recorded by its first run), then up, then bisection. The largest batch that ran is marked, and whether a failure or ``--max-batch``
 bounded it (``largest_batch_bounded``; the reports say "largest tried" when not).
 
 JSON records (DESIGN.md section 6; written after every row) and a Markdown report per model

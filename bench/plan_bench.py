@@ -75,7 +75,7 @@ from lazytrain.plan.plan import Plan, keep_all_plan
 from lazytrain.plan.policies import PolicyOptions, policy_plan
 from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom, search_batch
 from lazytrain.plan.simulate import simulate
-from lazytrain.runtime.device import cap_gpu_memory, oom_request_bytes
+from lazytrain.runtime.device import cap_gpu_memory, oom_need_bytes
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.profiler import CONSTANTS, measure_constants
 
@@ -110,12 +110,12 @@ def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable
         except PlanInfeasible:  # no plan at this batch within the lowered budget
             print(f"{policy}: no plan at batch {batch} within {budget / 1e9:.1f} GB", flush=True)
             plan = None
+        failed = None
         if plan is not None:
-            feasible = budget
-            tried += 1
-        failed = run_at(table, plan, replans) if plan is not None else None
-        if plan is not None and failed is None:
-            return batch
+            feasible, tried = budget, tried + 1
+            failed = run_at(table, plan, replans)
+            if failed is None:
+                return batch
         if not walk_down:
             return 0
         if failed is not None and policy == "solved" and replans < MAX_OOM_REPLANS:
@@ -428,12 +428,9 @@ def study(session, args, kernels: str) -> None:
             records[-1]["plan"] = plan.to_dict()  # what ran out of memory, for bench/stage_memory_check.py
             records[-1]["planner_gpu_budget_gb"] = table.gpu_bytes / 1e9
             records[-1]["predicted_peak_gpu_gb"] = predicted.peak_gpu_bytes / 1e9
-            # the failing stage's allocation (the allocator's peak since the last stage's reset)
-            seen = [b for _, b, *_ in records[-1].get("stage_memory_gb", [])]
-            if device.type == "cuda":
-                seen.append(torch.cuda.max_memory_allocated(device) / 1e9)
-            # what it needed: the failed allocation on top
-            records[-1]["seen_peak_gpu_gb"] = max(seen, default=0.0) + oom_request_bytes(error) / 1e9
+            # with stage memory the allocator's peak is reset per stage: the finished stages' too
+            stages = tuple(int(b * 1e9) for _, b, *_ in records[-1].get("stage_memory_gb", []))
+            records[-1]["seen_peak_gpu_gb"] = oom_need_bytes(error, device, stages) / 1e9
             print(f"{name}: out of memory: {records[-1]['oom']}"
                   + (f" after stage {records[-1]['oom_after_stage']}" if "oom_after_stage" in records[-1] else ""),
                   flush=True)

@@ -12,7 +12,7 @@ import torch
 
 from lazytrain.config import load_config
 from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
-from lazytrain.runtime.device import oom_request_bytes
+from lazytrain.runtime.device import oom_need_bytes, oom_request_bytes
 from lazytrain.runtime.executor import Executor
 from lazytrain.train.trainer import OutOfGpuMemory, Trainer
 
@@ -112,6 +112,8 @@ def test_the_budget_after_an_out_of_memory():
     assert oom_request_bytes(error) == int(3.22 * 2**30)
     assert oom_request_bytes(torch.OutOfMemoryError("Tried to allocate 388.00 MiB.")) == 388 * 2**20
     assert oom_request_bytes(torch.OutOfMemoryError("out of memory")) == 0
+    # the need: the peak so far (finished stages' peaks too, where they were reset) + the request
+    assert oom_need_bytes(error, torch.device("cpu"), (5 * GB, 7 * GB)) == 7 * GB + int(3.22 * 2**30)
 
 
 def test_a_failed_executor_held_elsewhere_holds_no_buffers(tmp_path, monkeypatch):

@@ -99,6 +99,14 @@ def oom_request_bytes(error: BaseException) -> int:
     return int(float(found.group(1)) * _UNITS[found.group(2)]) if found else 0
 
 
+def oom_need_bytes(error: BaseException, device: torch.device, earlier_peaks: tuple[int, ...] = ()) -> int:
+    """What a step that ran out of GPU memory needed at least: the allocator's peak so far (and
+    ``earlier_peaks``, the stages' where the peak was reset per stage) plus the allocation that
+    failed."""
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return max((peak, *earlier_peaks)) + oom_request_bytes(error)
+
+
 def cap_gpu_memory(device: torch.device, gigabytes: float) -> None:
     """Cap the caching allocator of ``device`` at ``gigabytes`` GiB (no-op on the CPU)."""
     if device.type != "cuda":

@@ -33,7 +33,7 @@ from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.policies import policy_plan
 from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
 from lazytrain.plan.simulate import simulate
-from lazytrain.runtime.device import oom_request_bytes, release_failed_step
+from lazytrain.runtime.device import oom_need_bytes, release_failed_step
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.update import HostUpdater
 from lazytrain.train.checkpoint import Checkpointer, check_output_dir, gb
@@ -142,8 +142,7 @@ class Trainer:
             ) from None
         self._oom_replans = tries + 1
         predicted = int(self.predicted.get("predicted_peak_gpu_gb", 0.0) * 1e9)
-        seen = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
-        seen += oom_request_bytes(error)  # what the step needed: the failed allocation too
+        seen = oom_need_bytes(error, self.device)
         budget = self.costs.gpu_bytes
         lower = gpu_budget_after_oom(budget, predicted, seen)
         self.updater.finish()
@@ -152,12 +151,14 @@ class Trainer:
         release_failed_step(error)  # the failed step's frames hold the old executor's GPU memory
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        try:
-            if lower <= 0:
-                raise PlanInfeasible(f"no GPU memory left to plan with ({lower} bytes)")
+        why = "no GPU memory left to plan with"
+        if lower > 0:
             self.costs = dataclasses.replace(self.costs, gpu_bytes=lower)
-            self.plan = policy_plan("solved", self.costs, self.session.policy_options())
-        except PlanInfeasible as why:
+            try:
+                self.plan, why = policy_plan("solved", self.costs, self.session.policy_options()), None
+            except PlanInfeasible as infeasible:
+                why = str(infeasible)
+        if why is not None:
             raise OutOfGpuMemory(
                 f"the step ran out of GPU memory with plan 'solved' at batch {self.plan.batch_size} x seq "
                 f"{self.plan.seq_len}, and no plan fits the {lower / 1e9:.1f} GB left after it ({why}): "
