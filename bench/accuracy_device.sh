@@ -15,7 +15,7 @@
 # Settings (environment): END, TAG (file names, default _h200), A_KINDS, A_SEEDS, A_ARGS (more
 # accuracy_reference.py options), B_SEEDS, B_ARGS (more accuracy_finetune_8bit.py options), JOBS,
 # PRETRAIN_THREADS (default 8 beside the accuracy study, every core without it), EMBED_ARGS
-# (embed_grad_cost.py options), PYTHON (default python3). A_KINDS="" skips the accuracy study;
+# (embed_grad_cost.py options; EMBED=0 skips it), PYTHON (default python3). A_KINDS="" skips the accuracy study;
 # B_ARGS="--pretrained DIR" (DIR outside OUT_DIR) keeps the pretraining for a later call on the
 # same, still warm machine, which then only fine-tunes. The CPU test:
 #   END=200 TAG=_cpu JOBS=2 PRETRAIN_THREADS=1 EMBED_ARGS="--model tiny --batch 2 --seq 64 --device cpu" \
@@ -33,10 +33,14 @@ trap 'rm -rf "$scratch"' EXIT
 left() { echo $((end - SECONDS)); }
 note() { echo "[$SECONDS s] $*"; }
 
-note "embed_grad_cost"
-# shellcheck disable=SC2086
-timeout -k 5 90 "$PYTHON" bench/embed_grad_cost.py ${EMBED_ARGS:-} --out "$out" > "$out/embed_grad_cost.log" 2>&1 \
-  || note "embed_grad_cost: exit $?"
+if [[ ${EMBED:-1} == 0 ]]; then
+  note "embed_grad_cost: skipped (EMBED=0)"
+else
+  note "embed_grad_cost"
+  # shellcheck disable=SC2086
+  timeout -k 5 90 "$PYTHON" bench/embed_grad_cost.py ${EMBED_ARGS:-} --out "$out" > "$out/embed_grad_cost.log" 2>&1 \
+    || note "embed_grad_cost: exit $?"
+fi
 
 a_kinds=${A_KINDS-lazytrain torch_fp32 torch_autocast_bf16 torch_bf16_master}  # set but empty: no study
 accuracy=
