@@ -4,10 +4,13 @@ Per seed: train a built-in shape from scratch on one built-in tier with fp32 sta
 fine-tune that model on another tier at a fine-tuning learning rate with each optimizer kind
 (``bench/optim_convergence.py``'s kinds: ``fp32``; the nulls, the same fp32 AdamW math with
 other float rounding: ``fp32_kernel`` (LazyTrain's fused kernel with fp32 states for every
-group, as fast as fp32) and ``fp32_unfused`` (torch's single-tensor loop, 2-3x fp32's time, not
-run unless asked for); ``hybrid8bit``). One record per (kind, seed) with the
-fine-tuning loss curve and held-out exact match; the report gives 8-bit's and the null's tail
-loss and exact match against fp32 with 90% intervals from resampling the seeds.
+group; on the H200 host 1.2-1.4x torch's fused fp32 time) and ``fp32_unfused`` (torch's
+single-tensor loop, 2-3x fp32's time, not run unless asked for); ``hybrid8bit``). One record per
+(kind, seed) with the fine-tuning loss curve, held-out exact match on the fine-tuning tier and,
+after the fine-tune, on the pretraining tier (``retained_exact_match``: the base model's skill,
+which a 300-step fine-tune at lr 1e-5 leaves mid-range while the new tier's exact match is still
+near zero). The report gives 8-bit's and the null's deviation from fp32 along the loss curve,
+tail loss and exact match against fp32 with 90% intervals from resampling the seeds.
 
     python bench/accuracy_finetune_8bit.py --shape qwen2.5-0.5b --seeds 1 2 3     # the H200 study
     python bench/accuracy_finetune_8bit.py --shape tiny --pretrain-steps 5 --finetune-steps 5 --heldout 4
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -83,9 +87,21 @@ def pretrain(args: argparse.Namespace, common: list[str], folder: Path, seed: in
         return base
     result = run("fp32", args.pretrain_steps, folder / "pretrained", seed, (
         *common, f"data.builtin_tier={args.pretrain_tier}", f"optimizer.lr={args.pretrain_lr}"))
-    base = {"settings": settings, "seed": seed, "exact_match": result["exact_match"], "seconds": result["seconds"]}
+    base = {"settings": settings, "seed": seed, "exact_match": result["exact_match"], "seconds": result["seconds"],
+            "weights_sha256": weights_digest(folder / "pretrained")}
     meta.write_text(json.dumps(base))
     return base
+
+
+def weights_digest(model_dir: Path) -> str:
+    """SHA-256 over a saved model's safetensors files, in name order: studies merged across
+    sessions (each pretrains anew on a fresh machine) check that their seeds share one base."""
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def finetune_seed(args: argparse.Namespace, common: list[str], device, seed: int, shared: Path) -> list[dict]:
@@ -97,7 +113,7 @@ def finetune_seed(args: argparse.Namespace, common: list[str], device, seed: int
         for kind in args.kinds:
             result = run(kind, args.finetune_steps, Path(tmp) / kind, seed, (
                 *common, f"model.source={folder / 'pretrained'}", f"data.builtin_tier={args.finetune_tier}",
-                f"optimizer.lr={args.finetune_lr}", "optimizer.weight_decay=0.0"))
+                f"optimizer.lr={args.finetune_lr}", "optimizer.weight_decay=0.0"), also_eval_tier=args.pretrain_tier)
             losses = result["losses"]
             records.append({
                 "name": f"finetune_8bit_{args.shape}", **run_header(device), "model": f"builtin:{args.shape}",
@@ -106,9 +122,11 @@ def finetune_seed(args: argparse.Namespace, common: list[str], device, seed: int
                 "optimizer_backend": result["optimizer_backend"],
                 "pretrain_tier": args.pretrain_tier, "pretrain_steps": args.pretrain_steps,
                 "pretrain_seed": base["seed"], "pretrain_exact_match": base["exact_match"],
+                "pretrain_weights_sha256": base.get("weights_sha256"),
                 "finetune_tier": args.finetune_tier,
                 "finetune_steps": args.finetune_steps, "lr": args.finetune_lr, "batch_size": args.batch_size,
                 "heldout": args.heldout, "exact_match": result["exact_match"], "no_answer": result["no_answer"],
+                "retained_exact_match": result["also_exact_match"],
                 "tail_loss": statistics.fmean(losses[-args.tail:]), "loss_every_10_steps": losses[::10],
                 "seconds": result["seconds"], "shared_pretrain": args.shared_pretrain,
             })
@@ -252,21 +270,36 @@ def report(records: list[dict], command: str, notes: list[str] = ()) -> str:
     by_kind: dict[str, dict[int, dict]] = {}
     for r in records:
         by_kind.setdefault(r["kind"], {})[r["seed"]] = r
+    bases = {r.get("pretrain_weights_sha256") for r in records}
+    if len(bases) > 1:
+        notes = [*notes, "The seeds were fine-tuned from different base models (pretrained weights' SHA-256: "
+                 + ", ".join(sorted(str(b)[:12] for b in bases)) + "): compare within a base only."]
+    retained = any(r.get("retained_exact_match") is not None for r in records)
     lines = [f"# 8-bit states when fine-tuning ({first['date']})", "", f"`{command}`", "",
              (f"{first['device']}; torch {first['torch']}; {first['model']} pretrained {first['pretrain_steps']} "
              f"steps on {first['pretrain_tier']} (fp32 states; "
-             f"{'once, every seed fine-tuned from it' if first.get('shared_pretrain') else 'once per seed'}), fine-tuned {first['finetune_steps']} steps on "
+             f"{'once, every seed fine-tuned from it' if first.get('shared_pretrain') else 'once per seed'}; "
+             f"exact match {first['pretrain_exact_match']:.3f}), fine-tuned {first['finetune_steps']} steps on "
              f"{first['finetune_tier']} at lr {first['lr']}, batch {first['batch_size']}, {first['heldout']} "
              "held-out problems."), "", *(f"{note}\n" for note in notes),
-             ("| kind | seeds | exact match mean | tail loss mean | tail loss / fp32 [90%] | exact match - fp32, "
-             "points [90%] |"), "| --- | --- | --- | --- | --- | --- |"]
+             "Along the run: per seed, the mean over the fine-tune (every 10th step's loss) of |loss / fp32's "
+             "loss - 1|, in %: the null's shows how far float rounding alone moves a run. Exact match is on the "
+             "fine-tuning tier"
+             + (f"; retained: on {first['pretrain_tier']} after the fine-tune." if retained else "."), "",
+             ("| kind | seeds | exact match mean | " + ("retained mean | " if retained else "")
+              + "tail loss mean | tail loss / fp32 [90%] | exact match - fp32, points [90%] | along the run, "
+              "% per seed |"),
+             "| --- | --- | --- | " + ("--- | " if retained else "") + "--- | --- | --- | --- |"]
     fp32 = by_kind.get("fp32", {})
     for kind, runs in by_kind.items():
         seeds = sorted(runs)
         em = [runs[s]["exact_match"] for s in seeds]
         tail = [runs[s]["tail_loss"] for s in seeds]
-        row = (f"| {kind} | {', '.join(map(str, seeds))} | {statistics.fmean(em):.4f} | "
-               f"{statistics.fmean(tail):.4g} |")
+        row = f"| {kind} | {', '.join(map(str, seeds))} | {statistics.fmean(em):.4f} |"
+        if retained:
+            kept = [runs[s]["retained_exact_match"] for s in seeds if runs[s].get("retained_exact_match") is not None]
+            row += f" {statistics.fmean(kept):.4f} |" if kept else " - |"
+        row += f" {statistics.fmean(tail):.5g} |"
         paired = [s for s in seeds if s in fp32]
         if kind != "fp32" and paired:
             base_tail = [fp32[s]["tail_loss"] for s in paired]
@@ -275,13 +308,20 @@ def report(records: list[dict], command: str, notes: list[str] = ()) -> str:
             mine_em = [runs[s]["exact_match"] for s in paired]
             lo, hi = interval(mine_tail, base_tail, ratio)
             plo, phi = interval(mine_em, base_em, points)
-            row += (f" {statistics.fmean(mine_tail) / statistics.fmean(base_tail):.3f} [{lo:.3f}, {hi:.3f}] |"
-                    f" {100 * (statistics.fmean(mine_em) - statistics.fmean(base_em)):+.1f} [{plo:+.1f}, {phi:+.1f}] |")
+            along = [deviation(runs[s]["loss_every_10_steps"], fp32[s]["loss_every_10_steps"]) for s in paired]
+            row += (f" {statistics.fmean(mine_tail) / statistics.fmean(base_tail):.5f} [{lo:.5f}, {hi:.5f}] |"
+                    f" {100 * (statistics.fmean(mine_em) - statistics.fmean(base_em)):+.1f} [{plo:+.1f}, {phi:+.1f}] |"
+                    f" {' / '.join(f'{100 * d:.3f}' for d in along)} |")
         else:
-            row += " - | - |"
+            row += " - | - | - |"
         lines.append(row)
     return "\n".join(lines) + "\n"
 
+
+def deviation(curve: list[float], base: list[float]) -> float:
+    """Mean of |curve / base - 1| over two loss curves' points (the shorter one's length)."""
+    pairs = list(zip(curve, base))
+    return statistics.fmean(abs(a / b - 1) for a, b in pairs)
 
 
 def main() -> None:
@@ -319,6 +359,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--tag", default="")
     parser.add_argument("--merge", nargs="+", help="record files to report as one (no training)")
+    parser.add_argument("--note", action="append", default=[],
+                        help="with --merge: a line for the report (how the merged runs were made), repeatable")
     args = parser.parse_args()
     if args.pretrain_only and not args.pretrained:
         parser.error("--pretrain-only needs --pretrained DIR (where the pretraining is kept)")
@@ -329,7 +371,7 @@ def main() -> None:
     if args.merge:
         first = json.loads(Path(args.merge[0]).read_text())[0]
         merge([Path(f) for f in args.merge], f"finetune_8bit_{first['model'].split(':')[-1]}_{today()}{args.tag}",
-              f"python bench/accuracy_finetune_8bit.py --merge {' '.join(args.merge)}", args.out)
+              f"python bench/accuracy_finetune_8bit.py --merge {' '.join(args.merge)}", args.out, args.note)
     elif args.jobs:
         parallel_study(args)
     else:

@@ -80,7 +80,10 @@ def _all_states_fp32():
 KIND_CONTEXT = {"fp32_unfused": _unfused_fp32_adamw, "fp32_kernel": _all_states_fp32}
 
 
-def run(kind: str, steps: int, out_dir: Path, seed: int | None = None, overrides: tuple[str, ...] = ()) -> dict:
+def run(kind: str, steps: int, out_dir: Path, seed: int | None = None, overrides: tuple[str, ...] = (),
+        also_eval_tier: str | None = None) -> dict:
+    """Train ``kind``; its losses, held-out exact match and seconds (and with ``also_eval_tier``,
+    ``also_exact_match``: the trained model's exact match on that tier's held-out split)."""
     seeded = [] if seed is None else [f"training.seed={seed}"]
     config = load_config(None, [*RUNS[kind], f"training.steps={steps}", *seeded,
                                 f"training.output_dir={out_dir}", "training.progress=false", *overrides])
@@ -89,13 +92,15 @@ def run(kind: str, steps: int, out_dir: Path, seed: int | None = None, overrides
         trainer = Trainer(config)
         trainer.setup()
         summary = trainer.train()
+        also = trainer.evaluate(also_eval_tier)["eval_exact_match"] if also_eval_tier else None
     losses = [json.loads(line)["loss"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line]
     if kind == "fp32_kernel" and not all(isinstance(st, Fp32State) for st in trainer.optimizer.states):
         raise RuntimeError("fp32_kernel: some optimizer group did not keep fp32 states")
     return {"kind": kind, "losses": losses, "exact_match": summary["eval"]["eval_exact_match"],
             "no_answer": summary["eval"]["eval_no_answer"], "seconds": time.perf_counter() - start,
-            "optimizer_backend": getattr(trainer.optimizer, "backend", "torch-fused")}
+            "optimizer_backend": getattr(trainer.optimizer, "backend", "torch-fused"),
+            **({"also_exact_match": also} if also_eval_tier else {})}
 
 
 def main() -> None:

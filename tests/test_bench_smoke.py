@@ -100,7 +100,9 @@ def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path):
     records = [r for p in tmp_path.glob("*.json") for r in json.loads(p.read_text())]
     assert sorted((r["kind"], r["seed"]) for r in records) == [("fp32", 1), ("fp32", 2), ("hybrid8bit", 1), ("hybrid8bit", 2)]
     assert all(r["shared_pretrain"] and r["optimizer"] for r in records)
-    assert len({r["pretrain_exact_match"] for r in records}) == 1  # one base model
+    assert len({(r["pretrain_exact_match"], r["pretrain_weights_sha256"]) for r in records}) == 1  # one base model
+    assert len(records[0]["pretrain_weights_sha256"]) == 64
+    assert all(0 <= r["retained_exact_match"] <= 1 for r in records)  # evaluated on the pretraining tier too
 
 
 def test_the_kernel_null_is_fp32_adamw_through_the_8bit_kernel(tmp_path):

@@ -100,3 +100,23 @@ def test_non_finite_gradient_skips_the_step_and_touches_nothing(tmp_path, monkey
     assert all(torch.equal(a, b) for a, b in zip(snapshot["masters"], snapshot["after"]))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in records if "loss" in r] == [False, True, False]
+
+
+def test_evaluate_on_another_tier_uses_that_tiers_held_out_split(tmp_path, monkeypatch):
+    """The fine-tuning study's retained exact match: Trainer.evaluate(tier) scores the held-out
+    problems of ``tier``, not of the tier trained on."""
+    import lazytrain.eval.evaluate as evaluate
+    from lazytrain.data.synthetic import make_samples
+
+    config = load_config(None, ["training.steps=1", "training.batch_size=2", "training.progress=false",
+                                f"training.output_dir={tmp_path}", "data.builtin_train_size=8",
+                                "data.heldout_size=3", "data.builtin_tier=addsub"])
+    trainer = Trainer(config)
+    trainer.setup()
+    seen = []
+    monkeypatch.setattr(evaluate, "streamed_exact_match",
+                        lambda adapter, store, tokenizer, template, samples: seen.append(samples)
+                        or {"accuracy": 0.5, "no_answer": 0, "n": len(samples)})
+    assert trainer.evaluate("add2")["eval_samples"] == 3 and trainer.evaluate()["eval_samples"] == 3
+    assert seen[0] == make_samples("heldout", 3, seed=0, tier="add2")
+    assert seen[1] == make_samples("heldout", 3, seed=0, tier="addsub") != seen[0]
