@@ -111,3 +111,32 @@ def test_the_embedding_stage_holds_its_output():
     table = random_cost_table(13, 2)
     sim = simulate(checkpoint_all_plan(2, table.batch_size, table.seq_len), table)
     assert sim.gpu_bytes_by_stage[0] >= table.forward_fixed_bytes + table.layers[0].input_bytes
+
+
+def test_a_kept_forward_counts_its_own_measured_working_set():
+    """A kept layer's forward runs under autograd: what it allocates beyond its saved tensors
+    (`LayerCosts.keep_forward_work_bytes`) is its stage's transient, not the no-grad forward's
+    peak (which holds intermediates a kept forward counts as saved: the H200's 9B kept forwards
+    measured 35-44 KB/token below the prediction). The simulator counts it per stage, and the
+    MILP finds the keep-everything plan that fits only with it."""
+    from lazytrain.plan.milp import solve_plan
+    from lazytrain.plan.plan import keep_all_plan
+
+    base = random_cost_table(17, 3, uniform=True, options=False, keep_forward=False)
+    # compute-bound (fast copies, no CPU step): a recompute makes the step slower
+    base = replace(base, h2d_gbps=1e4, d2h_gbps=1e4, bidir_gbps=1e4, optimizer_ns_per_param=0.0)
+    big = [replace(lc, forward_work_bytes=40 * lc.input_bytes) for lc in base.layers]
+    unmeasured = replace(base, layers=big)
+    measured = replace(base, layers=[replace(lc, keep_forward_work_bytes=lc.input_bytes) for lc in big])
+    plan = keep_all_plan(3, base.batch_size, base.seq_len)
+    before, after = simulate(plan, unmeasured), simulate(plan, measured)
+    for name, old, new in zip(before.stage_names, before.gpu_bytes_by_stage, after.gpu_bytes_by_stage):
+        assert old - new == (39 * base.layers[0].input_bytes if name.startswith("fwd") else 0), name
+    # GPU memory for the keep-all plan as measured: the MILP must see that it fits (nothing
+    # recomputes, nothing is faster), which it does not without the measured working set
+    measured.gpu_bytes = unmeasured.gpu_bytes = after.peak_gpu_bytes + 2**20
+    assert not simulate(plan, unmeasured).feasible
+    solved = solve_plan(measured, tiers=("gpu",), recompute=(), mip_rel_gap=1e-7)
+    assert simulate(solved, measured).feasible
+    assert solved.predicted_step_time_s <= after.step_time_s * (1 + 1e-6)
+    assert solve_plan(unmeasured, tiers=("gpu",), recompute=()).predicted_step_time_s > after.step_time_s

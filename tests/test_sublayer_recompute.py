@@ -144,6 +144,37 @@ def test_backward_working_set_counts_the_layer_output(profiled):
         assert all(rc.backward_work_bytes == lc.input_bytes for rc in lc.recompute_options.values())
 
 
+def test_a_kept_forward_working_set_is_measured_on_cuda_only(profiled):
+    """`_Peak` reads the CUDA allocator: on the CPU the kept forwards' working sets stay
+    unmeasured (None) and the no-grad forward's stands in for every way of keeping."""
+    _, _, costs = profiled
+    for lc in costs.type_costs().values():
+        assert lc.keep_forward_work_bytes is None
+        assert all(rc.forward_work_bytes is None for rc in lc.recompute_options.values())
+        assert {lc.kept(k).forward_work_bytes for k in ("none", *lc.recompute_options)} == {lc.forward_work_bytes}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_kept_forward_working_set_is_measured_on_the_gpu(tmp_path):
+    """Under autograd a layer's intermediates are mostly saved tensors: beyond them, a kept
+    forward allocates no more than the no-grad forward's peak (allocator rounding aside)."""
+    from lazytrain.memory.host_store import HostStore
+    from lazytrain.model.adapter import ModelAdapter, load_hf_config
+    from lazytrain.model.loading import load_safetensors
+
+    folder = tmp_path / "model"
+    make_hf_model("qwen2", layers=2).save_pretrained(folder)
+    adapter = ModelAdapter(load_hf_config(folder), torch.device("cuda"), torch.bfloat16)
+    store = HostStore(adapter.layouts, torch.bfloat16, pin=True)
+    load_safetensors(adapter, store, folder)
+    optimizer = load_config(None, []).optimizer
+    costs = profile(adapter, store, torch.device("cuda"), 4, 256,
+                    lambda masters, decay: make_optimizer(optimizer, masters, decay), repeats=1)
+    lc = costs.layers[0]
+    for work in (lc.keep_forward_work_bytes, *(rc.forward_work_bytes for rc in lc.recompute_options.values())):
+        assert work is not None and 0 <= work <= 1.1 * lc.forward_work_bytes + 2**20, (work, lc.forward_work_bytes)
+
+
 def test_executor_keeps_what_the_simulator_predicts(profiled):
     """Host-tier keep layers with each option (and a host checkpoint): the activation store's
     host peak is the simulator's, byte for byte."""

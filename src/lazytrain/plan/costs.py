@@ -143,9 +143,17 @@ class RecomputeCosts:
     backward_work_bytes: int
     """Peak transient bytes during backward beyond ``saved_bytes`` (the recomputed block's
     tensors included)."""
+    forward_work_bytes: int | None = None
+    """Peak transient bytes of the kept layer's forward (under autograd) beyond the saved tensors
+    it allocates, the output included. None: not measured (tables profiled before 2026-12-02);
+    `LayerCosts.kept` then gives the no-grad forward's `LayerCosts.forward_work_bytes`, which
+    over-counts: the no-grad peak holds intermediates that a kept forward counts among its
+    saved tensors (on the H200's Qwen3.5-9B runs every kept layer's forward stage measured 2-28 GB,
+    35-44 KB/token, below its prediction)."""
 
     def __post_init__(self) -> None:
-        if self.saved_bytes < 0 or self.recompute_ms < 0 or self.backward_work_bytes < 0:
+        if self.saved_bytes < 0 or self.recompute_ms < 0 or self.backward_work_bytes < 0 \
+                or (self.forward_work_bytes or 0) < 0:
             raise ValueError(f"recompute costs must be >= 0, got {self}")
 
 
@@ -168,7 +176,8 @@ class LayerCosts:
     saved_bytes: int
     """All tensors autograd saves for the backward, the input included."""
     forward_work_bytes: int
-    """Peak transient bytes during forward, the output included, beyond input and saved."""
+    """Peak transient bytes of the no-grad forward (a checkpointed or dropped layer's, a
+    segment's re-forward), the output included, beyond the input."""
     backward_work_bytes: int
     """Peak transient bytes during backward beyond the saved tensors: the layer output the
     backward starts from, the gradient flowing in, the gradients it produces (the layer's weight
@@ -176,6 +185,9 @@ class LayerCosts:
     recompute_options: dict[str, RecomputeCosts] = field(default_factory=dict)
     """Per block of ``RECOMPUTE_OPTIONS`` the layer can recompute when kept (a table written
     before these existed has none: no plan recomputes a block)."""
+    keep_forward_work_bytes: int | None = None
+    """The forward's transient bytes when the layer is kept (``RecomputeCosts.forward_work_bytes``
+    of the whole-layer keep); None: not measured, ``forward_work_bytes`` stands in."""
 
     def __post_init__(self) -> None:
         self.recompute_options = {
@@ -191,7 +203,7 @@ class LayerCosts:
         for name in ("forward_ms", "backward_ms", "recompute_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"layer {name} must be >= 0, got {getattr(self, name)}")
-        if self.forward_work_bytes < 0 or self.backward_work_bytes < 0:
+        if self.forward_work_bytes < 0 or self.backward_work_bytes < 0 or (self.keep_forward_work_bytes or 0) < 0:
             raise ValueError("layer working-set bytes must be >= 0")
         if self.saved_bytes < self.input_bytes:
             raise ValueError(
@@ -203,14 +215,20 @@ class LayerCosts:
         """The layer kept, recomputing ``recompute`` (``none``: nothing) in its backward."""
         if recompute == "none":
             return RecomputeCosts(saved_bytes=self.saved_bytes, recompute_ms=0.0,
-                                  backward_work_bytes=self.backward_work_bytes)
+                                  backward_work_bytes=self.backward_work_bytes,
+                                  forward_work_bytes=self._measured_or_no_grad(self.keep_forward_work_bytes))
         if recompute not in self.recompute_options:
             raise CostTableMismatch(
                 f"the cost table has no costs for a kept layer recomputing {recompute!r} (it has "
                 f"{sorted(self.recompute_options) or 'none'}); re-profile (`lazytrain profile`) "
                 "or plan without sub-layer recompute"
             )
-        return self.recompute_options[recompute]
+        option = self.recompute_options[recompute]
+        return replace(option, forward_work_bytes=self._measured_or_no_grad(option.forward_work_bytes))
+
+    def _measured_or_no_grad(self, forward_work: int | None) -> int:
+        """A kept forward's transient bytes, or the no-grad forward's where none was measured."""
+        return self.forward_work_bytes if forward_work is None else forward_work
 
 
 @dataclass(kw_only=True, slots=True)
@@ -445,6 +463,9 @@ class CostTable:
 
         scaled = {name: ratio(name) for name in FITTED}
 
+        def forward_work(nbytes: int | None) -> int | None:
+            return None if nbytes is None else round(nbytes * scaled["forward_work_bytes"])
+
         def backward_work(lc: LayerCosts, nbytes: int) -> int:
             # the layer's weight gradients are in the backward's working set at their own size
             grads = min(lc.weight_bytes, nbytes)
@@ -462,12 +483,14 @@ class CostTable:
                     round(lc.input_bytes * scaled["input_bytes"]),
                 ),
                 forward_work_bytes=round(lc.forward_work_bytes * scaled["forward_work_bytes"]),
+                keep_forward_work_bytes=forward_work(lc.keep_forward_work_bytes),
                 backward_work_bytes=backward_work(lc, lc.backward_work_bytes),
                 recompute_options={
                     k: RecomputeCosts(
                         saved_bytes=round(rc.saved_bytes * scaled["saved_bytes"]),
                         recompute_ms=rc.recompute_ms * scaled["recompute_ms"],
                         backward_work_bytes=backward_work(lc, rc.backward_work_bytes),
+                        forward_work_bytes=forward_work(rc.forward_work_bytes),
                     )
                     for k, rc in lc.recompute_options.items()
                 },

@@ -535,7 +535,10 @@ def _build(
                 + (w[i + 1] if i + 1 < L else 0.0)
                 + kept_before[i]
                 + current
-                + wf[i],
+                # the forward's transient: a kept variant's own (under autograd, beyond its saved
+                # tensors), else the no-grad forward's
+                + not_keep[i] * wf[i]
+                + by_option(i, "fo", lambda r: r.forward_work_bytes / GB),
                 cap,
             )
         m.le(

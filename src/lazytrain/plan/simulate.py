@@ -256,10 +256,11 @@ class _StepModel:
             )
             self._wait(st.fwd(j), op)
             self.gpu.append((layers[j].weight_bytes, issue, st.fwd(j)))
-            self.phases[st.fwd(j)].append(
-                layers[j].forward_work_bytes
-                + (layers[j].input_bytes if plan.layers[j].mode == "drop" else 0)
-            )
+            lp = plan.layers[j]
+            # a kept layer's forward runs under autograd: its own transient beyond what it saves
+            work = (layers[j].kept(lp.recompute).forward_work_bytes if lp.mode == "keep"
+                    else layers[j].forward_work_bytes)
+            self.phases[st.fwd(j)].append(work + (layers[j].input_bytes if lp.mode == "drop" else 0))
 
         self.phases[st.embed].append(layers[0].input_bytes)  # the embedding's output
         self.phases[st.head].append(layers[L - 1].input_bytes + c.head_work_bytes)

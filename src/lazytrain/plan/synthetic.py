@@ -159,10 +159,12 @@ def synthetic_cost_table(
     )
 
 
-def random_cost_table(seed: int, num_layers: int, *, uniform: bool = False, options: bool = True) -> CostTable:
+def random_cost_table(seed: int, num_layers: int, *, uniform: bool = False, options: bool = True,
+                      keep_forward: bool = True) -> CostTable:
     """A random but self-consistent table, for fuzzing the planner (capacities unconstrained:
     GPU memory is set to fit every plan; tests shrink it). Layers may recompute a random subset
-    of the sub-layer blocks (``options``)."""
+    of the sub-layer blocks (``options``); with ``keep_forward`` a kept layer's forward may have
+    a measured working set of its own (else the no-grad forward's stands in)."""
     rng = random.Random(seed)
 
     def u(lo: float, hi: float) -> float:
@@ -198,11 +200,26 @@ def random_cost_table(seed: int, num_layers: int, *, uniform: bool = False, opti
             )
         return replace(lc, recompute_options=options)
 
+    # the kept forwards' working sets from a third generator: about a third of the layers
+    # stay unmeasured (None), as in tables profiled before they were
+    fwd = random.Random(seed + 2)
+
+    def measured_or_none(nbytes: int) -> int | None:
+        return None if fwd.random() < 1 / 3 else int(nbytes * fwd.uniform(0.2, 1.5))
+
+    def with_keep_forward(lc: LayerCosts) -> LayerCosts:
+        return replace(lc, keep_forward_work_bytes=measured_or_none(lc.forward_work_bytes),
+                       recompute_options={k: replace(rc, forward_work_bytes=measured_or_none(lc.forward_work_bytes))
+                                          for k, rc in lc.recompute_options.items()})
+
     first = layer()
     layers = [replace(first) if uniform else layer() for _ in range(num_layers)]
     if options:
         first = with_options(layers[0])
         layers = [replace(first) if uniform else with_options(lc) for lc in layers]
+    if keep_forward:
+        first = with_keep_forward(layers[0])
+        layers = [replace(first) if uniform else with_keep_forward(lc) for lc in layers]
     h2d, d2h = u(10, 60), u(10, 60)
     serial = h2d * d2h / (h2d + d2h)
     saved = sum(lc.saved_bytes for lc in layers)

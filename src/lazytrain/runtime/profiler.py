@@ -124,35 +124,44 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
         out, x_in, leaves = state["out"]
         torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
 
-    def backward_costs(recompute: str = "none") -> tuple[float, int, int]:
-        """(backward ms, saved bytes, backward working set) of the layer kept with ``recompute``."""
+    def backward_costs(recompute: str = "none") -> tuple[float, int, int, int]:
+        """(backward ms, saved bytes, backward working set, forward working set) of the layer
+        kept with ``recompute``."""
         times = []
         for _ in range(repeats + 2):
             state["out"] = forward_grad(recompute)
             times.append(time_ms(device, run_backward, 1, warmup=0))
-        state["out"], saved = saved_tensor_bytes(lambda: forward_grad(recompute), excluded)
+        state.pop("out")  # its output would stay allocated under the next forward's window
+        with _Peak(device) as fwd:
+            # the saved tensors the forward allocates: all but the input (allocated before the
+            # window; a decoder layer's first norm saves it, and a kept layer holds it)
+            state["out"], allocated = saved_tensor_bytes(lambda: forward_grad(recompute), (*excluded, x))
+        saved = allocated + input_bytes
+        # the window's peak holds those and the transient on top: the kept forward's working set
+        forward_work = max(fwd.bytes - allocated, 0)
         out = state["out"][0]
         with _Peak(device) as peak:
             run_backward()
         # the output the backward starts from is live through it (the executor holds it until
         # the layer's backward is done) but was allocated before the peak's base, and it is no
         # saved tensor (a decoder layer ends in a residual add, which saves nothing)
-        return statistics.median(times[2:]), max(saved, input_bytes), peak.bytes + out.untyped_storage().nbytes()
+        return statistics.median(times[2:]), saved, peak.bytes + out.untyped_storage().nbytes(), forward_work
 
     input_bytes = x.numel() * x.element_size()
     forward_ms = time_ms(device, forward_no_grad, repeats)
     recompute_ms = time_ms(device, run_forward_grad, repeats)
     with _Peak(device) as fwd_peak:
         forward_no_grad()
-    backward_ms, saved_bytes, backward_work_bytes = backward_costs()
+    backward_ms, saved_bytes, backward_work_bytes, keep_forward_work_bytes = backward_costs()
     recompute_options = {}
     for name in RECOMPUTE_OPTIONS if options else ():
-        option_ms, option_saved, option_work = backward_costs(name)
+        option_ms, option_saved, option_work, option_forward_work = backward_costs(name)
         recompute_options[name] = RecomputeCosts(
             saved_bytes=option_saved,
             # the block's re-forward: what the backward takes beyond the whole-layer keep's
             recompute_ms=max(option_ms - backward_ms, 0.0),
             backward_work_bytes=option_work,
+            forward_work_bytes=option_forward_work if device.type == "cuda" else None,
         )
     return {
         "forward_ms": forward_ms,
@@ -161,6 +170,8 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
         "input_bytes": input_bytes,
         "saved_bytes": saved_bytes,
         "forward_work_bytes": fwd_peak.bytes,
+        # measured on CUDA only (`_Peak`): elsewhere the no-grad figure stands in
+        "keep_forward_work_bytes": keep_forward_work_bytes if device.type == "cuda" else None,
         "backward_work_bytes": backward_work_bytes,
         "recompute_options": recompute_options,
     }
@@ -341,6 +352,7 @@ def profile(
             input_bytes=ref[kind]["input_bytes"],
             saved_bytes=ref[kind]["saved_bytes"],
             forward_work_bytes=ref[kind]["forward_work_bytes"],
+            keep_forward_work_bytes=ref[kind]["keep_forward_work_bytes"],
             backward_work_bytes=ref[kind]["backward_work_bytes"],
             recompute_options=ref[kind]["recompute_options"],
         )
