@@ -4,13 +4,15 @@ Per seed: train a built-in shape from scratch on one built-in tier with fp32 sta
 fine-tune that model on another tier at a fine-tuning learning rate with each optimizer kind
 (``bench/optim_convergence.py``'s kinds: ``fp32``; the nulls, the same fp32 AdamW math with
 other float rounding: ``fp32_kernel`` (LazyTrain's fused kernel with fp32 states for every
-group; on the H200 host 1.2-1.4x torch's fused fp32 time) and ``fp32_unfused`` (torch's
-single-tensor loop, 2-3x fp32's time, not run unless asked for); ``hybrid8bit``). One record per
-(kind, seed) with the fine-tuning loss curve, held-out exact match on the fine-tuning tier and,
-after the fine-tune, on the pretraining tier (``retained_exact_match``: the base model's skill,
-which a 300-step fine-tune at lr 1e-5 leaves mid-range while the new tier's exact match is still
-near zero). The report gives 8-bit's and the null's deviation from fp32 along the loss curve,
-tail loss and exact match against fp32 with 90% intervals from resampling the seeds.
+group; on the H200, 301-353 s per 0.5B fine-tune against 238-254 s for torch's fused fp32, two
+or three runs sharing the host) and ``fp32_unfused`` (torch's single-tensor loop, 2-3x fp32's
+time, not run unless asked for); ``hybrid8bit``). One record per (kind, seed) with the
+fine-tuning loss curve, held-out exact match on the fine-tuning tier and, after the fine-tune,
+on the pretraining tier (``retained_exact_match``, the same held-out problems the base was
+scored on: the base's skill after the fine-tune, an exact match that can move where the new
+tier's is still near zero after 300 steps at lr 1e-5). The report gives 8-bit's and the null's
+deviation from fp32 along the loss curve, tail loss and exact match against fp32 with 90%
+intervals from resampling the seeds.
 
     python bench/accuracy_finetune_8bit.py --shape qwen2.5-0.5b --seeds 1 2 3     # the H200 study
     python bench/accuracy_finetune_8bit.py --shape tiny --pretrain-steps 5 --finetune-steps 5 --heldout 4
@@ -34,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -113,7 +116,8 @@ def finetune_seed(args: argparse.Namespace, common: list[str], device, seed: int
         for kind in args.kinds:
             result = run(kind, args.finetune_steps, Path(tmp) / kind, seed, (
                 *common, f"model.source={folder / 'pretrained'}", f"data.builtin_tier={args.finetune_tier}",
-                f"optimizer.lr={args.finetune_lr}", "optimizer.weight_decay=0.0"), also_eval_tier=args.pretrain_tier)
+                f"optimizer.lr={args.finetune_lr}", "optimizer.weight_decay=0.0"),
+                also_eval=(args.pretrain_tier, base["seed"]))
             losses = result["losses"]
             records.append({
                 "name": f"finetune_8bit_{args.shape}", **run_header(device), "model": f"builtin:{args.shape}",
@@ -127,6 +131,7 @@ def finetune_seed(args: argparse.Namespace, common: list[str], device, seed: int
                 "finetune_steps": args.finetune_steps, "lr": args.finetune_lr, "batch_size": args.batch_size,
                 "heldout": args.heldout, "exact_match": result["exact_match"], "no_answer": result["no_answer"],
                 "retained_exact_match": result["also_exact_match"],
+                "retained_eval_seconds": result["also_eval_seconds"],
                 "tail_loss": statistics.fmean(losses[-args.tail:]), "loss_every_10_steps": losses[::10],
                 "seconds": result["seconds"], "shared_pretrain": args.shared_pretrain,
             })
@@ -270,8 +275,8 @@ def report(records: list[dict], command: str, notes: list[str] = ()) -> str:
     by_kind: dict[str, dict[int, dict]] = {}
     for r in records:
         by_kind.setdefault(r["kind"], {})[r["seed"]] = r
-    bases = {r.get("pretrain_weights_sha256") for r in records}
-    if len(bases) > 1:
+    bases = {r.get("pretrain_weights_sha256") for r in records} - {None}  # None: recorded before the checksum
+    if first.get("shared_pretrain") and len(bases) > 1:
         notes = [*notes, "The seeds were fine-tuned from different base models (pretrained weights' SHA-256: "
                  + ", ".join(sorted(str(b)[:12] for b in bases)) + "): compare within a base only."]
     retained = any(r.get("retained_exact_match") is not None for r in records)
@@ -371,7 +376,9 @@ def main() -> None:
     if args.merge:
         first = json.loads(Path(args.merge[0]).read_text())[0]
         merge([Path(f) for f in args.merge], f"finetune_8bit_{first['model'].split(':')[-1]}_{today()}{args.tag}",
-              f"python bench/accuracy_finetune_8bit.py --merge {' '.join(args.merge)}", args.out, args.note)
+              f"python bench/accuracy_finetune_8bit.py --merge {' '.join(args.merge)}"
+              + (f" --tag {args.tag}" if args.tag else "") + "".join(f" --note {shlex.quote(n)}" for n in args.note),
+              args.out, args.note)
     elif args.jobs:
         parallel_study(args)
     else:

@@ -81,9 +81,10 @@ KIND_CONTEXT = {"fp32_unfused": _unfused_fp32_adamw, "fp32_kernel": _all_states_
 
 
 def run(kind: str, steps: int, out_dir: Path, seed: int | None = None, overrides: tuple[str, ...] = (),
-        also_eval_tier: str | None = None) -> dict:
-    """Train ``kind``; its losses, held-out exact match and seconds (and with ``also_eval_tier``,
-    ``also_exact_match``: the trained model's exact match on that tier's held-out split)."""
+        also_eval: tuple[str, int] | None = None) -> dict:
+    """Train ``kind``; its losses, held-out exact match and seconds (training and that
+    evaluation). With ``also_eval`` (tier, seed): ``also_exact_match``, the trained model's exact
+    match on that tier's held-out split drawn with that seed, and ``also_eval_seconds``."""
     seeded = [] if seed is None else [f"training.seed={seed}"]
     config = load_config(None, [*RUNS[kind], f"training.steps={steps}", *seeded,
                                 f"training.output_dir={out_dir}", "training.progress=false", *overrides])
@@ -92,15 +93,18 @@ def run(kind: str, steps: int, out_dir: Path, seed: int | None = None, overrides
         trainer = Trainer(config)
         trainer.setup()
         summary = trainer.train()
-        also = trainer.evaluate(also_eval_tier)["eval_exact_match"] if also_eval_tier else None
+        seconds = time.perf_counter() - start
+        if also_eval:
+            also = trainer.evaluate(*also_eval)["eval_exact_match"]
+            also_seconds = time.perf_counter() - start - seconds
     losses = [json.loads(line)["loss"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line]
     if kind == "fp32_kernel" and not all(isinstance(st, Fp32State) for st in trainer.optimizer.states):
         raise RuntimeError("fp32_kernel: some optimizer group did not keep fp32 states")
     return {"kind": kind, "losses": losses, "exact_match": summary["eval"]["eval_exact_match"],
-            "no_answer": summary["eval"]["eval_no_answer"], "seconds": time.perf_counter() - start,
+            "no_answer": summary["eval"]["eval_no_answer"], "seconds": seconds,
             "optimizer_backend": getattr(trainer.optimizer, "backend", "torch-fused"),
-            **({"also_exact_match": also} if also_eval_tier else {})}
+            **({"also_exact_match": also, "also_eval_seconds": also_seconds} if also_eval else {})}
 
 
 def main() -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -102,6 +103,7 @@ def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path):
     assert all(r["shared_pretrain"] and r["optimizer"] for r in records)
     assert len({(r["pretrain_exact_match"], r["pretrain_weights_sha256"]) for r in records}) == 1  # one base model
     assert len(records[0]["pretrain_weights_sha256"]) == 64
+    assert records[0]["pretrain_weights_sha256"] != hashlib.sha256(b"").hexdigest()  # the weights were read
     assert all(0 <= r["retained_exact_match"] <= 1 for r in records)  # evaluated on the pretraining tier too
 
 

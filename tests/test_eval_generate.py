@@ -120,3 +120,5 @@ def test_evaluate_on_another_tier_uses_that_tiers_held_out_split(tmp_path, monke
     assert trainer.evaluate("add2")["eval_samples"] == 3 and trainer.evaluate()["eval_samples"] == 3
     assert seen[0] == make_samples("heldout", 3, seed=0, tier="add2")
     assert seen[1] == make_samples("heldout", 3, seed=0, tier="addsub") != seen[0]
+    trainer.evaluate("add2", seed=7)  # the base model's held-out problems, drawn with its seed
+    assert seen[2] == make_samples("heldout", 3, seed=7, tier="add2") != seen[0]

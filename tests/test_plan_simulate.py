@@ -2,6 +2,7 @@
 on every plan the MILP can express."""
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -140,3 +141,36 @@ def test_the_embedding_backward_working_set_is_a_stage_of_its_own():
     assert sim.peak_gpu_bytes == pytest.approx(table.gpu_fixed_bytes + table.grad_buffers * w_max + work)
     assert milp_evaluate(plan, replace(table, embed_backward_work_bytes=work))[1] == pytest.approx(
         sim.peak_gpu_bytes, abs=4096)
+
+
+@pytest.mark.parametrize("tier", ["gpu", "host"])
+@pytest.mark.parametrize("recompute", ["none", "mlp", "attention"])
+def test_a_kept_forward_working_set_is_counted_alike_by_the_milp(tier, recompute):
+    """Kept layers on either tier, each way of keeping: the forward's working set is the kept
+    variant's measured one in the simulator and in the MILP alike, on a table whose forward
+    stages are the peak (a no-grad figure far above each measured one)."""
+    from lazytrain.plan.costs import RecomputeCosts
+
+    base = random_cost_table(23, 3, uniform=True, options=False, keep_forward=False)
+    lc = base.layers[0]
+    x = lc.input_bytes
+    options = {name: RecomputeCosts(saved_bytes=2 * x, recompute_ms=1.0, backward_work_bytes=x,
+                                    forward_work_bytes=work * x) for name, work in (("mlp", 20), ("attention", 35))}
+    lc = replace(lc, saved_bytes=4 * x, forward_work_bytes=200 * x, keep_forward_work_bytes=30 * x,
+                 backward_work_bytes=x, recompute_options=options)
+    table = replace(base, layers=[replace(lc) for _ in range(3)], head_work_bytes=x, embed_backward_work_bytes=x)
+    plan = Plan(policy="x", batch_size=table.batch_size, seq_len=table.seq_len,
+                layers=[LayerPlan(mode="keep", tier=t, recompute=recompute) for t in (tier, tier, "gpu")])  # the
+    # last layer's saved tensors are read at once: the MILP keeps them on the GPU
+    sim = simulate(plan, table, optimizer_overlap=False)
+    _, peak_gpu = milp_evaluate(plan, table, optimizer_overlap=False)
+    work = {"none": 30, "mlp": 20, "attention": 35}[recompute] * x
+    peak_stage = sim.stage_names[max(range(len(sim.gpu_bytes_by_stage)), key=sim.gpu_bytes_by_stage.__getitem__)]
+    assert peak_stage.startswith("fwd")  # the forward's working set is what sets the peak
+    assert peak_gpu == pytest.approx(sim.peak_gpu_bytes, abs=4096)
+    # one measured working set lower is that much lower a peak, in both
+    less = replace(table, layers=[replace(lc, keep_forward_work_bytes=29 * x, recompute_options={
+        k: replace(rc, forward_work_bytes=rc.forward_work_bytes - x) for k, rc in options.items()}) for _ in range(3)])
+    assert simulate(plan, less, optimizer_overlap=False).peak_gpu_bytes == pytest.approx(sim.peak_gpu_bytes - x, abs=4096)
+    assert milp_evaluate(plan, less, optimizer_overlap=False)[1] == pytest.approx(peak_gpu - x, abs=4096)
+    assert work < 200 * x

@@ -117,7 +117,7 @@ def test_a_kept_forward_counts_its_own_measured_working_set():
     """A kept layer's forward runs under autograd: what it allocates beyond its saved tensors
     (`LayerCosts.keep_forward_work_bytes`) is its stage's transient, not the no-grad forward's
     peak (which holds intermediates a kept forward counts as saved: the H200's 9B kept forwards
-    measured 35-44 KB/token below the prediction). The simulator counts it per stage, and the
+    measured 35-44 KB/token below the prediction on average). The simulator counts it per stage, and the
     MILP finds the keep-everything plan that fits only with it."""
     from lazytrain.plan.milp import solve_plan
     from lazytrain.plan.plan import keep_all_plan

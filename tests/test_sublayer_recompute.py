@@ -31,7 +31,7 @@ GB = 10**9
 def table_with_mlp_option(num_layers: int = 8, recompute_share: float = 0.5) -> CostTable:
     """Uniform layers whose MLP holds 2/3 of the saved bytes beyond the input and costs
     ``recompute_share`` of the whole layer's recompute to re-run."""
-    base = random_cost_table(3, num_layers, uniform=True, options=False)
+    base = random_cost_table(3, num_layers, uniform=True, options=False, keep_forward=False)
     lc = base.layers[0]
     lc = replace(lc, saved_bytes=20 * lc.input_bytes, backward_work_bytes=lc.input_bytes,
                  forward_work_bytes=lc.input_bytes)
@@ -172,7 +172,9 @@ def test_a_kept_forward_working_set_is_measured_on_the_gpu(tmp_path):
                     lambda masters, decay: make_optimizer(optimizer, masters, decay), repeats=1)
     lc = costs.layers[0]
     for work in (lc.keep_forward_work_bytes, *(rc.forward_work_bytes for rc in lc.recompute_options.values())):
-        assert work is not None and 0 <= work <= 1.1 * lc.forward_work_bytes + 2**20, (work, lc.forward_work_bytes)
+        # the output is allocated in the window and is no saved tensor: at least one hidden state
+        assert work is not None and lc.input_bytes <= work <= 1.1 * lc.forward_work_bytes + 2**20, \
+            (work, lc.input_bytes, lc.forward_work_bytes)
 
 
 def test_executor_keeps_what_the_simulator_predicts(profiled):

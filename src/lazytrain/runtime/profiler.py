@@ -66,9 +66,11 @@ class _Peak:
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self.base
 
 
-def saved_tensor_bytes(fn: Callable[[], object], excluded: tuple[torch.Tensor, ...] = ()) -> tuple[object, int]:
+def saved_tensor_bytes(fn: Callable[[], object], excluded: tuple[torch.Tensor, ...] = (),
+                       seen: set[int] | None = None) -> tuple[object, int]:
     """``fn()`` under autograd, and the bytes of the distinct storages autograd saved for its
     backward, not counting those of ``excluded`` tensors (the weight slot, rotary tables).
+    ``seen``, when given, receives the saved storages' data pointers.
 
     Each storage is held until ``fn`` returns, as the executor's pack hook holds what it
     stores during a layer's forward: a tensor saved by a node that autograd frees before the
@@ -90,6 +92,8 @@ def saved_tensor_bytes(fn: Callable[[], object], excluded: tuple[torch.Tensor, .
 
     with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t):
         result = fn()
+    if seen is not None:
+        seen.update(saved)
     return result, sum(saved.values())
 
 
@@ -132,12 +136,13 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
             state["out"] = forward_grad(recompute)
             times.append(time_ms(device, run_backward, 1, warmup=0))
         state.pop("out")  # its output would stay allocated under the next forward's window
+        seen: set[int] = set()
         with _Peak(device) as fwd:
-            # the saved tensors the forward allocates: all but the input (allocated before the
-            # window; a decoder layer's first norm saves it, and a kept layer holds it)
-            state["out"], allocated = saved_tensor_bytes(lambda: forward_grad(recompute), (*excluded, x))
-        saved = allocated + input_bytes
-        # the window's peak holds those and the transient on top: the kept forward's working set
+            state["out"], saved = saved_tensor_bytes(lambda: forward_grad(recompute), excluded, seen)
+        # the window's peak holds the saved tensors the forward allocated (all but the input,
+        # allocated before the window, when it is among them) and the transient on top: the
+        # kept forward's working set
+        allocated = saved - (input_bytes if x.untyped_storage().data_ptr() in seen else 0)
         forward_work = max(fwd.bytes - allocated, 0)
         out = state["out"][0]
         with _Peak(device) as peak:
@@ -145,7 +150,8 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
         # the output the backward starts from is live through it (the executor holds it until
         # the layer's backward is done) but was allocated before the peak's base, and it is no
         # saved tensor (a decoder layer ends in a residual add, which saves nothing)
-        return statistics.median(times[2:]), saved, peak.bytes + out.untyped_storage().nbytes(), forward_work
+        return (statistics.median(times[2:]), max(saved, input_bytes), peak.bytes + out.untyped_storage().nbytes(),
+                forward_work)
 
     input_bytes = x.numel() * x.element_size()
     forward_ms = time_ms(device, forward_no_grad, repeats)

@@ -283,14 +283,14 @@ class Trainer:
         minutes = (time.perf_counter() - self.last_save_time) / 60
         return bool(tc.save_every_minutes) and minutes >= tc.save_every_minutes
 
-    def evaluate(self, tier: str | None = None) -> dict:
-        """Exact match on the built-in held-out split (of ``tier``, default the one trained on),
-        generating with the weights in the host store."""
+    def evaluate(self, tier: str | None = None, seed: int | None = None) -> dict:
+        """Exact match on the built-in held-out split (of ``tier`` and drawn with ``seed``;
+        default: the tier and seed trained with), generating with the weights in the host store."""
         from lazytrain.eval.evaluate import streamed_exact_match
 
         self.updater.finish()
         data = self.config.data if tier is None else dataclasses.replace(self.config.data, builtin_tier=tier)
-        samples = heldout_samples(data, self.config.training.seed)
+        samples = heldout_samples(data, self.config.training.seed if seed is None else seed)
         report = streamed_exact_match(self.adapter, self.store, self.tokenizer, self.template, samples)
         return {"eval_exact_match": report["accuracy"], "eval_no_answer": report["no_answer"],
                 "eval_samples": report["n"]}
