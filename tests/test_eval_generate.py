@@ -105,8 +105,8 @@ def test_non_finite_gradient_skips_the_step_and_touches_nothing(tmp_path, monkey
 def test_evaluate_on_another_tier_uses_that_tiers_held_out_split(tmp_path, monkeypatch):
     """The fine-tuning study's retained exact match: Trainer.evaluate(tier) scores the held-out
     problems of ``tier``, not of the tier trained on."""
-    from lazytrain.eval import evaluate
     from lazytrain.data.synthetic import make_samples
+    from lazytrain.eval import evaluate
 
     config = load_config(None, ["training.steps=1", "training.batch_size=2", "training.progress=false",
                                 f"training.output_dir={tmp_path}", "data.builtin_train_size=8",
