@@ -149,13 +149,16 @@ class Job:
     threads: int
 
 
-def run_jobs(jobs: list[Job], at_once: int, logs: Path, deadline: float) -> dict[str, str]:
+def run_jobs(jobs: list[Job], at_once: int, logs: Path, deadline: float,
+             expected: dict[str, float] | None = None) -> dict[str, str]:
     """Run ``jobs`` in order, ``at_once`` at a time, each with its CPU threads and its log in
     ``logs``; at ``deadline`` (``time.monotonic``) the running ones are killed. A job is not
     started when less time is left than the quickest finished job of its kind took, or of any
     kind while none of its kind has finished (it would only take CPU from the runs that can
-    finish). Each job's outcome, by name."""
-    pending, running, outcome, took = list(jobs), {}, {}, {}
+    finish); ``expected`` (seconds by kind, from an earlier study) counts as one finished job
+    of that kind. Each job's outcome, by name."""
+    pending, running, outcome = list(jobs), {}, {}
+    took = {kind: [seconds] for kind, seconds in (expected or {}).items()}
 
     def settle(job: Job, what: str) -> None:
         outcome[job.name] = what
@@ -186,7 +189,7 @@ def run_jobs(jobs: list[Job], at_once: int, logs: Path, deadline: float) -> dict
             known = took.get(job.kind) or [t for times in took.values() for t in times]
             quickest = min(known, default=0.0)
             if deadline - now < quickest:
-                settle(job, f"not started: {deadline - now:.0f} s left, the quickest run took {quickest:.0f} s")
+                settle(job, f"not started: {deadline - now:.0f} s left, the quickest run (or --expect) took {quickest:.0f} s")
                 continue
             log = open(logs / f"{job.name}.log", "w")
             env = {**os.environ, "OMP_NUM_THREADS": str(job.threads), "PYTHONUNBUFFERED": "1"}  # a killed run keeps its log
@@ -229,7 +232,7 @@ def parallel_study(args: argparse.Namespace) -> Path | None:
             jobs = [Job(f"{k}_s{s}", k, [*script, "--kinds", k, "--seeds", str(s), "--out", str(runs),
                                          "--tag", f"_{k}_s{s}", "--threads", str(threads)], threads)
                     for k, s in order]
-            outcome = run_jobs(jobs, args.jobs, runs, deadline)
+            outcome = run_jobs(jobs, args.jobs, runs, deadline, dict(args.expect))
         pretrained = json.loads((Path(shared) / "pretrained.json").read_text()) \
             if (Path(shared) / "pretrained.json").exists() else None
     files = sorted(runs.glob(f"finetune_8bit_{args.shape}_*.json"))
@@ -250,6 +253,19 @@ def parallel_study(args: argparse.Namespace) -> Path | None:
     return path
 
 
+def expectation(text: str) -> tuple[str, float]:
+    """``KIND=SECONDS`` of ``--expect``."""
+    kind, _, seconds = text.partition("=")
+    try:
+        value = float(seconds)
+    except ValueError:
+        value = -1.0
+    if kind not in KINDS or not value > 0:
+        raise argparse.ArgumentTypeError(f"--expect {text!r}: give KIND=SECONDS, KIND one of {', '.join(KINDS)} "
+                                         "and SECONDS > 0 (e.g. hybrid8bit=150)")
+    return kind, value
+
+
 def study_arguments(args: argparse.Namespace) -> list[str]:
     return [item for name in STUDY_OPTIONS for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
 
@@ -257,6 +273,7 @@ def study_arguments(args: argparse.Namespace) -> list[str]:
 def command_line(args: argparse.Namespace) -> str:
     extra = [f"--jobs {args.jobs}"] if args.jobs else []
     extra += [f"--time-limit {args.time_limit:g}"] if args.time_limit else []
+    extra += ["--expect " + " ".join(f"{k}={v:g}" for k, v in args.expect)] if args.expect else []
     return " ".join(["python bench/accuracy_finetune_8bit.py", *study_arguments(args),
                      f"--seeds {' '.join(map(str, args.seeds))}", f"--kinds {' '.join(args.kinds)}", *extra])
 
@@ -358,6 +375,9 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=0,
                         help="with --jobs: seconds after which running fine-tunes are stopped; what finished is "
                              "merged")
+    parser.add_argument("--expect", nargs="+", default=[], metavar="KIND=SECONDS", type=expectation,
+                        help="with --jobs and --time-limit: how long a fine-tune of KIND took before (the "
+                             "records' seconds); none is started that cannot finish by the limit")
     parser.add_argument("--pretrain-threads", type=int, default=0,
                         help="with --jobs: CPU threads of the pretraining (default: all cores)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")

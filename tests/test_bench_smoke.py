@@ -206,6 +206,10 @@ def test_accuracy_finetune_8bit_jobs_stop_at_the_time_limit(tmp_path):
     assert outcome["again"].startswith("not started") and outcome["late"].startswith("not started")
     assert outcome["long"] == "stopped at the time limit"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.log", "long.log", "quick.log"]
+    # a kind expected (from an earlier study) to take longer than is left is not started at all
+    outcome = run_jobs([sleeper("slow", "k"), sleeper("fits", "j")], 2, tmp_path, time.monotonic() + 3.0,
+                       expected={"k": 60.0, "j": 0.1})
+    assert outcome["slow"].startswith("not started") and outcome["fits"].startswith("finished")
 
 
 def test_embed_grad_cost_on_the_cpu_times_both_sums_against_a_step(tmp_path):
