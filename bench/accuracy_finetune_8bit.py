@@ -55,10 +55,11 @@ from lazytrain.runtime.device import resolve_device
 
 KINDS = ("fp32", "fp32_kernel", "fp32_unfused", "hybrid8bit")
 DEFAULT_KINDS = ("fp32", "fp32_kernel", "hybrid8bit")
-STUDY_OPTIONS = ("shape", "pretrain_tier", "pretrain_steps", "pretrain_lr", "finetune_tier", "finetune_steps",
-                 "finetune_lr", "batch_size", "heldout", "tail", "device")
+STUDY_OPTIONS = ("shape", "pretrain_tier", "pretrain_steps", "pretrain_lr", "pretrain_runner", "finetune_tier",
+                 "finetune_steps", "finetune_lr", "batch_size", "heldout", "tail", "device")
 """The options that define the study: every process of a ``--jobs`` run is given them."""
-PRETRAIN_SETTINGS = ("shape", "pretrain_tier", "pretrain_steps", "pretrain_lr", "batch_size", "heldout")
+PRETRAIN_SETTINGS = ("shape", "pretrain_tier", "pretrain_steps", "pretrain_lr", "batch_size", "heldout",
+                     "pretrain_runner")
 """What a reused pretraining must have been made with."""
 
 
@@ -84,16 +85,37 @@ def pretrain(args: argparse.Namespace, common: list[str], folder: Path, seed: in
     settings = {name: getattr(args, name) for name in PRETRAIN_SETTINGS}
     if meta.exists():
         base = json.loads(meta.read_text())
-        if base["settings"] != settings:
+        if {"pretrain_runner": "lazytrain", **base["settings"]} != settings:
             raise SystemExit(f"{meta}: pretrained with {base['settings']}, this study asks for {settings}; "
                              "give another --pretrained folder")
         return base
-    result = run("fp32", args.pretrain_steps, folder / "pretrained", seed, (
-        *common, f"data.builtin_tier={args.pretrain_tier}", f"optimizer.lr={args.pretrain_lr}"))
+    overrides = (*common, f"data.builtin_tier={args.pretrain_tier}", f"optimizer.lr={args.pretrain_lr}")
+    if args.pretrain_runner == "torch":
+        result = pretrain_torch(args.pretrain_steps, folder / "pretrained", seed, overrides)
+    else:
+        result = run("fp32", args.pretrain_steps, folder / "pretrained", seed, overrides)
     base = {"settings": settings, "seed": seed, "exact_match": result["exact_match"], "seconds": result["seconds"],
             "weights_sha256": weights_digest(folder / "pretrained")}
     meta.write_text(json.dumps(base))
     return base
+
+
+def pretrain_torch(steps: int, out_dir: Path, seed: int, overrides: tuple[str, ...]) -> dict:
+    """The pretraining through plain PyTorch on the device (`bench.accuracy_reference`: the HF
+    model, torch AdamW there, bf16 autocast on a GPU, fp32 on the CPU), saved where `run` would
+    have saved LazyTrain's: on the H200 this takes a fraction of LazyTrain's 375 s, whose CPU
+    AdamW over 0.5B parameters (not under study in the pretraining) bounds each step."""
+    from bench.accuracy_reference import train_torch
+    from lazytrain.config import load_config
+
+    start = time.perf_counter()
+    cfg = load_config(None, [f"training.steps={steps}", f"training.seed={seed}", "training.progress=false",
+                             f"training.output_dir={out_dir}", *overrides])
+    cuda = resolve_device(cfg.training.device).type == "cuda"
+    trained = train_torch("torch_autocast_bf16" if cuda else "torch_fp32", cfg)
+    exact = trained.exact_match()
+    trained.save(out_dir, torch.bfloat16 if cuda else torch.float32)
+    return {"exact_match": exact, "seconds": time.perf_counter() - start}
 
 
 def weights_digest(model_dir: Path) -> str:
@@ -127,6 +149,7 @@ def finetune_seed(args: argparse.Namespace, common: list[str], device, seed: int
                 "pretrain_tier": args.pretrain_tier, "pretrain_steps": args.pretrain_steps,
                 "pretrain_seed": base["seed"], "pretrain_exact_match": base["exact_match"],
                 "pretrain_weights_sha256": base.get("weights_sha256"),
+                "pretrain_runner": base["settings"].get("pretrain_runner", "lazytrain"),
                 "finetune_tier": args.finetune_tier,
                 "finetune_steps": args.finetune_steps, "lr": args.finetune_lr, "batch_size": args.batch_size,
                 "heldout": args.heldout, "exact_match": result["exact_match"], "no_answer": result["no_answer"],
@@ -301,6 +324,7 @@ def report(records: list[dict], command: str, notes: list[str] = ()) -> str:
              (f"{first['device']}; torch {first['torch']}; {first['model']} pretrained {first['pretrain_steps']} "
              f"steps on {first['pretrain_tier']} (fp32 states; "
              f"{'once, every seed fine-tuned from it' if first.get('shared_pretrain') else 'once per seed'}; "
+             + ("plain PyTorch on the device; " if first.get("pretrain_runner") == "torch" else "") +
              f"exact match {first['pretrain_exact_match']:.3f}), fine-tuned {first['finetune_steps']} steps on "
              f"{first['finetune_tier']} at lr {first['lr']}, batch {first['batch_size']}, {first['heldout']} "
              "held-out problems."), "", *(f"{note}\n" for note in notes),
@@ -357,6 +381,9 @@ def main() -> None:
                         help="pretrain once (with the first seed) and fine-tune every seed from it, as users "
                              "fine-tune one base model (--no-shared-pretrain: one pretraining per seed)")
     parser.add_argument("--pretrain-lr", type=float, default=3e-4)
+    parser.add_argument("--pretrain-runner", choices=["lazytrain", "torch"], default="lazytrain",
+                        help="pretrain with LazyTrain (fp32 CPU AdamW states) or plain PyTorch on the device "
+                             "(torch AdamW there; bf16 autocast on a GPU): the pretraining is not under study")
     parser.add_argument("--finetune-tier", default="addsub")
     parser.add_argument("--finetune-steps", type=int, default=300)
     parser.add_argument("--finetune-lr", type=float, default=1e-5)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -90,6 +91,54 @@ def reference_model(cfg: Config, device: torch.device, tokenizer) -> transformer
 
 
 def run_torch(kind: str, cfg: Config) -> dict:
+    """Plain PyTorch (`train_torch`), then exact match on the built-in held-out split."""
+    trained = train_torch(kind, cfg)
+    return {"precision": PRECISION[kind], "losses": trained.losses, "exact_match": trained.exact_match(),
+            "no_answer": trained.no_answer, "skipped_steps": trained.skipped}
+
+
+@dataclasses.dataclass
+class TorchRun:
+    """A model `train_torch` trained, with what evaluating and saving it needs."""
+
+    kind: str
+    cfg: Config
+    model: transformers.PreTrainedModel
+    tokenizer: object
+    template: object
+    losses: list[float]
+    skipped: int
+    no_answer: int = 0
+
+    def autocast(self):
+        if self.kind == "torch_autocast_bf16":
+            return torch.autocast(self.model.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def exact_match(self) -> float:
+        """Greedy exact match on the built-in held-out split, in the run's precision."""
+        self.model.eval()
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+        def generate(prompts):
+            with self.autocast():
+                return generate_resident(self.model, prompts, 64, pad, tok.eos_token_id)
+
+        report, _ = exact_match(heldout_samples(self.cfg.data, self.cfg.training.seed), tok, self.template, generate,
+                                batch_size=100)
+        self.no_answer = report["no_answer"]
+        return report["accuracy"]
+
+    def save(self, folder: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        """An HF model folder LazyTrain loads as ``model.source``: weights in ``dtype``, the
+        tokenizer and the prompt template, as `lazytrain train` writes its model."""
+        self.model.to(dtype).save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+        self.template.save(folder)
+
+
+def train_torch(kind: str, cfg: Config) -> TorchRun:
     """Plain PyTorch: HF forward and loss, torch AdamW (decay on matrices only, as LazyTrain),
     ``clip_grad_norm_``, LazyTrain's learning-rate schedule."""
     device = resolve_device(cfg.training.device)
@@ -136,17 +185,8 @@ def run_torch(kind: str, cfg: Config) -> dict:
         else:
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
-    model.eval()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    def generate(prompts):
-        with autocast():
-            return generate_resident(model, prompts, 64, pad, tokenizer.eos_token_id)
-
-    report, _ = exact_match(heldout_samples(cfg.data, cfg.training.seed), tokenizer, template, generate,
-                            batch_size=100)
-    return {"precision": PRECISION[kind], "losses": losses, "exact_match": report["accuracy"],
-            "no_answer": report["no_answer"], "skipped_steps": skipped}
+    return TorchRun(kind=kind, cfg=cfg, model=model, tokenizer=tokenizer, template=template, losses=losses,
+                    skipped=skipped)
 
 
 def init_override(args: argparse.Namespace) -> list[str]:

@@ -293,3 +293,19 @@ def test_a_largest_batch_try_re_solves_a_solved_plan_with_less_memory_before_wal
     assert ran[MAX_OOM_REPLANS + 1][1] == ran[MAX_OOM_REPLANS][1] < 142.0
     # without walk_down (a run at its own batch) one try only
     assert _tries("solved", fits_within=10, needs_more=1, walk_down=False)[0] == 0
+
+
+def test_accuracy_finetune_8bit_pretrains_through_plain_pytorch(tmp_path):
+    """--pretrain-runner torch: the base is trained by the HF model + torch AdamW on the device
+    and saved as a folder LazyTrain fine-tunes from (the same weights the records' digest names)."""
+    subprocess.run([sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "3",
+                    "--finetune-steps", "2", "--heldout", "2", "--seeds", "1", "--kinds", "fp32",
+                    "--pretrain-runner", "torch", "--pretrained", str(tmp_path / "base"), "--device", "cpu",
+                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    from bench.accuracy_finetune_8bit import weights_digest
+
+    (record,) = json.loads(next(tmp_path.glob("finetune_8bit_tiny_*.json")).read_text())
+    assert record["pretrain_runner"] == "torch"
+    assert record["pretrain_weights_sha256"] == weights_digest(tmp_path / "base" / "pretrained")
+    assert (tmp_path / "base" / "pretrained" / "lazytrain_template.json").exists()
+    assert len(record["loss_every_10_steps"]) == 1 and 0 <= record["retained_exact_match"] <= 1
