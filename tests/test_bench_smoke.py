@@ -309,3 +309,19 @@ def test_accuracy_finetune_8bit_pretrains_through_plain_pytorch(tmp_path):
     assert record["pretrain_weights_sha256"] == weights_digest(tmp_path / "base" / "pretrained")
     assert (tmp_path / "base" / "pretrained" / "lazytrain_template.json").exists()
     assert len(record["loss_every_10_steps"]) == 1 and 0 <= record["retained_exact_match"] <= 1
+
+
+def test_accuracy_reference_trains_each_kind_on_the_cpu(tmp_path):
+    """The references of the accuracy study (HF model + torch AdamW + clip_grad_norm_) and
+    LazyTrain, a few steps each: one record per kind, the same first loss (same init, same
+    batch, fp32 on the CPU)."""
+    subprocess.run([sys.executable, "bench/accuracy_reference.py", "--kinds", "lazytrain", "torch_fp32",
+                    "torch_bf16_master", "--steps", "3", "--heldout", "2", "--tail", "2", "--device", "cpu",
+                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    records = [r for p in tmp_path.glob("accuracy_reference*.json") for r in json.loads(p.read_text())]
+    by_kind = {r["kind"]: r for r in records}
+    assert set(by_kind) == {"lazytrain", "torch_fp32", "torch_bf16_master"}
+    assert all(0 <= r["exact_match"] <= 1 and r["skipped_steps"] == 0 for r in records)
+    first = {k: r["loss_every_10_steps"][0] for k, r in by_kind.items()}
+    assert first["torch_fp32"] == pytest.approx(first["lazytrain"], rel=1e-5)
+    assert first["torch_bf16_master"] == pytest.approx(first["lazytrain"], rel=2e-2)
