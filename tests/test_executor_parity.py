@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_hf_model, random_batch
+from conftest import HYBRID_FAMILIES, make_hf_model, random_batch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -118,8 +118,8 @@ def _setup(tmp_path_factory, family: str):
     model.save_pretrained(folder)
     adapter, store = streamed(folder)
     ids, labels, mask = random_batch(2, 11, adapter.vocab_size, padded=True, seed=3)
-    _, ref = reference_grads(model, ids, labels, mask)
-    return adapter, store, (ids, labels, mask), ref
+    ref_loss, ref = reference_grads(model, ids, labels, mask)
+    return adapter, store, (ids, labels, mask), ref_loss, ref
 
 
 @pytest.fixture(scope="module")
@@ -127,18 +127,22 @@ def qwen2_setup(tmp_path_factory):
     return _setup(tmp_path_factory, "qwen2")
 
 
-@pytest.fixture(scope="module")
-def hybrid_setup(tmp_path_factory):
-    """Qwen3.5: linear- and full-attention layers (3:2), odd head counts, a padded batch."""
-    return _setup(tmp_path_factory, "qwen3_5")
+@pytest.fixture(scope="module", params=HYBRID_FAMILIES)
+def hybrid_setup(tmp_path_factory, request):
+    """Qwen3.5: linear- and full-attention layers, a padded batch; untied with a 3:2 pattern and
+    odd head counts, and tied with the published 3:1 pattern."""
+    return _setup(tmp_path_factory, request.param)
 
 
 def _check_random_plan(setup, nvme, data) -> None:
-    adapter, store, batch, ref = setup
+    adapter, store, batch, ref_loss, ref = setup
     plan = data.draw(random_plans(adapter.num_layers))
     for g in store.grads:
         g.fill_(float("nan"))
-    Executor(adapter, store, plan, CPU, nvme=nvme).forward_backward(*batch)
+    stats = Executor(adapter, store, plan, CPU, nvme=nvme).forward_backward(*batch)
+    assert stats.loss == pytest.approx(ref_loss, rel=1e-5)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref.values()]))
+    assert stats.grad_norm == pytest.approx(float(norm), rel=1e-5)
     assert_grads_equal(adapter, store, ref)
     assert not list(nvme.folder.glob("*.act")), "activation files must be removed after backward"
 
@@ -177,7 +181,7 @@ def test_sublayer_recompute_matches_hf_autograd(hf_folder, recompute):
 def test_sublayer_recompute_reads_the_backward_weight_slot(qwen2_setup):
     """Layer 0's forward slot holds another layer by its backward (a recompute segment was
     loaded in between): a recompute with the forward's weight views gets wrong gradients."""
-    adapter, store, batch, ref = qwen2_setup
+    adapter, store, batch, _, ref = qwen2_setup
     keep, checkpoint, drop = (LayerPlan(mode="keep", recompute="mlp"), LayerPlan(mode="checkpoint"),
                               LayerPlan(mode="drop"))
     plan = Plan(policy="x", batch_size=2, seq_len=11, layers=[keep, checkpoint, drop, drop, keep, keep])
@@ -186,7 +190,7 @@ def test_sublayer_recompute_reads_the_backward_weight_slot(qwen2_setup):
 
 
 def test_sublayer_recompute_keeps_fewer_bytes(qwen2_setup):
-    adapter, store, batch, _ = qwen2_setup
+    adapter, store, batch, _, _ = qwen2_setup
     kept = {}
     for recompute in RECOMPUTE:
         layers = [LayerPlan(mode="keep", tier="host", recompute=recompute) for _ in range(adapter.num_layers)]
@@ -201,7 +205,7 @@ def test_kept_tensors_are_let_go_during_their_layers_backward(qwen2_setup, tier)
     the last time, as autograd frees them without hooks (the profiler's measurement): held to
     the end of the layer's backward they peaked 8-14 GB above the plan on the H200 (9B). The
     gradients stay HF's."""
-    adapter, store, batch, ref = qwen2_setup
+    adapter, store, batch, _, ref = qwen2_setup
     layers = [LayerPlan(mode="keep", tier=tier, recompute=("none", "mlp", "attention")[i % 3])
               for i in range(adapter.num_layers)]
     executor = Executor(adapter, store, Plan(policy="x", batch_size=2, seq_len=11, layers=layers), CPU)
@@ -231,7 +235,7 @@ def test_recompute_is_for_keep_layers():
 
 
 def test_weights_cross_at_most_twice(qwen2_setup):
-    adapter, store, batch, _ = qwen2_setup
+    adapter, store, batch, _, _ = qwen2_setup
     layer_bytes = store.weights[1].numel() * store.weights[1].element_size()
     for plan in (
         megatrain_plan(adapter.num_layers, 2, 11, every=3),
@@ -273,7 +277,7 @@ def test_abandoned_step_frees_everything(qwen2_setup, monkeypatch):
     import gc
     import weakref
 
-    adapter, store, batch, _ = qwen2_setup
+    adapter, store, batch, _, _ = qwen2_setup
     calls = {"n": 0}
     real = adapter.layer_forward
 
