@@ -179,3 +179,38 @@ def test_conditional_generation_folder_round_trips(tmp_path, tied, caplog):
     executor = Executor(adapter, store, keep_all_plan(adapter.num_layers, 2, 10), CPU)
     stats = executor.forward_backward(ids, ids.clone())
     assert stats.loss == pytest.approx(loaded(input_ids=ids, labels=ids).loss.item(), rel=1e-6)
+    # the language model is what LazyTrain trained, tensor for tensor, and gives its logits: the
+    # input model with the same update (+0.01 everywhere outside the vision tower)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name not in vision:
+                p.add_(0.01)
+    trained = dict(model.named_parameters())
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p.detach(), trained[name].detach()), name
+    torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", ["causal_lm", "conditional_generation"])
+def test_multi_token_prediction_heads_are_carried_through(tmp_path, form):
+    """Qwen3.5 checkpoints may hold multi-token-prediction heads (``mtp.*``), which LazyTrain
+    does not train and transformers' Qwen3.5 classes ignore on load: carried through byte for
+    byte, in a CausalLM folder as in a ConditionalGeneration one."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_conditional_generation(tied=False) if form == "conditional_generation" else make_hf_model("qwen3_5")
+    model.save_pretrained(tmp_path / "in")
+    (weights,) = (tmp_path / "in").glob("*.safetensors")
+    tensors = load_file(weights)
+    mtp = {"mtp.fc.weight": torch.randn(8, 16), "mtp.norm.weight": torch.randn(8)}
+    save_file({**tensors, **mtp}, weights, metadata={"format": "pt"})
+    adapter = ModelAdapter(load_hf_config(tmp_path / "in"), CPU, torch.float32)
+    store = HostStore(adapter.layouts, torch.float32, pin=False)
+    load_safetensors(adapter, store, tmp_path / "in")
+    assert set(mtp) <= set(store.carried)
+    save_hf(adapter, store, tmp_path / "out", dtype=torch.float32)
+    written = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert all(torch.equal(written[k], v) for k, v in mtp.items())
+    cls = type(model)
+    loaded, info = cls.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -6,9 +6,9 @@ Saving writes HF-named safetensors shards (bf16 by default) from the masters, wi
 ``config.json`` and an index, loadable by ``from_pretrained`` of the folder's own class.
 
 A ConditionalGeneration folder (Qwen3.5/3.6 as published) holds more than the language model:
-the vision tower (``model.visual.*``) and multi-token-prediction heads (``mtp.*``). LazyTrain
-trains the language model only; the other tensors are kept as loaded (``HostStore.carried``)
-and written back unchanged.
+the vision tower (``model.visual.*``) and multi-token-prediction heads (``mtp.*``; a Qwen3.5
+CausalLM folder may hold those too). LazyTrain trains the language model only; the other
+tensors are kept as loaded (``HostStore.carried``) and written back unchanged.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.memory.host_store import HostStore
-from lazytrain.model.adapter import ModelAdapter, ParamSlot, load_hf_config
+from lazytrain.model.adapter import HYBRID_ARCHITECTURES, ModelAdapter, ParamSlot, load_hf_config
 
 
 class ModelFileError(LazyTrainError, ValueError):
@@ -69,8 +69,12 @@ def _name_index(adapter: ModelAdapter) -> dict[str, tuple[int, str]]:
 
 
 def _carried(adapter: ModelAdapter, name: str) -> bool:
-    """A tensor of a ConditionalGeneration folder outside the language model."""
-    return adapter.multimodal and not name.startswith(_LANGUAGE_MODEL_PREFIXES)
+    """A tensor outside the language model: in a ConditionalGeneration folder anything but the
+    language model; in a Qwen3.5 CausalLM folder the multi-token-prediction heads (``mtp.*``,
+    which transformers' Qwen3.5 classes ignore when they load)."""
+    if adapter.multimodal:
+        return not name.startswith(_LANGUAGE_MODEL_PREFIXES)
+    return adapter.arch in HYBRID_ARCHITECTURES and name.startswith("mtp.")
 
 
 def load_safetensors(adapter: ModelAdapter, store: HostStore, folder: str | Path) -> None:
