@@ -38,3 +38,19 @@ def test_builtin_hybrid_shapes(name, layers, hidden, params_b):
 def test_mixture_of_experts_is_one_clear_error():
     with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
         load_hf_config({"model_type": "qwen3_5_moe_text", "hidden_size": 32, "num_hidden_layers": 2})
+    # as published: the ConditionalGeneration architecture of the MoE family
+    with pytest.raises(UnsupportedModelError, match="'Qwen3_5MoeForConditionalGeneration' is not supported.*"
+                       "mixture-of-experts"):
+        load_hf_config({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"]})
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"layer_types": ["sliding_attention", "full_attention"]}, r"sliding-window attention is not supported"),
+    ({"num_experts": 4}, r"with experts \(num_experts=4\): only dense"),
+])
+def test_an_unsupported_qwen35_text_config_is_one_clear_error(extra, match):
+    """Layer types other than Gated-DeltaNet and full attention, and experts in a dense class's
+    config, are refused with what to change, before any weight is read."""
+    with pytest.raises(UnsupportedModelError, match=match):
+        load_hf_config({"model_type": "qwen3_5_text", "hidden_size": 32, "num_hidden_layers": 2,
+                        "architectures": ["Qwen3_5ForCausalLM"], **extra})
