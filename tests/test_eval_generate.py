@@ -122,3 +122,23 @@ def test_evaluate_on_another_tier_uses_that_tiers_held_out_split(tmp_path, monke
     assert seen[1] == make_samples("heldout", 3, seed=0, tier="addsub") != seen[0]
     trainer.evaluate("add2", seed=7)  # the base model's held-out problems, drawn with its seed
     assert seen[2] == make_samples("heldout", 3, seed=7, tier="add2") != seen[0]
+
+
+def test_eval_cli_on_a_hybrid_model_gives_the_same_answers_resident_and_streamed(tmp_path):
+    """`lazytrain eval` of a trained Qwen3.5 hybrid (Gated-DeltaNet and attention layers):
+    whole-model generation (HF cache: attention KV, recurrent and convolution states) and
+    streamed generation predict the same text."""
+    out = tmp_path / "run"
+    # 40 steps: enough that it writes the answer's form ("10 + 10 = 12"), not blanks, so the two
+    # generations have to agree on every token of a text the states shape
+    assert main(["train", "model.source=builtin:tiny-hybrid", "training.steps=40", "optimizer.lr=3e-3",
+                 "training.batch_size=4", "training.progress=false", f"training.output_dir={out}",
+                 "data.builtin_train_size=32", "data.heldout_size=2"]) == 0
+    predictions = {}
+    for mode in ("resident", "streamed"):
+        path = tmp_path / f"{mode}.jsonl"
+        assert main(["eval", f"eval.model={out}", f"eval.mode={mode}", "eval.num_samples=4",
+                     "eval.max_new_tokens=12", "eval.device=cpu", f"eval.output={path}"]) == 0
+        predictions[mode] = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(predictions["resident"]) == 4 and all("=" in p["prediction"] for p in predictions["resident"])
+    assert predictions["resident"] == predictions["streamed"]
