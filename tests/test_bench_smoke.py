@@ -59,6 +59,25 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
     assert costs["host_bytes"] < 0.5 * 2**30 < old["host_bytes"]
 
 
+def test_plan_bench_on_a_hybrid_on_the_cpu_reports_each_layer_type(tmp_path):
+    """The path of the Qwen3.5-9B device runs, on the tiny hybrid: a kernel study's records say
+    which kernels ran, and give each layer type's decisions and times; ``POLICY:max`` takes the
+    largest batch the simulator fits up to ``--max-batch``."""
+    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny-hybrid", "--device", "cpu", "--batch", "2",
+                    "--seq", "32", "--kernels", "torch", "--runs", "torch/solved", "torch/megatrain:max",
+                    "--max-batch", "4", "--split-master", "off", "--warmup", "0", "--steps", "1",
+                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    (path,) = tmp_path.glob("plan_tiny-hybrid_*_torch-kernels.json")
+    runs = {r["policy"]: r for r in json.loads(path.read_text()) if "tokens_per_s" in r}
+    assert set(runs) == {"solved", "megatrain"} and runs["megatrain"]["batch_size"] == 4
+    for r in runs.values():
+        assert r["kernels"] == {"delta_rule": "torch", "conv": "torch"}
+        assert r["layer_types"] == {"linear_attention": 3, "full_attention": 1}
+        assert set(r["per_layer_type"]) == set(r["compute_only_layer_ms_by_type"]) == set(r["layer_types"])
+        assert sum(t["layers"] for t in r["per_layer_type"].values()) == 4
+        assert all(t["predicted_fwd_bwd_ms"] > 0 for t in r["per_layer_type"].values())
+
+
 def test_merge_results_keeps_every_record_once(tmp_path):
     from bench.merge_results import merge
 
