@@ -212,5 +212,5 @@ def test_multi_token_prediction_heads_are_carried_through(tmp_path, form):
     written = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(f).items()}
     assert all(torch.equal(written[k], v) for k, v in mtp.items())
     cls = type(model)
-    loaded, info = cls.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
+    _, info = cls.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
