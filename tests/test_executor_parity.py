@@ -112,6 +112,25 @@ def nvme(tmp_path_factory):
     return NvmeStore(tmp_path_factory.mktemp("nvme"))
 
 
+@pytest.mark.parametrize("policy", ["megatrain", "keep_all"])
+def test_the_unfused_path_matches_hf_autograd(hf_folder, policy):
+    """``model.lean_ops=false`` (transformers' own norms and MLP, not the memory-lean ops): the
+    path kept beside the lean one, for every family, padded."""
+    model, folder = hf_folder
+    adapter = ModelAdapter(load_hf_config(folder), CPU, torch.float32, lean_ops=False)
+    assert not any(adapter.lean_ops.values())
+    store = HostStore(adapter.layouts, torch.float32, pin=False)
+    load_safetensors(adapter, store, folder)
+    ids, labels, mask = random_batch(3, 13, adapter.vocab_size, padded=True)
+    ref_loss, ref = reference_grads(model, ids, labels, mask)
+    L = adapter.num_layers
+    plan = megatrain_plan(L, 3, 13, every=2, head_chunk_tokens=7) if policy == "megatrain" \
+        else keep_all_plan(L, 3, 13, head_chunk_tokens=5)
+    stats = Executor(adapter, store, plan, CPU).forward_backward(ids, labels, mask)
+    assert stats.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert_grads_equal(adapter, store, ref)
+
+
 def _setup(tmp_path_factory, family: str):
     folder = tmp_path_factory.mktemp(family) / "model"
     model = make_hf_model(family, layers=6)
