@@ -73,10 +73,11 @@ def run(executor: Executor, batch, labels=None):
     return stats, [g.clone() for g in executor.store.grads]
 
 
-@pytest.fixture(scope="module")
-def qwen2(tmp_path_factory):
-    model = make_hf_model("qwen2", seed=4, layers=3)
-    folder = tmp_path_factory.mktemp("qwen2")
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama"])
+def qwen2(tmp_path_factory, request):
+    """A dense family's tiny model, streamed (named for the first; Qwen3 and Llama too)."""
+    model = make_hf_model(request.param, seed=4, layers=3)
+    folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
     adapter = ModelAdapter(load_hf_config(folder), CPU, torch.float32)
     store = HostStore(adapter.layouts, torch.float32, pin=False)
@@ -131,7 +132,9 @@ def test_packed_equals_unpacked_per_sample_loss_and_gradients(qwen2, plans):
         assert got.num_target_tokens == want.num_target_tokens > 0
         assert got.loss == pytest.approx(want.loss, rel=1e-5), sample
         for g, (a, b) in enumerate(zip(got_grads, want_grads)):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"sample {sample} group {g}")
+            # atol 1e-6 as every executor parity test: Qwen3's embedding gradient sums its rows in
+            # another order packed, 2.4e-7 apart on entries near zero
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"sample {sample} group {g}")
         assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-5)
         assert got.num_tokens == want.num_tokens and got.num_slots == 60 != want.num_slots
 
