@@ -366,8 +366,7 @@ def report(records: list[dict], command: str, notes: list[str] = ()) -> str:
 
 def deviation(curve: list[float], base: list[float]) -> float:
     """Mean of |curve / base - 1| over two loss curves' points (the shorter one's length)."""
-    pairs = list(zip(curve, base))
-    return statistics.fmean(abs(a / b - 1) for a, b in pairs)
+    return statistics.fmean(abs(a / b - 1) for a, b in zip(curve, base))
 
 
 def main() -> None:

@@ -110,11 +110,6 @@ class TorchRun:
     skipped: int
     no_answer: int = 0
 
-    def autocast(self):
-        if self.kind == "torch_autocast_bf16":
-            return torch.autocast(self.model.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def exact_match(self) -> float:
         """Greedy exact match on the built-in held-out split, in the run's precision."""
         self.model.eval()
@@ -122,7 +117,7 @@ class TorchRun:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
         def generate(prompts):
-            with self.autocast():
+            with precision_context(self.kind, self.model.device):
                 return generate_resident(self.model, prompts, 64, pad, tok.eos_token_id)
 
         report, _ = exact_match(heldout_samples(self.cfg.data, self.cfg.training.seed), tok, self.template, generate,
@@ -131,11 +126,19 @@ class TorchRun:
         return report["accuracy"]
 
     def save(self, folder: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        """An HF model folder LazyTrain loads as ``model.source``: weights in ``dtype``, the
-        tokenizer and the prompt template, as `lazytrain train` writes its model."""
+        """An HF model folder LazyTrain loads as ``model.source``: weights in ``dtype`` (the model
+        is cast in place), the tokenizer and the prompt template, as `lazytrain train` writes its
+        model."""
         self.model.to(dtype).save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
         self.template.save(folder)
+
+
+def precision_context(kind: str, device: torch.device):
+    """bf16 autocast for ``torch_autocast_bf16``, nothing for the other kinds."""
+    if kind == "torch_autocast_bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def train_torch(kind: str, cfg: Config) -> TorchRun:
@@ -158,12 +161,10 @@ def train_torch(kind: str, cfg: Config) -> TorchRun:
         [{"params": [m for m in masters if m.dim() >= 2], "weight_decay": oc.weight_decay},
          {"params": [m for m in masters if m.dim() < 2], "weight_decay": 0.0}],
         lr=oc.lr, betas=oc.betas, eps=oc.eps)
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if kind == "torch_autocast_bf16" \
-        else contextlib.nullcontext
     losses, skipped = [], 0
     for step in range(tc.steps):
         batch = next(batches)
-        with autocast():
+        with precision_context(kind, device):
             loss = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
                          labels=batch.labels.to(device)).loss
         loss.backward()

@@ -128,7 +128,7 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
         out, x_in, leaves = state["out"]
         torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
 
-    def backward_costs(recompute: str = "none") -> tuple[float, int, int, int]:
+    def backward_costs(recompute: str = "none") -> tuple[float, int, int, int | None]:
         """(backward ms, saved bytes, backward working set, forward working set) of the layer
         kept with ``recompute``."""
         times = []
@@ -143,7 +143,8 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
         # allocated before the window, when it is among them) and the transient on top: the
         # kept forward's working set
         allocated = saved - (input_bytes if x.untyped_storage().data_ptr() in seen else 0)
-        forward_work = max(fwd.bytes - allocated, 0)
+        # measured on CUDA only (`_Peak`): elsewhere None, and the no-grad figure stands in
+        forward_work = max(fwd.bytes - allocated, 0) if device.type == "cuda" else None
         out = state["out"][0]
         with _Peak(device) as peak:
             run_backward()
@@ -167,7 +168,7 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
             # the block's re-forward: what the backward takes beyond the whole-layer keep's
             recompute_ms=max(option_ms - backward_ms, 0.0),
             backward_work_bytes=option_work,
-            forward_work_bytes=option_forward_work if device.type == "cuda" else None,
+            forward_work_bytes=option_forward_work,
         )
     return {
         "forward_ms": forward_ms,
@@ -176,8 +177,7 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
         "input_bytes": input_bytes,
         "saved_bytes": saved_bytes,
         "forward_work_bytes": fwd_peak.bytes,
-        # measured on CUDA only (`_Peak`): elsewhere the no-grad figure stands in
-        "keep_forward_work_bytes": keep_forward_work_bytes if device.type == "cuda" else None,
+        "keep_forward_work_bytes": keep_forward_work_bytes,
         "backward_work_bytes": backward_work_bytes,
         "recompute_options": recompute_options,
     }
