@@ -105,6 +105,7 @@ def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable
     budget, replans, feasible, tried = costs.gpu_bytes, 0, costs.gpu_bytes, 0
     while batch >= 1 and tried < MAX_TRIES:
         table = dataclasses.replace(costs.at(batch, seq), gpu_bytes=budget)
+        t0 = time.perf_counter()
         try:
             plan = plan_at(table)
         except PlanInfeasible:  # no plan at this batch within the lowered budget
@@ -113,6 +114,10 @@ def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable
         failed = None
         if plan is not None:
             feasible, tried = budget, tried + 1
+            # a cut-off call's log then shows where its time went (2026-12-02: two 9B solved:max
+            # calls were killed at the time limit with nothing logged after the batch search)
+            print(f"{policy} b{batch}: planned in {time.perf_counter() - t0:.0f} s; try {tried} of {MAX_TRIES} "
+                  f"starts at {time.strftime('%H:%M:%S')}", flush=True)
             failed = run_at(table, plan, replans)
             if failed is None:
                 return batch
@@ -483,9 +488,11 @@ def study(session, args, kernels: str) -> None:
             suffix = f"_host{host_gib}"
         batch = args.batch
         if size == "max":
+            t0 = time.perf_counter()
             batch = predicted_max_batch(policy, run_costs, args.seq, run_costs.gpu_bytes, args,
                                         args.max_batch or args.batch)
-            print(f"{policy}{suffix}: largest batch the simulator fits: {batch}", flush=True)
+            print(f"{policy}{suffix}: largest batch the simulator fits: {batch} (searched in "
+                  f"{time.perf_counter() - t0:.0f} s)", flush=True)
         tries(policy, batch, run_costs, args.seq, functools.partial(plan_for, policy),
               functools.partial(run_for, policy, suffix, host_gib), walk_down=size == "max")
 
