@@ -33,6 +33,9 @@ One process, one model in host memory (random init of a real config):
    activations, against ``--host-limit-gb`` or the machine less its reserve) is in the records.
 
 JSON (written after every run, so a cut-off call keeps what finished) and Markdown to ``--out``.
+``--time-limit SECONDS`` (the call's limit less a margin): a try that cannot finish in what is
+left, by the simulator's step time, is a record saying so instead of a run killed with nothing
+written (on 2026-12-02 two 9B ``solved:max`` calls ended that way).
 
 The issue-15 rows on the H200 (two commands, each well under 8 minutes):
 
@@ -90,6 +93,12 @@ MAX_TRIES = 8
 """Runs a `tries` search may take in all."""
 
 
+STARTED = time.perf_counter()
+TRY_SETUP_S = 30
+"""A try's time beyond its predicted steps (the executor, pinned host buffers, kernel compiles
+at a new batch), for ``--time-limit``: a guess, not measured."""
+
+
 def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable[[CostTable], Plan],
           run_at: Callable[[CostTable, Plan, int], dict | None], walk_down: bool) -> int:
     """Run ``policy`` at ``batch``; with ``walk_down`` (``POLICY:max``) keep trying after an
@@ -121,6 +130,8 @@ def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable
             failed = run_at(table, plan, replans)
             if failed is None:
                 return batch
+            if "not_started" in failed:  # the time left holds no try at this batch
+                return 0
         if not walk_down:
             return 0
         if failed is not None and policy == "solved" and replans < MAX_OOM_REPLANS:
@@ -301,6 +312,10 @@ def main() -> None:
     parser.add_argument("--stage-memory", action="store_true",
                         help="record each stage's peak GPU allocation in the last step, against the simulator's")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--time-limit", type=float, default=0,
+                        help="seconds from the start this process may take: a try whose predicted steps (plus "
+                             f"{TRY_SETUP_S} s set-up) do not fit in what is left is a record saying so, not "
+                             "a run killed from outside with nothing written")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--cap-gb", type=float, default=None)
     parser.add_argument("--cap-runs", nargs="*", default=["solved", "megatrain", "keep_all"])
@@ -423,7 +438,20 @@ def study(session, args, kernels: str) -> None:
 
     def measure(policy: str, table: CostTable, plan, name: str, cap_gb: float | None = None,
                 host_limit_gib: float | None = None) -> bool:
-        """Time ``plan``; record it with its prediction (or its out-of-memory). Whether it ran."""
+        """Time ``plan``; record it with its prediction (or its out-of-memory, or why it was not
+        started). Whether it ran."""
+        if args.time_limit:
+            step = simulate(plan, table, optimizer_overlap=True).step_time_s
+            need = (args.warmup + args.steps) * step + TRY_SETUP_S
+            left = args.time_limit - (time.perf_counter() - STARTED)
+            if need > left:
+                records.append({"name": name, **common, "policy": policy, "batch_size": plan.batch_size,
+                                "seq_len": args.seq, "not_started": (
+                                    f"{args.warmup + args.steps} steps of {step:.1f} s predicted + {TRY_SETUP_S} s "
+                                    f"set-up need {need:.0f} s, {left:.0f} s left of --time-limit {args.time_limit:g}")})
+                print(f"{name}: not started: {records[-1]['not_started']}", flush=True)
+                save()
+                return False
         try:
             record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps, stage_memory=args.stage_memory)
         except torch.OutOfMemoryError as error:
@@ -574,6 +602,8 @@ def markdown(records: list[dict], args) -> str:
     for r in records:
         if "oom" in r:
             lines.append(f"| {r['name']} | out of memory: {r['oom']} |" + " |" * 12)
+        if "not_started" in r:
+            lines.append(f"| {r['name']} | not started: {r['not_started']} |" + " |" * 12)
         if "tokens_per_s" not in r:
             continue
         lines.append(

@@ -59,6 +59,20 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
     assert costs["host_bytes"] < 0.5 * 2**30 < old["host_bytes"]
 
 
+def test_plan_bench_does_not_start_a_try_that_its_time_limit_cannot_hold(tmp_path):
+    """Building the model alone takes longer than a 0.5 s limit: the try is a record (and a row)
+    saying why it did not start, and a ``:max`` walk stops there instead of trying smaller batches."""
+    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+                    "--seq", "32", "--runs", "solved:max", "--max-batch", "4", "--split-master", "off",
+                    "--warmup", "0", "--steps", "1", "--time-limit", "0.5", "--out", str(tmp_path)], cwd=ROOT,
+                   check=True, capture_output=True, timeout=300)
+    (path,) = tmp_path.glob("plan_tiny_*.json")
+    tries = [r for r in json.loads(path.read_text()) if r["name"] != "costs"]
+    assert len(tries) == 1 and "tokens_per_s" not in tries[0]
+    assert "s left of --time-limit 0.5" in tries[0]["not_started"]
+    assert f"| {tries[0]['name']} | not started: " in path.with_suffix(".md").read_text()
+
+
 def test_plan_bench_on_a_hybrid_on_the_cpu_reports_each_layer_type(tmp_path):
     """The path of the Qwen3.5-9B device runs, on the tiny hybrid: a kernel study's records say
     which kernels ran, and give each layer type's decisions and times; ``POLICY:max`` takes the
