@@ -84,6 +84,28 @@ def test_profiler_measures_the_executor_pieces_on_the_cpu(tmp_path):
     assert layer.weight_bytes == session.store.weights[1].numel() * session.store.weights[1].element_size()
 
 
+def test_the_profiler_lets_go_of_its_executors_buffers(tmp_path, monkeypatch):
+    """A profile in the process that then trains (``lazytrain train`` without ``plan.costs``,
+    plan_bench) must not leave its executor's resident groups and weight slots allocated: on the
+    H200 they were 5.0 GB under every stage of the 9B run after it."""
+    from lazytrain.config import load_config
+    from lazytrain.runtime import profiler
+    from lazytrain.train.session import build_session
+
+    made = []
+
+    class Recorded(profiler.Executor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(profiler, "Executor", Recorded)
+    session = build_session(load_config(None, [f"training.output_dir={tmp_path}", "model.source=builtin:tiny"]))
+    profiler.profile(session.adapter, session.store, session.device, 2, 16, session.make_optimizer, repeats=1)
+    assert len(made) == 1
+    assert made[0].weights.slots == [] and made[0].resident == {} and made[0]._consts == []
+
+
 def test_stage_memory_names_the_simulators_stages_in_order(tmp_path):
     from lazytrain.config import load_config
     from lazytrain.plan.plan import LayerPlan, Plan

@@ -325,88 +325,95 @@ def profile(
     """
     executor = Executor(adapter, store, keep_all_plan(adapter.num_layers, batch_size, seq_len, head_chunk_tokens),
                         device)
-    shapes = [(batch_size, seq_len), (max(1, batch_size // 2), seq_len), (batch_size, max(8, seq_len // 2))]
-    shapes = list(dict.fromkeys(shapes))
-    # one representative (the first layer) per layer type; the shape fits are the summed
-    # layer types' (one fit serves the whole table)
-    first = {kind: adapter.layer_types.index(kind) for kind in adapter.layer_type_names()}
-    measured: dict[str, dict] = {}
-    for kind, layer in first.items():
-        slot = store.weights[layer + 1].to(device)
-        measured[kind] = {
-            shape: _layer_shape_costs(executor, layer, slot, *shape, repeats, options=shape == shapes[0])
-            for shape in shapes
-        }
-        del slot
-    ref = {kind: m[(batch_size, seq_len)] for kind, m in measured.items()}
-    fits = default_fits()
-    if len(shapes) >= 3:
-        for name in ("forward_ms", "backward_ms", "recompute_ms"):
-            fits[name] = ShapeFit.fit(
-                [(b, s, sum(m[(b, s)][name] for m in measured.values())) for b, s in shapes]
-            )
+    try:
+        shapes = [(batch_size, seq_len), (max(1, batch_size // 2), seq_len), (batch_size, max(8, seq_len // 2))]
+        shapes = list(dict.fromkeys(shapes))
+        # one representative (the first layer) per layer type; the shape fits are the summed
+        # layer types' (one fit serves the whole table)
+        first = {kind: adapter.layer_types.index(kind) for kind in adapter.layer_type_names()}
+        measured: dict[str, dict] = {}
+        for kind, layer in first.items():
+            slot = store.weights[layer + 1].to(device)
+            measured[kind] = {
+                shape: _layer_shape_costs(executor, layer, slot, *shape, repeats, options=shape == shapes[0])
+                for shape in shapes
+            }
+            del slot
+        ref = {kind: m[(batch_size, seq_len)] for kind, m in measured.items()}
+        fits = default_fits()
+        if len(shapes) >= 3:
+            for name in ("forward_ms", "backward_ms", "recompute_ms"):
+                fits[name] = ShapeFit.fit(
+                    [(b, s, sum(m[(b, s)][name] for m in measured.values())) for b, s in shapes]
+                )
 
-    constants = measure_constants(executor, store, device, batch_size, seq_len, repeats)
-    esize = store.weights[1].element_size()
-    type_costs = {
-        kind: LayerCosts(
-            params=adapter.layouts[layer + 1].numel,
-            weight_bytes=adapter.layouts[layer + 1].numel * esize,
-            forward_ms=ref[kind]["forward_ms"],
-            backward_ms=ref[kind]["backward_ms"],
-            recompute_ms=ref[kind]["recompute_ms"],
-            input_bytes=ref[kind]["input_bytes"],
-            saved_bytes=ref[kind]["saved_bytes"],
-            forward_work_bytes=ref[kind]["forward_work_bytes"],
-            keep_forward_work_bytes=ref[kind]["keep_forward_work_bytes"],
-            backward_work_bytes=ref[kind]["backward_work_bytes"],
-            recompute_options=ref[kind]["recompute_options"],
+        constants = measure_constants(executor, store, device, batch_size, seq_len, repeats)
+        esize = store.weights[1].element_size()
+        type_costs = {
+            kind: LayerCosts(
+                params=adapter.layouts[layer + 1].numel,
+                weight_bytes=adapter.layouts[layer + 1].numel * esize,
+                forward_ms=ref[kind]["forward_ms"],
+                backward_ms=ref[kind]["backward_ms"],
+                recompute_ms=ref[kind]["recompute_ms"],
+                input_bytes=ref[kind]["input_bytes"],
+                saved_bytes=ref[kind]["saved_bytes"],
+                forward_work_bytes=ref[kind]["forward_work_bytes"],
+                keep_forward_work_bytes=ref[kind]["keep_forward_work_bytes"],
+                backward_work_bytes=ref[kind]["backward_work_bytes"],
+                recompute_options=ref[kind]["recompute_options"],
+            )
+            for kind, layer in first.items()
+        }
+        input_bytes = max(r["input_bytes"] for r in ref.values())
+        const_params = adapter.layouts[0].numel + adapter.final_layout.numel
+        if device.type == "cuda":
+            total_gpu = torch.cuda.get_device_properties(device).total_memory
+        else:
+            total_gpu = host_memory_total() // 4
+        machine = _bandwidths(store.weights[1], device, repeats, barrier)
+        host_free = (host_limit_bytes or default_host_limit()) - store.bytes(optimizer_state_bytes).total
+        if nvme is not None:  # write-behind and read-ahead buffers of the NVMe tier (pinned, pooled)
+            host_free -= NVME_STAGING_BUFFERS * input_bytes
+        if nvme is not None:
+            disk = _nvme_bandwidths(nvme, input_bytes)
+            disk_note = (f"NVMe bandwidth measured in {nvme.folder} at {input_bytes} bytes per file, "
+                         f"{'O_DIRECT' if nvme.direct else 'buffered'} I/O")
+        else:
+            disk = {"nvme_read_gbps": 1.0, "nvme_write_gbps": 1.0, "nvme_bytes": 0}
+            disk_note = "no NVMe folder given: nvme_bytes=0 keeps the planner off that tier"
+        return CostTable.from_types(
+            adapter.layer_types,
+            type_costs,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            **constants,
+            head_chunk_tokens=head_chunk_tokens,
+            const_params=const_params,
+            const_weight_bytes=const_params * esize,
+            const_grad_bytes=const_params * esize,
+            **disk,
+            # per parameter of the model: a rank of local_world_size steps 1/local_world_size of it
+            optimizer_ns_per_param=_optimizer_ns_per_param(optimizer_factory, store, adapter, repeats)
+            / local_world_size,
+            gpu_bytes=usable_gpu_bytes(gpu_bytes or total_gpu),
+            # resident embedding and final group and their gradients; the CUDA context and the
+            # allocator's slack come out of gpu_bytes (usable_gpu_bytes), not here
+            gpu_fixed_bytes=2 * (store.weights[0].numel() + store.weights[-1].numel()) * esize,
+            host_bytes=max(int(host_free), 0),
+            fits=fits,
+            world_size=local_world_size,
+            local_world_size=local_world_size,
+            device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            notes={"profiled_shapes": [list(s) for s in shapes], "nvme": disk_note},
+            **machine,
         )
-        for kind, layer in first.items()
-    }
-    input_bytes = max(r["input_bytes"] for r in ref.values())
-    const_params = adapter.layouts[0].numel + adapter.final_layout.numel
-    if device.type == "cuda":
-        total_gpu = torch.cuda.get_device_properties(device).total_memory
-    else:
-        total_gpu = host_memory_total() // 4
-    machine = _bandwidths(store.weights[1], device, repeats, barrier)
-    host_free = (host_limit_bytes or default_host_limit()) - store.bytes(optimizer_state_bytes).total
-    if nvme is not None:  # write-behind and read-ahead buffers of the NVMe tier (pinned, pooled)
-        host_free -= NVME_STAGING_BUFFERS * input_bytes
-    if nvme is not None:
-        disk = _nvme_bandwidths(nvme, input_bytes)
-        disk_note = (f"NVMe bandwidth measured in {nvme.folder} at {input_bytes} bytes per file, "
-                     f"{'O_DIRECT' if nvme.direct else 'buffered'} I/O")
-    else:
-        disk = {"nvme_read_gbps": 1.0, "nvme_write_gbps": 1.0, "nvme_bytes": 0}
-        disk_note = "no NVMe folder given: nvme_bytes=0 keeps the planner off that tier"
-    return CostTable.from_types(
-        adapter.layer_types,
-        type_costs,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        **constants,
-        head_chunk_tokens=head_chunk_tokens,
-        const_params=const_params,
-        const_weight_bytes=const_params * esize,
-        const_grad_bytes=const_params * esize,
-        **disk,
-        # per parameter of the model: a rank of local_world_size steps 1/local_world_size of it
-        optimizer_ns_per_param=_optimizer_ns_per_param(optimizer_factory, store, adapter, repeats)
-        / local_world_size,
-        gpu_bytes=usable_gpu_bytes(gpu_bytes or total_gpu),
-        # resident embedding and final group and their gradients; the CUDA context and the
-        # allocator's slack come out of gpu_bytes (usable_gpu_bytes), not here
-        gpu_fixed_bytes=2 * (store.weights[0].numel() + store.weights[-1].numel()) * esize,
-        host_bytes=max(int(host_free), 0),
-        fits=fits,
-        world_size=local_world_size,
-        local_world_size=local_world_size,
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        notes={"profiled_shapes": [list(s) for s in shapes], "nvme": disk_note},
-        **machine,
-    )
+    finally:
+        # Something outlives the profile and still refers to its executor: on the H200 a plan
+        # run after an in-process 9B profile started with this executor's resident groups and
+        # two weight slots (5.0 GB) allocated, under every stage the simulator predicted. The run
+        # or the training the profile is for needs that memory.
+        executor.abandon()
 
 
 CONSTANTS = ("embed_forward_ms", "embed_backward_ms", "embed_backward_work_bytes", "head_ms",
