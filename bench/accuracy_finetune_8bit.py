@@ -10,7 +10,10 @@ time, not run unless asked for); ``hybrid8bit``). One record per (kind, seed) wi
 fine-tuning loss curve, held-out exact match on the fine-tuning tier and, after the fine-tune,
 on the pretraining tier (``retained_exact_match``, the same held-out problems the base was
 scored on: the base's skill after the fine-tune, an exact match that can move where the new
-tier's is still near zero after 300 steps at lr 1e-5). The report gives 8-bit's and the null's
+tier's is still near zero after 300 steps at lr 1e-5) and, before the fine-tune, the base's on
+the fine-tuning tier (``base_exact_match``). ``--finetune-tier addsub2`` (add2's place-value
+form, half subtractions) keeps the base's format: on the H200, ``addsub`` (seed 3) left 2.5%
+and ``mul`` 0% of add2's exact match after 300 steps. The report gives 8-bit's and the null's
 deviation from fp32 along the loss curve, tail loss and exact match against fp32 with 90%
 intervals from resampling the seeds.
 
@@ -139,7 +142,7 @@ def finetune_seed(args: argparse.Namespace, common: list[str], device, seed: int
             result = run(kind, args.finetune_steps, Path(tmp) / kind, seed, (
                 *common, f"model.source={folder / 'pretrained'}", f"data.builtin_tier={args.finetune_tier}",
                 f"optimizer.lr={args.finetune_lr}", "optimizer.weight_decay=0.0"),
-                also_eval=(args.pretrain_tier, base["seed"]))
+                also_eval=(args.pretrain_tier, base["seed"]), eval_first=True)
             losses = result["losses"]
             records.append({
                 "name": f"finetune_8bit_{args.shape}", **run_header(device), "model": f"builtin:{args.shape}",
@@ -152,7 +155,8 @@ def finetune_seed(args: argparse.Namespace, common: list[str], device, seed: int
                 "pretrain_runner": base["settings"].get("pretrain_runner", "lazytrain"),
                 "finetune_tier": args.finetune_tier,
                 "finetune_steps": args.finetune_steps, "lr": args.finetune_lr, "batch_size": args.batch_size,
-                "heldout": args.heldout, "exact_match": result["exact_match"], "no_answer": result["no_answer"],
+                "heldout": args.heldout, "base_exact_match": result["first_exact_match"],
+                "exact_match": result["exact_match"], "no_answer": result["no_answer"],
                 "retained_exact_match": result["also_exact_match"],
                 "retained_eval_seconds": result["also_eval_seconds"],
                 "tail_loss": statistics.fmean(losses[-args.tail:]), "loss_every_10_steps": losses[::10],
@@ -320,6 +324,11 @@ def report(records: list[dict], command: str, notes: list[str] = ()) -> str:
         notes = [*notes, "The seeds were fine-tuned from different base models (pretrained weights' SHA-256: "
                  + ", ".join(sorted(str(b)[:12] for b in bases)) + "): compare within a base only."]
     retained = any(r.get("retained_exact_match") is not None for r in records)
+    start = {r["base_exact_match"] for r in records if r.get("base_exact_match") is not None}
+    if start:  # every kind's process scores the same base: one value unless something differs
+        notes = [*notes, f"The base's exact match on {first['finetune_tier']}'s held-out problems, before the "
+                 "fine-tune: " + " / ".join(f"{v:.3f}" for v in sorted(start))
+                 + ("" if len(start) == 1 else " (the runs disagree: their bases or evaluations differ)") + "."]
     lines = [f"# 8-bit states when fine-tuning ({first['date']})", "", f"`{command}`", "",
              (f"{first['device']}; torch {first['torch']}; {first['model']} pretrained {first['pretrain_steps']} "
              f"steps on {first['pretrain_tier']} (fp32 states; "

@@ -81,10 +81,12 @@ KIND_CONTEXT = {"fp32_unfused": _unfused_fp32_adamw, "fp32_kernel": _all_states_
 
 
 def run(kind: str, steps: int, out_dir: Path, seed: int | None = None, overrides: tuple[str, ...] = (),
-        also_eval: tuple[str, int] | None = None) -> dict:
+        also_eval: tuple[str, int] | None = None, eval_first: bool = False) -> dict:
     """Train ``kind``; its losses, held-out exact match and seconds (training and that
     evaluation). With ``also_eval`` (tier, seed): ``also_exact_match``, the trained model's exact
-    match on that tier's held-out split drawn with that seed, and ``also_eval_seconds``."""
+    match on that tier's held-out split drawn with that seed, and ``also_eval_seconds``. With
+    ``eval_first``: ``first_exact_match``, the model's held-out exact match before training (not
+    in ``seconds``)."""
     seeded = [] if seed is None else [f"training.seed={seed}"]
     config = load_config(None, [*RUNS[kind], f"training.steps={steps}", *seeded,
                                 f"training.output_dir={out_dir}", "training.progress=false", *overrides])
@@ -92,6 +94,10 @@ def run(kind: str, steps: int, out_dir: Path, seed: int | None = None, overrides
     with KIND_CONTEXT.get(kind, contextlib.nullcontext)():
         trainer = Trainer(config)
         trainer.setup()
+        if eval_first:
+            first_start = time.perf_counter()
+            first = trainer.evaluate()["eval_exact_match"]
+            start += time.perf_counter() - first_start
         summary = trainer.train()
         seconds = time.perf_counter() - start
         if also_eval:
@@ -104,7 +110,8 @@ def run(kind: str, steps: int, out_dir: Path, seed: int | None = None, overrides
     return {"kind": kind, "losses": losses, "exact_match": summary["eval"]["eval_exact_match"],
             "no_answer": summary["eval"]["eval_no_answer"], "seconds": seconds,
             "optimizer_backend": getattr(trainer.optimizer, "backend", "torch-fused"),
-            **({"also_exact_match": also, "also_eval_seconds": also_seconds} if also_eval else {})}
+            **({"also_exact_match": also, "also_eval_seconds": also_seconds} if also_eval else {}),
+            **({"first_exact_match": first} if eval_first else {})}
 
 
 def main() -> None:

@@ -142,6 +142,9 @@ def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path):
     assert len(records[0]["pretrain_weights_sha256"]) == 64
     assert records[0]["pretrain_weights_sha256"] != hashlib.sha256(b"").hexdigest()  # the weights were read
     assert all(0 <= r["retained_exact_match"] <= 1 for r in records)  # evaluated on the pretraining tier too
+    # the base scored on the fine-tuning tier before the fine-tune: one figure per seed, whatever the kind
+    assert all(0 <= r["base_exact_match"] <= 1 for r in records)
+    assert len({(r["seed"], r["base_exact_match"]) for r in records}) == len({r["seed"] for r in records})
 
 
 def test_the_kernel_null_is_fp32_adamw_through_the_8bit_kernel(tmp_path):

@@ -56,6 +56,25 @@ def test_default_tier_works_by_place_value():
                for n in re.findall(r"\d+", r["query"]))
 
 
+def test_addsub2_subtracts_by_place_value_in_add2s_form():
+    records = make_split("train", 400, seed=2, tier="addsub2")
+    subs = [r for r in records if r["response"].split("\n")[0].split()[1] == "-"]
+    adds = [r for r in records if r not in subs]
+    assert 120 < len(subs) < 280 and all(len(r["response"].split("\n")) == 4 for r in records)
+    borrowed = 0
+    for r in subs:
+        a, b = sorted((int(n) for n in re.findall(r"\d+", r["query"])), reverse=True)
+        units = a % 10 - b % 10
+        borrowed += units < 0
+        last = f"{a // 10 * 10 - b // 10 * 10} {'+' if units >= 0 else '-'} {abs(units)} = {a - b}"
+        assert r["response"] == (f"{a // 10 * 10} - {b // 10 * 10} = {a // 10 * 10 - b // 10 * 10}\n"
+                                 f"{a % 10} - {b % 10} = {units}\n{last}\nThe answer is: {a - b}")
+    assert borrowed > 30  # both forms of the last step occur
+    # its additions are add2's own
+    add2 = {r["query"]: r["response"] for r in make_split("train", 3000, seed=2, tier="add2")}
+    assert all(add2.get(r["query"], r["response"]) == r["response"] for r in adds)
+
+
 @pytest.mark.parametrize("tier", sorted(TIERS))
 def test_deterministic_from_seed(tier):
     assert make_split("train", 50, seed=3, tier=tier) == make_split("train", 50, seed=3, tier=tier)

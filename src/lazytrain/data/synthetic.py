@@ -106,7 +106,9 @@ class Tier:
     place_value: bool = False
     """Write an addition ``a + b`` as three steps: the tens (and above) of a and b, their
     units, then the two partial sums. Every step is then a one-digit fact, which the tiniest
-    models learn in minutes; the direct ``a + b = c`` makes them carry in one token."""
+    models learn in minutes; the direct ``a + b = c`` makes them carry in one token. A
+    subtraction ``a - b`` likewise: the tens' difference, the units' (negative when b's units are
+    larger), then the tens' difference plus or minus the units' magnitude."""
 
     def __post_init__(self) -> None:
         if not self.kinds or any(kind not in KINDS for kind in self.kinds):
@@ -127,11 +129,15 @@ TIERS = {
         Tier(name="addsub", kinds=("add", "sub")),
         Tier(name="mul", kinds=("mul",), max_operand=999),
         Tier(name="multi", kinds=("add_sub", "mul_add")),
+        Tier(name="addsub2", kinds=("add", "sub"), min_operand=10, place_value=True),
     )
 }
 """Built-in tiers. ``add2``, sums of two two-digit numbers worked out by place value, is the
 default: a 2-4 layer character-level model learns it in minutes on a CPU, and it still has
-to read the numbers out of varied wordings, add digits and carry."""
+to read the numbers out of varied wordings, add digits and carry. ``addsub2`` is ``add2`` with
+subtractions of two-digit numbers in the same place-value form, half of its problems: a task to
+fine-tune an ``add2`` model on that shares its format (``addsub``'s direct answers, on the same
+wordings, replace the place-value steps and erase what the model learned)."""
 
 
 # Per kind: the operator of the first step and of the second step (None: one step).
@@ -162,6 +168,10 @@ class _Problem:
             tens, units = a // 10 * 10 + b // 10 * 10, a % 10 + b % 10
             lines = [f"{a // 10 * 10} + {b // 10 * 10} = {tens}", f"{a % 10} + {b % 10} = {units}",
                      f"{tens} + {units} = {value}"]
+        elif self.kind == "sub" and place_value:
+            tens, units = a // 10 * 10 - b // 10 * 10, a % 10 - b % 10
+            lines = [f"{a // 10 * 10} - {b // 10 * 10} = {tens}", f"{a % 10} - {b % 10} = {units}",
+                     f"{tens} {'+' if units >= 0 else '-'} {abs(units)} = {value}"]
         else:
             lines = [f"{a} {first} {b} = {value}"]
         if second is not None:
