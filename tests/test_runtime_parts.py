@@ -84,6 +84,45 @@ def test_profiler_measures_the_executor_pieces_on_the_cpu(tmp_path):
     assert layer.weight_bytes == session.store.weights[1].numel() * session.store.weights[1].element_size()
 
 
+def test_the_profilers_saved_tensors_go_at_their_last_use_in_the_backward():
+    """The profiler's count of saved storages must not hold them through the backward it then
+    measures: autograd (and the executor) free each after its last use, so the working set the
+    profiler measures would be too large (every saved variable refers to the pack hook)."""
+    import gc
+    import weakref
+
+    from lazytrain.runtime.profiler import saved_tensor_bytes
+
+    alive = {}
+
+    class Probe(torch.autograd.Function):  # the first op: its backward runs last
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t)
+            return t * 1.0
+
+        @staticmethod
+        def backward(ctx, grad):
+            assert ctx.saved_tensors[0] is not None
+            gc.collect()
+            alive["y"] = storage() is not None
+            return grad
+
+    x = torch.randn(1000, requires_grad=True)
+
+    def forward():
+        nonlocal storage
+        y = Probe.apply(x) * 2
+        storage = weakref.ref(y.untyped_storage())
+        return y.sin().sum()  # saves y; its backward runs first
+
+    storage = None
+    out, nbytes = saved_tensor_bytes(forward)
+    assert nbytes == 2 * 4000  # x (saved by the probe) and y
+    torch.autograd.grad(out, [x])
+    assert alive == {"y": False}
+
+
 def test_the_profiler_lets_go_of_its_executors_buffers(tmp_path, monkeypatch):
     """A profile in the process that then trains (``lazytrain train`` without ``plan.costs``,
     plan_bench) must not leave its executor's resident groups and weight slots allocated: on the
