@@ -324,11 +324,16 @@ def report(records: list[dict], command: str, notes: list[str] = ()) -> str:
         notes = [*notes, "The seeds were fine-tuned from different base models (pretrained weights' SHA-256: "
                  + ", ".join(sorted(str(b)[:12] for b in bases)) + "): compare within a base only."]
     retained = any(r.get("retained_exact_match") is not None for r in records)
-    start = {r["base_exact_match"] for r in records if r.get("base_exact_match") is not None}
-    if start:  # every kind's process scores the same base: one value unless something differs
+    base_scores: dict[int, set[float]] = {}  # per seed (its held-out draw): every kind scores the same base
+    for r in records:
+        if r.get("base_exact_match") is not None:
+            base_scores.setdefault(r["seed"], set()).add(r["base_exact_match"])
+    if base_scores:
         notes = [*notes, f"The base's exact match on {first['finetune_tier']}'s held-out problems, before the "
-                 "fine-tune: " + " / ".join(f"{v:.3f}" for v in sorted(start))
-                 + ("" if len(start) == 1 else " (the runs disagree: their bases or evaluations differ)") + "."]
+                 "fine-tune, by seed: " + ", ".join(f"{seed}: " + " / ".join(f"{v:.3f}" for v in sorted(scores))
+                                                   for seed, scores in sorted(base_scores.items()))
+                 + ("" if all(len(v) == 1 for v in base_scores.values())
+                    else " (the kinds of a seed disagree: their bases or evaluations differ)") + "."]
     lines = [f"# 8-bit states when fine-tuning ({first['date']})", "", f"`{command}`", "",
              (f"{first['device']}; torch {first['torch']}; {first['model']} pretrained {first['pretrain_steps']} "
              f"steps on {first['pretrain_tier']} (fp32 states; "

@@ -147,6 +147,23 @@ def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path):
     assert len({(r["seed"], r["base_exact_match"]) for r in records}) == len({r["seed"] for r in records})
 
 
+def test_the_fine_tune_report_gives_the_base_score_per_seed():
+    """Each seed draws its own held-out problems, so the base scores differ by seed; only the
+    kinds of one seed must agree."""
+    from bench.accuracy_finetune_8bit import report
+
+    def record(kind, seed, base):
+        return {"kind": kind, "seed": seed, "base_exact_match": base, "exact_match": 0.5, "tail_loss": 1.0,
+                "loss_every_10_steps": [2.0, 1.0], "date": "d", "device": "cpu", "torch": "t", "model": "m",
+                "pretrain_steps": 1, "pretrain_tier": "add2", "pretrain_exact_match": 0.4, "finetune_steps": 1,
+                "finetune_tier": "addsub2", "lr": 1e-5, "batch_size": 2, "heldout": 2}
+
+    agree = report([record(k, s, b) for s, b in ((1, 0.25), (2, 0.5)) for k in ("fp32", "hybrid8bit")], "cmd")
+    assert "before the fine-tune, by seed: 1: 0.250, 2: 0.500." in agree and "disagree" not in agree
+    differ = report([record("fp32", 1, 0.25), record("hybrid8bit", 1, 0.5)], "cmd")
+    assert "1: 0.250 / 0.500 (the kinds of a seed disagree" in differ
+
+
 def test_the_kernel_null_is_fp32_adamw_through_the_8bit_kernel(tmp_path):
     """fp32_kernel (the fine-tuning study's null): every group keeps fp32 states (the run
     checks it), and the losses follow fp32's to rounding."""
