@@ -3,6 +3,7 @@ one warning naming the install command when it is not."""
 
 import sys
 import types
+from itertools import pairwise
 
 import pytest
 import torch
@@ -25,8 +26,11 @@ def test_cpu_binds_the_torch_references(caplog):
     with caplog.at_level("WARNING"):
         choice = select_linear_attention_kernels(CPU)
     assert (choice.delta_rule, choice.conv) == ("torch", "torch")
-    # the reference itself, not transformers' wrapper (which would pick fla if installed)
-    assert not hasattr(hf.torch_chunk_gated_delta_rule, "__wrapped__")
+    # the reference itself, not transformers' wrapper (which would pick fla if installed), under
+    # LazyTrain's packed-rows wrapper
+    reference = hf.torch_chunk_gated_delta_rule.__wrapped__
+    assert reference.__name__ == "torch_chunk_gated_delta_rule" and not hasattr(reference, "__wrapped__")
+    assert not hasattr(hf.causal_conv1d_fn.__wrapped__, "__wrapped__")
     assert not caplog.records
 
 
@@ -57,15 +61,15 @@ def test_cuda_with_fla_binds_its_kernels_and_torch_overrides(monkeypatch):
     monkeypatch.setattr(kernels, "_PROBED", {})
     monkeypatch.setattr(kernels, "_fla_failure", lambda delta, device: None)  # no GPU here to probe on
     assert select_linear_attention_kernels(CUDA).delta_rule == "fla"
-    assert hf.torch_chunk_gated_delta_rule is chunk and hf.torch_recurrent_gated_delta_rule is recurrent
+    assert hf.torch_chunk_gated_delta_rule.__wrapped__ is chunk and hf.torch_recurrent_gated_delta_rule is recurrent
     assert select_linear_attention_kernels(CUDA, "torch").delta_rule == "torch"
-    assert hf.torch_chunk_gated_delta_rule is not chunk
+    assert hf.torch_chunk_gated_delta_rule.__wrapped__ is not chunk
     with pytest.raises(KernelError, match="'auto' or 'torch'"):
         select_linear_attention_kernels(CUDA, "triton")
     monkeypatch.setattr(kernels, "_PROBED", {})  # a new process: probed again
     monkeypatch.setattr(kernels, "_fla_failure", lambda delta, device: "RuntimeError: Triton too old")
     assert select_linear_attention_kernels(CUDA).delta_rule == "torch"  # installed, failed its probe
-    assert hf.torch_chunk_gated_delta_rule is not chunk
+    assert hf.torch_chunk_gated_delta_rule.__wrapped__ is not chunk
 
 
 def test_a_kernel_without_kwargs_gets_only_its_arguments(monkeypatch):
@@ -99,3 +103,130 @@ def test_a_kernel_that_fails_its_probe_is_not_used():
     cpu = torch.device("cpu")
     assert "Triton >= 3.4.0" in _fla_failure({_DELTA_RULE[0]: refuses}, cpu)
     assert _fla_failure({_DELTA_RULE[0]: works}, cpu) is None
+
+
+def segments_of(boundaries: list[list[int]], length: int):
+    """``seq_idx`` and ``cu_seq_lens_q`` (`packed_segments`) for rows split at ``boundaries``."""
+    from lazytrain.model.adapter import packed_segments
+
+    ids = torch.zeros(len(boundaries), length, dtype=torch.long)
+    for row, cuts in enumerate(boundaries):
+        for k, cut in enumerate(cuts):
+            ids[row, cut:] = k + 1
+    return packed_segments(ids)
+
+
+def per_segment(fn, tensors: list[torch.Tensor], cu: torch.Tensor, dim: int) -> torch.Tensor:
+    """``fn`` on each segment alone (the rows flattened along ``dim``), joined again."""
+    flat = [t.movedim(dim, 1).reshape(1, -1, *t.movedim(dim, 1).shape[2:]) if t.dim() > 2 else t for t in tensors]
+    parts = [fn(*[t[:, a:b].movedim(1, dim) for t in flat]) for a, b in pairwise(cu.tolist())]
+    return torch.cat(parts, dim)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_the_packed_convolution_restarts_at_every_segment(bias, activation):
+    """The short convolution of packed rows equals transformers' convolution run on each segment
+    alone (samples of 1, 2, 3 and more tokens than the kernel width; rows of one segment)."""
+    from lazytrain.model.kernels import document_causal_conv1d
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 13, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    shift = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+    segments = segments_of([[0, 1, 3, 6, 12], [0], [0, 9, 10]], 13)
+    got = document_causal_conv1d(x, weight, shift, activation, segments["seq_idx"], segments["cu_seq_lens_q"].numel() - 1)
+    reference = kernels._TORCH_PATH["causal_conv1d_fn"]
+    rows = x.transpose(0, 1).reshape(1, 5, -1)  # the rows end to end: [1, C, B*T]
+    cu = segments["cu_seq_lens_q"].tolist()
+    want = torch.cat([reference(rows[:, :, a:b], weight, shift, activation=activation) for a, b in pairwise(cu)],
+                     2).view(5, 3, 13).transpose(0, 1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # without the restart the rows' second sample would read the first's last tokens
+    assert not torch.allclose(got, reference(x, weight, shift, activation=activation))
+    leaves = [x, weight, *([shift] if bias else [])]
+    grads = torch.autograd.grad(got.square().sum(), leaves)
+    wants = torch.autograd.grad(want.square().sum(), leaves)
+    for a, w in zip(grads, wants):
+        torch.testing.assert_close(a, w, rtol=1e-12, atol=1e-12)
+
+
+def test_the_packed_delta_rule_starts_every_segment_from_zero():
+    """The chunked gated-delta rule on packed rows equals the reference on each segment alone,
+    through the torch path (segments as zero-padded rows) and the variable-length path (here a
+    stand-in that loops over ``cu_seqlens``, as fla's kernel computes), values and gradients."""
+    from lazytrain.model.kernels import _delta_rule_by_document
+
+    reference = kernels._TORCH_PATH["torch_chunk_gated_delta_rule"]
+    g = torch.Generator().manual_seed(1)
+    batch, length, heads, dim = 2, 70, 2, 4  # one segment longer than a 64-token chunk
+    q, k, v = (torch.randn(batch, length, heads, dim, generator=g, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    decay = (-torch.rand(batch, length, heads, generator=g, dtype=torch.float64)).requires_grad_()
+    beta = torch.rand(batch, length, heads, generator=g, dtype=torch.float64).requires_grad_()
+    inputs = [q, k, v, decay, beta]
+    segments = segments_of([[0, 5, 6, 40], [0, 66]], length)
+    cu = segments["cu_seq_lens_q"]
+
+    def alone(q, k, v, decay, beta):
+        return reference(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+
+    want = per_segment(alone, inputs, cu, 1).view(batch, length, heads, dim)
+    wants = torch.autograd.grad(want.square().sum(), inputs)
+
+    def varlen(q, k, v, g, beta, cu_seqlens, **kwargs):  # fla's contract: one row, offsets into it
+        assert q.shape[0] == 1 and cu_seqlens is cu
+        return per_segment(lambda *t: reference(*t[:3], g=t[3], beta=t[4], **kwargs)[0],
+                           [q, k, v, g, beta], cu_seqlens, 1), None
+
+    for rule in (_delta_rule_by_document(reference, varlen=False), _delta_rule_by_document(varlen, varlen=True)):
+        got, state = rule(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                          seq_idx=segments["seq_idx"])
+        assert state is None
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        grads = torch.autograd.grad(got.square().sum(), inputs)
+        for a, w in zip(grads, wants):
+            torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-10)
+    unpacked = alone(q, k, v, decay, beta)
+    assert not torch.allclose(unpacked, want)  # the state would run on from one sample into the next
+    with pytest.raises(KernelError, match="zero state"):
+        _delta_rule_by_document(reference, varlen=False)(q, k, v, g=decay, beta=beta, cu_seqlens=cu,
+                                                         output_final_state=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_rows_through_fla_match_fla_on_each_segment_on_cuda():
+    """On CUDA with fla-core: the bound rule on packed rows (fla's variable-length kernel over
+    the flattened rows) against fla on each segment alone, bf16, values and gradients; and the
+    packed convolution against the bound one per segment."""
+    device = torch.device("cuda")
+    if select_linear_attention_kernels(device).delta_rule != "fla":
+        pytest.skip("fla-core is not installed or failed its probe here")
+    rule, fla = hf.torch_chunk_gated_delta_rule, hf.torch_chunk_gated_delta_rule.__wrapped__
+    g = torch.Generator(device).manual_seed(0)
+    batch, length, heads, dim = 2, 320, 4, 64
+    make = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=torch.bfloat16)
+    q, k, v = (make(batch, length, heads, dim).requires_grad_() for _ in range(3))
+    decay = (-torch.rand(batch, length, heads, generator=g, device=device)).requires_grad_()
+    beta = torch.rand(batch, length, heads, generator=g, device=device, dtype=torch.bfloat16).requires_grad_()
+    inputs = [q, k, v, decay, beta]
+    segments = {name: t.to(device) for name, t in segments_of([[0, 37, 200, 201], [0, 64, 300]], length).items()}
+    cu = segments["cu_seq_lens_q"]
+    got, _ = rule(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                  seq_idx=segments["seq_idx"])
+    want = per_segment(lambda *t: fla(*t[:3], g=t[3], beta=t[4], use_qk_l2norm_in_kernel=True)[0], inputs, cu, 1)
+    want = want.view(batch, length, heads, dim)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    grads = torch.autograd.grad(got.float().square().sum(), inputs)
+    wants = torch.autograd.grad(want.float().square().sum(), inputs)
+    for a, w in zip(grads, wants):
+        torch.testing.assert_close(a.float(), w.float(), rtol=5e-2, atol=5e-2)
+    x = make(batch, 96, length)
+    weight = make(96, 4)
+    conv = hf.causal_conv1d_fn
+    packed = conv(x, weight, None, activation="silu", seq_idx=segments["seq_idx"], cu_seq_lens_q=cu)
+    rows = x.transpose(0, 1).reshape(1, 96, -1)
+    alone = torch.cat([conv(rows[:, :, a:b].contiguous(), weight, None, activation="silu")
+                       for a, b in pairwise(cu.tolist())], 2)
+    torch.testing.assert_close(packed, alone.view(96, batch, length).transpose(0, 1), rtol=2e-2, atol=2e-2)

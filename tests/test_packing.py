@@ -1,6 +1,7 @@
 """Packed batches (``data.packing``): the same samples give the same per-sample loss and
-gradients packed as unpacked, no token attends across samples, positions restart per sample,
-packing is deterministic and resumes exactly, and models it cannot pack are refused."""
+gradients packed as unpacked, no token attends across samples (nor, in Gated-DeltaNet layers,
+convolves or carries recurrent state across them), positions restart per sample, and packing is
+deterministic and resumes exactly. Every family, the Qwen3.5 hybrids included."""
 
 from __future__ import annotations
 
@@ -25,10 +26,9 @@ from lazytrain.data.dataset import (
 )
 from lazytrain.data.formats import DataError
 from lazytrain.memory.host_store import HostStore
-from lazytrain.model.adapter import ModelAdapter, UnsupportedModelError, load_hf_config
-from lazytrain.model.build import build_model
+from lazytrain.model.adapter import ModelAdapter, load_hf_config
 from lazytrain.model.loading import load_safetensors
-from lazytrain.plan.plan import keep_all_plan, megatrain_plan
+from lazytrain.plan.plan import LayerPlan, keep_all_plan, megatrain_plan
 from lazytrain.runtime.executor import Executor
 
 CPU = torch.device("cpu")
@@ -73,9 +73,10 @@ def run(executor: Executor, batch, labels=None):
     return stats, [g.clone() for g in executor.store.grads]
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama", "qwen3_5", "qwen3_5-tied"])
 def qwen2(tmp_path_factory, request):
-    """A dense family's tiny model, streamed (named for the first; Qwen3 and Llama too)."""
+    """A family's tiny model, streamed (named for the first; Qwen3, Llama and both Qwen3.5
+    hybrids too: Gated-DeltaNet layers first and between attention layers)."""
     model = make_hf_model(request.param, seed=4, layers=3)
     folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
@@ -108,11 +109,13 @@ def test_packed_rows_restart_positions_and_pad_only_at_the_end():
     assert batch.num_target_tokens == collate(data, list(range(len(LENGTHS)))).num_target_tokens
 
 
-@pytest.mark.parametrize("plans", [("keep_all", "megatrain"), ("megatrain", "keep_all")])
+@pytest.mark.parametrize("plans", [("keep_all", "megatrain"), ("megatrain", "keep_all"),
+                                   ("keep_all", "recompute_attention"), ("keep_all", "recompute_mlp")])
 def test_packed_equals_unpacked_per_sample_loss_and_gradients(qwen2, plans):
     """Each sample's loss (its targets alone, same normaliser) and every parameter gradient,
     and the whole batch's, are the same packed (3 rows of 20, each ending in padding) as
-    unpacked (6 right-padded rows); through both plan kinds (kept and recomputed layers)."""
+    unpacked (6 right-padded rows); through every plan kind (kept and recomputed layers, and
+    kept layers that recompute their token mixer or MLP, whose packed segments are saved)."""
     _, adapter, store = qwen2
     data = dataset()
     unpacked = collate(data, list(range(len(LENGTHS))))
@@ -120,8 +123,12 @@ def test_packed_equals_unpacked_per_sample_loss_and_gradients(qwen2, plans):
 
     def executor(policy, batch):
         b, s = batch.input_ids.shape
-        plan = keep_all_plan(adapter.num_layers, b, s, head_chunk_tokens=7) if policy == "keep_all" \
-            else megatrain_plan(adapter.num_layers, b, s, every=2, head_chunk_tokens=5)
+        if policy == "megatrain":
+            return Executor(adapter, store, megatrain_plan(adapter.num_layers, b, s, every=2, head_chunk_tokens=5), CPU)
+        plan = keep_all_plan(adapter.num_layers, b, s, head_chunk_tokens=7)
+        if policy.startswith("recompute_"):
+            plan.layers = [LayerPlan(mode="keep", tier=tier, recompute=policy.removeprefix("recompute_"))
+                           for tier in ("gpu", "host", "gpu")[:adapter.num_layers]]
         return Executor(adapter, store, plan, CPU)
 
     plain, packing = executor(plans[0], unpacked), executor(plans[1], packed)
@@ -141,19 +148,22 @@ def test_packed_equals_unpacked_per_sample_loss_and_gradients(qwen2, plans):
 
 def test_packed_executor_matches_plain_hf_autograd(qwen2):
     """The packed step against the HF model's own forward of the samples unpacked (HF builds its
-    padding mask itself), and HF's own packed forward (positions restarting, no mask) too."""
+    padding mask itself), and for the dense families HF's own packed forward (positions
+    restarting, no mask) too; HF's Qwen3.5 layers would run their state across samples there."""
     model, adapter, store = qwen2
     data = dataset()
     unpacked = collate(data, list(range(len(LENGTHS))))
     packed = collate_packed(data, ROWS)
     losses = []
-    for batch, kwargs in ((unpacked, {"attention_mask": unpacked.attention_mask}),
-                          (packed, {"position_ids": packed.position_ids})):
+    runs = [(unpacked, {"attention_mask": unpacked.attention_mask})]
+    if adapter.kernels is None:
+        runs.append((packed, {"position_ids": packed.position_ids}))
+    for batch, kwargs in runs:
         model.zero_grad(set_to_none=True)
         loss = model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False, **kwargs).loss
         loss.backward()
         losses.append(loss.item())
-    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert losses[-1] == pytest.approx(losses[0], rel=1e-5)
     stats, grads = run(Executor(adapter, store, keep_all_plan(adapter.num_layers, 3, WIDTH), CPU), packed)
     assert stats.loss == pytest.approx(losses[0], rel=1e-5)
     params = dict(model.named_parameters())
@@ -214,21 +224,6 @@ def test_positions_restart_in_the_rotary_embedding(qwen2, monkeypatch):
     torch.testing.assert_close(cos_behind[0, 7:16], cos_alone[0, :9], rtol=0, atol=0)
 
 
-def test_packing_is_refused_for_linear_attention_layers():
-    adapter, _ = build_model("builtin:tiny-hybrid", CPU, torch.float32, seed=0, vocab_size=64, pin=False)
-    with pytest.raises(UnsupportedModelError, match=r"data\.packing=true.*linear_attention.*data\.packing=false"):
-        adapter.check_document_masking()
-    with pytest.raises(UnsupportedModelError, match="data.packing"):
-        adapter.layer_masks(None, document_ids=torch.ones(1, 4, dtype=torch.long))
-
-
-def test_cli_refuses_packing_a_hybrid_model(tmp_path, capsys):
-    code = main(["train", "model.source=builtin:tiny-hybrid", "data.packing=true", "training.steps=1",
-                 f"training.output_dir={tmp_path / 'run'}", "training.progress=false"])
-    assert code == 2
-    assert "data.packing=true" in capsys.readouterr().err
-
-
 @settings(max_examples=30, deadline=None)
 @given(lengths=st.lists(st.integers(1, 24), min_size=1, max_size=60), width=st.integers(24, 64),
        seed=st.integers(0, 3))
@@ -280,11 +275,13 @@ def step_records(out) -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-def test_cli_trains_packed_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("source", ["builtin:tiny", "builtin:tiny-hybrid"])
+def test_cli_trains_packed_and_resumes_exactly(tmp_path, source):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert main(["train", "training.steps=4", f"training.output_dir={whole}", *COMMON]) == 0
-    assert main(["train", "training.steps=2", f"training.output_dir={cut}", *COMMON]) == 0
-    assert main(["train", "training.steps=4", f"training.output_dir={cut}", "training.resume=true", *COMMON]) == 0
+    common = [*COMMON, f"model.source={source}"]
+    assert main(["train", "training.steps=4", f"training.output_dir={whole}", *common]) == 0
+    assert main(["train", "training.steps=2", f"training.output_dir={cut}", *common]) == 0
+    assert main(["train", "training.steps=4", f"training.output_dir={cut}", "training.resume=true", *common]) == 0
     want, got = step_records(whole), step_records(cut)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-6)

@@ -16,8 +16,9 @@ type, and each type gets its own mask (``layer_masks``): a 4-D causal mask for a
 2-D padding mask for linear attention (which zeroes padded positions, as HF does).
 
 Packed rows (several samples per row, ``document_ids``) get a block-diagonal causal mask: the
-same boolean 4-D mask through sdpa, so it is exact on every device. Linear-attention layers
-would carry their recurrent state from one sample into the next, so packing refuses them.
+same boolean 4-D mask through sdpa, so it is exact on every device. Linear-attention layers get
+the rows' segments instead (`packed_segments`), with which their convolution and recurrent
+state restart at each sample (`lazytrain.model.kernels`).
 """
 
 from __future__ import annotations
@@ -306,30 +307,23 @@ class ModelAdapter:
             position_ids = position_ids[None].expand(3, -1, -1)
         return self.rotary(probe, position_ids)
 
-    def check_document_masking(self) -> None:
-        """Raise unless every layer type can keep packed samples apart (``data.packing``)."""
-        linear = self.layer_types.count("linear_attention")
-        if linear:
-            raise UnsupportedModelError(
-                f"data.packing=true: {self.arch} has {linear} Gated-DeltaNet (linear_attention) layers, "
-                "whose recurrent state would run from one packed sample into the next (LazyTrain does "
-                "not reset it per sample yet); set data.packing=false (batches are length-grouped, "
-                "which keeps padding low)"
-            )
-
     def layer_masks(self, attention_mask: torch.Tensor | None, queries: int | None = None,
-                    document_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
+                    document_ids: torch.Tensor | None = None) -> dict[str, LayerMask]:
         """The mask each layer type takes, from the [B, keys] padding mask (None: unpadded).
 
         Attention layers get `attention_mask_4d`; linear-attention layers the 2-D mask of the
         last ``queries`` positions (their input is zeroed there, so padding never enters the
         recurrent state), or None for one-token decoding, as HF does. ``document_ids`` [B, keys]
-        (packed rows; 0 is padding) make the attention mask block-diagonal.
+        (packed rows, trained whole; 0 is padding) make the attention mask block-diagonal, and
+        give linear-attention layers the rows' segments too (`packed_segments`).
         """
         if document_ids is not None:
-            self.check_document_masking()
-            return {kind: attention_mask_4d(document_ids != 0, queries, document_ids) for kind in self.templates}
-        masks: dict[str, torch.Tensor | None] = {}
+            if queries is not None and queries != document_ids.shape[1]:
+                raise ValueError("packed rows (document_ids) are trained whole, not decoded")
+            padding = document_ids != 0
+            return {kind: {"attention_mask": padding, **packed_segments(document_ids)} if kind == "linear_attention"
+                    else attention_mask_4d(padding, None, document_ids) for kind in self.templates}
+        masks: dict[str, LayerMask] = {}
         for kind in self.templates:
             if attention_mask is None:
                 masks[kind] = None
@@ -346,7 +340,7 @@ class ModelAdapter:
         params: dict[str, torch.Tensor],
         hidden: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        masks: dict[str, torch.Tensor | None],
+        masks: dict[str, LayerMask],
         recompute: str = "none",
         **kwargs,
     ) -> torch.Tensor:
@@ -365,7 +359,7 @@ class ModelAdapter:
                 template,
                 params,
                 (hidden,),
-                {"attention_mask": masks[kind], "position_embeddings": position_embeddings, **kwargs},
+                {**layer_mask_kwargs(masks[kind]), "position_embeddings": position_embeddings, **kwargs},
                 strict=True,
             )
 
@@ -400,6 +394,37 @@ class ModelAdapter:
         if self.tied:
             return embed_params["embed_tokens.weight"]
         return final_params["lm_head.weight"]
+
+
+LayerMask = torch.Tensor | dict[str, torch.Tensor] | None
+"""What `ModelAdapter.layer_masks` gives a layer type: its ``attention_mask`` (None: none), or
+for packed linear-attention layers the keyword arguments ``attention_mask``, ``seq_idx`` and
+``cu_seq_lens_q`` (`packed_segments`)."""
+
+
+def layer_mask_kwargs(mask: LayerMask) -> dict[str, torch.Tensor | None]:
+    """The HF layer's keyword arguments for a `LayerMask`."""
+    return dict(mask) if isinstance(mask, dict) else {"attention_mask": mask}
+
+
+def mask_tensors(masks: dict[str, LayerMask]) -> list[torch.Tensor]:
+    """Every tensor in ``masks`` (constants of a step: the executor saves references to them)."""
+    return [t for mask in masks.values() for t in layer_mask_kwargs(mask).values() if t is not None]
+
+
+def packed_segments(document_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The segments of packed rows, as the Gated-DeltaNet kernels take them: a segment is a
+    run of one ``document_ids`` value within a row (a sample, or the row's padding), and each row
+    starts one. ``seq_idx`` [B, S]: each token's segment, numbered 0.. over the rows in order;
+    ``cu_seq_lens_q`` [segments + 1]: where each segment starts in the rows laid end to end, and
+    their total length (int64, as fla's variable-length kernels take offsets)."""
+    batch, length = document_ids.shape
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    flat = starts.reshape(-1)
+    total = torch.tensor([batch * length], device=document_ids.device)
+    return {"seq_idx": (flat.cumsum(0) - 1).view(batch, length),
+            "cu_seq_lens_q": torch.cat([flat.nonzero().squeeze(1), total])}
 
 
 def attention_mask_4d(attention_mask: torch.Tensor, queries: int | None = None,

@@ -11,6 +11,14 @@ instead, and says what it chose:
   one falls back to the torch reference with one warning naming the install command and the cost.
 - CPU: the torch references (fla's kernels are Triton, GPU only), which the parity tests check
   against HF autograd.
+
+Packed rows (``data.packing``): the adapter passes each linear-attention layer the rows'
+segments (``seq_idx``, ``cu_seq_lens_q``: a segment is one sample, or a row's padding), and the
+bound functions keep them apart: the short convolution restarts at each segment start
+(`document_causal_conv1d`), and the delta rule starts each segment from a zero state (fla: its
+variable-length kernel over the rows flattened into one sequence; the torch reference: the
+segments as the rows of one zero-padded batch). transformers passes these keyword arguments on
+from the layer to both functions in every version LazyTrain supports.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from lazytrain.errors import LazyTrainError
 
@@ -64,6 +73,77 @@ def _taking_only_its_arguments(impl):
     @functools.wraps(impl)
     def call(*args, **kwargs):
         return impl(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+    return call
+
+
+def document_causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           activation: str | None, seq_idx: torch.Tensor, segments: int) -> torch.Tensor:
+    """The Gated-DeltaNet short convolution (depthwise, causal; ``hidden_states`` [B, C, T],
+    ``weight`` [C, K]) restarted at each segment: no output reads an input of an earlier segment.
+
+    ``seq_idx`` [B, T]: each token's segment, numbered 0.. over the rows in order (a row starts
+    a segment); ``segments``: how many. The rows are laid end to end with K - 1 zeros before each
+    segment, so one ``conv1d`` over them is exact per segment: the zeros are what the unpacked
+    convolution's padding reads. One copy of the input is saved for backward, as without packing.
+    """
+    from transformers.activations import ACT2FN
+
+    batch, channels, length = hidden_states.shape
+    width = weight.shape[-1]
+    tokens = batch * length
+    # where each token goes: its place in the flattened rows, shifted by the zeros before it
+    place = torch.arange(tokens, device=seq_idx.device) + (width - 1) * (seq_idx.reshape(-1) + 1)
+    flat = hidden_states.to(weight.dtype).transpose(0, 1).reshape(channels, tokens)
+    spaced = flat.new_zeros(channels, tokens + (width - 1) * segments).index_copy(1, place, flat)
+    out = F.conv1d(spaced[None], weight.unsqueeze(1), bias, groups=channels)[0]
+    # the output of the window ending at a token's place starts K - 1 places before it
+    out = out.index_select(1, place - (width - 1)).view(channels, batch, length).transpose(0, 1)
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(hidden_states.dtype)
+
+
+def _conv_by_document(conv):
+    """``conv`` (a ``causal_conv1d_fn``), or `document_causal_conv1d` for packed rows."""
+
+    @functools.wraps(conv)
+    def call(hidden_states, weight, bias=None, activation=None, seq_idx=None, cu_seq_lens_q=None, **kwargs):
+        if seq_idx is None:
+            return conv(hidden_states, weight, bias, activation=activation, **kwargs)
+        return document_causal_conv1d(hidden_states, weight, bias, activation, seq_idx, cu_seq_lens_q.numel() - 1)
+
+    return call
+
+
+def _delta_rule_by_document(rule, varlen: bool):
+    """``rule`` (a chunked gated-delta rule) on packed rows: each segment of ``cu_seqlens``
+    (offsets into the rows flattened, as fla takes them) from a zero state. ``varlen``: ``rule``
+    takes ``cu_seqlens`` itself (fla, one flattened row); otherwise the segments become the rows
+    of one batch, zero-padded at their ends (causal, so the padding changes no real output)."""
+
+    @functools.wraps(rule)
+    def call(query, key, value, g, beta, cu_seqlens=None, seq_idx=None, **kwargs):
+        if cu_seqlens is None:
+            return rule(query, key, value, g=g, beta=beta, **kwargs)
+        if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
+            raise KernelError("packed rows (data.packing) train from a zero state: no recurrent cache")
+        batch, length = query.shape[:2]
+        flat = [t.reshape(1, batch * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
+        if varlen:
+            out, state = rule(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=cu_seqlens, **kwargs)
+            return out.view(batch, length, *out.shape[2:]), state
+        lengths = cu_seqlens.diff()
+        steps = torch.arange(int(lengths.max()), device=query.device)
+        inside = steps < lengths[:, None]  # [segments, longest]
+        index = torch.where(inside, cu_seqlens[:-1, None] + steps, 0)
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            picked = t[0][index]
+            return picked * inside.view(*inside.shape, *(1,) * (picked.dim() - 2)).to(picked.dtype)
+
+        out, state = rule(*map(rows, flat[:3]), g=rows(flat[3]), beta=rows(flat[4]), **kwargs)
+        return out[inside].view(batch, length, *out.shape[2:]), state
 
     return call
 
@@ -135,6 +215,9 @@ def select_linear_attention_kernels(device: torch.device, prefer: str = "auto") 
     for names, impl in ((_DELTA_RULE, delta), (_CONV, conv)):
         for name in names:
             setattr(hf, name, impl[name] if impl else _TORCH_PATH[name])
+    # packed rows: the chunked rule and the convolution keep each segment apart
+    setattr(hf, _DELTA_RULE[0], _delta_rule_by_document(getattr(hf, _DELTA_RULE[0]), varlen=bool(delta)))
+    setattr(hf, _CONV[0], _conv_by_document(getattr(hf, _CONV[0])))
     choice = KernelChoice(delta_rule="fla" if delta else "torch", conv="causal-conv1d" if conv else "torch")
     key = f"{device.type}:{prefer}"
     if _CHOSEN.get(key) != f"{choice}":

@@ -49,7 +49,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from lazytrain.memory.host_store import HostStore
 from lazytrain.memory.nvme import NvmeStore
-from lazytrain.model.adapter import ModelAdapter
+from lazytrain.model.adapter import ModelAdapter, mask_tensors
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.activations import ActivationStore, Handle
 from lazytrain.runtime.distributed import DataParallel
@@ -478,7 +478,7 @@ class Executor:
         else:
             position_ids = position_ids.to(dev, non_blocking=True)
         cos, sin = adapter.rotary_embeddings(position_ids, self.dtype)
-        self._consts = [cos, sin] + [m for m in mask.values() if m is not None]
+        self._consts = [cos, sin, *mask_tensors(mask)]
         rope = (cos, sin)
         self.trace.start_step()
         self._reads_left.clear()  # an abandoned step's counts

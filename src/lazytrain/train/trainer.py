@@ -54,8 +54,7 @@ class Trainer:
 
     Raises at setup for: an unsupported architecture or a missing model folder, an output
     folder holding another run, host memory or disk space that cannot hold the run (with the
-    bytes), data that is empty after truncation, a plan that does not match the model, and
-    ``data.packing`` with a model that has linear-attention layers.
+    bytes), data that is empty after truncation, and a plan that does not match the model.
     """
 
     def __init__(self, config: Config):
@@ -76,8 +75,6 @@ class Trainer:
         self.device, self.dtype, self.tokenizer = session.device, session.dtype, session.tokenizer
         self.adapter, self.store, self.optimizer = session.adapter, session.store, session.optimizer
         self.parallel = session.parallel
-        if cfg.data.packing:  # before the data is read: a model that cannot be packed fails now
-            self.adapter.check_document_masking()
         self.is_main = self.parallel is None or self.parallel.info.is_main
         if self.parallel is not None:  # every rank writes its shard of each checkpoint
             self.checkpointer.shard(self.parallel.info.rank, self.parallel.info.world_size, self.parallel.all_agree)
