@@ -116,11 +116,12 @@ def test_kernel_check_on_the_cpu_measures_the_bf16_null(tmp_path):
     assert all(1e-4 < errors[n]["rel_fro"] < 5e-2 for n in ("out", "dq", "dk", "dv", "dg", "dbeta")), errors
 
 
-def test_packing_bench_on_the_cpu_compares_packed_with_padded(tmp_path):
-    subprocess.run([sys.executable, "bench/packing_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_packing_bench_on_the_cpu_compares_packed_with_padded(tmp_path, model):
+    subprocess.run([sys.executable, "bench/packing_bench.py", "--model", model, "--device", "cpu", "--batch", "2",
                     "--seq", "512", "--samples", "200", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)],
                    cwd=ROOT, check=True, capture_output=True, timeout=300)
-    (path,) = tmp_path.glob("packing_tiny_*_s512_b2.json")
+    (path,) = tmp_path.glob(f"packing_{model}_*_s512_b2.json")
     records = json.loads(path.read_text())
     assert [r["batching"] for r in records] == ["padded", "packed"]
     for r in records:
