@@ -146,6 +146,22 @@ def test_packed_equals_unpacked_per_sample_loss_and_gradients(qwen2, plans):
         assert got.num_tokens == want.num_tokens and got.num_slots == 60 != want.num_slots
 
 
+def test_rows_that_one_sample_fills_are_segments_of_their_own(qwen2):
+    """Rows without padding, back to back, whose first and last samples share a document id (1):
+    each row starts a segment, so no sample reads the previous row's state or tokens."""
+    _, adapter, store = qwen2
+    data = dataset(lengths=(WIDTH, WIDTH, 8, 12, WIDTH))
+    packed = collate_packed(data, [(0,), (1,), (2, 3), (4,)])
+    assert packed.document_ids[:2].eq(1).all() and packed.document_ids[3].eq(1).all()
+    unpacked = collate(data, list(range(5)))
+    plan = megatrain_plan(adapter.num_layers, 4, WIDTH, every=2)
+    want, want_grads = run(Executor(adapter, store, keep_all_plan(adapter.num_layers, 5, WIDTH), CPU), unpacked)
+    got, got_grads = run(Executor(adapter, store, plan, CPU), packed)
+    assert got.loss == pytest.approx(want.loss, rel=1e-5)
+    for g, (a, b) in enumerate(zip(got_grads, want_grads)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"group {g}")
+
+
 def test_packed_executor_matches_plain_hf_autograd(qwen2):
     """The packed step against the HF model's own forward of the samples unpacked (HF builds its
     padding mask itself), and for the dense families HF's own packed forward (positions
@@ -305,3 +321,41 @@ def test_data_parallel_ranks_take_whole_packed_rows():
         for name in ("input_ids", "labels", "position_ids", "document_ids", "attention_mask"):
             assert torch.equal(getattr(rows, name), getattr(packed, name)[mine]), name
         assert rows.num_tokens == int(packed.attention_mask[mine].sum())
+
+
+def test_the_packed_convolution_saves_what_the_unpacked_one_does():
+    """Packing adds to the Gated-DeltaNet convolution's saved tensors only the token positions it
+    indexes with (8 bytes a token), not a copy of its input (16 KB a token at Qwen3.5-9B): the
+    profiler, which measures layers unpacked, stays right for packed steps there."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    from lazytrain.model.adapter import packed_segments
+    from lazytrain.model.kernels import select_linear_attention_kernels
+    from lazytrain.runtime.profiler import saved_tensor_bytes
+
+    select_linear_attention_kernels(CPU)  # as a hybrid model's adapter does
+    packed = collate_packed(dataset(), ROWS)
+    segments = packed_segments(packed.document_ids)
+    x = torch.randn(3, 96, WIDTH, requires_grad=True)
+    weight = torch.randn(96, 4, requires_grad=True)
+    saved = {}
+    for name, kwargs in (("unpacked", {}), ("packed", segments)):
+        _, saved[name] = saved_tensor_bytes(lambda kw=kwargs: hf.causal_conv1d_fn(x * 1, weight, None, activation="silu",
+                                                                                   **kw), (weight, *segments.values()))
+    assert saved["packed"] <= saved["unpacked"] + 8 * packed.input_ids.numel()
+
+
+def test_the_torch_delta_rule_groups_packed_segments_by_length():
+    """The torch reference pads each segment only to the longest of its group, at most twice its
+    shortest (a padding tail of 1 token among samples of hundreds costs no more than itself)."""
+    from lazytrain.model.kernels import GROUP_SPREAD, _length_groups
+
+    lengths = [300, 1, 4, 350, 700, 2, 1024, 9, 512, 513]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    groups = _length_groups(cu)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    for group in groups:
+        sizes = [lengths[i] for i in group]
+        assert max(sizes) <= GROUP_SPREAD * min(sizes)
+    padded = sum(len(group) * max(lengths[i] for i in group) for group in groups)
+    assert padded <= GROUP_SPREAD * sum(lengths) < len(lengths) * max(lengths)

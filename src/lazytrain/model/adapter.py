@@ -320,9 +320,16 @@ class ModelAdapter:
         if document_ids is not None:
             if queries is not None and queries != document_ids.shape[1]:
                 raise ValueError("packed rows (document_ids) are trained whole, not decoded")
-            padding = document_ids != 0
-            return {kind: {"attention_mask": padding, **packed_segments(document_ids)} if kind == "linear_attention"
-                    else attention_mask_4d(padding, None, document_ids) for kind in self.templates}
+            on_device = document_ids.to(self.device, non_blocking=True)
+            padding = on_device != 0
+            masks = {kind: attention_mask_4d(padding, None, on_device) for kind in self.templates
+                     if kind != "linear_attention"}
+            if "linear_attention" in self.templates:
+                # from the CPU copy the executor passes: no step waits on the GPU for them
+                segments = packed_segments(document_ids)
+                masks["linear_attention"] = {"attention_mask": padding, "cu_seqlens_cpu": segments["cu_seq_lens_q"].cpu(),
+                                             **{n: t.to(self.device, non_blocking=True) for n, t in segments.items()}}
+            return masks
         masks: dict[str, LayerMask] = {}
         for kind in self.templates:
             if attention_mask is None:
@@ -399,7 +406,8 @@ class ModelAdapter:
 LayerMask = torch.Tensor | dict[str, torch.Tensor] | None
 """What `ModelAdapter.layer_masks` gives a layer type: its ``attention_mask`` (None: none), or
 for packed linear-attention layers the keyword arguments ``attention_mask``, ``seq_idx`` and
-``cu_seq_lens_q`` (`packed_segments`)."""
+``cu_seq_lens_q`` (`packed_segments`, on the device) and ``cu_seqlens_cpu`` (a CPU copy of the
+offsets, for kernels that need them on the host: `lazytrain.model.kernels`)."""
 
 
 def layer_mask_kwargs(mask: LayerMask) -> dict[str, torch.Tensor | None]:
@@ -413,9 +421,9 @@ def mask_tensors(masks: dict[str, LayerMask]) -> list[torch.Tensor]:
 
 
 def packed_segments(document_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The segments of packed rows, as the Gated-DeltaNet kernels take them: a segment is a
-    run of one ``document_ids`` value within a row (a sample, or the row's padding), and each row
-    starts one. ``seq_idx`` [B, S]: each token's segment, numbered 0.. over the rows in order;
+    """The segments of packed rows, as the Gated-DeltaNet kernels take them, on
+    ``document_ids``' device (on a GPU this waits for it): a segment is a run of one
+    ``document_ids`` value within a row (a sample, or the row's padding), and each row starts one. ``seq_idx`` [B, S]: each token's segment, numbered 0.. over the rows in order;
     ``cu_seq_lens_q`` [segments + 1]: where each segment starts in the rows laid end to end, and
     their total length (int64, as fla's variable-length kernels take offsets)."""
     batch, length = document_ids.shape

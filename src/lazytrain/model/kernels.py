@@ -77,28 +77,60 @@ def _taking_only_its_arguments(impl):
     return call
 
 
+class _SpacedConv(torch.autograd.Function):
+    """A depthwise causal ``conv1d`` of packed rows ``x`` [B, C, T] (in ``weight``'s dtype) that
+    restarts at every segment: the rows laid end to end with K - 1 zeros before each segment (the
+    zeros the unpacked convolution's padding reads), one ``conv1d`` over them, each token's
+    output read back. Saves ``x`` itself, as the unpacked convolution does, and rebuilds the
+    spaced copy in backward, so packing adds no saved bytes beyond the token positions."""
+
+    @staticmethod
+    def _spaced(x: torch.Tensor, place: torch.Tensor, length: int) -> torch.Tensor:
+        flat = x.transpose(0, 1).reshape(x.shape[1], -1)
+        return flat.new_zeros(x.shape[1], length).index_copy_(1, place, flat)[None]
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, place, length):
+        batch, channels, tokens = x.shape
+        out = F.conv1d(_SpacedConv._spaced(x, place, length), weight.unsqueeze(1), bias, groups=channels)[0]
+        # the window ending at a token's place starts K - 1 places before it
+        ctx.save_for_backward(x, weight, place)
+        ctx.length, ctx.has_bias = length, bias is not None
+        return out.index_select(1, place - (weight.shape[-1] - 1)).view(channels, batch, tokens).transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, place = ctx.saved_tensors
+        batch, channels, tokens = x.shape
+        width = weight.shape[-1]
+        grad_out = grad.new_zeros(1, channels, ctx.length - width + 1)
+        grad_out[0].index_copy_(1, place - (width - 1), grad.transpose(0, 1).reshape(channels, -1))
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
+            grad_out, _SpacedConv._spaced(x, place, ctx.length), weight.unsqueeze(1),
+            [channels] if ctx.has_bias else None, [1], [0], [1], False, [0], channels,
+            [need_x, need_w, need_b and ctx.has_bias])
+        if grad_x is not None:
+            grad_x = grad_x[0].index_select(1, place).view(channels, batch, tokens).transpose(0, 1)
+        return grad_x, None if grad_w is None else grad_w.squeeze(1), grad_b, None, None
+
+
 def document_causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            activation: str | None, seq_idx: torch.Tensor, segments: int) -> torch.Tensor:
     """The Gated-DeltaNet short convolution (depthwise, causal; ``hidden_states`` [B, C, T],
     ``weight`` [C, K]) restarted at each segment: no output reads an input of an earlier segment.
 
-    ``seq_idx`` [B, T]: each token's segment, numbered 0.. over the rows in order (a row starts
-    a segment); ``segments``: how many. The rows are laid end to end with K - 1 zeros before each
-    segment, so one ``conv1d`` over them is exact per segment: the zeros are what the unpacked
-    convolution's padding reads. One copy of the input is saved for backward, as without packing.
+    ``seq_idx`` [B, T]: each token's segment, numbered 0.. over the rows in order (every row
+    starts one); ``segments``: how many. As transformers' reference: computed in ``weight``'s
+    dtype, the activation applied after, the result in the input's dtype.
     """
     from transformers.activations import ACT2FN
 
-    batch, channels, length = hidden_states.shape
     width = weight.shape[-1]
-    tokens = batch * length
-    # where each token goes: its place in the flattened rows, shifted by the zeros before it
+    tokens = seq_idx.numel()
+    # each token's place in the rows laid end to end, after the K - 1 zeros before its segment
     place = torch.arange(tokens, device=seq_idx.device) + (width - 1) * (seq_idx.reshape(-1) + 1)
-    flat = hidden_states.to(weight.dtype).transpose(0, 1).reshape(channels, tokens)
-    spaced = flat.new_zeros(channels, tokens + (width - 1) * segments).index_copy(1, place, flat)
-    out = F.conv1d(spaced[None], weight.unsqueeze(1), bias, groups=channels)[0]
-    # the output of the window ending at a token's place starts K - 1 places before it
-    out = out.index_select(1, place - (width - 1)).view(channels, batch, length).transpose(0, 1)
+    out = _SpacedConv.apply(hidden_states.to(weight.dtype), weight, bias, place, tokens + (width - 1) * segments)
     if activation is not None:
         out = ACT2FN[activation](out)
     return out.to(hidden_states.dtype)
@@ -108,7 +140,8 @@ def _conv_by_document(conv):
     """``conv`` (a ``causal_conv1d_fn``), or `document_causal_conv1d` for packed rows."""
 
     @functools.wraps(conv)
-    def call(hidden_states, weight, bias=None, activation=None, seq_idx=None, cu_seq_lens_q=None, **kwargs):
+    def call(hidden_states, weight, bias=None, activation=None, seq_idx=None, cu_seq_lens_q=None,
+             cu_seqlens_cpu=None, **kwargs):
         if seq_idx is None:
             return conv(hidden_states, weight, bias, activation=activation, **kwargs)
         return document_causal_conv1d(hidden_states, weight, bias, activation, seq_idx, cu_seq_lens_q.numel() - 1)
@@ -116,34 +149,66 @@ def _conv_by_document(conv):
     return call
 
 
+GROUP_SPREAD = 2
+"""The torch reference runs packed segments in groups whose longest is at most this many times
+their shortest (each group one zero-padded batch): at most about this much work and memory per
+token, where one batch padded to the longest segment costs segments x longest."""
+
+
+def _length_groups(cu_seqlens_cpu: torch.Tensor) -> list[list[int]]:
+    """The segments (indices), shortest first, in groups of lengths within `GROUP_SPREAD`."""
+    lengths = cu_seqlens_cpu.diff().tolist()
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if groups and lengths[i] <= GROUP_SPREAD * max(1, lengths[groups[-1][0]]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _rows(t: torch.Tensor, index: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """``t``'s tokens [tokens, ...] at ``index`` [rows, longest], zero where not ``inside``."""
+    picked = t[index]
+    return picked * inside.view(*inside.shape, *(1,) * (picked.dim() - 2)).to(picked.dtype)
+
+
 def _delta_rule_by_document(rule, varlen: bool):
     """``rule`` (a chunked gated-delta rule) on packed rows: each segment of ``cu_seqlens``
-    (offsets into the rows flattened, as fla takes them) from a zero state. ``varlen``: ``rule``
-    takes ``cu_seqlens`` itself (fla, one flattened row); otherwise the segments become the rows
-    of one batch, zero-padded at their ends (causal, so the padding changes no real output)."""
+    (offsets into the rows flattened, as fla takes them; ``cu_seqlens_cpu``: a CPU copy, so no
+    step waits on the GPU for them) from a zero state. ``varlen``: ``rule`` takes ``cu_seqlens``
+    itself (fla, one flattened row); otherwise segments of similar length (`_length_groups`) run
+    as the rows of one batch each, zero-padded at their ends (causal: no real output changes)."""
+    takes_cpu_offsets = "cu_seqlens_cpu" in inspect.signature(rule).parameters
 
     @functools.wraps(rule)
-    def call(query, key, value, g, beta, cu_seqlens=None, seq_idx=None, **kwargs):
+    def call(query, key, value, g, beta, cu_seqlens=None, seq_idx=None, cu_seqlens_cpu=None, **kwargs):
         if cu_seqlens is None:
             return rule(query, key, value, g=g, beta=beta, **kwargs)
         if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
             raise KernelError("packed rows (data.packing) train from a zero state: no recurrent cache")
         batch, length = query.shape[:2]
-        flat = [t.reshape(1, batch * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
+        flat = [t.reshape(batch * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
         if varlen:
-            out, state = rule(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=cu_seqlens, **kwargs)
+            extra = {"cu_seqlens_cpu": cu_seqlens_cpu} if takes_cpu_offsets and cu_seqlens_cpu is not None else {}
+            out, state = rule(*(t[None] for t in flat[:3]), g=flat[3][None], beta=flat[4][None],
+                              cu_seqlens=cu_seqlens, **extra, **kwargs)
             return out.view(batch, length, *out.shape[2:]), state
-        lengths = cu_seqlens.diff()
-        steps = torch.arange(int(lengths.max()), device=query.device)
-        inside = steps < lengths[:, None]  # [segments, longest]
-        index = torch.where(inside, cu_seqlens[:-1, None] + steps, 0)
-
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            picked = t[0][index]
-            return picked * inside.view(*inside.shape, *(1,) * (picked.dim() - 2)).to(picked.dtype)
-
-        out, state = rule(*map(rows, flat[:3]), g=rows(flat[3]), beta=rows(flat[4]), **kwargs)
-        return out[inside].view(batch, length, *out.shape[2:]), state
+        cpu = cu_seqlens.cpu() if cu_seqlens_cpu is None else cu_seqlens_cpu
+        parts, order = [], []
+        for group in _length_groups(cpu):
+            starts, lengths = cpu[group], cpu[[i + 1 for i in group]] - cpu[group]
+            steps = torch.arange(int(lengths.max()))
+            inside = steps < lengths[:, None]  # [segments, longest]
+            index = torch.where(inside, starts[:, None] + steps, 0)
+            on, gather = (t.to(query.device, non_blocking=True) for t in (inside, index))
+            q, k, v, decay, b = (_rows(t, gather, on) for t in flat)
+            out, _ = rule(q, k, v, g=decay, beta=b, **kwargs)
+            parts.append(out[on])
+            order.append(index[inside])
+        # the groups' tokens back in the rows' order
+        back = torch.cat(order).argsort().to(query.device, non_blocking=True)
+        return torch.cat(parts)[back].view(batch, length, *parts[0].shape[1:]), None
 
     return call
 

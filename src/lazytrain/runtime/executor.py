@@ -470,7 +470,7 @@ class Executor:
         # one for attention) are built on the device
         padded = attention_mask is not None and not bool(attention_mask.all())
         if document_ids is not None:
-            mask = adapter.layer_masks(None, document_ids=document_ids.to(dev, non_blocking=True))
+            mask = adapter.layer_masks(None, document_ids=document_ids)  # the CPU copy: see layer_masks
         else:
             mask = adapter.layer_masks(attention_mask.to(dev, non_blocking=True) if padded else None)
         if position_ids is None:
