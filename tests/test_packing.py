@@ -359,3 +359,31 @@ def test_the_torch_delta_rule_groups_packed_segments_by_length():
         assert max(sizes) <= GROUP_SPREAD * min(sizes)
     padded = sum(len(group) * max(lengths[i] for i in group) for group in groups)
     assert padded <= GROUP_SPREAD * sum(lengths) < len(lengths) * max(lengths)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
+def test_packed_step_on_cuda_matches_unpacked_on_the_cpu(tmp_path, family):
+    """On CUDA (fp32; the Gated-DeltaNet layers on whichever kernels the device has), a packed
+    step with recomputed and host-tier layers gives the loss and gradients of the same samples
+    unpacked on the CPU; the segments come from the batch's CPU copy."""
+    cuda = torch.device("cuda")
+    model = make_hf_model(family, seed=4, layers=3)
+    model.save_pretrained(tmp_path)
+    data = dataset()
+    unpacked = collate(data, list(range(len(LENGTHS))))
+    packed = collate_packed(data, ROWS)
+    results = []
+    for device, batch, plan in ((CPU, unpacked, keep_all_plan(3, 6, unpacked.input_ids.shape[1])),
+                                (cuda, packed, megatrain_plan(3, 3, WIDTH, every=2))):
+        adapter = ModelAdapter(load_hf_config(tmp_path), device, torch.float32)
+        store = HostStore(adapter.layouts, torch.float32, pin=device.type == "cuda")
+        load_safetensors(adapter, store, tmp_path)
+        if device.type == "cuda":
+            plan.layers[1] = LayerPlan(mode="keep", tier="host", recompute="attention")
+        results.append(run(Executor(adapter, store, plan, device), batch))
+    (want, want_grads), (got, got_grads) = results
+    assert got.loss == pytest.approx(want.loss, rel=1e-4)
+    for g, (a, b) in enumerate(zip(got_grads, want_grads)):
+        torch.testing.assert_close(a.float().cpu(), b, rtol=1e-4, atol=1e-5, msg=f"group {g}")
