@@ -35,6 +35,7 @@ def test_cpu_binds_the_torch_references(caplog):
 
 
 def test_cuda_without_fla_warns_once_with_the_install_command(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "_CHOSEN", {})  # a new process: a CUDA test before may have chosen
     monkeypatch.setitem(sys.modules, "fla", None)
     monkeypatch.setitem(sys.modules, "causal_conv1d", None)
     with caplog.at_level("WARNING", logger="lazytrain.model.kernels"):
