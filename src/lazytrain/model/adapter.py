@@ -327,8 +327,9 @@ class ModelAdapter:
             if "linear_attention" in self.templates:
                 # from the CPU copy the executor passes: no step waits on the GPU for them
                 segments = packed_segments(document_ids)
-                masks["linear_attention"] = {"attention_mask": padding, "cu_seqlens_cpu": segments["cu_seq_lens_q"].cpu(),
-                                             **{n: t.to(self.device, non_blocking=True) for n, t in segments.items()}}
+                masks["linear_attention"] = {
+                    "attention_mask": padding, "cu_seqlens_cpu": segments["cu_seq_lens_q"].cpu(),
+                    **{name: t.to(self.device, non_blocking=True) for name, t in segments.items()}}
             return masks
         masks: dict[str, LayerMask] = {}
         for kind in self.templates:
@@ -423,7 +424,8 @@ def mask_tensors(masks: dict[str, LayerMask]) -> list[torch.Tensor]:
 def packed_segments(document_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The segments of packed rows, as the Gated-DeltaNet kernels take them, on
     ``document_ids``' device (on a GPU this waits for it): a segment is a run of one
-    ``document_ids`` value within a row (a sample, or the row's padding), and each row starts one. ``seq_idx`` [B, S]: each token's segment, numbered 0.. over the rows in order;
+    ``document_ids`` value within a row (a sample, or the row's padding), and each row starts
+    one. ``seq_idx`` [B, S]: each token's segment, numbered 0.. over the rows in order;
     ``cu_seq_lens_q`` [segments + 1]: where each segment starts in the rows laid end to end, and
     their total length (int64, as fla's variable-length kernels take offsets)."""
     batch, length = document_ids.shape

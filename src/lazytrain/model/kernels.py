@@ -13,12 +13,14 @@ instead, and says what it chose:
   against HF autograd.
 
 Packed rows (``data.packing``): the adapter passes each linear-attention layer the rows'
-segments (``seq_idx``, ``cu_seq_lens_q``: a segment is one sample, or a row's padding), and the
-bound functions keep them apart: the short convolution restarts at each segment start
-(`document_causal_conv1d`), and the delta rule starts each segment from a zero state (fla: its
-variable-length kernel over the rows flattened into one sequence; the torch reference: the
-segments as the rows of one zero-padded batch). transformers passes these keyword arguments on
-from the layer to both functions in every version LazyTrain supports.
+segments (``seq_idx``, ``cu_seq_lens_q``, ``cu_seqlens_cpu``: a segment is one sample, or a
+row's padding), and the bound functions keep them apart: the short convolution restarts at each
+segment start (`document_causal_conv1d`), and the delta rule starts each segment from a zero
+state (fla: its variable-length kernel over the rows flattened into one sequence; the torch
+reference: segments of similar length as the rows of zero-padded batches). transformers passes
+these keyword arguments on from the layer to both functions in every version LazyTrain supports
+(its own ``causal_conv1d_fn`` refuses them without the causal-conv1d package: these bindings
+are what makes packing work).
 """
 
 from __future__ import annotations
