@@ -94,7 +94,8 @@ class DataConfig:
     packing: bool = False
     """Pack samples into rows of exactly max_seq_len tokens (padding only at row ends), with
     attention masked per sample, positions restarting per sample and the loss unchanged per
-    sample. Batches then have one fixed shape. Not for models with linear-attention layers."""
+    sample (in Qwen3.5/3.6 models the Gated-DeltaNet layers' convolution and recurrent state
+    restart per sample too). Batches then have one fixed shape."""
     builtin_train_size: int = 20000
     heldout_size: int = 200
     """Held-out problems for evaluation with the built-in data."""
