@@ -203,10 +203,12 @@ def _delta_rule_by_document(rule, varlen: bool):
             steps = torch.arange(int(lengths.max()))
             inside = steps < lengths[:, None]  # [segments, longest]
             index = torch.where(inside, starts[:, None] + steps, 0)
-            on, gather = (t.to(query.device, non_blocking=True) for t in (inside, index))
+            # index tensors made on the host and sent: a boolean mask on the GPU would wait for it
+            on, gather, real = (t.to(query.device, non_blocking=True)
+                                for t in (inside, index, inside.reshape(-1).nonzero().squeeze(1)))
             q, k, v, decay, b = (_rows(t, gather, on) for t in flat)
             out, _ = rule(q, k, v, g=decay, beta=b, **kwargs)
-            parts.append(out[on])
+            parts.append(out.flatten(0, 1)[real])
             order.append(index[inside])
         # the groups' tokens back in the rows' order
         back = torch.cat(order).argsort().to(query.device, non_blocking=True)
