@@ -6,7 +6,8 @@ fine-tune that model on another tier at a fine-tuning learning rate with each op
 other float rounding: ``fp32_kernel`` (LazyTrain's fused kernel with fp32 states for every
 group; on the H200, 301-353 s per 0.5B fine-tune against 238-254 s for torch's fused fp32, two
 or three runs sharing the host) and ``fp32_unfused`` (torch's single-tensor loop, 2-3x fp32's
-time, not run unless asked for); ``hybrid8bit``). One record per (kind, seed) with the
+time, not run unless asked for); ``hybrid8bit``; ``hybrid8bit_sr``, its sqrt(v) rounded
+stochastically (``optimizer.state_rounding``), not run unless asked for). One record per (kind, seed) with the
 fine-tuning loss curve, held-out exact match on the fine-tuning tier and, after the fine-tune,
 on the pretraining tier (``retained_exact_match``, the same held-out problems the base was
 scored on: the base's skill after the fine-tune, an exact match that can move where the new
@@ -56,7 +57,7 @@ from bench.optim_convergence import run
 from bench.optim_convergence_seeds import interval, points, ratio
 from lazytrain.runtime.device import resolve_device
 
-KINDS = ("fp32", "fp32_kernel", "fp32_unfused", "hybrid8bit")
+KINDS = ("fp32", "fp32_kernel", "fp32_unfused", "hybrid8bit", "hybrid8bit_sr")
 DEFAULT_KINDS = ("fp32", "fp32_kernel", "hybrid8bit")
 STUDY_OPTIONS = ("shape", "pretrain_tier", "pretrain_steps", "pretrain_lr", "pretrain_runner", "finetune_tier",
                  "finetune_steps", "finetune_lr", "batch_size", "heldout", "tail", "device")
@@ -147,7 +148,7 @@ def finetune_seed(args: argparse.Namespace, common: list[str], device, seed: int
             records.append({
                 "name": f"finetune_8bit_{args.shape}", **run_header(device), "model": f"builtin:{args.shape}",
                 "runner": "lazytrain", "kind": kind, "seed": seed, "precision": "bf16" if device.type == "cuda"
-                else "fp32", "optimizer": "adamw_hybrid8bit" if kind == "hybrid8bit" else "adamw_fp32",
+                else "fp32", "optimizer": "adamw_hybrid8bit" if kind.startswith("hybrid8bit") else "adamw_fp32",
                 "optimizer_backend": result["optimizer_backend"],
                 "pretrain_tier": args.pretrain_tier, "pretrain_steps": args.pretrain_steps,
                 "pretrain_seed": base["seed"], "pretrain_exact_match": base["exact_match"],
@@ -246,7 +247,7 @@ def parallel_study(args: argparse.Namespace) -> Path | None:
         pretrain_threads = args.pretrain_threads or cores
         first = [Job("pretrain", "pretrain", [*script, "--seeds", str(args.seeds[0]), "--pretrain-only",
                                               "--threads", str(pretrain_threads)], pretrain_threads)]
-        if "hybrid8bit" in args.kinds:  # built once now, not by the 8-bit runs racing for it
+        if any(k.startswith("hybrid8bit") for k in args.kinds):  # built once now, not by the 8-bit runs racing for it
             build = "from lazytrain.optim.kernel import load_kernel; load_kernel(required=True)"
             first.append(Job("kernel_build", "kernel_build", [sys.executable, "-c", build], 1))
         before = run_jobs(first, len(first), runs, deadline)
@@ -343,7 +344,8 @@ def report(records: list[dict], command: str, notes: list[str] = ()) -> str:
              f"{first['finetune_tier']} at lr {first['lr']}, batch {first['batch_size']}, {first['heldout']} "
              "held-out problems."), "", *(f"{note}\n" for note in notes),
              "Along the run: per seed, the mean over the fine-tune (every 10th step's loss) of |loss / fp32's "
-             "loss - 1|, in %: the null's shows how far float rounding alone moves a run. Exact match is on the "
+             "loss - 1|, in %, and its mean over the seeds [90% interval, seeds resampled]: the null's shows how far float "
+             "rounding alone moves a run. Exact match is on the "
              "fine-tuning tier"
              + (f"; retained: on {first['pretrain_tier']} after the fine-tune." if retained else "."), "",
              ("| kind | seeds | exact match mean | " + ("retained mean | " if retained else "")
@@ -371,11 +373,19 @@ def report(records: list[dict], command: str, notes: list[str] = ()) -> str:
             along = [deviation(runs[s]["loss_every_10_steps"], fp32[s]["loss_every_10_steps"]) for s in paired]
             row += (f" {statistics.fmean(mine_tail) / statistics.fmean(base_tail):.5f} [{lo:.5f}, {hi:.5f}] |"
                     f" {100 * (statistics.fmean(mine_em) - statistics.fmean(base_em)):+.1f} [{plo:+.1f}, {phi:+.1f}] |"
-                    f" {' / '.join(f'{100 * d:.3f}' for d in along)} |")
+                    f" {' / '.join(f'{100 * d:.3f}' for d in along)}{along_mean(along)} |")
         else:
             row += " - | - | - |"
         lines.append(row)
     return "\n".join(lines) + "\n"
+
+
+def along_mean(along: list[float]) -> str:
+    """"; mean M [LO, HI]" in %, the 90% interval from resampling the seeds (two or more)."""
+    if len(along) < 2:
+        return ""
+    lo, hi = interval(along, along, lambda a, _: a)
+    return f"; mean {100 * statistics.fmean(along):.3f} [{100 * lo:.3f}, {100 * hi:.3f}]"
 
 
 def deviation(curve: list[float], base: list[float]) -> float:

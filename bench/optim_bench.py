@@ -47,6 +47,10 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="8-bit path: fused C++ kernel, pure torch, or auto (default: env or auto)",
     )
+    parser.add_argument(
+        "--rounding", choices=("nearest", "stochastic"), default="nearest",
+        help="8-bit path: how sqrt(v) is requantized (optimizer.state_rounding)",
+    )
     return parser.parse_args()
 
 
@@ -123,6 +127,8 @@ def main() -> None:
     choice = kernel_choice(args.kernel)
     kernel = None if choice == "torch" else load_kernel(required=choice == "cpp")
     path = "cpp-" + kernel.simd() if kernel is not None else "torch-fallback"
+    if args.rounding != "nearest":
+        path += f", {args.rounding} sqrt(v)"
     note = None
     if kernel is None and choice != "torch":
         note = (
@@ -134,7 +140,8 @@ def main() -> None:
 
     ns8, bytes8, _ = run_path(
         f"hybrid 8-bit ({path})",
-        lambda m, d: Hybrid8bitAdamW(m, d, config, kernel="torch" if kernel is None else "cpp"),
+        lambda m, d: Hybrid8bitAdamW(m, d, config, kernel="torch" if kernel is None else "cpp",
+                                     rounding=args.rounding),
         args.numel,
         args,
     )
@@ -148,6 +155,7 @@ def main() -> None:
         "device": cpu_description(),
         "torch": torch.__version__,
         "path_8bit": path,
+        "rounding": args.rounding,
         "ns_per_param_8bit": ns8,
         "ns_per_param_fp32": ns32,
         "speedup": ns32 / ns8,

@@ -37,6 +37,8 @@ RUNS = {
     # fine-tuning study on the H200)
     "fp32_kernel": ["optimizer.kind=hybrid8bit"],
     "hybrid8bit": ["optimizer.kind=hybrid8bit"],
+    # sqrt(v) rounded stochastically instead of to the nearest code
+    "hybrid8bit_sr": ["optimizer.kind=hybrid8bit", "optimizer.state_rounding=stochastic"],
     "hybrid8bit_fp32_embedding": ["optimizer.kind=hybrid8bit", "optimizer.fp32_embedding_states=true"],
 }
 

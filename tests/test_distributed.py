@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from lazytrain.config import load_config
 from lazytrain.memory.shard import SHARD_ALIGN, shard_decay_numel, shard_range
+from lazytrain.optim import kernel as kernel_module
 from lazytrain.optim.base import AdamWConfig
 from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
 from lazytrain.optim.quant import BLOCK
@@ -27,6 +28,11 @@ from lazytrain.train.trainer import Trainer
 
 COMMON = ["training.progress=false", "data.builtin_train_size=64", "data.heldout_size=1",
           "optimizer.warmup_steps=1", "training.max_grad_norm=0.5", "optimizer.weight_decay=0.1"]
+
+BACKENDS = [
+    pytest.param("cpp", marks=pytest.mark.skipif(kernel_module.load_kernel() is None, reason="no C++ kernel here")),
+    "torch",
+]
 
 
 def _free_port() -> int:
@@ -175,23 +181,27 @@ def test_two_ranks_equal_one_process_and_share_the_weights(tmp_path):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_8bit_steps_are_bitwise_the_unsharded(world):
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_sharded_8bit_steps_are_bitwise_the_unsharded(world, backend, rounding):
     """Given the same gradient, the ranks' 8-bit optimizers over 128-aligned shards produce
-    exactly the unsharded masters, weights and states (same blocks, same absmax)."""
+    exactly the unsharded masters, weights and states (same blocks, same absmax; with
+    stochastic rounding the same draws, from the shards' offsets in their groups)."""
     numels = [4096 + 300, 1000, 20_000]  # 8-bit, fp32 (small) and 8-bit groups
     decay = [4096, 1000, 19_000]
     gen = torch.Generator().manual_seed(0)
     masters = [torch.randn(n, generator=gen) for n in numels]
     grads = [[torch.randn(n, generator=gen) for n in numels] for _ in range(3)]
     config = AdamWConfig(lr=1e-2, weight_decay=0.1)
-    full = Hybrid8bitAdamW([m.clone() for m in masters], decay, config, kernel="torch")
+    full = Hybrid8bitAdamW([m.clone() for m in masters], decay, config, kernel=backend, rounding=rounding, seed=4)
     weights = [torch.empty(n) for n in numels]
     ranks = []
     for rank in range(world):
         ranges = [shard_range(n, world, rank) for n in numels]
         shard = Hybrid8bitAdamW([m[r.start : r.stop].clone() for m, r in zip(masters, ranges)],
                                 [shard_decay_numel(d, r) for d, r in zip(decay, ranges)], config,
-                                kernel="torch", group_numels=numels)
+                                kernel=backend, group_numels=numels, group_offsets=[r.start for r in ranges],
+                                rounding=rounding, seed=4)
         ranks.append((ranges, shard, [torch.empty(r.numel) for r in ranges]))
     for step_grads in grads:
         for g, grad in enumerate(step_grads):
@@ -212,10 +222,12 @@ def test_sharded_8bit_steps_are_bitwise_the_unsharded(world):
                 assert torch.equal(t, full_state[name][lo:hi]), (g, name)
 
 
-def test_three_ranks_hybrid8bit_equal_one_process(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_three_ranks_hybrid8bit_equal_one_process(tmp_path, monkeypatch, rounding):
     """The 8-bit optimizer over 3 ranks' shards trains like one process."""
     monkeypatch.setenv("LAZYTRAIN_OPTIM_KERNEL", "torch")
-    args = [*COMMON, "optimizer.kind=hybrid8bit", "training.batch_size=6", "training.steps=2"]
+    args = [*COMMON, "optimizer.kind=hybrid8bit", f"optimizer.state_rounding={rounding}",
+            "training.batch_size=6", "training.steps=2"]
     run_single([*args, f"training.output_dir={tmp_path / 'single'}"])
     run_ranks(3, [*args, f"training.output_dir={tmp_path / 'dp'}"])
     assert_same_training(tmp_path / "single", tmp_path / "dp", 3, 2, code_flips=True)

@@ -66,6 +66,10 @@ def test_config_errors():
     assert load_config(None, ["model.source=builtin:qwen2.5-7b"]).optimizer.lr == 1e-5
     with pytest.raises(ConfigError, match="fp32_embedding_states applies to optimizer.kind=hybrid8bit"):
         load_config(None, ["optimizer.fp32_embedding_states=true"])
+    with pytest.raises(ConfigError, match="state_rounding=stochastic applies to optimizer.kind=hybrid8bit"):
+        load_config(None, ["optimizer.state_rounding=stochastic"])
+    with pytest.raises(ConfigError, match="optimizer.state_rounding='up' is not one of nearest, stochastic"):
+        load_config(None, ["optimizer.kind=hybrid8bit", "optimizer.state_rounding=up"])
 
 
 def test_yaml_config_and_overrides(tmp_path):

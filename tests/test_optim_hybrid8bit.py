@@ -77,11 +77,11 @@ def _check_codes(codes, reference_codes, normalized, qmap, scale):
     )
 
 
-def _one_step(backend, numel, decay_numel, grad_dtype, out_dtype, clip, step, seed):
+def _one_step(backend, numel, decay_numel, grad_dtype, out_dtype, clip, step, seed, rounding="nearest"):
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(numel, generator=gen)
     grad = (torch.randn(numel, generator=gen) * 1e-2).to(grad_dtype)
-    opt = Hybrid8bitAdamW([master], [decay_numel], CONFIG, kernel=backend)
+    opt = Hybrid8bitAdamW([master], [decay_numel], CONFIG, kernel=backend, rounding=rounding)
     assert opt.backend == backend
     state = opt.states[0]
     if isinstance(state, QuantizedState):
@@ -178,11 +178,12 @@ def test_random_steps_match_float64_reference(
 
 
 @pytest.mark.skipif(not KERNEL_BUILT, reason="no C++ kernel here")
-def test_kernel_and_torch_path_agree():
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_kernel_and_torch_path_agree(rounding):
     results = []
     for backend in ("cpp", "torch"):
         opt, _, _, out = _one_step(
-            backend, 50_003, 30_001, torch.bfloat16, torch.bfloat16, 0.6, 3, 11
+            backend, 50_003, 30_001, torch.bfloat16, torch.bfloat16, 0.6, 3, 11, rounding
         )
         results.append((opt.masters[0], opt.states[0], out))
     (master_a, state_a, out_a), (master_b, state_b, out_b) = results
@@ -229,7 +230,8 @@ def test_small_groups_match_torch_fused_adamw(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_resume_equals_uninterrupted_run(backend):
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_resume_equals_uninterrupted_run(backend, rounding):
     gen = torch.Generator().manual_seed(1)
     sizes, decay = [9000, 100], [5000, 50]
     start = [torch.randn(n, generator=gen) for n in sizes]
@@ -240,16 +242,16 @@ def test_resume_equals_uninterrupted_run(backend):
             for g in range(len(sizes)):
                 opt.step_group(g, grads[step][g], 0.9, 1e-3, None)
 
-    whole = Hybrid8bitAdamW([m.clone() for m in start], decay, CONFIG, kernel=backend)
+    whole = Hybrid8bitAdamW([m.clone() for m in start], decay, CONFIG, kernel=backend, rounding=rounding)
     run(whole, range(6))
 
-    first = Hybrid8bitAdamW([m.clone() for m in start], decay, CONFIG, kernel=backend)
+    first = Hybrid8bitAdamW([m.clone() for m in start], decay, CONFIG, kernel=backend, rounding=rounding)
     run(first, range(3))
     buffer = io.BytesIO()
     torch.save({"optim": first.state_dict(), "masters": first.masters}, buffer)
     buffer.seek(0)
     saved = torch.load(buffer)
-    resumed = Hybrid8bitAdamW(saved["masters"], decay, CONFIG, kernel=backend)
+    resumed = Hybrid8bitAdamW(saved["masters"], decay, CONFIG, kernel=backend, rounding=rounding)
     resumed.load_state_dict(saved["optim"])
     run(resumed, range(3, 6))
 
@@ -511,3 +513,36 @@ def test_weights_stay_near_fp32_on_one_gradient_stream(backend):
     moved = theirs.masters[0].norm()
     drift = float((ours.masters[0] - theirs.masters[0]).norm() / moved)
     assert drift < 0.075, drift
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stochastic_step_rounds_sqrt_v_to_a_neighbouring_code(backend):
+    """One step with stochastic rounding: master, weights, m codes and absmaxes as the float64
+    reference has them (nearest m codes); each sqrt(v) code is one of the two codes around the
+    reference's value, and some draws differ from nearest rounding."""
+    numel = 40 * BLOCK + 77
+    opt, m_terms, ref, _ = _one_step(
+        backend, numel, 7 * BLOCK + 13, torch.bfloat16, torch.bfloat16, 0.37, 7, 5, "stochastic"
+    )
+    assert isinstance(opt.states[0], QuantizedState)
+    state = opt.states[0]
+    torch.testing.assert_close(opt.masters[0].double(), ref.master, rtol=4e-7, atol=1e-6)
+    torch.testing.assert_close(state.v_absmax.double(), ref.v_absmax, rtol=2e-6, atol=0)
+    m_absmax = ref.m_absmax.repeat_interleave(BLOCK)[:numel]
+    _check_codes(state.m_codes, ref.m_codes, ref.m_normalized, signed_tables().qmap, m_terms / m_absmax)
+    qmap = unsigned_tables().qmap.double()
+    # float32 rounding may put the value a hair across a code: allow a code's float32 neighbourhood
+    x = ref.v_normalized
+    codes = state.v_codes.long()
+    below = torch.bucketize(x * (1 - 1e-6), qmap, right=True) - 1
+    above = torch.bucketize(x * (1 + 1e-6), qmap, right=False)
+    assert bool(((codes >= below) & (codes <= above.clamp(max=255))).all())
+    # the new values lie near their old codes (small gradients against v): ~10% move off nearest
+    assert 0.03 < float((codes != ref.v_codes.long()).float().mean()) < 0.5
+
+
+def test_rejects_unknown_rounding_and_offsets():
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        Hybrid8bitAdamW([torch.zeros(10)], [0], CONFIG, rounding="up")
+    with pytest.raises(ValueError, match="one offset >= 0 per group"):
+        Hybrid8bitAdamW([torch.zeros(10)], [0], CONFIG, group_offsets=[0, 128])

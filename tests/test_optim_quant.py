@@ -147,3 +147,78 @@ def test_zero_and_denormal_blocks_are_stored_as_zero():
     codes, absmax = quantize_blockwise(x, tables)
     assert absmax[0] == 0 and absmax[1] == 0 and absmax[2] > 0
     assert bool((codes[: 2 * BLOCK] == tables.zero_code).all())
+
+
+def _fmix32(x: int) -> int:
+    """MurmurHash3's finalizer, written out on Python ints (the definition)."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) % 2**32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) % 2**32
+    return x ^ (x >> 16)
+
+
+def test_rounding_uniforms_are_the_hash_of_each_element():
+    key = quant.rounding_key(seed=7, group=3, step=11)
+    assert key == _fmix32((7 * 0x9E3779B1 + 3 * 0x85EBCA77 + 11 * 0xC2B2AE3D) % 2**32)
+    first = 2**32 - 5  # crosses 2**32: the high half of the index keys the draw too
+    u = quant.rounding_uniforms(key, first, 10)
+    for i, value in enumerate(u.tolist()):
+        index = first + i
+        block_key = _fmix32(key ^ ((index >> 32) * 0x27D4EB2F) % 2**32)
+        assert value == (_fmix32((index % 2**32) ^ block_key) >> 8) * 2.0**-24
+    # a shard's draws are the whole group's from its offset on
+    whole = quant.rounding_uniforms(key, 0, 5000)
+    assert torch.equal(quant.rounding_uniforms(key, 1280, 300), whole[1280:1580])
+    assert not torch.equal(quant.rounding_uniforms(key + 1, 0, 5000), whole)
+    # uniform on [0, 1): mean 1/2, variance 1/12, no value out of range
+    many = quant.rounding_uniforms(key, 0, 1 << 18)
+    assert 0.0 <= float(many.min()) and float(many.max()) < 1.0
+    assert abs(float(many.mean()) - 0.5) < 0.003 and abs(float(many.var()) - 1 / 12) < 0.001
+
+
+def test_stochastic_codes_are_unbiased_neighbours():
+    tables = build_tables(False)
+    qmap = tables.qmap.double()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.rand(200, generator=gen), torch.exp(-torch.rand(200, generator=gen) * 18),
+                   tables.qmap, torch.tensor([0.0, 1e-30, 1.0])]).clamp(0.0, 1.0)
+    nearest = nearest_code(x, tables)
+    draws = 2000
+    total = torch.zeros(x.numel(), dtype=torch.float64)
+    below = torch.bucketize(x.double(), qmap, right=True) - 1  # the code at or below x
+    for d in range(draws):
+        u = quant.rounding_uniforms(quant.rounding_key(0, 0, d), 0, x.numel())
+        codes = quant.stochastic_codes(x, nearest, tables, u).long()
+        assert bool(((codes == below) | (codes == below + 1) | ((x > 0) & (codes == 1))).all())
+        total += qmap[codes]
+    exact = torch.isin(x, tables.qmap)
+    mean = total / draws
+    # a value on a code keeps it; 0 stays 0; a positive value never becomes 0
+    assert torch.equal(mean[exact], x[exact].double())
+    assert float(mean[-3]) == 0.0 and float(mean[-2]) == float(qmap[1])
+    # elsewhere the mean code value is x, to within 5 standard errors of the draws
+    lo, hi = qmap[below.clamp(max=254)], qmap[(below + 1).clamp(max=255)]
+    p = ((x.double() - lo) / (hi - lo)).clamp(0, 1)
+    stderr = (hi - lo) * (p * (1 - p) / draws).sqrt()
+    check = ~exact & (x.double() > qmap[1])
+    assert bool(((mean - x.double()).abs()[check] <= 5 * stderr[check] + 1e-12).all())
+
+
+def test_stochastic_rounding_follows_a_slow_decay_that_nearest_rounds_away():
+    """sqrt(v) of a parameter whose gradient stopped shrinks by sqrt(beta2) per step (0.05% at
+    beta2 = 0.999), less than half a code gap: nearest codes hold it where it was, stochastic
+    ones follow it on average. One element at 1.0 keeps the block's absmax fixed."""
+    tables = build_tables(False)
+    n, steps, factor = 4096, 1000, 0.999**0.5
+    x = torch.full((n,), 0.3)
+    values = {"nearest": x.clone(), "stochastic": x.clone()}
+    for step in range(steps):
+        for rounding, value in values.items():
+            block = torch.cat([torch.ones(1), value * factor])
+            u = quant.rounding_uniforms(quant.rounding_key(0, 0, step), 0, n + 1) if rounding == "stochastic" else None
+            codes, absmax = quantize_blockwise(block, tables, block=n + 1, uniforms=u)
+            values[rounding] = dequantize_blockwise(codes, absmax, tables, block=n + 1)[1:]
+    target = 0.3 * factor**steps  # 0.182
+    assert abs(float(values["nearest"].mean()) - 0.3) < 0.01
+    assert abs(float(values["stochastic"].mean()) / target - 1) < 0.02

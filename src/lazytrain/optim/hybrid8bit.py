@@ -23,6 +23,17 @@ kernel does. Where the kernel cannot be built, ``torch_step_8bit`` runs the same
 with torch ops (the kernel's vector path takes sqrt(v) and 1 / (sqrt(v) + eps) from hardware
 estimates refined by a Newton step, so the two differ by about an ulp).
 
+With ``rounding="stochastic"`` (``optimizer.state_rounding``) the sqrt(v) codes are rounded
+stochastically instead: to the code below or above the new value, the upper one with
+probability (value - below) / (above - below), so the expected code value is the value. A
+nearest code cannot follow a change smaller than half its gap (sqrt(v) of a parameter whose
+gradient stopped shrinks by 0.05% a step at beta2 = 0.999, codes are 0.7-14% apart), so it
+holds such values where they were; stochastic codes follow them on average. The uniform number
+of each element is a hash of the seed, the group, the step and the element's index in its
+group (``quant.rounding_uniforms``): runs repeat exactly, resume exactly, and a data-parallel
+shard draws what the whole group would. m keeps nearest codes (rounding it stochastically too
+measured farther from fp32 along a run, ``bench/optim_update_error.py``).
+
 A split master (``split.py``) is joined to fp32, stepped and split again inside the same pass
 (kernel) or chunk (torch path), so the masters it holds are bit-for-bit those of an unsplit
 run fed the same gradients; its weight half is the streamed weight, written in that pass.
@@ -48,6 +59,8 @@ from lazytrain.optim.quant import (
     dequantize_blockwise,
     num_blocks,
     quantize_blockwise,
+    rounding_key,
+    rounding_uniforms,
     signed_tables,
     unsigned_tables,
 )
@@ -55,6 +68,9 @@ from lazytrain.optim.split import SplitMaster
 
 MIN_8BIT_NUMEL = 4096
 """Groups with fewer elements keep fp32 m and v."""
+
+ROUNDINGS = ("nearest", "stochastic")
+"""How sqrt(v) is requantized each step (``Hybrid8bitAdamW``'s ``rounding``)."""
 
 
 def is_8bit(numel: int) -> bool:
@@ -208,9 +224,11 @@ def torch_step_8bit(
     state: QuantizedState,
     weight_out: torch.Tensor | None,
     s: StepScalars,
+    rounding: tuple[int, int] | None = None,
 ) -> None:
     """The kernel's step with torch ops, a piece of TORCH_CHUNK elements at a time (the
-    fallback where the kernel does not build)."""
+    fallback where the kernel does not build). ``rounding``: (key, index of the first element
+    in its whole group) to round sqrt(v) stochastically (``quant.rounding_uniforms``)."""
     mt, vt = signed_tables(), unsigned_tables()
     n = master.numel()
     for lo in range(0, n, TORCH_CHUNK):
@@ -224,8 +242,11 @@ def torch_step_8bit(
         decay_numel = min(max(s.decay_numel - lo, 0), hi - lo)
         m, v = _adam_update(chunk, grad[lo:hi], m, root * root, s, decay_numel)
         root = v.sqrt()
-        for codes, absmax, x, tables in ((m_codes, m_absmax, m, mt), (v_codes, v_absmax, root, vt)):
-            new_codes, new_absmax = quantize_blockwise(x, tables)
+        uniforms = None if rounding is None else rounding_uniforms(rounding[0], rounding[1] + lo, hi - lo)
+        for codes, absmax, x, tables, u in (
+            (m_codes, m_absmax, m, mt, None), (v_codes, v_absmax, root, vt, uniforms)
+        ):
+            new_codes, new_absmax = quantize_blockwise(x, tables, uniforms=u)
             codes.copy_(new_codes)
             absmax.copy_(new_absmax)
         _write_chunk(master, chunk, weight_out, lo, hi)
@@ -256,7 +277,11 @@ class Hybrid8bitAdamW(HostOptimizer):
     rare, tiny gradients, the hardest values for blockwise 8-bit states). ``group_numels``
     are the sizes that choose 8-bit or fp32 states when the masters are a data-parallel
     rank's shards of larger groups (default: the masters' own sizes), so every rank keeps
-    the states the unsharded run keeps.
+    the states the unsharded run keeps; ``group_offsets`` are then where each shard starts in
+    its group. ``rounding`` is how sqrt(v) is requantized: ``"nearest"`` code, or
+    ``"stochastic"`` (one of the two codes around it, drawn from a hash of ``seed``, the group,
+    the step and the element's index in its group: the same draw for a shard as for the whole
+    group, and again after a resume).
     """
 
     def __init__(
@@ -268,8 +293,19 @@ class Hybrid8bitAdamW(HostOptimizer):
         kernel: str | None = None,
         fp32_groups: Collection[int] = (),
         group_numels: Sequence[int] | None = None,
+        group_offsets: Sequence[int] | None = None,
+        rounding: str = "nearest",
+        seed: int = 0,
     ):
         super().__init__(masters, decay_numel, config)
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {list(ROUNDINGS)}, got {rounding!r}")
+        offsets = [0] * len(masters) if group_offsets is None else list(group_offsets)
+        if len(offsets) != len(masters) or any(o < 0 for o in offsets):
+            raise ValueError(
+                f"group_offsets must give one offset >= 0 per group ({len(masters)}), got {offsets}"
+            )
+        self.rounding, self.seed, self.group_offsets = rounding, int(seed), offsets
         choice = kernel_choice(kernel)
         self._kernel = None if choice == "torch" else load_kernel(required=choice == "cpp")
         sizes = [m.numel() for m in masters] if group_numels is None else group_numels
@@ -329,13 +365,16 @@ class Hybrid8bitAdamW(HostOptimizer):
         state = self.states[group]
         scalars = (s.clip, s.beta1, s.beta2, s.eps, s.step_size, s.inv_bc2_sqrt, s.decay)
         if isinstance(state, QuantizedState):
+            rounding = None
+            if self.rounding == "stochastic":
+                rounding = (rounding_key(self.seed, group, step), self.group_offsets[group])
             if self._kernel is None:
-                torch_step_8bit(grad, master, state, out, s)
+                torch_step_8bit(grad, master, state, out, s, rounding)
             else:
                 self._kernel.step_8bit(
                     grad, out if remainder is not None else master, state.m_codes, state.m_absmax,
                     state.v_codes, state.v_absmax, out, remainder, self._tables, *scalars,
-                    s.decay_numel,
+                    s.decay_numel, rounding is not None, *(rounding or (0, 0)),
                 )  # fmt: skip
         elif self._kernel is None:
             torch_step_fp32(grad, master, state, out, s)

@@ -283,17 +283,82 @@ def num_blocks(numel: int, block: int = BLOCK) -> int:
 
 
 def quantize_blockwise(
-    x: torch.Tensor, tables: QuantTables, block: int = BLOCK
+    x: torch.Tensor, tables: QuantTables, block: int = BLOCK, uniforms: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 codes[n], float32 absmax[blocks]) of a flat float tensor."""
+    """(uint8 codes[n], float32 absmax[blocks]) of a flat float tensor: nearest codes, or with
+    ``uniforms`` (one per element, ``rounding_uniforms``) stochastically rounded ones."""
     n = x.numel()
     padded = torch.nn.functional.pad(x.reshape(-1).float(), (0, num_blocks(n, block) * block - n))
     blocks = padded.view(-1, block)
     absmax = blocks.abs().amax(dim=1)
     absmax = torch.where(absmax >= TINY, absmax, torch.zeros_like(absmax))
     inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
-    codes = nearest_code(blocks * inv[:, None], tables)
-    return codes.reshape(-1)[:n].clone(), absmax
+    normalized = (blocks * inv[:, None]).reshape(-1)[:n]
+    codes = nearest_code(normalized, tables)
+    if uniforms is not None:
+        codes = stochastic_codes(normalized, codes, tables, uniforms)
+    return codes.clone(), absmax
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` of int64 tensors below 2**32, with every product below 2**63."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def fmix32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """MurmurHash3's 32-bit finalizer (a bijection of 32-bit integers that mixes every bit
+    into every other), of an int or an int64 tensor of values below 2**32."""
+    if isinstance(x, int):
+        x ^= x >> 16
+        x = (x * 0x85EBCA6B) & MASK32
+        x ^= x >> 13
+        x = (x * 0xC2B2AE35) & MASK32
+        return x ^ (x >> 16)
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def rounding_key(seed: int, group: int, step: int) -> int:
+    """The 32-bit key of one group's step in stochastic rounding (``rounding_uniforms``)."""
+    return fmix32((seed * 0x9E3779B1 + group * 0x85EBCA77 + step * 0xC2B2AE3D) & MASK32)
+
+
+def rounding_uniforms(key: int, first: int, count: int) -> torch.Tensor:
+    """float32 uniforms in [0, 1) (24 bits) for the elements ``first .. first + count - 1`` of a
+    group: a hash of the key and the element's index, so the draw of an element is the same
+    whoever computes it (the kernel, this path, a data-parallel rank holding a shard)."""
+    index = torch.arange(first, first + count, dtype=torch.int64)
+    block_key = fmix32(key ^ _mul32(index >> 32, 0x27D4EB2F))
+    bits = fmix32((index & MASK32) ^ block_key)
+    return (bits >> 8).to(torch.float32) * 2.0**-24
+
+
+def stochastic_codes(
+    x: torch.Tensor, nearest: torch.Tensor, tables: QuantTables, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Stochastic rounding of normalized values ``x`` (in [0, 1]) in the unsigned map, from
+    their nearest codes: the code below or above ``x`` with probabilities that make the
+    expected code value ``x`` (the lower one's probability is the distance to the upper one
+    over their spacing), so small changes of a state average out instead of being rounded
+    away. A positive ``x`` never takes the zero code (its second moment would then be 0)."""
+    if tables.signed:
+        raise ValueError("stochastic rounding is defined for the unsigned map (sqrt(v)) only")
+    qmap = tables.qmap
+    c = nearest.long()
+    qc = qmap[c]
+    n = torch.where(x >= qc, c + 1, c - 1).clamp(0, 255)
+    qn = qmap[n]
+    a, b = torch.minimum(qc, qn), torch.maximum(qc, qn)
+    up = (uniforms < (x - a) / (b - a)) & (b > a)
+    code = torch.minimum(c, n) + up.long()
+    code = torch.where((x > 0) & (code == 0), 1, code)
+    return code.to(torch.uint8)
 
 
 def dequantize_blockwise(

@@ -241,12 +241,13 @@ def build_session(config: Config) -> Session:
     decay = [g.decay_numel for g in adapter.layouts]
     started = time.perf_counter()
     if parallel is None:
-        optimizer = make_optimizer(config.optimizer, store.masters, decay)
+        optimizer = make_optimizer(config.optimizer, store.masters, decay, seed=config.training.seed)
     else:
         parallel.barrier()  # local rank 0 has written the shared weights
         optimizer = make_optimizer(config.optimizer, store.masters,
                                    [shard_decay_numel(d, r) for d, r in zip(decay, store.ranges)],
-                                   group_numels=[g.numel for g in adapter.layouts])
+                                   group_numels=[g.numel for g in adapter.layouts],
+                                   group_offsets=[r.start for r in store.ranges], seed=config.training.seed)
     store.build_seconds["optimizer"] = time.perf_counter() - started
     log.info("model built: %s", ", ".join(f"{k} {v:.1f} s" for k, v in store.build_seconds.items()))
     nvme = NvmeStore(config.memory.nvme_dir) if config.memory.nvme_dir else None

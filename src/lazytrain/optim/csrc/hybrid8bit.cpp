@@ -12,6 +12,10 @@
 // (AVX2, AVX-512) or one load (scalar) per element. Dequantization is the same split: byte
 // shuffles with VBMI, gathers otherwise.
 //
+// With stochastic rounding (hybrid8bit.py) the sqrt(v) codes found nearest are then moved to
+// the code below or above the value by a uniform number hashed from the element's index
+// (Scalar::stochastic): byte shuffles give the two code values with VBMI, gathers otherwise.
+//
 // Built at first use with -march=native on the machine that runs it, so the SIMD path is
 // chosen at compile time from what that machine has.
 
@@ -87,8 +91,23 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
+// MurmurHash3's 32-bit finalizer: quant.fmix32.
+inline uint32_t fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+
+// Stochastic rounding of sqrt(v) (quant.stochastic_codes), from the nearest code: the code
+// below or above x, the upper one with probability (x - below) / (above - below) against a
+// uniform in [0, 1) from the hash of the element's index (quant.rounding_uniforms); a
+// positive x never takes code 0. The division is IEEE's, as torch's, so both paths draw
+// the same codes for the same x.
 struct Scalar {
   static constexpr int W = 1;
+  static constexpr int kRoundChunk = 1;  // elements rounded stochastically at once
   static constexpr int kChunk = 1;       // elements dequantized at once
   static constexpr int kQuantChunk = 1;  // elements quantized at once
   using F = float;
@@ -115,6 +134,20 @@ struct Scalar {
   static F max(F a, F b) { return a > b ? a : b; }
   static float reduce_max(F x) { return x; }
   static void dequantize(const uint8_t* codes, const MapTables& t, F* out) { *out = t.qmap[*codes]; }
+
+  static void stochastic(const float* values, float inv_absmax, uint8_t* codes, const MapTables& t,
+                         uint32_t key, uint32_t index) {
+    const float x = *values * inv_absmax;
+    const int32_t c = *codes;
+    const float qc = t.qmap[c];
+    const int32_t n = x >= qc ? std::min(c + 1, 255) : std::max(c - 1, 0);
+    const float qn = t.qmap[n];
+    const float a = std::min(qc, qn), b = std::max(qc, qn);
+    const float u = static_cast<float>(fmix32(index ^ key) >> 8) * 0x1p-24f;
+    int32_t code = std::min(c, n) + ((b > a && u < (x - a) / (b - a)) ? 1 : 0);
+    if (x > 0.0f && code == 0) code = 1;
+    *codes = static_cast<uint8_t>(code);
+  }
 
   template <bool kSigned>
   static void quantize(const float* values, float inv_absmax, uint8_t* codes, const MapTables& t) {
@@ -181,8 +214,30 @@ struct Simd {
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static float reduce_max(F x) { return _mm512_reduce_max_ps(x); }
 
+  static __m512i fmix32(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int32_t>(0x85EBCA6Bu)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int32_t>(0xC2B2AE35u)));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  }
+  // uniforms in [0, 1) of the 16 elements from hash input `index` on (quant.rounding_uniforms)
+  static __m512 uniforms(uint32_t key, uint32_t index) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i h = fmix32(_mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(index)), lanes),
+                                              _mm512_set1_epi32(static_cast<int32_t>(key))));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0x1p-24f));
+  }
+  // per lane: rounds up (u < (x - a) / (b - a), b > a) and x > 0
+  static __mmask16 rounds_up(__m512 x, __m512 qc, __m512 qn, __m512 u) {
+    const __m512 a = _mm512_min_ps(qc, qn), b = _mm512_max_ps(qc, qn);
+    const __m512 ratio = _mm512_div_ps(_mm512_sub_ps(x, a), _mm512_sub_ps(b, a));
+    return _mm512_cmp_ps_mask(u, ratio, _CMP_LT_OQ) & _mm512_cmp_ps_mask(b, a, _CMP_GT_OQ);
+  }
+
 #if defined(LAZYTRAIN_VBMI)
   static constexpr int kChunk = 64;
+  static constexpr int kRoundChunk = 64;
   static constexpr int kQuantChunk = 64;
 
   // table[codes[i]] for 64 codes: each byte of the 32-bit entries is a 256-entry byte table,
@@ -277,11 +332,56 @@ struct Simd {
     }
     _mm512_storeu_si512(codes, c);
   }
+
+  // 64 elements (Scalar::stochastic): the code values by byte shuffles, as in dequantize
+  static void stochastic(const float* values, float inv_absmax, uint8_t* codes, const MapTables& t,
+                         uint32_t key, uint32_t index) {
+    const __m512 inv = _mm512_set1_ps(inv_absmax);
+    const __m512i c = _mm512_loadu_si512(codes);
+    __m512 x[4], qc[4], qn[4];
+    lookup64(c, t.value_planes, qc);
+    __mmask16 ge[4], up[4], positive[4];
+    for (int r = 0; r < 4; ++r) {
+      x[r] = _mm512_mul_ps(_mm512_loadu_ps(values + 16 * r), inv);
+      ge[r] = _mm512_cmp_ps_mask(x[r], qc[r], _CMP_GE_OQ);
+      positive[r] = _mm512_cmp_ps_mask(x[r], _mm512_setzero_ps(), _CMP_GT_OQ);
+    }
+    const __m512i one = _mm512_set1_epi8(1);
+    // ge ? c + 1 : c - 1, saturated to [0, 255]
+    const __m512i n = _mm512_mask_blend_epi8(join(ge), _mm512_subs_epu8(c, one), _mm512_adds_epu8(c, one));
+    lookup64(n, t.value_planes, qn);
+    for (int r = 0; r < 4; ++r) {
+      up[r] = rounds_up(x[r], qc[r], qn[r], uniforms(key, index + 16 * r));
+    }
+    const __m512i lo = _mm512_min_epu8(c, n);
+    __m512i code = _mm512_mask_add_epi8(lo, join(up), lo, one);
+    code = _mm512_mask_max_epu8(code, join(positive), code, one);
+    _mm512_storeu_si512(codes, code);
+  }
+  static __mmask64 join(const __mmask16* m) {
+    return _mm512_kunpackd(_mm512_kunpackw(m[3], m[2]), _mm512_kunpackw(m[1], m[0]));
+  }
 #else
   static constexpr int kChunk = 16;
   static constexpr int kQuantChunk = 16;
   static __m512i load_codes(const uint8_t* p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static constexpr int kRoundChunk = 16;
+  // 16 elements (Scalar::stochastic), the code values by gathers from the 1 KB map
+  static void stochastic(const float* values, float inv_absmax, uint8_t* codes, const MapTables& t,
+                         uint32_t key, uint32_t index) {
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(values), _mm512_set1_ps(inv_absmax));
+    const __m512i c = load_codes(codes);
+    const __m512 qc = _mm512_i32gather_ps(c, t.qmap, 4);
+    __m512i n = _mm512_mask_add_epi32(_mm512_sub_epi32(c, one), _mm512_cmp_ps_mask(x, qc, _CMP_GE_OQ), c, one);
+    n = _mm512_min_epi32(_mm512_max_epi32(n, _mm512_setzero_si512()), _mm512_set1_epi32(255));
+    const __m512 qn = _mm512_i32gather_ps(n, t.qmap, 4);
+    const __m512i lo = _mm512_min_epi32(c, n);
+    __m512i code = _mm512_mask_add_epi32(lo, rounds_up(x, qc, qn, uniforms(key, index)), lo, one);
+    code = _mm512_mask_max_epi32(code, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), code, one);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(code));
   }
   static void dequantize(const uint8_t* codes, const MapTables& t, F* out) {
     *out = _mm512_i32gather_ps(load_codes(codes), t.qmap, 4);
@@ -364,6 +464,39 @@ struct Simd {
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
   }
+  static __m256i fmix32(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0x85EBCA6Bu)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0xC2B2AE35u)));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  }
+  static constexpr int kRoundChunk = 8;
+  // 8 elements (Scalar::stochastic); compares give all-ones lanes, so "+ 1 where" is "- mask"
+  static void stochastic(const float* values, float inv_absmax, uint8_t* codes, const MapTables& t,
+                         uint32_t key, uint32_t index) {
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(values), _mm256_set1_ps(inv_absmax));
+    const __m256i c = load_codes(codes);
+    const __m256 qc = _mm256_i32gather_ps(t.qmap, c, 4);
+    const __m256i ge = _mm256_castps_si256(_mm256_cmp_ps(x, qc, _CMP_GE_OQ));
+    // ge ? c + 1 : c - 1
+    __m256i n = _mm256_add_epi32(_mm256_sub_epi32(c, one), _mm256_and_si256(ge, _mm256_set1_epi32(2)));
+    n = _mm256_min_epi32(_mm256_max_epi32(n, _mm256_setzero_si256()), _mm256_set1_epi32(255));
+    const __m256 qn = _mm256_i32gather_ps(t.qmap, n, 4);
+    const __m256 a = _mm256_min_ps(qc, qn), b = _mm256_max_ps(qc, qn);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i h = fmix32(_mm256_xor_si256(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(index)), lanes),
+                                              _mm256_set1_epi32(static_cast<int32_t>(key))));
+    const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0x1p-24f));
+    const __m256 ratio = _mm256_div_ps(_mm256_sub_ps(x, a), _mm256_sub_ps(b, a));
+    const __m256 up = _mm256_and_ps(_mm256_cmp_ps(u, ratio, _CMP_LT_OQ), _mm256_cmp_ps(b, a, _CMP_GT_OQ));
+    __m256i code = _mm256_sub_epi32(_mm256_min_epi32(c, n), _mm256_castps_si256(up));
+    const __m256i positive = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
+    code = _mm256_max_epi32(code, _mm256_and_si256(positive, one));
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), _mm_packus_epi16(words, words));
+  }
   static __m256i load_codes(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
@@ -404,6 +537,9 @@ struct Group8bit {
   float* m_absmax;
   uint8_t* v_codes;
   float* v_absmax;
+  bool stochastic;  // sqrt(v) rounded stochastically (Scalar::stochastic)
+  uint32_t key;     // quant.rounding_key of this group's step
+  int64_t offset;   // index in the whole group of element 0 (a data-parallel shard's start)
 };
 
 struct BlockScratch {
@@ -473,6 +609,18 @@ inline void quantize_range(const float* values, int64_t lo, int64_t hi, float in
   if constexpr (S::kQuantChunk > 1) quantize_range<Scalar, kSigned>(values, i, hi, inv_absmax, codes, t);
 }
 
+// Stochastic rounding (Scalar::stochastic) of the nearest codes of values [lo, hi) of a block
+// whose element 0 has the hash input `index` under `key`.
+template <class S>
+inline void stochastic_range(const float* values, int64_t lo, int64_t hi, float inv_absmax,
+                             uint8_t* codes, const MapTables& t, uint32_t key, uint32_t index) {
+  int64_t i = lo;
+  for (; i + S::kRoundChunk <= hi; i += S::kRoundChunk) {
+    S::stochastic(values + i, inv_absmax, codes + i, t, key, index + static_cast<uint32_t>(i));
+  }
+  if constexpr (S::kRoundChunk > 1) stochastic_range<Scalar>(values, i, hi, inv_absmax, codes, t, key, index);
+}
+
 // bitsandbytes divides by the new absmax; one reciprocal per block moves x by at most an ulp,
 // which matters only for values on a code boundary. Denormal blocks become zeros, so the
 // reciprocal stays finite.
@@ -500,6 +648,12 @@ void step_block(const Group8bit& g, const G* grad, O* out, const Hyper& h, const
   const float root_inv = store_absmax(g.v_absmax[block], s.root_max);
   quantize_range<Simd, true>(s.m, 0, len, m_inv, g.m_codes + start, tm);
   quantize_range<Simd, false>(s.root, 0, len, root_inv, g.v_codes + start, tv);
+  if (g.stochastic) {
+    // a block never straddles a multiple of 2**32 elements: its high half keys the block
+    const int64_t first = g.offset + start;
+    const uint32_t key = fmix32(g.key ^ (static_cast<uint32_t>(first >> 32) * 0x27D4EB2Fu));
+    stochastic_range<Simd>(s.root, 0, len, root_inv, g.v_codes + start, tv, key, static_cast<uint32_t>(first));
+  }
 }
 
 template <class G, class O>
@@ -649,9 +803,12 @@ void step_8bit(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
                const at::Tensor& m_absmax, const at::Tensor& v_codes, const at::Tensor& v_absmax,
                const std::optional<at::Tensor>& weight_out, const std::optional<at::Tensor>& remainder,
                const std::vector<at::Tensor>& tables, double clip, double beta1, double beta2,
-               double eps, double step_size, double inv_bc2_sqrt, double decay, int64_t decay_numel) {
+               double eps, double step_size, double inv_bc2_sqrt, double decay, int64_t decay_numel,
+               bool stochastic, int64_t key, int64_t offset) {
   const int64_t n = master.numel();
   const int64_t blocks = (n + kBlock - 1) / kBlock;
+  TORCH_CHECK(key >= 0 && key <= 0xFFFFFFFFLL, "rounding key must be a 32-bit value, got ", key);
+  TORCH_CHECK(offset >= 0 && offset % kBlock == 0, "offset must be a multiple of ", kBlock, ", got ", offset);
   const MasterPointers p = master_pointers(master, weight_out, remainder);
   check_io(grad, weight_out, n);
   check_flat(m_codes, at::kByte, n, "m_codes");
@@ -672,7 +829,10 @@ void step_8bit(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
                     m_codes.data_ptr<uint8_t>(),
                     m_absmax.data_ptr<float>(),
                     v_codes.data_ptr<uint8_t>(),
-                    v_absmax.data_ptr<float>()};
+                    v_absmax.data_ptr<float>(),
+                    stochastic,
+                    static_cast<uint32_t>(key),
+                    offset};
   dispatch_types(grad, p.master ? weight_out : std::nullopt, [&](auto* grad_ptr, auto* out_ptr) {
     using G = std::remove_const_t<std::remove_pointer_t<decltype(grad_ptr)>>;
     using O = std::remove_pointer_t<decltype(out_ptr)>;
