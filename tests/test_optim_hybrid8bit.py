@@ -546,3 +546,5 @@ def test_rejects_unknown_rounding_and_offsets():
         Hybrid8bitAdamW([torch.zeros(10)], [0], CONFIG, rounding="up")
     with pytest.raises(ValueError, match="one offset >= 0 per group"):
         Hybrid8bitAdamW([torch.zeros(10)], [0], CONFIG, group_offsets=[0, 128])
+    with pytest.raises(ValueError, match="multiples of the 128-element block"):
+        Hybrid8bitAdamW([torch.zeros(10)], [0], CONFIG, group_offsets=[100])

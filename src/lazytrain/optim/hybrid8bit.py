@@ -305,6 +305,11 @@ class Hybrid8bitAdamW(HostOptimizer):
             raise ValueError(
                 f"group_offsets must give one offset >= 0 per group ({len(masters)}), got {offsets}"
             )
+        if any(o % BLOCK for o in offsets):
+            raise ValueError(
+                f"group_offsets must be multiples of the {BLOCK}-element block (a shard's blocks "
+                f"are then the whole group's), got {offsets}"
+            )
         self.rounding, self.seed, self.group_offsets = rounding, int(seed), offsets
         choice = kernel_choice(kernel)
         self._kernel = None if choice == "torch" else load_kernel(required=choice == "cpp")
