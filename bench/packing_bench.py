@@ -14,6 +14,10 @@ One process, one model in host memory, one plan at ``--batch x --seq`` (issue 19
 3. The plan ``lazytrain train`` would run (``--policy auto``: solved on a GPU, which profiles
    first) at ``--batch x --seq``, the same for both; ``--warmup`` then ``--steps`` steps of each
    batching through the executor with the CPU optimizer overlapped (`bench.common.timed_steps`).
+   A solved plan whose step runs out of GPU memory is re-solved with less memory for the planner
+   and run again, as ``lazytrain train`` does (``oom_replans``, ``oom_tries`` in the record; on
+   the H200 at 7B, batch 64, 2026-12-03, both batchings ran out of memory without it); the next
+   batching starts from the plan that ran.
    tokens/s counts real (non-padding) tokens: the measured steps' tokens over their time.
 
 JSON records (DESIGN.md section 6, plus ``batching``, ``fill_ratio``, ``samples_per_s``) and a
@@ -38,8 +42,13 @@ from bench.common import (
     today,
     write_results,
 )
+from bench.plan_bench import tries
 from lazytrain.data.pipeline import resolve_template, training_batches
+from lazytrain.plan.costs import CostTable
+from lazytrain.plan.plan import Plan
+from lazytrain.plan.policies import policy_plan
 from lazytrain.plan.simulate import simulate
+from lazytrain.runtime.device import oom_need_bytes
 
 BATCHINGS = ("padded", "packed")
 NAN = float("nan")
@@ -72,6 +81,7 @@ def main() -> None:
           flush=True)
     t0 = time.perf_counter()
     plan, costs = session.plan()
+    options = session.policy_options()
     predicted = simulate(plan, costs).metrics()["predicted_step_time_s"] if costs is not None \
         else plan.predicted_step_time_s
     print(f"plan {plan.policy} at batch {plan.batch_size} x seq {plan.seq_len} in {time.perf_counter() - t0:.0f} s",
@@ -96,13 +106,42 @@ def main() -> None:
                                     else len(batch.indices))
             return batch
 
-        try:
-            record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps, batches=next_batch)
-        except torch.OutOfMemoryError as error:
-            records.append({**oom_record(name, common, plan.policy, args.batch, args.seq, error),
-                            "batching": batching})
-            print(f"{name}: out of memory: {records[-1]['oom']}", flush=True)
+        ran: dict = {}
+        failures: list[dict] = []
+
+        def run_at(table: CostTable | None, plan: Plan, replans: int, name=name, batching=batching,
+                   next_batch=next_batch, samples_per_step=samples_per_step, ran=ran, failures=failures):
+            """Time ``plan`` on this batching: None when it ran, else its out-of-memory record."""
+            samples_per_step.clear()  # a failed try's batches are not the measured ones
+            try:
+                ran["record"] = timed_steps(session, plan, warmup=args.warmup, steps=args.steps,
+                                            batches=next_batch)
+            except torch.OutOfMemoryError as error:
+                failed = {**oom_record(name, common, plan.policy, args.batch, args.seq, error),
+                          "batching": batching, "seen_peak_gpu_gb": oom_need_bytes(error, device) / 1e9}
+                if table is not None:  # a plan made from a cost table: what the planner had and predicted
+                    failed.update(planner_gpu_budget_gb=table.gpu_bytes / 1e9,
+                                  predicted_peak_gpu_gb=simulate(plan, table).peak_gpu_bytes / 1e9)
+                failures.append(failed)
+                print(f"{name}: out of memory: {failed['oom']}", flush=True)
+                return failed
+            ran.update(table=table, plan=plan, replans=replans)
+            return None
+
+        if costs is not None and plan.policy == "solved":
+            # as `lazytrain train`: an out-of-memory step re-solves the plan with less GPU memory
+            tries("solved", args.batch, costs, args.seq, lambda table: policy_plan("solved", table, options),
+                  run_at, walk_down=False)
+        else:
+            run_at(costs, plan, 0)
+        if "record" not in ran:
+            records.append({**failures[-1], "oom_tries": failures[:-1]})
             continue
+        if failures:  # the next batching starts from the plan that ran
+            costs, plan = dataclasses.replace(costs, gpu_bytes=ran["table"].gpu_bytes), ran["plan"]
+        record = ran["record"]
+        record.update(oom_replans=ran["replans"], oom_tries=failures,
+                      planner_gpu_budget_gb=None if costs is None else ran["table"].gpu_bytes / 1e9)
         record.pop("predicted_step_time_s")
         record["samples_per_s"] = sum(samples_per_step[args.warmup:]) / sum(record["step_times_s"])
         records.append({"name": name, **common, **record, "batching": batching, "data": report.summary()})
@@ -146,6 +185,14 @@ def markdown(records: list[dict], args) -> str:
             f"{r['step_time_s']:.2f} | {r.get('peak_gpu_alloc_gb', NAN):.1f} / {r.get('peak_gpu_reserved_gb', NAN):.1f} "
             f"| {r['host_rss_gb']:.1f} |"
         )
+    for r in records:
+        if r.get("oom_tries"):
+            lines += ["", f"{r['name']}: the solved plan ran out of GPU memory {len(r['oom_tries'])} time(s) and was "
+                      "re-solved with less memory for the planner, as `lazytrain train` does: "
+                      + "; ".join(f"{t['planner_gpu_budget_gb']:.1f} GB given, {t['predicted_peak_gpu_gb']:.1f} "
+                                  f"predicted, {t['seen_peak_gpu_gb']:.1f} needed" for t in r["oom_tries"])
+                      + (f"; it ran with {r['planner_gpu_budget_gb']:.1f} GB." if r.get("planner_gpu_budget_gb")
+                         else ".")]
     data = next((r["data"] for r in records if "data" in r), None)
     if data:
         lines += ["", f"Tokenized data: {data}."]

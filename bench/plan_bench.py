@@ -9,9 +9,10 @@ One process, one model in host memory (random init of a real config):
    the `CostTable` is written next to the results.
 2. Each run in ``--runs`` at ``--batch``: ``solved`` (the MILP's plan), ``megatrain``,
    ``keep_all``, ``checkpoint_gpu|host``; ``POLICY:max`` runs the largest batch <=
-   ``--max-batch`` (default ``--batch``) the simulator says fits the GPU; on out-of-memory a solved plan is first
-   re-solved at that batch with less GPU memory, as the trainer does (`gpu_budget_after_oom`,
-   up to `MAX_OOM_REPLANS` times), then the batch walks down by 1/16; ``POLICY@GIB`` plans
+   ``--max-batch`` (default ``--batch``) the simulator says fits the GPU; on out-of-memory a solved plan (any
+   run) is first re-solved at that batch with less GPU memory, as the trainer does
+   (`gpu_budget_after_oom`, up to `MAX_OOM_REPLANS` times), then a ``:max`` run's batch walks
+   down by 1/16; ``POLICY@GIB`` plans
    that run with a host limit of GIB GiB (its room for host activations: GIB less the model
    state), ``KERNELS/RUN`` runs it only with ``--kernels KERNELS``. Per run: tokens/s,
    TFLOPS by both formulas, step time, the stream breakdown from CUDA events, peak GPU memory
@@ -101,9 +102,10 @@ at a new batch), for ``--time-limit``: a guess, not measured."""
 
 def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable[[CostTable], Plan],
           run_at: Callable[[CostTable, Plan, int], dict | None], walk_down: bool) -> int:
-    """Run ``policy`` at ``batch``; with ``walk_down`` (``POLICY:max``) keep trying after an
-    out-of-memory: a solved plan is first re-solved at the same batch with less GPU memory, as
-    the trainer does (`gpu_budget_after_oom`, up to `MAX_OOM_REPLANS` times: a smaller batch's
+    """Run ``policy`` at ``batch``. After an out-of-memory a solved plan is re-solved at the same
+    batch with less GPU memory and run again, as the trainer does (`gpu_budget_after_oom`, up to
+    `MAX_OOM_REPLANS` times); with ``walk_down`` (``POLICY:max``) the batch then walks down too
+    (the re-solve first: a smaller batch's
     solved plan fills the card again, and on 2026-12-02 all six batches from 206 down to 151
     failed in the same stage), then the batch walks down by 1/16 (one step per try: a try at 9B
     and b200+ takes a minute). ``run_at(table, plan, replans)`` runs a plan and returns None,
@@ -132,8 +134,6 @@ def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable
                 return batch
             if "not_started" in failed:  # the time left holds no try at this batch
                 return 0
-        if not walk_down:
-            return 0
         if failed is not None and policy == "solved" and replans < MAX_OOM_REPLANS:
             budget = gpu_budget_after_oom(budget, int(failed["predicted_peak_gpu_gb"] * 1e9),
                                           int(failed["seen_peak_gpu_gb"] * 1e9))
@@ -142,6 +142,8 @@ def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable
                 print(f"{policy} b{batch}: re-solving for {budget / 1e9:.1f} GB (try {replans} of "
                       f"{MAX_OOM_REPLANS}, as the trainer would)", flush=True)
                 continue
+        if not walk_down:
+            return 0
         budget, replans = feasible, 0
         batch -= max(1, batch // 16)
     return 0

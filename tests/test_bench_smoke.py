@@ -132,6 +132,35 @@ def test_packing_bench_on_the_cpu_compares_packed_with_padded(tmp_path, model):
     assert path.with_suffix(".md").exists()
 
 
+def test_packing_bench_re_solves_a_plan_that_runs_out_of_memory(tmp_path, monkeypatch):
+    """As `lazytrain train` does: a solved plan whose step runs out of GPU memory (simulated on
+    the CPU, once) is re-solved with less memory for the planner and run again; the next
+    batching starts from the plan that ran."""
+    from bench import packing_bench
+    from lazytrain.runtime.executor import Executor
+
+    real, calls = Executor.forward_backward, []
+
+    def forward_backward(self, *args, **kwargs):
+        calls.append(self.plan.batch_size)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 MiB (simulated)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Executor, "forward_backward", forward_backward)
+    monkeypatch.setattr(sys, "argv", ["packing_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+                                      "--seq", "256", "--samples", "60", "--warmup", "0", "--steps", "1",
+                                      "--policy", "solved", "--out", str(tmp_path)])
+    packing_bench.main()
+    (path,) = tmp_path.glob("packing_tiny_*_s256_b2.json")
+    padded, packed = json.loads(path.read_text())
+    assert padded["oom_replans"] == 1 and len(padded["oom_tries"]) == 1 and packed["oom_replans"] == 0
+    (failed,) = padded["oom_tries"]
+    assert failed["planner_gpu_budget_gb"] > padded["planner_gpu_budget_gb"] == packed["planner_gpu_budget_gb"]
+    assert padded["tokens_per_s"] > 0 and packed["tokens_per_s"] > 0
+    assert "re-solved with less memory" in path.with_suffix(".md").read_text()
+
+
 def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path):
     subprocess.run([sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "3",
                     "--finetune-steps", "3", "--heldout", "2", "--seeds", "1", "2", "--kinds", "fp32", "hybrid8bit",
@@ -349,8 +378,10 @@ def test_a_largest_batch_try_re_solves_a_solved_plan_with_less_memory_before_wal
     assert batch == 0 and len(ran) == MAX_TRIES
     assert [r[2] for r in ran[: MAX_OOM_REPLANS + 2]] == [*range(MAX_OOM_REPLANS + 1), 0]
     assert ran[MAX_OOM_REPLANS + 1][1] == ran[MAX_OOM_REPLANS][1] < 142.0
-    # without walk_down (a run at its own batch) one try only
-    assert _tries("solved", fits_within=10, needs_more=1, walk_down=False)[0] == 0
+    # without walk_down (a run at its own batch): the re-solves, then no smaller batch
+    batch, ran = _tries("solved", fits_within=10, needs_more=1, walk_down=False)
+    assert batch == 0 and [r[2] for r in ran] == list(range(MAX_OOM_REPLANS + 1))
+    assert _tries("megatrain", fits_within=10, needs_more=1, walk_down=False) == (0, [(0, 142.0, 0)])
 
 
 def test_accuracy_finetune_8bit_pretrains_through_plain_pytorch(tmp_path):
