@@ -187,8 +187,10 @@ def test_sharded_8bit_steps_are_bitwise_the_unsharded(world, backend, rounding):
     """Given the same gradient, the ranks' 8-bit optimizers over 128-aligned shards produce
     exactly the unsharded masters, weights and states (same blocks, same absmax; with
     stochastic rounding the same draws, from the shards' offsets in their groups)."""
-    numels = [4096 + 300, 1000, 20_000]  # 8-bit, fp32 (small) and 8-bit groups
-    decay = [4096, 1000, 19_000]
+    # 8-bit, fp32 (small), 8-bit, and a small group that leaves the last rank an empty shard
+    # starting at the group's end (not a block multiple)
+    numels = [4096 + 300, 1000, 20_000, 100]
+    decay = [4096, 1000, 19_000, 100]
     gen = torch.Generator().manual_seed(0)
     masters = [torch.randn(n, generator=gen) for n in numels]
     grads = [[torch.randn(n, generator=gen) for n in numels] for _ in range(3)]

@@ -548,3 +548,19 @@ def test_rejects_unknown_rounding_and_offsets():
         Hybrid8bitAdamW([torch.zeros(10)], [0], CONFIG, group_offsets=[0, 128])
     with pytest.raises(ValueError, match="multiples of the 128-element block"):
         Hybrid8bitAdamW([torch.zeros(10)], [0], CONFIG, group_offsets=[100])
+
+
+@pytest.mark.skipif(not KERNEL_BUILT, reason="no C++ kernel here")
+def test_kernel_draws_as_the_torch_path_past_two_to_the_32():
+    """A shard starting just below element 2**32 of its group: the draws' index crosses into
+    the high half (it keys the block) the same way in the kernel and in the torch path."""
+    n, start = 4096 + 512, 2**32 - 256
+    results = []
+    for backend in ("cpp", "torch"):
+        gen = torch.Generator().manual_seed(8)
+        opt = Hybrid8bitAdamW([torch.randn(n, generator=gen)], [n], CONFIG, kernel=backend, rounding="stochastic",
+                              seed=1, group_numels=[2**33], group_offsets=[start])
+        for _ in range(3):
+            opt.step_group(0, torch.randn(n, generator=gen).bfloat16(), 0.9, 1e-3, None)
+        results.append(opt.states[0].v_codes)
+    assert torch.equal(*results)

@@ -305,6 +305,8 @@ class Hybrid8bitAdamW(HostOptimizer):
             raise ValueError(
                 f"group_offsets must give one offset >= 0 per group ({len(masters)}), got {offsets}"
             )
+        # an empty shard starts at its group's end, which need not be a block multiple
+        offsets = [o if m.numel() else 0 for o, m in zip(offsets, masters)]
         if any(o % BLOCK for o in offsets):
             raise ValueError(
                 f"group_offsets must be multiples of the {BLOCK}-element block (a shard's blocks "
