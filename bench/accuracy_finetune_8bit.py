@@ -59,8 +59,8 @@ from lazytrain.runtime.device import resolve_device
 
 KINDS = ("fp32", "fp32_kernel", "fp32_unfused", "hybrid8bit", "hybrid8bit_sr")
 DEFAULT_KINDS = ("fp32", "fp32_kernel", "hybrid8bit")
-STUDY_OPTIONS = ("shape", "pretrain_tier", "pretrain_steps", "pretrain_lr", "pretrain_runner", "finetune_tier",
-                 "finetune_steps", "finetune_lr", "batch_size", "heldout", "tail", "device")
+STUDY_OPTIONS = ("shape", "pretrain_tier", "pretrain_steps", "pretrain_lr", "pretrain_runner", "pretrain_seed",
+                 "finetune_tier", "finetune_steps", "finetune_lr", "batch_size", "heldout", "tail", "device")
 """The options that define the study: every process of a ``--jobs`` run is given them."""
 PRETRAIN_SETTINGS = ("shape", "pretrain_tier", "pretrain_steps", "pretrain_lr", "batch_size", "heldout",
                      "pretrain_runner")
@@ -75,7 +75,7 @@ def study(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
         shared = Path(args.pretrained or tmp)
         if args.pretrain_only:
-            pretrain(args, common, shared, args.seeds[0])
+            pretrain(args, common, shared, args.pretrain_seed)
             return []
         for seed in args.seeds:
             records += finetune_seed(args, common, device, seed, shared)
@@ -92,6 +92,9 @@ def pretrain(args: argparse.Namespace, common: list[str], folder: Path, seed: in
         if {"pretrain_runner": "lazytrain", **base["settings"]} != settings:
             raise SystemExit(f"{meta}: pretrained with {base['settings']}, this study asks for {settings}; "
                              "give another --pretrained folder")
+        if base["seed"] != seed:
+            raise SystemExit(f"{meta}: pretrained with seed {base['seed']}, this study asks for --pretrain-seed "
+                             f"{seed}; give --pretrain-seed {base['seed']} or another --pretrained folder")
         return base
     overrides = (*common, f"data.builtin_tier={args.pretrain_tier}", f"optimizer.lr={args.pretrain_lr}")
     if args.pretrain_runner == "torch":
@@ -138,7 +141,7 @@ def finetune_seed(args: argparse.Namespace, common: list[str], device, seed: int
     records = []
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
         folder = shared if args.shared_pretrain else Path(tmp)
-        base = pretrain(args, common, folder, args.seeds[0] if args.shared_pretrain else seed)
+        base = pretrain(args, common, folder, args.pretrain_seed if args.shared_pretrain else seed)
         for kind in args.kinds:
             result = run(kind, args.finetune_steps, Path(tmp) / kind, seed, (
                 *common, f"model.source={folder / 'pretrained'}", f"data.builtin_tier={args.finetune_tier}",
@@ -245,7 +248,7 @@ def parallel_study(args: argparse.Namespace) -> Path | None:
         script = [sys.executable, str(Path(__file__).resolve()), *study_arguments(args), "--pretrained", shared,
                   *(["--scratch", args.scratch] if args.scratch else [])]
         pretrain_threads = args.pretrain_threads or cores
-        first = [Job("pretrain", "pretrain", [*script, "--seeds", str(args.seeds[0]), "--pretrain-only",
+        first = [Job("pretrain", "pretrain", [*script, "--pretrain-only",
                                               "--threads", str(pretrain_threads)], pretrain_threads)]
         if any(k.startswith("hybrid8bit") for k in args.kinds):  # built once now, not by the 8-bit runs racing for it
             build = "from lazytrain.optim.kernel import load_kernel; load_kernel(required=True)"
@@ -253,10 +256,9 @@ def parallel_study(args: argparse.Namespace) -> Path | None:
         before = run_jobs(first, len(first), runs, deadline)
         if not (Path(shared) / "pretrained.json").exists():
             print(f"the pretraining did not finish ({before['pretrain']}): no fine-tuning", flush=True)
-            outcome = {f"{k}_s{s}": "not started: no pretraining" for s in args.seeds for k in args.kinds}
+            outcome = {f"{k}_s{s}": "not started: no pretraining" for k, s in runs_of(args)}
         else:
-            order = sorted(((k, s) for s in args.seeds for k in args.kinds),
-                           key=lambda ks: (ks[0] == "fp32_unfused", args.seeds.index(ks[1]), args.kinds.index(ks[0])))
+            order = runs_of(args)
             jobs = [Job(f"{k}_s{s}", k, [*script, "--kinds", k, "--seeds", str(s), "--out", str(runs),
                                          "--tag", f"_{k}_s{s}", "--threads", str(threads)], threads)
                     for k, s in order]
@@ -281,6 +283,24 @@ def parallel_study(args: argparse.Namespace) -> Path | None:
     return path
 
 
+def runs_of(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The (kind, seed) fine-tunes of a ``--jobs`` study in the order they start: ``--runs`` as
+    given, else seed by seed in ``--kinds`` order (``fp32_unfused``, the slowest, last)."""
+    if args.runs:
+        return list(args.runs)
+    return sorted(((k, s) for s in args.seeds for k in args.kinds),
+                  key=lambda ks: (ks[0] == "fp32_unfused", args.seeds.index(ks[1]), args.kinds.index(ks[0])))
+
+
+def kind_seed(text: str) -> tuple[str, int]:
+    """``KIND:SEED`` of ``--runs``."""
+    kind, _, seed = text.partition(":")
+    if kind not in KINDS or not seed.isdigit():
+        raise argparse.ArgumentTypeError(f"--runs {text!r}: give KIND:SEED, KIND one of {', '.join(KINDS)} and SEED "
+                                         "a non-negative integer (e.g. hybrid8bit:4)")
+    return kind, int(seed)
+
+
 def expectation(text: str) -> tuple[str, float]:
     """``KIND=SECONDS`` of ``--expect``."""
     kind, _, seconds = text.partition("=")
@@ -302,8 +322,9 @@ def command_line(args: argparse.Namespace) -> str:
     extra = [f"--jobs {args.jobs}"] if args.jobs else []
     extra += [f"--time-limit {args.time_limit:g}"] if args.time_limit else []
     extra += ["--expect " + " ".join(f"{k}={v:g}" for k, v in args.expect)] if args.expect else []
-    return " ".join(["python bench/accuracy_finetune_8bit.py", *study_arguments(args),
-                     f"--seeds {' '.join(map(str, args.seeds))}", f"--kinds {' '.join(args.kinds)}", *extra])
+    which = [f"--runs {' '.join(f'{k}:{s}' for k, s in args.runs)}"] if args.runs else [
+        f"--seeds {' '.join(map(str, args.seeds))}", f"--kinds {' '.join(args.kinds)}"]
+    return " ".join(["python bench/accuracy_finetune_8bit.py", *study_arguments(args), *which, *extra])
 
 
 def merge(files: list[Path], stem: str, command: str, out: Path | str, notes: list[str] = ()) -> Path:
@@ -404,6 +425,9 @@ def main() -> None:
                         help="pretrain once (with the first seed) and fine-tune every seed from it, as users "
                              "fine-tune one base model (--no-shared-pretrain: one pretraining per seed)")
     parser.add_argument("--pretrain-lr", type=float, default=3e-4)
+    parser.add_argument("--pretrain-seed", type=int, default=None,
+                        help="seed of the shared pretraining (default: the first of --seeds); a reused "
+                             "--pretrained folder must have been made with it")
     parser.add_argument("--pretrain-runner", choices=["lazytrain", "torch"], default="lazytrain",
                         help="pretrain with LazyTrain (fp32 CPU AdamW states) or plain PyTorch on the device "
                              "(torch AdamW there; bf16 autocast on a GPU): the pretraining is not under study")
@@ -420,6 +444,9 @@ def main() -> None:
                         help="folder of the shared pretraining (DIR/pretrained, DIR/pretrained.json): reused when "
                              "there, else made there and kept (default: a temporary folder)")
     parser.add_argument("--pretrain-only", action="store_true", help="pretrain into --pretrained and stop")
+    parser.add_argument("--runs", nargs="+", type=kind_seed, default=[], metavar="KIND:SEED",
+                        help="with --jobs: exactly these fine-tunes, in this order, instead of --kinds x --seeds "
+                             "(to complete a study across calls)")
     parser.add_argument("--jobs", type=int, default=0,
                         help="fine-tune in processes of their own, this many at once (see the top of this file)")
     parser.add_argument("--time-limit", type=float, default=0,
@@ -437,6 +464,10 @@ def main() -> None:
     parser.add_argument("--note", action="append", default=[],
                         help="with --merge: a line for the report (how the merged runs were made), repeatable")
     args = parser.parse_args()
+    if args.pretrain_seed is None:
+        args.pretrain_seed = args.seeds[0]
+    if args.runs and not args.jobs:
+        parser.error("--runs lists the fine-tunes of a --jobs study: give --jobs N too")
     if args.pretrain_only and not args.pretrained:
         parser.error("--pretrain-only needs --pretrained DIR (where the pretraining is kept)")
     if (args.jobs or args.pretrained) and not args.shared_pretrain:

@@ -298,6 +298,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--optimizer", choices=["fp32", "hybrid8bit"], default="hybrid8bit")
+    parser.add_argument("--state-rounding", choices=["nearest", "stochastic"], default="nearest",
+                        help="optimizer.state_rounding of the 8-bit states (the profile times that step)")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--runs", nargs="*", default=["solved", "megatrain", "keep_all:max"])
@@ -347,7 +349,8 @@ def main() -> None:
         args.model, optimizer=args.optimizer, device=args.device, batch=args.batch, seq=args.seq,
         head_chunk=args.head_chunk, nvme_dir=args.nvme_dir,
         overrides=(f"memory.split_master={'true' if args.split_master == 'on' else 'false'}",
-                   *([f"memory.host_limit_gb={args.host_limit_gb}"] if args.host_limit_gb else [])))
+                   *([f"memory.host_limit_gb={args.host_limit_gb}"] if args.host_limit_gb else []),
+                   *([f"optimizer.state_rounding={args.state_rounding}"] if args.state_rounding != "nearest" else [])))
     print(f"model {args.model}: {session.store.num_params / 1e9:.2f}B params, built in "
           f"{time.perf_counter() - t0:.0f} s ("
           + ", ".join(f"{k} {v:.1f} s" for k, v in session.store.build_seconds.items()) + ")", flush=True)
@@ -389,7 +392,8 @@ def study(session, args, kernels: str) -> None:
     stem = f"plan_{args.model}_{dev}_{date}_s{args.seq}{kernels_tag}{args.tag}"
     common = run_header(device, model=args.model, optimizer=args.optimizer, overlap_optimizer=True,
                         cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-                        split_master=args.split_master == "on", world_size=1, runner="lazytrain")
+                        split_master=args.split_master == "on", world_size=1, runner="lazytrain",
+                        state_rounding=args.state_rounding)
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else []
     records: list[dict] = []
     os.makedirs(args.out, exist_ok=True)
@@ -560,11 +564,13 @@ def markdown(records: list[dict], args) -> str:
         f"# Planner vs executor: {args.model}, seq {args.seq}",
         "",
         f"{head.get('date')}, {head.get('device')}, torch {head.get('torch')}, optimizer {args.optimizer} "
-        f"(overlapped), {'split' if args.split_master == 'on' else 'whole'} fp32 masters, {args.warmup} warm-up + "
+        + (f"with {args.state_rounding} rounding of sqrt(v) " if args.optimizer == "hybrid8bit" else "")
+        + f"(overlapped), {'split' if args.split_master == 'on' else 'whole'} fp32 masters, {args.warmup} warm-up + "
         f"{args.steps} measured steps (median), random tokens. Host bytes/param: "
         f"{head.get('host_bytes_per_param', {}).get('total', float('nan')):.3f}. Command: "
         f"`python bench/plan_bench.py --model {args.model} --optimizer {args.optimizer} --seq {args.seq} "
         f"--batch {args.batch} --runs {' '.join(args.runs)}"
+        + (f" --state-rounding {args.state_rounding}" if args.state_rounding != "nearest" else "")
         + (f" --max-batch {args.max_batch}" if args.max_batch else "")
         + (f" --kernels {' '.join(args.kernels)}" if args.kernels != ["auto"] else "")
         + f" --warmup {args.warmup} --steps {args.steps} --split-master {args.split_master}"

@@ -278,6 +278,29 @@ def test_accuracy_finetune_8bit_jobs_fine_tune_in_processes_of_their_own(tmp_pat
     assert all(r["cpu_threads"] == max(1, len(os.sched_getaffinity(0)) // 2) for r in records)
 
 
+def test_accuracy_finetune_8bit_runs_lists_the_fine_tunes_and_keeps_the_pretraining_seed(tmp_path):
+    """``--runs KIND:SEED`` completes a study across calls: exactly those fine-tunes, from the kept
+    pretraining of ``--pretrain-seed``; a kept pretraining of another seed is refused."""
+    base = tmp_path / "base"
+    common = [sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "2",
+              "--finetune-steps", "2", "--heldout", "1", "--device", "cpu", "--pretrained", str(base)]
+    subprocess.run([*common, "--pretrain-seed", "1", "--runs", "hybrid8bit:4", "fp32:3", "--jobs", "2",
+                    "--out", str(tmp_path / "a")], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    (path,) = (tmp_path / "a").glob("finetune_8bit_tiny_*.json")
+    records = json.loads(path.read_text())
+    assert sorted((r["kind"], r["seed"]) for r in records) == [("fp32", 3), ("hybrid8bit", 4)]
+    assert {r["pretrain_seed"] for r in records} == {1}
+    assert "--runs hybrid8bit:4 fp32:3" in path.with_suffix(".md").read_text()
+    other = subprocess.run([*common, "--pretrain-seed", "2", "--runs", "fp32:3", "--jobs", "1",
+                            "--out", str(tmp_path / "b")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    (log,) = (tmp_path / "b").glob("*_runs.tgz")
+    with tarfile.open(log) as tar:
+        text = "".join(tar.extractfile(m).read().decode() for m in tar.getmembers() if m.name.endswith("fp32_s3.log"))
+    assert "pretrained with seed 1, this study asks for --pretrain-seed 2" in text, other.stdout
+    bad = subprocess.run([*common, "--runs", "adam:1", "--jobs", "1"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "give KIND:SEED" in bad.stderr
+
+
 def test_accuracy_finetune_8bit_jobs_stop_at_the_time_limit(tmp_path):
     from bench.accuracy_finetune_8bit import Job, run_jobs
 
