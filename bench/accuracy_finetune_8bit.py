@@ -330,7 +330,7 @@ def command_line(args: argparse.Namespace) -> str:
 def merge(files: list[Path], stem: str, command: str, out: Path | str, notes: list[str] = ()) -> Path:
     """The records of ``files`` as one record file + report ``out/stem``."""
     records = [r for f in files for r in json.loads(Path(f).read_text())]
-    records.sort(key=lambda r: (r["seed"], KINDS.index(r["kind"])))
+    records.sort(key=lambda r: (r["seed"], KINDS.index(r["kind"])))  # stable: a repeat stays after its first run
     text = report(records, command, notes)
     print(text)
     return write_results(records, stem, text, out)
@@ -339,8 +339,13 @@ def merge(files: list[Path], stem: str, command: str, out: Path | str, notes: li
 def report(records: list[dict], command: str, notes: list[str] = ()) -> str:
     first = records[0]
     by_kind: dict[str, dict[int, dict]] = {}
+    repeats = []  # the same kind and seed again (another call): compared with the first, not counted twice
     for r in records:
-        by_kind.setdefault(r["kind"], {})[r["seed"]] = r
+        runs = by_kind.setdefault(r["kind"], {})
+        if r["seed"] in runs:
+            repeats.append(r)
+        else:
+            runs[r["seed"]] = r
     bases = {r.get("pretrain_weights_sha256") for r in records} - {None}  # None: recorded before the checksum
     if first.get("shared_pretrain") and len(bases) > 1:
         notes = [*notes, "The seeds were fine-tuned from different base models (pretrained weights' SHA-256: "
@@ -398,6 +403,16 @@ def report(records: list[dict], command: str, notes: list[str] = ()) -> str:
         else:
             row += " - | - | - |"
         lines.append(row)
+    if repeats:
+        lines += ["", "Repeats: a kind and seed run again (in another call, from the same base) against its first "
+                  "run above, which the table counts; how far one run moves from itself.", "",
+                  "| kind | seed | tail loss / first | along the run, % | exact match, first / repeat | seconds, first / repeat |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for r in repeats:
+            f = by_kind[r["kind"]][r["seed"]]
+            lines.append(f"| {r['kind']} | {r['seed']} | {r['tail_loss'] / f['tail_loss']:.5f} | "
+                         f"{100 * deviation(r['loss_every_10_steps'], f['loss_every_10_steps']):.3f} | "
+                         f"{f['exact_match']:.3f} / {r['exact_match']:.3f} | {f['seconds']:.0f} / {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

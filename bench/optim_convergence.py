@@ -35,11 +35,14 @@ RUNS = {
     # every group's states kept fp32): another rounding, one pass over memory like "fp32" (the
     # single-tensor loop of fp32_unfused makes several, 2-3x fp32's time, which bounds the 0.5B
     # fine-tuning study on the H200)
-    "fp32_kernel": ["optimizer.kind=hybrid8bit"],
-    "hybrid8bit": ["optimizer.kind=hybrid8bit"],
+    "fp32_kernel": ["optimizer.kind=hybrid8bit", "optimizer.state_rounding=nearest"],
+    # sqrt(v) rounded to the nearest code (explicit: the default, auto, rounds stochastically when
+    # fine-tuning loaded weights)
+    "hybrid8bit": ["optimizer.kind=hybrid8bit", "optimizer.state_rounding=nearest"],
     # sqrt(v) rounded stochastically instead of to the nearest code
     "hybrid8bit_sr": ["optimizer.kind=hybrid8bit", "optimizer.state_rounding=stochastic"],
-    "hybrid8bit_fp32_embedding": ["optimizer.kind=hybrid8bit", "optimizer.fp32_embedding_states=true"],
+    "hybrid8bit_fp32_embedding": ["optimizer.kind=hybrid8bit", "optimizer.state_rounding=nearest",
+                                  "optimizer.fp32_embedding_states=true"],
 }
 
 

@@ -194,6 +194,21 @@ def test_the_fine_tune_report_gives_the_base_score_per_seed():
     assert "1: 0.250 / 0.500 (the kinds of a seed disagree" in differ
 
 
+def test_the_fine_tune_report_compares_a_repeated_run_with_its_first_and_counts_it_once():
+    from bench.accuracy_finetune_8bit import report
+
+    def record(kind, tail, curve, seconds=10.0):
+        return {"kind": kind, "seed": 1, "exact_match": 0.5, "tail_loss": tail, "loss_every_10_steps": curve,
+                "seconds": seconds, "date": "d", "device": "cpu", "torch": "t", "model": "m", "pretrain_steps": 1,
+                "pretrain_tier": "add2", "pretrain_exact_match": 0.4, "finetune_steps": 1, "finetune_tier": "addsub2",
+                "lr": 1e-5, "batch_size": 2, "heldout": 2}
+
+    text = report([record("fp32", 1.0, [2.0, 1.0]), record("hybrid8bit", 1.01, [2.0, 1.01]),
+                   record("fp32", 1.02, [2.02, 1.0], seconds=12.0)], "cmd")
+    assert "| hybrid8bit | 1 | 0.5000 | 1.01 | 1.01000 [1.01000, 1.01000] |" in text  # against the first fp32 run
+    assert "| fp32 | 1 | 1.02000 | 0.500 | 0.500 / 0.500 | 10 / 12 |" in text  # the repeat: 1.02x, 0.5% along
+
+
 def test_the_kernel_null_is_fp32_adamw_through_the_8bit_kernel(tmp_path):
     """fp32_kernel (the fine-tuning study's null): every group keeps fp32 states (the run
     checks it), and the losses follow fp32's to rounding."""

@@ -68,8 +68,29 @@ def test_config_errors():
         load_config(None, ["optimizer.fp32_embedding_states=true"])
     with pytest.raises(ConfigError, match="state_rounding=stochastic applies to optimizer.kind=hybrid8bit"):
         load_config(None, ["optimizer.state_rounding=stochastic"])
-    with pytest.raises(ConfigError, match="optimizer.state_rounding='up' is not one of nearest, stochastic"):
+    with pytest.raises(ConfigError, match="optimizer.state_rounding='up' is not one of auto, nearest, stochastic"):
         load_config(None, ["optimizer.kind=hybrid8bit", "optimizer.state_rounding=up"])
+
+
+def test_state_rounding_auto_rounds_stochastically_when_fine_tuning_loaded_weights(tmp_path):
+    """auto (the default): stochastic sqrt(v) codes for weights loaded from a folder, nearest
+    codes for a built-in shape trained from its random init and for fp32 states; an explicit
+    choice stands."""
+    def rounding(*overrides):
+        return load_config(None, list(overrides)).optimizer.state_rounding
+
+    assert rounding("optimizer.kind=hybrid8bit") == "nearest"  # builtin:tiny, from scratch
+    assert rounding("optimizer.kind=hybrid8bit", "model.source=builtin:qwen2.5-7b") == "nearest"
+    assert rounding("optimizer.kind=hybrid8bit", f"model.source={tmp_path}") == "stochastic"
+    assert rounding(f"model.source={tmp_path}") == "nearest"  # fp32 states are not rounded
+    assert rounding("optimizer.kind=hybrid8bit", f"model.source={tmp_path}", "optimizer.state_rounding=nearest") \
+        == "nearest"
+    assert rounding("optimizer.kind=hybrid8bit", "optimizer.state_rounding=stochastic") == "stochastic"
+    from lazytrain.config import OptimizerConfig
+    from lazytrain.optim.factory import make_optimizer
+
+    with pytest.raises(ValueError, match="state_rounding=auto is resolved by Config"):
+        make_optimizer(OptimizerConfig(kind="hybrid8bit"), [torch.zeros(4)], [4])
 
 
 def test_yaml_config_and_overrides(tmp_path):

@@ -343,3 +343,22 @@ def test_a_kept_layers_output_does_not_outlive_its_backward(tmp_path):
     finally:
         del adapter.layer_forward
     assert dict(executor.stage_memory)["embed bwd"] == 0, executor.stage_memory
+
+
+def test_a_session_fine_tuning_a_saved_model_rounds_its_8bit_states_stochastically(tmp_path):
+    """optimizer.state_rounding=auto reaches the optimizer: stochastic for loaded weights,
+    nearest for a built-in shape's random init (and the profiler's scratch optimizer too)."""
+    from lazytrain.config import load_config
+    from lazytrain.model.loading import save_hf
+    from lazytrain.train.session import build_session
+
+    def session(source):
+        return build_session(load_config(None, [f"training.output_dir={tmp_path / 'out'}", f"model.source={source}",
+                                                "optimizer.kind=hybrid8bit", "training.device=cpu"]))
+
+    scratch = session("builtin:tiny")
+    assert scratch.optimizer.rounding == "nearest"
+    save_hf(scratch.adapter, scratch.store, tmp_path / "model")
+    loaded = session(tmp_path / "model")
+    assert loaded.optimizer.rounding == "stochastic"
+    assert loaded.make_optimizer([torch.zeros(256)], [256]).rounding == "stochastic"

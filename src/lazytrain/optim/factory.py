@@ -31,6 +31,9 @@ def make_optimizer(
     """The optimizer of ``config.kind`` over the flat fp32 master groups; ``group_numels`` are
     the whole groups' sizes when the masters are a data-parallel rank's shards, and
     ``group_offsets`` where those shards start; ``seed`` keys stochastic rounding."""
+    if config.state_rounding == "auto":
+        raise ValueError("optimizer.state_rounding=auto is resolved by Config (from model.source); "
+                         "build the optimizer from a loaded Config or set nearest / stochastic")
     if config.kind == "hybrid8bit":
         from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
 
