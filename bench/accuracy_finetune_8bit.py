@@ -404,8 +404,8 @@ def report(records: list[dict], command: str, notes: list[str] = ()) -> str:
             row += " - | - | - |"
         lines.append(row)
     if repeats:
-        lines += ["", "Repeats: a kind and seed run again (in another call, from the same base) against its first "
-                  "run above, which the table counts; how far one run moves from itself.", "",
+        lines += ["", ("Repeats: a kind and seed run again (in another call, from the same base) against its first "
+                       "run above, which the table counts; how far one run moves from itself."), "",
                   "| kind | seed | tail loss / first | along the run, % | exact match, first / repeat | seconds, first / repeat |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for r in repeats:

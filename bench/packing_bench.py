@@ -11,13 +11,15 @@ One process, one model in host memory, one plan at ``--batch x --seq`` (issue 19
    group_by_length``: sorted by length within windows of 64 batches, each batch padded to its
    longest sample, rounded up to 8 on a GPU). ``packed``: ``data.packing=true``, rows of exactly
    ``--seq`` tokens with attention masked per sample.
-3. The plan ``lazytrain train`` would run (``--policy auto``: solved on a GPU, which profiles
-   first) at ``--batch x --seq``, the same for both; ``--warmup`` then ``--steps`` steps of each
-   batching through the executor with the CPU optimizer overlapped (`bench.common.timed_steps`).
-   A solved plan whose step runs out of GPU memory is re-solved with less memory for the planner
-   and run again, as ``lazytrain train`` does (``oom_replans``, ``oom_tries`` in the record; on
-   the H200 at 7B, batch 64, 2026-12-03, both batchings ran out of memory without it); the next
-   batching starts from the plan that ran.
+3. For each batching, the plan ``lazytrain train`` would run with it (``--policy auto``:
+   solved on a GPU, which profiles first, with the attention those batches take: padded rows,
+   padded on the right, run unmasked like full ones; packed rows run a block-diagonal mask) at
+   ``--batch x --seq``; ``--warmup`` then ``--steps`` steps of each batching through the
+   executor with the CPU optimizer overlapped (`bench.common.timed_steps`). A solved plan whose
+   step runs out of GPU memory is re-solved with less memory for the planner and run again, as
+   ``lazytrain train`` does (``oom_replans``, ``oom_tries`` in the record; on the H200 at 7B,
+   batch 64, 2026-12-03, both batchings ran out of memory without it, profiled unmasked and run
+   masked then); the next batching's planner keeps the memory the last one ran with.
    tokens/s counts real (non-padding) tokens: the measured steps' tokens over their time.
 
 JSON records (DESIGN.md section 6, plus ``batching``, ``fill_ratio``, ``samples_per_s``) and a
@@ -79,23 +81,28 @@ def main() -> None:
     host = store.bytes(session.optimizer.state_bytes())
     print(f"model {args.model}: {store.num_params / 1e9:.2f}B params, built in {time.perf_counter() - t0:.0f} s",
           flush=True)
-    t0 = time.perf_counter()
-    plan, costs = session.plan()
     options = session.policy_options()
-    predicted = simulate(plan, costs).metrics()["predicted_step_time_s"] if costs is not None \
-        else plan.predicted_step_time_s
-    print(f"plan {plan.policy} at batch {plan.batch_size} x seq {plan.seq_len} in {time.perf_counter() - t0:.0f} s",
-          flush=True)
-    common = run_header(device, model=args.model, optimizer=args.optimizer, overlap_optimizer=True, world_size=1,
-                        runner="lazytrain", num_params=store.num_params, host_bytes_per_param=host.per_param(),
-                        length_mix="metamathqa", samples=args.samples, predicted_step_time_s=predicted,
-                        gpu_mem_cap_gb=None)
     stem = f"packing_{args.model}_{device_tag(device)}_{today()}_s{args.seq}_b{args.batch}{args.tag}"
     template = resolve_template(config.data)
     records: list[dict] = []
+    gpu_bytes = None  # the planner's GPU memory after an out-of-memory re-solve, kept for the next batching
     for batching in BATCHINGS:
         name = f"{args.model}_{batching}_b{args.batch}_s{args.seq}"
         data = dataclasses.replace(config.data, packing=batching == "packed")
+        session.config.data = data  # the plan profiles the attention these batches take
+        t0 = time.perf_counter()
+        plan, costs = session.plan()
+        if gpu_bytes is not None and costs is not None and gpu_bytes < costs.gpu_bytes:
+            costs = dataclasses.replace(costs, gpu_bytes=gpu_bytes)
+            plan = policy_plan(plan.policy, costs, options)
+        predicted = simulate(plan, costs).metrics()["predicted_step_time_s"] if costs is not None \
+            else plan.predicted_step_time_s
+        print(f"{batching}: plan {plan.policy} at batch {plan.batch_size} x seq {plan.seq_len} in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+        common = run_header(device, model=args.model, optimizer=args.optimizer, overlap_optimizer=True, world_size=1,
+                            runner="lazytrain", num_params=store.num_params, host_bytes_per_param=host.per_param(),
+                            length_mix="metamathqa", samples=args.samples, predicted_step_time_s=predicted,
+                            gpu_mem_cap_gb=None, attention=costs.attention if costs is not None else None)
         stream, report = training_batches(data, session.tokenizer, template, batch_size=args.batch, seed=0,
                                           pad_to_multiple_of=8 if device.type == "cuda" else 1)
         samples_per_step: list[int] = []
@@ -110,7 +117,8 @@ def main() -> None:
         failures: list[dict] = []
 
         def run_at(table: CostTable | None, plan: Plan, replans: int, name=name, batching=batching,
-                   next_batch=next_batch, samples_per_step=samples_per_step, ran=ran, failures=failures):
+                   next_batch=next_batch, samples_per_step=samples_per_step, ran=ran, failures=failures,
+                   common=common):
             """Time ``plan`` on this batching: None when it ran, else its out-of-memory record."""
             samples_per_step.clear()  # a failed try's batches are not the measured ones
             try:
@@ -137,8 +145,8 @@ def main() -> None:
         if "record" not in ran:
             records.append({**failures[-1], "oom_tries": failures[:-1]})
             continue
-        if failures:  # the next batching starts from the plan that ran
-            costs, plan = dataclasses.replace(costs, gpu_bytes=ran["table"].gpu_bytes), ran["plan"]
+        if failures:  # the next batching's planner keeps the memory this one ran with
+            gpu_bytes = ran["table"].gpu_bytes
         record = ran["record"]
         record.update(oom_replans=ran["replans"], oom_tries=failures,
                       planner_gpu_budget_gb=None if costs is None else ran["table"].gpu_bytes / 1e9)
@@ -157,32 +165,31 @@ def main() -> None:
 
 def markdown(records: list[dict], args) -> str:
     head = records[0]
-    predicted = (f" (predicted step {head['predicted_step_time_s']:.2f} s at the full shape)"
-                 if head["predicted_step_time_s"] is not None else "")
     lines = [
         f"# Packed against padded batches: {args.model}, seq {args.seq}, batch {args.batch}",
         "",
         (f"{head['date']}, {head['device']}, torch {head['torch']}, optimizer {args.optimizer} (overlapped), "
-         f"plan {head['policy']}{predicted}, "
+         f"plan {head['policy']} per batching (profiled with the attention its batches take), "
          f"{args.warmup} warm-up + {args.steps} measured steps of each. Data: the built-in problems with the "
          f"MetaMathQA-like length mix, {args.samples} samples. padded = length-grouped batches padded to their "
-         "longest sample; packed = rows of exactly seq tokens, attention masked per sample. tokens/s counts "
+         "longest sample (on the right: they run unmasked); packed = rows of exactly seq tokens, attention "
+         "masked per sample. tokens/s counts "
          "real (non-padding) tokens, totals over the measured steps' time. Command: `python "
          f"bench/packing_bench.py --model {args.model} --device {args.device} --batch {args.batch} --seq {args.seq} "
          f"--samples {args.samples} --policy {args.policy} --warmup {args.warmup} --steps {args.steps}`"),
         "",
         ("| run | tokens/s (non-pad) | vs padded | fill ratio | samples/s | TFLOPS model | TFLOPS 6NT | "
-         "step s (median) | peak GPU alloc / reserved GB | host RSS GB |"),
-        "|---|---|---|---|---|---|---|---|---|---|",
+         "step s (median) | predicted step s (full rows) | peak GPU alloc / reserved GB | host RSS GB |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         if "oom" in r:
-            lines.append(f"| {r['name']} | out of memory: {r['oom']} |" + " |" * 8)
+            lines.append(f"| {r['name']} | out of memory: {r['oom']} |" + " |" * 9)
             continue
         lines.append(
             f"| {r['name']} | {r['tokens_per_s']:.0f} | {r.get('tokens_per_s_vs_padded', 1.0):.2f}x | "
             f"{r['fill_ratio']:.3f} | {r['samples_per_s']:.1f} | {r['tflops_model']:.1f} | {r['tflops_6nt']:.1f} | "
-            f"{r['step_time_s']:.2f} | {r.get('peak_gpu_alloc_gb', NAN):.1f} / {r.get('peak_gpu_reserved_gb', NAN):.1f} "
+            f"{r['step_time_s']:.2f} | {r.get('predicted_step_time_s') or NAN:.2f} | {r.get('peak_gpu_alloc_gb', NAN):.1f} / {r.get('peak_gpu_reserved_gb', NAN):.1f} "
             f"| {r['host_rss_gb']:.1f} |"
         )
     for r in records:

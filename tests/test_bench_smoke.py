@@ -307,12 +307,14 @@ def test_accuracy_finetune_8bit_runs_lists_the_fine_tunes_and_keeps_the_pretrain
     assert {r["pretrain_seed"] for r in records} == {1}
     assert "--runs hybrid8bit:4 fp32:3" in path.with_suffix(".md").read_text()
     other = subprocess.run([*common, "--pretrain-seed", "2", "--runs", "fp32:3", "--jobs", "1",
-                            "--out", str(tmp_path / "b")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                            "--out", str(tmp_path / "b")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           check=False)
     (log,) = (tmp_path / "b").glob("*_runs.tgz")
     with tarfile.open(log) as tar:
         text = "".join(tar.extractfile(m).read().decode() for m in tar.getmembers() if m.name.endswith("fp32_s3.log"))
     assert "pretrained with seed 1, this study asks for --pretrain-seed 2" in text, other.stdout
-    bad = subprocess.run([*common, "--runs", "adam:1", "--jobs", "1"], cwd=ROOT, capture_output=True, text=True)
+    bad = subprocess.run([*common, "--runs", "adam:1", "--jobs", "1"], cwd=ROOT, capture_output=True, text=True,
+                         check=False)
     assert bad.returncode == 2 and "give KIND:SEED" in bad.stderr
 
 

@@ -368,3 +368,30 @@ def test_left_padding_matches_hf_on_cuda(tmp_path):
             for p in layout.params:
                 got = store.grads[g][p.offset : p.offset + p.numel].view(p.shape).float().cpu()
                 torch.testing.assert_close(got, ref[layout.hf_prefix + p.name], rtol=1e-4, atol=1e-5)
+
+
+def test_right_padded_rows_take_the_unmasked_path_and_match_hf(hf_folder, monkeypatch):
+    """Rows padded on the right build no mask (every layer is causal: no real position reads a
+    padding one), so they run the kernels the profiler measured; loss and gradients still equal
+    HF's with its padding mask. Left padding keeps its mask."""
+    from lazytrain.model.adapter import right_padded
+
+    assert right_padded(torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]]))
+    assert not right_padded(torch.tensor([[1, 1, 1], [0, 1, 1]]))
+    assert not right_padded(torch.tensor([[1, 0, 1]]))  # a hole: not a padded row
+    model, folder = hf_folder
+    adapter, store = streamed(folder)
+    given = []
+    real = adapter.layer_masks
+    monkeypatch.setattr(adapter, "layer_masks", lambda mask, *a, **k: given.append(mask) or real(mask, *a, **k))
+    ids, labels, mask = random_batch(3, 13, adapter.vocab_size, padded=True)
+    assert not bool(mask.all())
+    ref_loss, ref = reference_grads(model, ids, labels, mask)
+    stats = Executor(adapter, store, megatrain_plan(adapter.num_layers, 3, 13, every=2), CPU).forward_backward(
+        ids, labels, mask)
+    assert given == [None]
+    assert stats.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert_grads_equal(adapter, store, ref)
+    ids, labels, mask = left_padded_batch(adapter.vocab_size)
+    Executor(adapter, store, keep_all_plan(adapter.num_layers, 3, 11), CPU).forward_backward(ids, labels, mask)
+    assert given[-1] is not None and torch.equal(given[-1].cpu(), mask)

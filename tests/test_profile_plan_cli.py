@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from lazytrain.cli.main import main
 from lazytrain.plan.costs import CostTable
 from lazytrain.plan.plan import Plan
@@ -98,3 +100,43 @@ def test_a_hybrid_model_is_profiled_per_layer_type_and_planned(tmp_path, capsys)
     assert main(["plan", out, f"plan.costs={tmp_path / 'costs.json'}", *hybrid]) == 0
     printed = capsys.readouterr().out
     assert "linear_attention" in printed and "full_attention" in printed
+
+
+def test_packed_runs_are_profiled_with_their_document_mask(tmp_path, monkeypatch):
+    """data.packing=true profiles the layers with packed rows' block-diagonal mask and positions
+    restarting per document (the kernels a packed step runs), and the table says so; a table
+    profiled for other batches is refused as plan.costs."""
+    import torch
+
+    from lazytrain.config import load_config
+    from lazytrain.plan.costs import CostTableMismatch
+    from lazytrain.runtime import profiler
+    from lazytrain.train.session import build_session
+
+    masks, positions = profiler.profile_batch_masks(build_session(load_config(None, [
+        f"training.output_dir={tmp_path / 'a'}", *COMMON])).adapter, 2, 10, "packed")
+    assert positions[0].tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2, 0]  # 4 documents of 3, 3, 3, 1
+    attend = masks["full_attention"][0, 0]
+    assert bool(attend[4, 3]) and not bool(attend[4, 2])  # its own document's keys only
+    seen = []
+    real = profiler.profile_batch_masks
+    monkeypatch.setattr(profiler, "profile_batch_masks", lambda *a: seen.append(a[-1]) or real(*a))
+
+    def table(out, *more):
+        config = load_config(None, [f"training.output_dir={tmp_path / out}", *COMMON, *more])
+        return build_session(config).cost_table()
+
+    packed = table("p", "data.packing=true")
+    assert packed.attention == "packed" and set(seen) == {"packed"}
+    hybrid = table("h", "data.packing=true", "model.source=builtin:tiny-hybrid")  # segments for linear attention
+    assert hybrid.attention == "packed" and set(hybrid.layer_types) == {"linear_attention", "full_attention"}
+    seen.clear()
+    assert table("c").attention == "causal" and set(seen) == {"causal"}
+    packed.save(tmp_path / "packed.json")
+    with pytest.raises(CostTableMismatch, match="profiled with packed attention, this run's batches take causal"):
+        table("d", f"plan.costs={tmp_path / 'packed.json'}")
+    assert table("e", "data.packing=true", f"plan.costs={tmp_path / 'packed.json'}").attention == "packed"
+    with pytest.raises(ValueError, match="attention must be causal or packed"):
+        real(None, 2, 10, "sliding")
+    assert torch.equal(real(build_session(load_config(None, [f"training.output_dir={tmp_path / 'f'}", *COMMON])).adapter,
+                            2, 10, "causal")[1][1], torch.arange(10))

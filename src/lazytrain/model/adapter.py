@@ -437,6 +437,15 @@ def packed_segments(document_ids: torch.Tensor) -> dict[str, torch.Tensor]:
             "cu_seq_lens_q": torch.cat([flat.nonzero().squeeze(1), total])}
 
 
+def right_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether every row of a [B, S] padding mask (1 = real token) is its real tokens followed
+    by padding only. Trained whole, such rows need no mask in any layer here: every layer type
+    is causal (attention, the gated delta rule's recurrence and its short convolution), so no
+    real position reads a later one, and the padding positions' outputs reach no loss."""
+    real = attention_mask.bool()
+    return bool((real[:, :-1] | ~real[:, 1:]).all())
+
+
 def attention_mask_4d(attention_mask: torch.Tensor, queries: int | None = None,
                       document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal + key-padding mask for sdpa, built on ``attention_mask``'s device.

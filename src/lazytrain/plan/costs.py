@@ -300,6 +300,11 @@ class CostTable:
     and elements (see `for_ranks`)."""
 
     fits: dict[str, ShapeFit] = field(default_factory=default_fits)
+    attention: str = "causal"
+    """The attention the layers were profiled with: causal (unmasked rows, and rows padded on
+    the right, which need no mask) or packed (several documents per row, a block-diagonal
+    mask: `data.packing`), whose kernels differ in time and saved bytes (sdpa has no flash
+    path for a dense mask)."""
     device: str = ""
     notes: dict = field(default_factory=dict)
     layer_types: list[str] = field(default_factory=list)
@@ -435,6 +440,16 @@ class CostTable:
         if missing:
             raise ValueError(f"no costs for layer types {missing}; profile every type the model has")
         return cls(layers=[replace(costs[t]) for t in layer_types], layer_types=list(layer_types), **kwargs)
+
+    def check_attention(self, attention: str, source: str = "the cost table") -> None:
+        """Raise `CostTableMismatch` unless this table was profiled with ``attention``."""
+        if attention != self.attention:
+            raise CostTableMismatch(
+                f"{source} was profiled with {self.attention} attention, this run's batches take "
+                f"{attention} attention (data.packing={'true' if attention == 'packed' else 'false'}), "
+                "whose kernels cost other times and bytes; profile with this run's data settings "
+                "(`lazytrain profile`) or drop plan.costs"
+            )
 
     def check_layers(self, layer_types: Sequence[str], source: str = "the cost table") -> None:
         """Raise `CostTableMismatch` unless this table describes a stack of ``layer_types``."""

@@ -49,7 +49,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from lazytrain.memory.host_store import HostStore
 from lazytrain.memory.nvme import NvmeStore
-from lazytrain.model.adapter import ModelAdapter, mask_tensors
+from lazytrain.model.adapter import ModelAdapter, mask_tensors, right_padded
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.activations import ActivationStore, Handle
 from lazytrain.runtime.distributed import DataParallel
@@ -467,8 +467,11 @@ class Executor:
         valid = valid_cpu.to(dev, non_blocking=True)
         targets = targets_cpu[valid_cpu].to(dev, non_blocking=True)
         # decided on the CPU copy (no device sync); the masks of each layer type (a [B, 1, S, S]
-        # one for attention) are built on the device
-        padded = attention_mask is not None and not bool(attention_mask.all())
+        # one for attention) are built on the device. Rows padded on the right need none: every
+        # layer is causal, so no real position reads a later (padding) one, and the padding
+        # positions' outputs reach no loss; they take the unmasked path the profiler measured
+        # (sdpa's flash kernel with is_causal instead of a dense mask, no S x S mask per step)
+        padded = attention_mask is not None and not bool(attention_mask.all()) and not right_padded(attention_mask)
         if document_ids is not None:
             mask = adapter.layer_masks(None, document_ids=document_ids)  # the CPU copy: see layer_masks
         else:

@@ -26,7 +26,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from lazytrain.memory.host_store import HostStore, default_host_limit, host_memory_total
 from lazytrain.memory.nvme import NvmeStore, aligned_empty
-from lazytrain.model.adapter import ModelAdapter
+from lazytrain.model.adapter import ModelAdapter, mask_tensors
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.optim.split import SplitMaster
 from lazytrain.plan.costs import (
@@ -103,17 +103,39 @@ def saved_tensor_bytes(fn: Callable[[], object], excluded: tuple[torch.Tensor, .
     return result, sum(saved.values())
 
 
+PACKED_DOCUMENTS_PER_ROW = 4
+"""Documents per row of the profiler's packed batches (256 tokens each at seq 1024, about a
+MetaMathQA sample): sdpa's dense-mask kernels cost the same wherever the boundaries fall; the
+linear-attention kernels see this many segments per row."""
+
+
+def profile_batch_masks(adapter: ModelAdapter, batch: int, seq: int, attention: str):
+    """(layer masks, position ids) of the profiler's batches: unmasked rows (``causal``), or
+    rows of `PACKED_DOCUMENTS_PER_ROW` documents each with positions restarting per document
+    (``packed``), as the executor builds them for packed batches."""
+    if attention == "causal":
+        return adapter.layer_masks(None), torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    if attention != "packed":
+        raise ValueError(f"attention must be causal or packed, got {attention!r}")
+    length = max(1, -(-seq // PACKED_DOCUMENTS_PER_ROW))
+    document = torch.arange(seq) // length
+    document_ids = (document + 1).unsqueeze(0).expand(batch, -1).contiguous()
+    positions = (torch.arange(seq) - document * length).unsqueeze(0).expand(batch, -1)
+    return adapter.layer_masks(None, document_ids=document_ids), positions
+
+
 def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch: int, seq: int,
-                       repeats: int, options: bool = False) -> dict:
-    """One layer's costs at one batch shape; with ``options``, also those of the layer kept
-    with each block recomputed in its backward (``recompute_options``)."""
+                       repeats: int, options: bool = False, attention: str = "causal") -> dict:
+    """One layer's costs at one batch shape with ``attention`` (`profile_batch_masks`); with
+    ``options``, also those of the layer kept with each block recomputed in its backward
+    (``recompute_options``)."""
     adapter, device, dtype = executor.adapter, executor.device, executor.dtype
     layout = adapter.layouts[layer + 1]
-    masks = adapter.layer_masks(None)
-    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
+    masks, position_ids = profile_batch_masks(adapter, batch, seq, attention)
+    position_ids = position_ids.to(device)
     rope = adapter.rotary_embeddings(position_ids, dtype)
     x = torch.randn(batch, seq, adapter.hidden_size, device=device, dtype=dtype)
-    excluded = (slot, *rope)
+    excluded = (slot, *rope, *mask_tensors(masks))  # per-step constants in the executor
 
     def forward_no_grad():
         with torch.no_grad():
@@ -319,6 +341,7 @@ def profile(
     host_limit_bytes: int | None = None,
     local_world_size: int = 1,
     barrier: Callable[[], None] = lambda: None,
+    attention: str = "causal",
 ) -> CostTable:
     """A `CostTable` for this model on this machine at ``(batch_size, seq_len)``.
 
@@ -327,7 +350,8 @@ def profile(
     model and optimizer state and, with an NVMe tier, its pinned staging buffers. Data parallel:
     every rank profiles, ``barrier`` lines the ranks up so the host's ``local_world_size`` ranks
     copy at once (the table's bandwidths are then one rank's share), and the optimizer is timed
-    on this rank's share of the cores.
+    on this rank's share of the cores. ``attention``: the layers are timed with the mask the
+    run's batches take (`profile_batch_masks`: ``packed`` for `data.packing`).
     """
     executor = Executor(adapter, store, keep_all_plan(adapter.num_layers, batch_size, seq_len, head_chunk_tokens),
                         device)
@@ -341,7 +365,8 @@ def profile(
         for kind, layer in first.items():
             slot = store.weights[layer + 1].to(device)
             measured[kind] = {
-                shape: _layer_shape_costs(executor, layer, slot, *shape, repeats, options=shape == shapes[0])
+                shape: _layer_shape_costs(executor, layer, slot, *shape, repeats, options=shape == shapes[0],
+                                          attention=attention)
                 for shape in shapes
             }
             del slot
@@ -408,6 +433,7 @@ def profile(
             gpu_fixed_bytes=2 * (store.weights[0].numel() + store.weights[-1].numel()) * esize,
             host_bytes=max(int(host_free), 0),
             fits=fits,
+            attention=attention,
             world_size=local_world_size,
             local_world_size=local_world_size,
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

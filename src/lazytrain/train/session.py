@@ -94,9 +94,11 @@ class Session:
         """The cost table of ``plan.costs`` at the training shape, or one profiled now."""
         cfg = self.config
         batch, seq = self.batch_size, cfg.data.max_seq_len
+        attention = "packed" if cfg.data.packing else "causal"  # padded rows take the causal path
         if cfg.plan.costs:
             costs = CostTable.load(cfg.plan.costs).at(batch, seq)
             costs.check_layers(self.adapter.layer_types, f"plan.costs={cfg.plan.costs}")
+            costs.check_attention(attention, f"plan.costs={cfg.plan.costs}")
             costs = self.for_this_run(costs)
         else:
             from lazytrain.runtime.profiler import profile
@@ -109,6 +111,7 @@ class Session:
                 head_chunk_tokens=cfg.plan.head_chunk_tokens,
                 nvme=self.nvme,
                 host_limit_bytes=host_limit_bytes(cfg),
+                attention=attention,
                 **({"local_world_size": info.local_world_size, "barrier": self.parallel.barrier} if info else {}),
             )
         if self.parallel is None:
