@@ -145,7 +145,8 @@ cudaMalloc / cudaFree calls (or their expandable-segment map / unmap)."""
 
 def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial_optimizer: bool = False,
                 optimizer: HostOptimizer | None = None, nvme: NvmeStore | None = None,
-                batches: Callable[[int], Batch] | None = None, stage_memory: bool = False) -> dict:
+                batches: Callable[[int], Batch] | None = None, stage_memory: bool = False,
+                fetch_allocation: str = "h2d") -> dict:
     """Train ``warmup + steps`` steps of ``plan`` on random tokens; the measured steps' medians.
 
     Step time runs from the start of one measured step to the start of the next. A step's
@@ -158,6 +159,7 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
     GPU bytes allocated per stage; the record keeps the last step's (``stage_memory_gb``:
     [stage, GB], the simulator's stage names). A step that runs out of GPU memory raises with
     its stages so far as the error's ``stage_memory`` ([stage, bytes]), for `oom_record`.
+    ``fetch_allocation``: the executor's (`ActivationStore`).
     """
     adapter, device = session.adapter, session.device
     optimizer = optimizer or session.optimizer
@@ -165,7 +167,8 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     at_start = torch.cuda.memory_allocated(device) if cuda else 0  # a failed try's leftovers show here
-    executor = Executor(adapter, session.store, plan, device, nvme=nvme if nvme is not None else session.nvme)
+    executor = Executor(adapter, session.store, plan, device, nvme=nvme if nvme is not None else session.nvme,
+                        fetch_allocation=fetch_allocation)
     updater = HostUpdater(executor, optimizer, overlap=not serial_optimizer)
     executor.trace.enabled = True
     batch, seq = plan.batch_size, plan.seq_len

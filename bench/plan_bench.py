@@ -298,6 +298,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--optimizer", choices=["fp32", "hybrid8bit"], default="hybrid8bit")
+    parser.add_argument("--fetch-allocation", choices=["h2d", "compute"], default="h2d",
+                        help="GPU memory pool of activations fetched back from the host tier (ActivationStore)")
     parser.add_argument("--state-rounding", choices=["nearest", "stochastic"], default="nearest",
                         help="optimizer.state_rounding of the 8-bit states (the profile times that step)")
     parser.add_argument("--seq", type=int, default=1024)
@@ -393,7 +395,7 @@ def study(session, args, kernels: str) -> None:
     common = run_header(device, model=args.model, optimizer=args.optimizer, overlap_optimizer=True,
                         cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                         split_master=args.split_master == "on", world_size=1, runner="lazytrain",
-                        state_rounding=args.state_rounding)
+                        state_rounding=args.state_rounding, fetch_allocation=args.fetch_allocation)
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else []
     records: list[dict] = []
     os.makedirs(args.out, exist_ok=True)
@@ -459,7 +461,8 @@ def study(session, args, kernels: str) -> None:
                 save()
                 return False
         try:
-            record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps, stage_memory=args.stage_memory)
+            record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps, stage_memory=args.stage_memory,
+                                 fetch_allocation=args.fetch_allocation)
         except torch.OutOfMemoryError as error:
             records.append(oom_record(name, common, policy, plan.batch_size, args.seq, error))
             predicted = simulate(plan, table, optimizer_overlap=True)
@@ -571,6 +574,7 @@ def markdown(records: list[dict], args) -> str:
         f"`python bench/plan_bench.py --model {args.model} --optimizer {args.optimizer} --seq {args.seq} "
         f"--batch {args.batch} --runs {' '.join(args.runs)}"
         + (f" --state-rounding {args.state_rounding}" if args.state_rounding != "nearest" else "")
+        + (f" --fetch-allocation {args.fetch_allocation}" if args.fetch_allocation != "h2d" else "")
         + (f" --max-batch {args.max_batch}" if args.max_batch else "")
         + (f" --kernels {' '.join(args.kernels)}" if args.kernels != ["auto"] else "")
         + f" --warmup {args.warmup} --steps {args.steps} --split-master {args.split_master}"

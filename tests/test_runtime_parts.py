@@ -362,3 +362,51 @@ def test_a_session_fine_tuning_a_saved_model_rounds_its_8bit_states_stochastical
     loaded = session(tmp_path / "model")
     assert loaded.optimizer.rounding == "stochastic"
     assert loaded.make_optimizer([torch.zeros(256)], [256]).rounding == "stochastic"
+
+
+@pytest.mark.parametrize("allocation", ["h2d", "compute"])
+def test_a_fetched_activation_comes_from_the_pool_asked_for_and_its_copy_waits_for_its_last_users(
+        monkeypatch, allocation):
+    """The order of the stream operations of one host-tier fetch, recorded through a stand-in
+    for `Streams` (on the CPU the real one does nothing): ``compute`` allocates on the compute
+    stream, makes the copy stream wait for what compute has queued, and records the copy
+    stream's use; ``h2d`` allocates on the copy stream, as before."""
+    from lazytrain.runtime.activations import ActivationStore
+    from lazytrain.runtime.streams import Streams
+
+    log = []
+
+    class Recording(Streams):
+        def record(self, stream=None, timing=False):
+            log.append(("record", stream or "compute"))
+            return f"event{len(log)}"
+
+        def wait(self, event, stream=None):
+            if event is not None:
+                log.append(("wait", event, stream or "compute"))
+
+        def on(self, stream):
+            log.append(("on", stream))
+            return super().on(None)
+
+        def keep_alive(self, tensor, stream):
+            log.append(("keep_alive", stream))
+
+    streams = Recording(torch.device("cpu"))
+    streams.compute, streams.h2d, streams.d2h = "compute", "h2d", "d2h"
+    store = ActivationStore(streams, torch.device("cpu"), fetch_allocation=allocation)
+    handle = store.put(torch.arange(6.0).view(2, 3), "host")
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: log.append(("alloc",)) or real_empty(*a, **k))
+    log.clear()
+    assert torch.equal(store.get(handle), torch.arange(6.0).view(2, 3))
+    ops = [op for op in log if op[0] != "record" or op[1] == "compute"]
+    if allocation == "compute":
+        assert ops[:5] == [("wait", ops[0][1], "h2d"), ("alloc",), ("record", "compute"),
+                           ("wait", "event3", "h2d"), ("on", "h2d")]
+        assert ("keep_alive", "h2d") in ops
+    else:
+        assert ops[:3] == [("wait", ops[0][1], "h2d"), ("on", "h2d"), ("alloc",)]
+        assert ("keep_alive", "h2d") not in ops
+    with pytest.raises(ValueError, match="fetch_allocation must be one of"):
+        ActivationStore(streams, torch.device("cpu"), fetch_allocation="pinned")

@@ -36,9 +36,26 @@ class Handle:
     read_buffer: torch.Tensor | None = None
 
 
+FETCH_ALLOCATIONS = ("h2d", "compute")
+"""Where a fetched activation's GPU memory is allocated (`ActivationStore`'s ``fetch_allocation``)."""
+
+
 class ActivationStore:
+    """``fetch_allocation``: the caching allocator's pool a tensor fetched back to the GPU comes
+    from. ``h2d``: the copy stream's, as the copy allocates it. The caching allocator keeps one
+    pool per stream, and memory cached in one is reused by the other only by freeing every cached
+    block and retrying (a device synchronisation): the H200's 7B steps of 2026-12-03, whose plans
+    put 34-66 GB of activations on the host tier, made two such retries a step and spent 0.63-0.98 s
+    of host time in these allocations, while their GPU sat idle 0.57-0.63 s more than the
+    simulator predicted. ``compute``: the compute stream's pool, the one the forward's
+    activations are freed to; the copy then waits for the compute queued before the fetch (the
+    memory's last users), and the copy stream's use is recorded. Not yet measured on a GPU."""
+
     def __init__(self, streams: Streams, device: torch.device, trace: StreamTrace | None = None,
-                 nvme: NvmeStore | None = None):
+                 nvme: NvmeStore | None = None, fetch_allocation: str = "h2d"):
+        if fetch_allocation not in FETCH_ALLOCATIONS:
+            raise ValueError(f"fetch_allocation must be one of {list(FETCH_ALLOCATIONS)}, got {fetch_allocation!r}")
+        self.fetch_allocation = fetch_allocation
         self.streams = streams
         self.trace = trace
         self.device = device
@@ -126,12 +143,21 @@ class ActivationStore:
 
     def _to_device(self, handle: Handle, buf: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         self.streams.wait(ready, self.streams.h2d)
-        with self.streams.on(self.streams.h2d):
+        on_compute = self.fetch_allocation == "compute"
+        if on_compute:  # from the compute stream's pool: its last users are queued there
             t0 = time.perf_counter()
             out = torch.empty(handle.shape, dtype=handle.dtype, device=self.device)
             self.fetch_alloc_seconds += time.perf_counter() - t0
+            self.streams.wait(self.streams.record(), self.streams.h2d)
+        with self.streams.on(self.streams.h2d):
+            if not on_compute:
+                t0 = time.perf_counter()
+                out = torch.empty(handle.shape, dtype=handle.dtype, device=self.device)
+                self.fetch_alloc_seconds += time.perf_counter() - t0
             span = self.trace.begin(self.streams.h2d) if self.trace else None
             out.view(-1).copy_(buf, non_blocking=True)
+        if on_compute:  # freed early (an abandoned step), the block waits for the copy
+            self.streams.keep_alive(out, self.streams.h2d)
         if self.trace:
             self.trace.end("h2d:act", span, self.streams.h2d)
         handle.fetched = out

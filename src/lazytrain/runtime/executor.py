@@ -133,7 +133,10 @@ class Executor:
         before_load: Callable[[int], None] | None = None,
         nvme: NvmeStore | None = None,
         parallel: DataParallel | None = None,
+        fetch_allocation: str = "h2d",
     ):
+        """``fetch_allocation``: the GPU memory pool of activations fetched back from the host or
+        NVMe tier (`ActivationStore`)."""
         plan.check(adapter.num_layers)
         self.parallel = parallel
         """Data parallel: ``store`` is then a ``ShardedHostStore`` (gradients are shards)."""
@@ -167,7 +170,7 @@ class Executor:
             before_load=self._before_layer_load,
             trace=self.trace,
         )
-        self.activations = ActivationStore(self.streams, device, self.trace, nvme)
+        self.activations = ActivationStore(self.streams, device, self.trace, nvme, fetch_allocation)
         # Resident groups: the embedding (group 0) and the final norm + head (last group).
         self.resident = {
             0: torch.empty(store.weights[0].numel(), dtype=self.dtype, device=device),
