@@ -77,7 +77,7 @@ def test_state_rounding_auto_rounds_stochastically_when_fine_tuning_loaded_weigh
     codes for a built-in shape trained from its random init and for fp32 states; an explicit
     choice stands."""
     def rounding(*overrides):
-        return load_config(None, list(overrides)).optimizer.state_rounding
+        return load_config(None, list(overrides)).state_rounding()
 
     assert rounding("optimizer.kind=hybrid8bit") == "nearest"  # builtin:tiny, from scratch
     assert rounding("optimizer.kind=hybrid8bit", "model.source=builtin:qwen2.5-7b") == "nearest"
@@ -89,8 +89,13 @@ def test_state_rounding_auto_rounds_stochastically_when_fine_tuning_loaded_weigh
     from lazytrain.config import OptimizerConfig
     from lazytrain.optim.factory import make_optimizer
 
-    with pytest.raises(ValueError, match="state_rounding=auto is resolved by Config"):
+    with pytest.raises(ValueError, match="state_rounding=auto depends on the model"):
         make_optimizer(OptimizerConfig(kind="hybrid8bit"), [torch.zeros(4)], [4])
+    # the saved config keeps auto: reused with fp32 states, or for another model, it resolves again
+    saved = load_config(None, ["optimizer.kind=hybrid8bit", f"model.source={tmp_path}"])
+    saved.save(tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml", []).optimizer.state_rounding == "auto"
+    assert load_config(tmp_path / "config.yaml", ["optimizer.kind=fp32"]).state_rounding() == "nearest"
 
 
 def test_yaml_config_and_overrides(tmp_path):

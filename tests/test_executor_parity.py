@@ -316,6 +316,23 @@ def test_abandoned_step_frees_everything(qwen2_setup, monkeypatch):
     assert alive() is None
 
 
+def test_an_abandoned_step_settles_its_queued_copies(qwen2_setup, monkeypatch):
+    """An error mid-step calls `ActivationStore.abandon` (compute then waits for the copies a
+    dropped fetch's memory may still receive) before it reaches the caller."""
+    adapter, store, batch, _, _ = qwen2_setup
+    executor = Executor(adapter, store, checkpoint_all_plan(adapter.num_layers, 2, 11, tier="host"), CPU)
+    abandoned = []
+    monkeypatch.setattr(executor.activations, "abandon", lambda: abandoned.append(True))
+    real = adapter.layer_forward
+    monkeypatch.setattr(adapter, "layer_forward", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("x"))
+                        if abandoned == [] and a[0] == 1 else real(*a, **k))
+    with pytest.raises(torch.OutOfMemoryError):
+        executor.forward_backward(*batch)
+    assert abandoned == [True]
+    executor.forward_backward(*batch)  # a step that ends well does not
+    assert abandoned == [True]
+
+
 def left_padded_batch(vocab: int, seq: int = 11):
     ids, labels, _ = random_batch(3, seq, vocab, padded=False, seed=4)
     mask = torch.ones_like(ids)

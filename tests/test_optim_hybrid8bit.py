@@ -354,7 +354,8 @@ def test_factory_keeps_embedding_states_fp32_when_asked():
         config = load_config(
             None, ["optimizer.kind=hybrid8bit", f"optimizer.fp32_embedding_states={flag}"]
         )
-        opt = make_optimizer(config.optimizer, [torch.zeros(n) for n in sizes], [0, 0, 0])
+        opt = make_optimizer(config.optimizer, [torch.zeros(n) for n in sizes], [0, 0, 0],
+                             rounding=config.state_rounding())
         assert [type(s) for s in opt.states] == kinds
 
 

@@ -209,7 +209,8 @@ class OptimizerConfig(AdamWConfig):
         if self.state_rounding == "stochastic" and self.kind != "hybrid8bit":
             raise ConfigError(
                 f"optimizer.state_rounding={self.state_rounding} applies to optimizer.kind=hybrid8bit "
-                "only (fp32 states are not rounded); unset it or set optimizer.kind=hybrid8bit"
+                "only (fp32 states are not rounded); set it to auto (the default) or nearest, or set "
+                "optimizer.kind=hybrid8bit"
             )
         if self.warmup_steps < 0:
             raise ConfigError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
@@ -334,10 +335,6 @@ class Config:
     def __post_init__(self) -> None:
         if self.optimizer.lr is None:
             self.optimizer.lr = 2e-3 if self.model.source == "builtin:tiny" else 1e-5
-        if self.optimizer.state_rounding == "auto":  # fine-tuning loaded weights: stochastic (README, 8-bit states)
-            fine_tuning = not self.model.source.startswith("builtin:")
-            self.optimizer.state_rounding = (
-                "stochastic" if self.optimizer.kind == "hybrid8bit" and fine_tuning else "nearest")
         if self.eval.model is None:
             self.eval.model = self.training.output_dir
         if self.training.eval_every and self.data.dataset != "builtin":
@@ -345,6 +342,17 @@ class Config:
                 "training.eval_every needs held-out data, which only the built-in data has here; "
                 "set training.eval_every=0 and run `lazytrain eval eval.model=OUT eval.data=FILE`"
             )
+
+    def state_rounding(self) -> str:
+        """optimizer.state_rounding resolved (kept as given in the config, so that a saved
+        config still says auto): auto is stochastic for hybrid8bit states fine-tuning weights
+        loaded from model.source, nearest for a built-in shape's random init and for fp32
+        states (README, 8-bit states when fine-tuning)."""
+        rounding = self.optimizer.state_rounding
+        if rounding != "auto":
+            return rounding
+        fine_tuning = not self.model.source.startswith("builtin:")
+        return "stochastic" if self.optimizer.kind == "hybrid8bit" and fine_tuning else "nearest"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -27,19 +27,22 @@ def state_bytes_per_param(config: OptimizerConfig, numels: list[int]) -> float:
 def make_optimizer(
     config: OptimizerConfig, masters: list[torch.Tensor], decay_numel: list[int],
     group_numels: list[int] | None = None, group_offsets: list[int] | None = None, seed: int = 0,
+    rounding: str | None = None,
 ) -> HostOptimizer:
     """The optimizer of ``config.kind`` over the flat fp32 master groups; ``group_numels`` are
     the whole groups' sizes when the masters are a data-parallel rank's shards, and
-    ``group_offsets`` where those shards start; ``seed`` keys stochastic rounding."""
-    if config.state_rounding == "auto":
-        raise ValueError("optimizer.state_rounding=auto is resolved by Config (from model.source); "
-                         "build the optimizer from a loaded Config or set nearest / stochastic")
+    ``group_offsets`` where those shards start; ``seed`` keys stochastic rounding; ``rounding``:
+    ``Config.state_rounding()`` (``config.state_rounding`` when that is not auto)."""
+    rounding = rounding or config.state_rounding
+    if rounding == "auto" and config.kind == "hybrid8bit":
+        raise ValueError("optimizer.state_rounding=auto depends on the model (Config.state_rounding); "
+                         "pass rounding=config.state_rounding() or set nearest / stochastic")
     if config.kind == "hybrid8bit":
         from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
 
         return Hybrid8bitAdamW(masters, decay_numel, config,
                                fp32_groups=fp32_state_groups(config, len(masters)), group_numels=group_numels,
-                               group_offsets=group_offsets, rounding=config.state_rounding, seed=seed)
+                               group_offsets=group_offsets, rounding=rounding, seed=seed)
     from lazytrain.optim.adamw import FusedAdamW
 
     return FusedAdamW(masters, decay_numel, config)

@@ -30,6 +30,7 @@ class Handle:
     stored: torch.cuda.Event | None = None  # host copy complete
     fetched: torch.Tensor | None = None  # GPU copy being prefetched
     fetched_event: torch.cuda.Event | None = None
+    consumed: bool = False  # the fetched copy was handed to compute (`get`)
     nbytes: int = 0
     written: Future | None = None  # nvme: the file write (-> NvmeRecord)
     read: Future | None = None  # nvme: the file read into read_buffer
@@ -49,7 +50,12 @@ class ActivationStore:
     of host time in these allocations, while their GPU sat idle 0.57-0.63 s more than the
     simulator predicted. ``compute``: the compute stream's pool, the one the forward's
     activations are freed to; the copy then waits for the compute queued before the fetch (the
-    memory's last users), and the copy stream's use is recorded. Not yet measured on a GPU."""
+    memory's last users). Compute reads the copy only after waiting for it (`get`); one freed
+    unread makes compute wait for it (`free`), and an abandoned step's for every queued copy
+    (`abandon`), so the block's next user on compute comes after the copy (no record_stream,
+    which would hold the block until the copy stream's later fetches, themselves waiting on
+    compute). Host-tier fetches only: an NVMe tensor read in `get` keeps the copy stream's
+    pool. Not yet measured on a GPU."""
 
     def __init__(self, streams: Streams, device: torch.device, trace: StreamTrace | None = None,
                  nvme: NvmeStore | None = None, fetch_allocation: str = "h2d"):
@@ -143,8 +149,10 @@ class ActivationStore:
 
     def _to_device(self, handle: Handle, buf: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         self.streams.wait(ready, self.streams.h2d)
-        on_compute = self.fetch_allocation == "compute"
-        if on_compute:  # from the compute stream's pool: its last users are queued there
+        # from the compute stream's pool, whose last users are queued there; not an NVMe read
+        # fetched in `get`, whose copy would then wait for all queued compute before it starts
+        on_compute = self.fetch_allocation == "compute" and handle.tier == "host"
+        if on_compute:
             t0 = time.perf_counter()
             out = torch.empty(handle.shape, dtype=handle.dtype, device=self.device)
             self.fetch_alloc_seconds += time.perf_counter() - t0
@@ -156,8 +164,6 @@ class ActivationStore:
                 self.fetch_alloc_seconds += time.perf_counter() - t0
             span = self.trace.begin(self.streams.h2d) if self.trace else None
             out.view(-1).copy_(buf, non_blocking=True)
-        if on_compute:  # freed early (an abandoned step), the block waits for the copy
-            self.streams.keep_alive(out, self.streams.h2d)
         if self.trace:
             self.trace.end("h2d:act", span, self.streams.h2d)
         handle.fetched = out
@@ -173,6 +179,7 @@ class ActivationStore:
         if handle.tier == "nvme" and handle.fetched is None:
             self._to_device(handle, handle.read.result(), None)
         self.streams.wait(handle.fetched_event)
+        handle.consumed = True
         out = handle.fetched
         self.streams.keep_alive(out, self.streams.compute)
         return out
@@ -182,6 +189,8 @@ class ActivationStore:
         if handle.nbytes == 0:
             return
         self.bytes_by_tier[handle.tier] -= handle.nbytes
+        if self.fetch_allocation == "compute" and handle.fetched is not None and not handle.consumed:
+            self.streams.wait(handle.fetched_event)  # the compute pool's next user after the copy
         if handle.tier == "host":
             self._release(handle.tensor, handle.fetched_event)
         elif handle.tier == "nvme":
@@ -191,6 +200,13 @@ class ActivationStore:
             self.nvme.remove(handle.written.result())
         handle.tensor = handle.fetched = handle.read_buffer = None
         handle.nbytes = 0
+
+    def abandon(self) -> None:
+        """A step stopped by an error: compute waits for every copy queued on the copy stream
+        (with ``fetch_allocation=compute`` a dropped fetch's block goes back to the compute
+        stream's pool, whose next user must come after the copy into it)."""
+        if self.fetch_allocation == "compute":
+            self.streams.wait(self.streams.record(self.streams.h2d))
 
     def reset_peaks(self) -> None:
         self.peak_by_tier = dict(self.bytes_by_tier)

@@ -431,6 +431,13 @@ class Executor:
         Packed rows: ``document_ids`` [B, S] (1, 2, ... per sample, 0 on padding; the padding
         mask is then ``document_ids != 0``) and ``position_ids`` [B, S] (default 0..S-1).
         """
+        try:
+            return self._forward_backward(input_ids, labels, attention_mask, position_ids, document_ids)
+        except BaseException:
+            self.activations.abandon()  # an abandoned step's copies still queued
+            raise
+
+    def _forward_backward(self, input_ids, labels, attention_mask, position_ids, document_ids) -> StepStats:
         adapter, plan = self.adapter, self.plan
         batch, seq = input_ids.shape
         if document_ids is not None:

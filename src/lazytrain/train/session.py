@@ -67,7 +67,7 @@ class Session:
 
     def make_optimizer(self, masters: list[torch.Tensor], decay_numel: list[int]) -> HostOptimizer:
         """Another optimizer of the configured kind (the profiler times one on scratch groups)."""
-        return make_optimizer(self.config.optimizer, masters, decay_numel)
+        return make_optimizer(self.config.optimizer, masters, decay_numel, rounding=self.config.state_rounding())
 
     def policy_options(self) -> PolicyOptions:
         pc = self.config.plan
@@ -243,14 +243,20 @@ def build_session(config: Config) -> Session:
         cap_gpu_memory(device, config.memory.gpu_gb)
     decay = [g.decay_numel for g in adapter.layouts]
     started = time.perf_counter()
+    rounding = config.state_rounding()
+    if config.optimizer.kind == "hybrid8bit":
+        log.info("8-bit states: sqrt(v) rounded to the %s code (optimizer.state_rounding=%s)",
+                 "stochastically drawn" if rounding == "stochastic" else "nearest", config.optimizer.state_rounding)
     if parallel is None:
-        optimizer = make_optimizer(config.optimizer, store.masters, decay, seed=config.training.seed)
+        optimizer = make_optimizer(config.optimizer, store.masters, decay, seed=config.training.seed,
+                                   rounding=rounding)
     else:
         parallel.barrier()  # local rank 0 has written the shared weights
         optimizer = make_optimizer(config.optimizer, store.masters,
                                    [shard_decay_numel(d, r) for d, r in zip(decay, store.ranges)],
                                    group_numels=[g.numel for g in adapter.layouts],
-                                   group_offsets=[r.start for r in store.ranges], seed=config.training.seed)
+                                   group_offsets=[r.start for r in store.ranges], seed=config.training.seed,
+                                   rounding=rounding)
     store.build_seconds["optimizer"] = time.perf_counter() - started
     log.info("model built: %s", ", ".join(f"{k} {v:.1f} s" for k, v in store.build_seconds.items()))
     nvme = NvmeStore(config.memory.nvme_dir) if config.memory.nvme_dir else None
