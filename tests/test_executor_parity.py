@@ -412,3 +412,13 @@ def test_right_padded_rows_take_the_unmasked_path_and_match_hf(hf_folder, monkey
     ids, labels, mask = left_padded_batch(adapter.vocab_size)
     Executor(adapter, store, keep_all_plan(adapter.num_layers, 3, 11), CPU).forward_backward(ids, labels, mask)
     assert given[-1] is not None and torch.equal(given[-1].cpu(), mask)
+    # longer than one 64-token chunk of the gated delta rule, with a row of padding only (no
+    # targets): the same loss and gradients as HF's on the two real rows
+    ids, labels, mask = random_batch(3, 150, adapter.vocab_size, padded=True, seed=5)
+    mask[1], labels[1] = 0, -100
+    mask[2, 70:], labels[2, 70:] = 0, -100
+    ref_loss, ref = reference_grads(model, ids[[0, 2]], labels[[0, 2]], mask[[0, 2]])
+    stats = Executor(adapter, store, keep_all_plan(adapter.num_layers, 3, 150), CPU).forward_backward(ids, labels, mask)
+    assert given[-1] is None
+    assert stats.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert_grads_equal(adapter, store, ref)

@@ -140,3 +140,25 @@ def test_packed_runs_are_profiled_with_their_document_mask(tmp_path, monkeypatch
         real(None, 2, 10, "sliding")
     assert torch.equal(real(build_session(load_config(None, [f"training.output_dir={tmp_path / 'f'}", *COMMON])).adapter,
                             2, 10, "causal")[1][1], torch.arange(10))
+
+
+def test_a_cost_table_says_which_optimizer_it_timed_and_a_run_of_another_refuses_it(tmp_path):
+    from lazytrain.config import load_config
+    from lazytrain.plan.costs import CostTableMismatch
+    from lazytrain.train.session import build_session
+
+    def table(out, *more):
+        return build_session(load_config(None, [f"training.output_dir={tmp_path / out}", *COMMON, *more])).cost_table()
+
+    eight = table("a", "optimizer.kind=hybrid8bit")
+    assert eight.optimizer == "hybrid8bit/nearest"  # a built-in shape from scratch: nearest codes
+    assert table("b").optimizer == "fp32"
+    eight.save(tmp_path / "costs.json")
+    with pytest.raises(CostTableMismatch, match="timed the CPU optimizer as hybrid8bit/nearest, this run steps "
+                                                "hybrid8bit/stochastic"):
+        table("c", "optimizer.kind=hybrid8bit", "optimizer.state_rounding=stochastic", f"plan.costs={tmp_path / 'costs.json'}")
+    assert table("d", "optimizer.kind=hybrid8bit", f"plan.costs={tmp_path / 'costs.json'}").optimizer == "hybrid8bit/nearest"
+    old = json.loads((tmp_path / "costs.json").read_text())
+    del old["optimizer"]  # a table from before the field: taken as it is
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert table("e", f"plan.costs={tmp_path / 'old.json'}").optimizer == ""

@@ -24,6 +24,14 @@ def state_bytes_per_param(config: OptimizerConfig, numels: list[int]) -> float:
     return optimizer_bytes_per_param(config.kind, numels, fp32_state_groups(config, len(numels)))
 
 
+def describe(optimizer: HostOptimizer) -> str:
+    """What a cost table's ``optimizer_ns_per_param`` was timed on: the kind, and for 8-bit
+    states how sqrt(v) is rounded (``hybrid8bit/stochastic``: ~28% more CPU time)."""
+    kind = optimizer.state_dict()["kind"]
+    rounding = getattr(optimizer, "rounding", None)
+    return f"{kind}/{rounding}" if rounding else kind
+
+
 def make_optimizer(
     config: OptimizerConfig, masters: list[torch.Tensor], decay_numel: list[int],
     group_numels: list[int] | None = None, group_offsets: list[int] | None = None, seed: int = 0,

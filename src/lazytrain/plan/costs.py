@@ -300,6 +300,10 @@ class CostTable:
     and elements (see `for_ranks`)."""
 
     fits: dict[str, ShapeFit] = field(default_factory=default_fits)
+    optimizer: str = ""
+    """The CPU optimizer ``optimizer_ns_per_param`` was timed on (`optim.factory.describe`:
+    fp32, hybrid8bit/nearest, hybrid8bit/stochastic); empty in tables written before it was
+    recorded."""
     attention: str = "causal"
     """The attention the layers were profiled with: causal (unmasked rows, and rows padded on
     the right, which need no mask) or packed (several documents per row, a block-diagonal
@@ -314,6 +318,9 @@ class CostTable:
     """What the measured fields mean (`TABLE_VERSION`); a file without it is version 1."""
 
     def __post_init__(self) -> None:
+        if self.attention not in ("causal", "packed"):
+            raise CostTableMismatch(f"cost table attention must be causal or packed, got {self.attention!r}: "
+                                    "the file was not written by `lazytrain profile`; profile again")
         self.layers = [lc if isinstance(lc, LayerCosts) else LayerCosts(**lc) for lc in self.layers]
         if self.version < 2:
             # the profiler's backward window started with the layer output allocated (in its
@@ -371,11 +378,24 @@ class CostTable:
             )
 
     @property
+    def mask_bytes(self) -> int:
+        """Packed rows' attention mask, [B, 1, S, S] booleans on the GPU for the whole step (its
+        attention layers read it; 64 MiB at 64 x 1024, 2 GiB at 2 x 32768); none unmasked."""
+        attention_layers = any(kind != "linear_attention" for kind in self.layer_types or ["full_attention"])
+        return self.batch_size * self.seq_len**2 if self.attention == "packed" and attention_layers else 0
+
+    @property
+    def step_fixed_bytes(self) -> int:
+        """GPU bytes held through the whole step from the head on: ``gpu_fixed_bytes`` and the
+        attention mask (`mask_bytes`)."""
+        return self.gpu_fixed_bytes + self.mask_bytes
+
+    @property
     def forward_fixed_bytes(self) -> int:
-        """What of ``gpu_fixed_bytes`` is resident before the head: the embedding's and the head's
+        """What of `step_fixed_bytes` is resident before the head: the embedding's and the head's
         weights, not their gradients (the head's is allocated in the head, inside
-        ``head_work_bytes``; both are held from then to the end of the step)."""
-        return max(self.gpu_fixed_bytes - self.const_grad_bytes, 0)
+        ``head_work_bytes``; both are held from then to the end of the step), and the mask."""
+        return max(self.gpu_fixed_bytes - self.const_grad_bytes, 0) + self.mask_bytes
 
     @property
     def num_layers(self) -> int:
@@ -440,6 +460,16 @@ class CostTable:
         if missing:
             raise ValueError(f"no costs for layer types {missing}; profile every type the model has")
         return cls(layers=[replace(costs[t]) for t in layer_types], layer_types=list(layer_types), **kwargs)
+
+    def check_optimizer(self, optimizer: str, source: str = "the cost table") -> None:
+        """Raise `CostTableMismatch` unless this table's optimizer time is ``optimizer``'s (a
+        table from before it was recorded passes)."""
+        if self.optimizer and optimizer != self.optimizer:
+            raise CostTableMismatch(
+                f"{source} timed the CPU optimizer as {self.optimizer}, this run steps {optimizer} "
+                "(optimizer.kind, optimizer.state_rounding), whose step takes another time; profile "
+                "with this run's optimizer settings (`lazytrain profile`) or drop plan.costs"
+            )
 
     def check_attention(self, attention: str, source: str = "the cost table") -> None:
         """Raise `CostTableMismatch` unless this table was profiled with ``attention``."""

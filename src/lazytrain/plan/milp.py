@@ -514,7 +514,7 @@ def _build(
             cap: _Expr | float = gpu_var
         else:
             cap = (c.gpu_bytes if gpu_bytes is None else gpu_bytes) / GB - _MARGIN_GB
-        fixed_gb = c.gpu_fixed_bytes / GB
+        fixed_gb = c.step_fixed_bytes / GB
         forward_fixed_gb = c.forward_fixed_bytes / GB
         grads = c.grad_buffers * max(w)
         # GPU-kept bytes of layers < i, as running-sum columns (keeps the matrix sparse).

@@ -515,7 +515,7 @@ class _StepModel:
         n = self.st.embed_bwd + 1
         c = self.costs
         # the embedding's and the head's gradients exist from the head on
-        fixed = [c.forward_fixed_bytes if s <= self.st.head else c.gpu_fixed_bytes for s in range(n)]
+        fixed = [c.forward_fixed_bytes if s <= self.st.head else c.step_fixed_bytes for s in range(n)]
         gpu = [fixed[s] + max(self.phases.get(s, [0])) for s in range(n)]
         host, nvme = [0] * n, [0] * n
         for buffers, out in ((self.gpu, gpu), (self.host, host), (self.nvme, nvme)):

@@ -60,7 +60,8 @@ class ActivationStore:
     def __init__(self, streams: Streams, device: torch.device, trace: StreamTrace | None = None,
                  nvme: NvmeStore | None = None, fetch_allocation: str = "h2d"):
         if fetch_allocation not in FETCH_ALLOCATIONS:
-            raise ValueError(f"fetch_allocation must be one of {list(FETCH_ALLOCATIONS)}, got {fetch_allocation!r}")
+            raise ValueError(f"fetch_allocation must be one of {list(FETCH_ALLOCATIONS)}, got {fetch_allocation!r} "
+                             "(the Executor's argument; bench/plan_bench.py --fetch-allocation)")
         self.fetch_allocation = fetch_allocation
         self.streams = streams
         self.trace = trace

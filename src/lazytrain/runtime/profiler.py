@@ -28,6 +28,7 @@ from lazytrain.memory.host_store import HostStore, default_host_limit, host_memo
 from lazytrain.memory.nvme import NvmeStore, aligned_empty
 from lazytrain.model.adapter import ModelAdapter, mask_tensors
 from lazytrain.optim.base import HostOptimizer
+from lazytrain.optim.factory import describe
 from lazytrain.optim.split import SplitMaster
 from lazytrain.plan.costs import (
     RECOMPUTE_OPTIONS,
@@ -286,9 +287,10 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
 
 
 def _optimizer_ns_per_param(optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer],
-                            store: HostStore, adapter: ModelAdapter, repeats: int) -> float:
+                            store: HostStore, adapter: ModelAdapter, repeats: int) -> tuple[float, str]:
     """One layer group stepped by a scratch optimizer of the same kind (the real state is
-    untouched; a whole group, whatever part of it this rank's masters hold)."""
+    untouched; a whole group, whatever part of it this rank's masters hold): (ns per
+    parameter, what was timed: `describe`)."""
     layout = adapter.layouts[1]
     master = store.weights[1].float()  # the whole group, whatever part of it this rank's masters hold
     if isinstance(store.masters[1], SplitMaster):  # a split master times the split path
@@ -297,7 +299,7 @@ def _optimizer_ns_per_param(optimizer_factory: Callable[[list[torch.Tensor], lis
     grad = torch.randn(master.numel()).to(store.dtype)
     out = master.weight if isinstance(master, SplitMaster) else torch.empty(master.numel(), dtype=store.dtype)
     ms = time_ms(torch.device("cpu"), lambda: scratch.step_group(0, grad, 0.5, 1e-5, out), repeats)
-    return ms * 1e6 / master.numel()
+    return ms * 1e6 / master.numel(), describe(scratch)
 
 
 def _nvme_bandwidths(nvme: NvmeStore, nbytes: int, files: int = 4) -> dict:
@@ -379,6 +381,7 @@ def profile(
                 )
 
         constants = measure_constants(executor, store, device, batch_size, seq_len, repeats)
+        optimizer_ns, optimizer = _optimizer_ns_per_param(optimizer_factory, store, adapter, repeats)
         esize = store.weights[1].element_size()
         type_costs = {
             kind: LayerCosts(
@@ -425,8 +428,8 @@ def profile(
             const_grad_bytes=const_params * esize,
             **disk,
             # per parameter of the model: a rank of local_world_size steps 1/local_world_size of it
-            optimizer_ns_per_param=_optimizer_ns_per_param(optimizer_factory, store, adapter, repeats)
-            / local_world_size,
+            optimizer_ns_per_param=optimizer_ns / local_world_size,
+            optimizer=optimizer,
             gpu_bytes=usable_gpu_bytes(gpu_bytes or total_gpu),
             # resident embedding and final group and their gradients; the CUDA context and the
             # allocator's slack come out of gpu_bytes (usable_gpu_bytes), not here

@@ -28,7 +28,7 @@ from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import build_model, init_device_of
 from lazytrain.model.loading import check_model_folder
 from lazytrain.optim.base import HostOptimizer
-from lazytrain.optim.factory import fp32_state_groups, make_optimizer, state_bytes_per_param
+from lazytrain.optim.factory import describe, fp32_state_groups, make_optimizer, state_bytes_per_param
 from lazytrain.plan.costs import CostTable, usable_gpu_bytes
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.policies import PolicyOptions, baseline_plan, policy_plan
@@ -99,6 +99,7 @@ class Session:
             costs = CostTable.load(cfg.plan.costs).at(batch, seq)
             costs.check_layers(self.adapter.layer_types, f"plan.costs={cfg.plan.costs}")
             costs.check_attention(attention, f"plan.costs={cfg.plan.costs}")
+            costs.check_optimizer(describe(self.optimizer), f"plan.costs={cfg.plan.costs}")
             costs = self.for_this_run(costs)
         else:
             from lazytrain.runtime.profiler import profile
