@@ -28,7 +28,12 @@ from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import build_model, init_device_of
 from lazytrain.model.loading import check_model_folder
 from lazytrain.optim.base import HostOptimizer
-from lazytrain.optim.factory import describe, fp32_state_groups, make_optimizer, state_bytes_per_param
+from lazytrain.optim.factory import (
+    describe,
+    fp32_state_groups,
+    make_optimizer,
+    state_bytes_per_param,
+)
 from lazytrain.plan.costs import CostTable, usable_gpu_bytes
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.policies import PolicyOptions, baseline_plan, policy_plan
