@@ -113,11 +113,12 @@ def test_packed_runs_are_profiled_with_their_document_mask(tmp_path, monkeypatch
     from lazytrain.runtime import profiler
     from lazytrain.train.session import build_session
 
-    masks, positions = profiler.profile_batch_masks(build_session(load_config(None, [
-        f"training.output_dir={tmp_path / 'a'}", *COMMON])).adapter, 2, 10, "packed")
-    assert positions[0].tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2, 0]  # 4 documents of 3, 3, 3, 1
+    adapter = build_session(load_config(None, [f"training.output_dir={tmp_path / 'a'}", *COMMON])).adapter
+    masks, positions = profiler.profile_batch_masks(adapter, 2, 600, "packed")
+    assert positions[0].tolist() == [*range(300), *range(300)]  # 2 documents of about 256 tokens
     attend = masks["full_attention"][0, 0]
-    assert bool(attend[4, 3]) and not bool(attend[4, 2])  # its own document's keys only
+    assert bool(attend[300, 300]) and not bool(attend[300, 299])  # its own document's keys only
+    assert profiler.profile_batch_masks(adapter, 2, 96, "packed")[1][0].tolist() == list(range(96))  # one
     seen = []
     real = profiler.profile_batch_masks
     monkeypatch.setattr(profiler, "profile_batch_masks", lambda *a: seen.append(a[-1]) or real(*a))

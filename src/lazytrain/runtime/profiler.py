@@ -104,21 +104,22 @@ def saved_tensor_bytes(fn: Callable[[], object], excluded: tuple[torch.Tensor, .
     return result, sum(saved.values())
 
 
-PACKED_DOCUMENTS_PER_ROW = 4
-"""Documents per row of the profiler's packed batches (256 tokens each at seq 1024, about a
-MetaMathQA sample): sdpa's dense-mask kernels cost the same wherever the boundaries fall; the
-linear-attention kernels see this many segments per row."""
+PACKED_DOCUMENT_TOKENS = 256
+"""Tokens per document of the profiler's packed rows (about a MetaMathQA sample; a row shorter
+than two holds one): sdpa's dense-mask kernels cost the same wherever the boundaries fall, the
+linear-attention kernels see as many segments as real rows of such samples would give them."""
 
 
 def profile_batch_masks(adapter: ModelAdapter, batch: int, seq: int, attention: str):
     """(layer masks, position ids) of the profiler's batches: unmasked rows (``causal``), or
-    rows of `PACKED_DOCUMENTS_PER_ROW` documents each with positions restarting per document
+    rows of documents of about `PACKED_DOCUMENT_TOKENS` tokens, positions restarting per document
     (``packed``), as the executor builds them for packed batches."""
     if attention == "causal":
         return adapter.layer_masks(None), torch.arange(seq).unsqueeze(0).expand(batch, -1)
     if attention != "packed":
         raise ValueError(f"attention must be causal or packed, got {attention!r}")
-    length = max(1, -(-seq // PACKED_DOCUMENTS_PER_ROW))
+    documents = max(1, round(seq / PACKED_DOCUMENT_TOKENS))
+    length = -(-seq // documents)
     document = torch.arange(seq) // length
     document_ids = (document + 1).unsqueeze(0).expand(batch, -1).contiguous()
     positions = (torch.arange(seq) - document * length).unsqueeze(0).expand(batch, -1)
