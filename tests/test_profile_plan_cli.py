@@ -17,7 +17,9 @@ COMMON = ["training.batch_size=4", "data.max_seq_len=96", "data.builtin_train_si
 def test_profile_then_plan_then_train_with_the_solved_plan(tmp_path, capsys):
     out = f"training.output_dir={tmp_path}"
     assert main(["profile", out, *COMMON]) == 0
+    assert "seq 96, causal attention:" in capsys.readouterr().err  # what was profiled, said
     costs = CostTable.load(tmp_path / "costs.json")
+    assert (costs.attention, costs.optimizer) == ("causal", "fp32")
     assert (costs.batch_size, costs.seq_len, costs.num_layers) == (4, 96, 2)
     layer = costs.layers[0]
     assert layer.forward_ms > 0 and layer.backward_ms > 0 and layer.recompute_ms > 0

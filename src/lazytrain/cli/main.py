@@ -104,8 +104,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     )
     print(
         f"profiled {session.adapter.arch} on {costs.device} at batch {costs.batch_size} x seq "
-        f"{costs.seq_len}: {per_type}; H2D "
-        f"{costs.h2d_gbps:.1f} GB/s, D2H {costs.d2h_gbps:.1f} GB/s, optimizer "
+        f"{costs.seq_len}, {costs.attention} attention: {per_type}; H2D "
+        f"{costs.h2d_gbps:.1f} GB/s, D2H {costs.d2h_gbps:.1f} GB/s, optimizer ({costs.optimizer}) "
         f"{costs.optimizer_ns_per_param:.2f} ns/param; written to {out}",
         file=sys.stderr,
     )
