@@ -153,16 +153,19 @@ class ActivationStore:
         # from the compute stream's pool, whose last users are queued there; not an NVMe read
         # fetched in `get`, whose copy would then wait for all queued compute before it starts
         on_compute = self.fetch_allocation == "compute" and handle.tier == "host"
-        if on_compute:
+
+        def allocate() -> torch.Tensor:  # on the current stream's pool, timed
             t0 = time.perf_counter()
             out = torch.empty(handle.shape, dtype=handle.dtype, device=self.device)
             self.fetch_alloc_seconds += time.perf_counter() - t0
+            return out
+
+        if on_compute:
+            out = allocate()
             self.streams.wait(self.streams.record(), self.streams.h2d)
         with self.streams.on(self.streams.h2d):
             if not on_compute:
-                t0 = time.perf_counter()
-                out = torch.empty(handle.shape, dtype=handle.dtype, device=self.device)
-                self.fetch_alloc_seconds += time.perf_counter() - t0
+                out = allocate()
             span = self.trace.begin(self.streams.h2d) if self.trace else None
             out.view(-1).copy_(buf, non_blocking=True)
         if self.trace:
