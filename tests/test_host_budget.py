@@ -190,3 +190,106 @@ def test_pinning_needs_one_contiguous_range(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", _FakeCudart)
     with pytest.raises(ValueError, match="contiguous"):
         pin_in_place(torch.randn(3 * 4096 + 7)[::2])
+
+
+GB = 10**9
+
+
+def test_activation_room_is_bounded_by_the_memory_available_now(monkeypatch):
+    """The host room for activations is the budget less the model state, and no more than the
+    machine has available less the headroom (the process's own memory, other processes and the
+    kernel, which the budget's components do not count); data-parallel ranks on one host share
+    both bounds. On the H200 machine a plan that used the whole budget was killed by the kernel."""
+    from lazytrain.memory import host_store
+
+    monkeypatch.setattr(host_store, "host_memory_total", lambda: 135 * GB)
+    headroom = host_store.host_headroom()
+    assert headroom == int(135 * GB * host_store.HOST_HEADROOM_FRACTION)
+    monkeypatch.setattr(host_store, "host_memory_available", lambda: 70 * GB)
+    # the budget's bound: 128 - 61 = 67 GB; the machine's: 70 GB available less the headroom
+    assert host_store.activation_room(61 * GB, limit=128 * GB) == 70 * GB - headroom
+    assert host_store.activation_room(61 * GB, limit=100 * GB) == 39 * GB  # a smaller budget binds
+    assert host_store.activation_room(20 * GB, limit=128 * GB, ranks=2) == (70 * GB - headroom) // 2
+    assert host_store.activation_room(40 * GB, limit=128 * GB, ranks=2) == 24 * GB  # 64 GB each, 40 held
+    assert host_store.activation_room(130 * GB, limit=128 * GB) == 0  # never negative
+    monkeypatch.setattr(host_store, "host_memory_available", lambda: None)  # unknown: the budget alone
+    assert host_store.activation_room(61 * GB, limit=128 * GB) == 67 * GB
+
+
+def test_the_cost_table_and_a_saved_one_get_the_room_available_now(tmp_path, monkeypatch):
+    """The profiler's table, and a saved table given to a later run, plan host activations within
+    what the machine has available then, not only within the budget."""
+    from lazytrain.config import load_config
+    from lazytrain.memory import host_store
+    from lazytrain.train.session import build_session
+
+    overrides = [f"training.output_dir={tmp_path / 'run'}", "training.batch_size=2", "data.max_seq_len=32",
+                 "data.builtin_train_size=8", "data.heldout_size=2", "training.progress=false"]
+    session = build_session(load_config(None, overrides))
+    roomy = session.cost_table()
+    available = host_store.host_headroom() + 3 * 2**20  # 3 MiB above the headroom
+    monkeypatch.setattr(host_store, "host_memory_available", lambda: available)
+    assert roomy.host_bytes > 3 * 2**20
+    assert session.cost_table().host_bytes == 3 * 2**20
+    roomy.save(tmp_path / "costs.json")
+    later = build_session(load_config(None, [*overrides, f"plan.costs={tmp_path / 'costs.json'}"]))
+    assert later.cost_table().host_bytes == 3 * 2**20
+
+
+def test_a_new_host_tier_buffer_stops_with_a_message_when_memory_ran_short(monkeypatch):
+    """A host-tier activation buffer is page-locked on a GPU machine: when the machine has run
+    short since planning, the store raises a clear error instead of being killed by the kernel;
+    a buffer taken from its pool allocates nothing and is not checked."""
+    from lazytrain.memory import host_store
+    from lazytrain.runtime.activations import ActivationStore
+    from lazytrain.runtime.streams import Streams
+
+    cpu = torch.device("cpu")
+    store = ActivationStore(Streams(cpu), cpu)
+    handle = store.put(torch.randn(1024), "host")
+    store.get(handle)
+    store.free(handle)
+    monkeypatch.setattr(host_store, "host_memory_available", lambda: host_store.HOST_FLOOR_BYTES + 4096)
+    store.free(store.put(torch.randn(1024), "host"))  # its pooled buffer: fine
+    with pytest.raises(HostMemoryError, match=r"host-tier activation buffer needs .* memory.host_limit_gb"):
+        store.put(torch.randn(4096), "host")
+
+
+def test_host_tier_buffers_stay_within_the_most_ever_lent_when_batch_lengths_vary(monkeypatch):
+    """Padded SFT batches change length every step, so the host tier asks for new sizes every
+    step. Buffers are reused when at most 1.25x larger, and before a new one is made idle ones
+    are freed, so the buffers held never exceed the most ever lent at once; a step of full rows
+    reuses its buffers exactly. (Kept by exact size, they grew by a step's worth per new length
+    until the kernel killed a 7B run on the H200 machine.)"""
+    from lazytrain.memory.nvme import padded_bytes
+    from lazytrain.runtime.activations import ActivationStore
+    from lazytrain.runtime.streams import Streams
+
+    cpu = torch.device("cpu")
+    store = ActivationStore(Streams(cpu), cpu)
+
+    def step(length: int, layers: int = 4) -> int:
+        """A step's host tier: ``layers`` saved tensors of ``length`` rows, then all freed;
+        -> bytes lent at the step's peak."""
+        handles = [store.put(torch.full((length, 1000), float(i)), "host") for i in range(layers)]
+        lent = store._lent_bytes
+        for i, handle in enumerate(handles):
+            assert torch.equal(store.get(handle), torch.full((length, 1000), float(i)))
+            store.free(handle)
+        return lent
+
+    peak = 0
+    for length in [300, 310, 700, 420, 900, 650, 1024, 333, 1000, 1024]:
+        peak = max(peak, step(length))
+        assert store.host_buffer_bytes <= peak
+    assert peak == 4 * padded_bytes(1024 * 1000 * 4)
+    held = store.host_buffer_bytes
+    made = []
+    from lazytrain.runtime import activations
+
+    real_empty = activations.aligned_empty
+    monkeypatch.setattr(activations, "aligned_empty", lambda *a, **k: made.append(a) or real_empty(*a, **k))
+    for _ in range(3):
+        step(1024)  # full rows: the same buffers every step
+        step(900)  # within 1.25x: reused as well
+    assert made == [] and store.host_buffer_bytes == held

@@ -107,6 +107,54 @@ HOST_RESERVE_MIN = 4 * 2**30
 Python), the page cache, other processes. 5% of RAM, at least 4 GiB."""
 
 
+HOST_HEADROOM_FRACTION = 0.04
+HOST_HEADROOM_MIN = 4 * 2**30
+"""Host memory the plan leaves free *now* (`activation_room`): what the process may still grow
+by while it trains (batches, Python objects, the CUDA host allocator's cache) and what the
+kernel needs beside page-locked memory (its page tables, the GPU driver's mappings). On the
+H200 machine (135.1 GB) a run whose plan filled the 5% reserve's budget was killed by the
+kernel at 132.5 GB resident (2026-12-03). 4% of RAM, at least 4 GiB."""
+
+HOST_FLOOR_BYTES = 2 * 2**30
+"""What a new pinned buffer must leave available (`check_available`); below it the kernel's
+out-of-memory killer is near, which stops the process without a word (and a host whose memory
+fills can stop answering)."""
+
+
+def host_headroom() -> int:
+    total = host_memory_total()
+    return max(int(total * HOST_HEADROOM_FRACTION), HOST_HEADROOM_MIN)
+
+
+def activation_room(state_bytes: int, limit: int | None = None, ranks: int = 1) -> int:
+    """Host bytes one process may pin for activations (and staging): its share of what the
+    budget (``limit``, default `default_host_limit`) leaves after its ``state_bytes`` of model
+    state, and no more than its share of what the machine has available now less
+    `host_headroom`. ``ranks``: the processes on this host that train together (data
+    parallel), each planning its own activations. The second bound counts what the budget's
+    components do not: the processes' own memory (torch, the CUDA context, the data), other
+    processes, the kernel. Called once every rank's model state is allocated, so the
+    available memory no longer includes it."""
+    room = (limit or default_host_limit()) // ranks - state_bytes
+    available = host_memory_available()
+    if available is not None:
+        room = min(room, (available - host_headroom()) // ranks)
+    return max(room, 0)
+
+
+def check_available(nbytes: int, what: str) -> None:
+    """Raise `HostMemoryError` if allocating ``nbytes`` more would leave less than
+    `HOST_FLOOR_BYTES` available on the machine (checked before a new pinned buffer)."""
+    available = host_memory_available()
+    if available is None or available - nbytes >= HOST_FLOOR_BYTES:
+        return
+    raise HostMemoryError(
+        f"host memory: {what} needs {nbytes / 2**30:.2f} GiB more, and the machine has "
+        f"{available / 2**30:.2f} GiB available (keeping {HOST_FLOOR_BYTES / 2**30:.0f} GiB free so the "
+        "kernel does not kill the process): lower memory.host_limit_gb so the plan puts fewer "
+        "activations on the host, free memory held by other processes, or set memory.nvme_dir")
+
+
 def default_host_limit() -> int:
     """The host bytes LazyTrain plans for without ``memory.host_limit_gb``: RAM (or the cgroup
     limit) minus the reserve."""

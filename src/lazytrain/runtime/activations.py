@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from lazytrain.config import ConfigError
-from lazytrain.memory.nvme import NvmeError, NvmeStore, aligned_empty
+from lazytrain.memory.host_store import check_available
+from lazytrain.memory.nvme import NvmeError, NvmeStore, aligned_empty, padded_bytes
 from lazytrain.runtime.streams import Streams, StreamTrace
 
 
@@ -36,6 +37,9 @@ class Handle:
     read: Future | None = None  # nvme: the file read into read_buffer
     read_buffer: torch.Tensor | None = None
 
+
+REUSE_SLACK = 1.25
+"""An idle host buffer serves a tensor of at least 1/REUSE_SLACK of its size (`ActivationStore._host_buffer`)."""
 
 FETCH_ALLOCATIONS = ("h2d", "compute")
 """Where a fetched activation's GPU memory is allocated (`ActivationStore`'s ``fetch_allocation``)."""
@@ -73,28 +77,70 @@ class ActivationStore:
         self.fetch_alloc_seconds = 0.0
         """Host time this step in the GPU allocations of fetched activations (an allocator that
         has to free cached blocks and retry blocks the host here)."""
-        # pinned buffers to reuse, each with the event after which nothing reads it any more
-        self._pool: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
+        # pinned host buffers (`_host_buffer`): idle ones to reuse, oldest first, each with the
+        # event after which no copy reads it any more; the lent ones by address
+        self._idle: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._lent: dict[int, torch.Tensor] = {}
+        self.host_buffer_bytes = 0
+        """Bytes of host buffers held, idle or lent."""
+        self._lent_bytes = 0
+        self._lent_high = 0
 
     def _account(self, tier: str, nbytes: int) -> None:
         self.bytes_by_tier[tier] += nbytes
         self.peak_by_tier[tier] = max(self.peak_by_tier[tier], self.bytes_by_tier[tier])
 
     def _host_buffer(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """A pinned buffer, and the event after which no GPU copy reads it any more (None: a new
-        one): a D2H copy into it is ordered after that on its stream; a CPU writer (an NVMe
-        read) must wait for it itself."""
+        """A pinned buffer of ``numel`` ``dtype`` elements, and the event after which no GPU copy
+        reads it any more (None: a new one): a D2H copy into it is ordered after that on its
+        stream; a CPU writer (an NVMe read) must wait for it itself.
+
+        Buffers are reused across tensors and steps: the smallest idle one that holds the bytes,
+        if it is at most `REUSE_SLACK` times larger (a step of full rows asks for the same
+        sizes every time). Batches of varying length (padded SFT batches) ask for new sizes
+        every step, so before a new buffer is made, idle ones are freed, oldest first, until
+        the buffers held are no more than the most ever lent at once (at least the new one):
+        the host memory stays within the peak the plan put on the host tier instead of growing
+        by a step's worth per new length (on the H200 machine it grew until the kernel killed
+        the run, 2026-12-03)."""
+        nbytes, size = numel * dtype.itemsize, padded_bytes(numel * dtype.itemsize)
+        evicted: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         with self._pool_lock:
-            free = self._pool.get((numel, dtype))
-            entry = free.pop() if free else None
-        if entry is not None:
-            return entry
+            fits = [i for i, (buf, _) in enumerate(self._idle) if size <= buf.numel() <= size * REUSE_SLACK]
+            if fits:
+                base, last_read = self._idle.pop(min(fits, key=lambda i: self._idle[i][0].numel()))
+                self._lend(base)
+                return base[:nbytes].view(dtype), last_read
+            budget = max(self._lent_high, self._lent_bytes + size)
+            while self._idle and self.host_buffer_bytes + size > budget:
+                evicted.append(self._idle.pop(0))
+                self.host_buffer_bytes -= evicted[-1][0].numel()
+        for _, event in evicted:
+            if event is not None:
+                event.synchronize()  # a queued copy may still read it
+        del evicted  # unpinned and unmapped with its last reference
+        # a new buffer is page-locked memory the kernel cannot reclaim: stop with a message
+        # rather than be killed by the kernel when the machine has run short since planning
+        check_available(size, "a host-tier activation buffer")
         # 4 KiB-aligned and padded, so the NVMe tier can write and read it with O_DIRECT
-        return aligned_empty(numel, dtype, pin=self.streams.cuda), None
+        base = aligned_empty(size, torch.uint8, pin=self.streams.cuda)
+        with self._pool_lock:
+            self.host_buffer_bytes += size
+            self._lend(base)
+        return base[:nbytes].view(dtype), None
+
+    def _lend(self, base: torch.Tensor) -> None:
+        """Count ``base`` as lent until `_release` (under the pool's lock); it owns the pinning,
+        so it is kept while a view of it is in use."""
+        self._lent[base.data_ptr()] = base
+        self._lent_bytes += base.numel()
+        self._lent_high = max(self._lent_high, self._lent_bytes)
 
     def _release(self, buf: torch.Tensor, last_read: torch.cuda.Event | None) -> None:
         with self._pool_lock:
-            self._pool.setdefault((buf.numel(), buf.dtype), []).append((buf, last_read))
+            base = self._lent.pop(buf.data_ptr())
+            self._lent_bytes -= base.numel()
+            self._idle.append((base, last_read))
 
     def _offload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Copy ``tensor`` into a pinned buffer on the D2H stream; -> (buffer, copy done)."""

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from lazytrain.memory.host_store import HostStore, default_host_limit, host_memory_total
+from lazytrain.memory.host_store import HostStore, activation_room, host_memory_total
 from lazytrain.memory.nvme import NvmeStore, aligned_empty
 from lazytrain.model.adapter import ModelAdapter, mask_tensors
 from lazytrain.optim.base import HostOptimizer
@@ -349,8 +349,9 @@ def profile(
     """A `CostTable` for this model on this machine at ``(batch_size, seq_len)``.
 
     Without ``nvme`` the table has no NVMe capacity (``nvme_bytes=0``), so no plan uses that tier.
-    The table's host capacity is ``host_limit_bytes`` (default: `default_host_limit`) less the
-    model and optimizer state and, with an NVMe tier, its pinned staging buffers. Data parallel:
+    The table's host capacity is this rank's `activation_room` (its share of
+    ``host_limit_bytes`` less its model and optimizer state, bounded by the memory available
+    now) less, with an NVMe tier, its pinned staging buffers. Data parallel:
     every rank profiles, ``barrier`` lines the ranks up so the host's ``local_world_size`` ranks
     copy at once (the table's bandwidths are then one rank's share), and the optimizer is timed
     on this rank's share of the cores. ``attention``: the layers are timed with the mask the
@@ -407,7 +408,7 @@ def profile(
         else:
             total_gpu = host_memory_total() // 4
         machine = _bandwidths(store.weights[1], device, repeats, barrier)
-        host_free = (host_limit_bytes or default_host_limit()) - store.bytes(optimizer_state_bytes).total
+        host_free = activation_room(store.bytes(optimizer_state_bytes).total, host_limit_bytes, local_world_size)
         if nvme is not None:  # write-behind and read-ahead buffers of the NVMe tier (pinned, pooled)
             host_free -= NVME_STAGING_BUFFERS * input_bytes
         if nvme is not None:

@@ -21,7 +21,7 @@ import torch
 from lazytrain.config import Config, ConfigError
 from lazytrain.data.pipeline import load_tokenizer
 from lazytrain.memory import budget
-from lazytrain.memory.host_store import HostStore
+from lazytrain.memory.host_store import HostStore, activation_room
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.memory.shard import ShardedHostStore, shard_decay_numel
 from lazytrain.model.adapter import ModelAdapter
@@ -127,10 +127,13 @@ class Session:
 
     def for_this_run(self, costs: CostTable) -> CostTable:
         """A saved table with this run's capacities: the room for host activations is this
-        run's (its model state, its host budget), not the profiled one's; the GPU is
+        run's (`activation_room`: its model state, its host budget, the memory available now),
+        not the profiled one's; the GPU is
         ``memory.gpu_gb`` when set."""
-        state = self.host_memory()
-        costs = dataclasses.replace(costs, host_bytes=max(state.limit - state.total, 0))
+        ranks = self.parallel.info.local_world_size if self.parallel is not None else 1
+        # the model state and, with an NVMe tier, its staging buffers, as the profiler counts them
+        room = activation_room(self.host_memory(costs=costs).total, host_limit_bytes(self.config), ranks)
+        costs = dataclasses.replace(costs, host_bytes=room)
         if self.config.memory.gpu_gb:
             costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(self.config.memory.gpu_gb * GiB)))
         return costs
