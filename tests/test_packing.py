@@ -5,10 +5,12 @@ deterministic and resumes exactly. Every family, the Qwen3.5 hybrids included.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import make_hf_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,7 +28,7 @@ from lazytrain.data.dataset import (
 )
 from lazytrain.data.formats import DataError
 from lazytrain.memory.host_store import HostStore
-from lazytrain.model.adapter import ModelAdapter, load_hf_config
+from lazytrain.model.adapter import ModelAdapter, load_hf_config, mask_tensors
 from lazytrain.model.loading import load_safetensors
 from lazytrain.plan.plan import LayerPlan, keep_all_plan, megatrain_plan
 from lazytrain.runtime.executor import Executor
@@ -388,3 +390,100 @@ def test_packed_step_on_cuda_matches_unpacked_on_the_cpu(tmp_path, family):
     assert got.loss == pytest.approx(want.loss, rel=1e-4)
     for g, (a, b) in enumerate(zip(got_grads, want_grads)):
         torch.testing.assert_close(a.float().cpu(), b, rtol=1e-4, atol=1e-5, msg=f"group {g}")
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), scale=None, enable_gqa=False):
+    """torch's ``varlen_attn`` by its definition, for the CPU: each segment's attention alone
+    (sdpa's math kernel); causal with ``window_size=(-1, 0)``, as the varlen path asks."""
+    assert window_size == (-1, 0) and cu_q is cu_k and max_q == max_k and cu_q.dtype == torch.int32
+    reference_varlen.calls += 1
+    parts = []
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        assert 0 < b - a <= max_q
+
+        def segment(t, a=a, b=b):
+            return t[a:b].transpose(0, 1)[None]
+
+        out = F.scaled_dot_product_attention(segment(q), segment(k), segment(v), is_causal=True, scale=scale,
+                                             enable_gqa=enable_gqa)
+        parts.append(out[0].transpose(0, 1))
+    return torch.cat(parts)
+
+
+reference_varlen.calls = 0
+
+
+@pytest.mark.parametrize("policy", ["keep_all", "megatrain", "recompute_attention"])
+def test_the_varlen_path_equals_the_mask_path(qwen2, policy):
+    """Packed rows through the varlen path (the rows laid end to end, attention cut at the
+    segments; here with the kernel's CPU definition) give the mask path's loss and gradients,
+    kept, recomputed and with the attention block recomputed from the host tier, in every
+    family (grouped-query heads included); no [B, 1, S, S] mask is built."""
+    _, adapter, store = qwen2
+    packed = collate_packed(dataset(), ROWS)
+    b, s = packed.input_ids.shape
+    plan = {"keep_all": keep_all_plan(adapter.num_layers, b, s),
+            "megatrain": megatrain_plan(adapter.num_layers, b, s, every=2)}.get(policy)
+    if plan is None:
+        plan = keep_all_plan(adapter.num_layers, b, s)
+        plan.layers = [LayerPlan(mode="keep", tier=tier, recompute="attention") for tier in ("host", "gpu", "host")]
+    want, want_grads = run(Executor(adapter, store, plan, CPU), packed)
+    try:
+        adapter.set_packed_attention("varlen", reference_varlen)
+        masks = adapter.layer_masks(None, document_ids=packed.document_ids)
+        assert all(t.dim() == 1 for t in mask_tensors(masks) if t.dtype == torch.int32)
+        assert not any(t.dim() == 4 for t in mask_tensors(masks))
+        calls = reference_varlen.calls
+        got, got_grads = run(Executor(adapter, store, plan, CPU), packed)
+        assert reference_varlen.calls > calls
+    finally:
+        adapter.set_packed_attention("mask")
+    assert got.loss == pytest.approx(want.loss, rel=1e-5)
+    for g, (x, y) in enumerate(zip(got_grads, want_grads)):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=f"group {g}")
+
+
+def test_packed_attention_is_chosen_per_device_and_profiled_as_it_runs(qwen2):
+    """varlen only where flash attention's kernel runs (CUDA, bf16/fp16); the profiler refuses to
+    time packed rows under another label than the adapter's path, and a varlen table holds no
+    mask in the step's fixed memory."""
+    from lazytrain.model.packed_attention import select_packed_attention
+    from lazytrain.plan.synthetic import QWEN25_32B, synthetic_cost_table
+    from lazytrain.runtime.profiler import profile_batch_masks
+
+    _, adapter, _ = qwen2
+    assert select_packed_attention(CPU, torch.bfloat16) == "mask"
+    assert select_packed_attention(torch.device("cuda"), torch.float32) == "mask"
+    assert adapter.packed_attention == "mask"
+    with pytest.raises(ValueError, match="runs packed rows as packed"):
+        profile_batch_masks(adapter, 2, 64, "packed_varlen")
+    with pytest.raises(ValueError, match="packed attention must be one of"):
+        adapter.set_packed_attention("flex")
+    table = synthetic_cost_table(QWEN25_32B, batch_size=2, seq_len=1024)
+    assert dataclasses.replace(table, attention="packed").mask_bytes == 2 * 1024**2
+    assert dataclasses.replace(table, attention="packed_varlen").mask_bytes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
+def test_the_flash_varlen_kernel_matches_the_mask_path_on_cuda(tmp_path, family):
+    """On CUDA in bf16 the adapter takes torch's flash varlen kernel for packed rows; its loss and
+    gradients equal the mask path's within the bf16 gradient check's 1e-2 (relative norm)."""
+    cuda = torch.device("cuda")
+    model = make_hf_model(family, seed=4, layers=3)
+    model.save_pretrained(tmp_path)
+    packed = collate_packed(dataset(), ROWS)
+    adapter = ModelAdapter(load_hf_config(tmp_path), cuda, torch.bfloat16)
+    assert adapter.packed_attention == "varlen"
+    store = HostStore(adapter.layouts, torch.bfloat16, pin=True)
+    load_safetensors(adapter, store, tmp_path)
+    plan = megatrain_plan(3, 3, WIDTH, every=2)
+    plan.layers[1] = LayerPlan(mode="keep", tier="host", recompute="attention")
+    got, got_grads = run(Executor(adapter, store, plan, cuda), packed)
+    adapter.set_packed_attention("mask")
+    want, want_grads = run(Executor(adapter, store, plan, cuda), packed)
+    assert got.loss == pytest.approx(want.loss, rel=1e-2)
+    for g, (x, y) in enumerate(zip(got_grads, want_grads)):
+        error = (x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-12)
+        assert error < 1e-2, f"group {g}: {error:.2e}"

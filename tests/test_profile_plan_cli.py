@@ -139,7 +139,7 @@ def test_packed_runs_are_profiled_with_their_document_mask(tmp_path, monkeypatch
     with pytest.raises(CostTableMismatch, match="profiled with packed attention, this run's batches take causal"):
         table("d", f"plan.costs={tmp_path / 'packed.json'}")
     assert table("e", "data.packing=true", f"plan.costs={tmp_path / 'packed.json'}").attention == "packed"
-    with pytest.raises(ValueError, match="attention must be causal or packed"):
+    with pytest.raises(ValueError, match="attention must be causal, packed or packed_varlen"):
         real(None, 2, 10, "sliding")
     assert torch.equal(real(build_session(load_config(None, [f"training.output_dir={tmp_path / 'f'}", *COMMON])).adapter,
                             2, 10, "causal")[1][1], torch.arange(10))

@@ -15,10 +15,12 @@ A stack may mix layer types (Qwen3.5/3.6: Gated-DeltaNet ``linear_attention`` la
 type, and each type gets its own mask (``layer_masks``): a 4-D causal mask for attention, the
 2-D padding mask for linear attention (which zeroes padded positions, as HF does).
 
-Packed rows (several samples per row, ``document_ids``) get a block-diagonal causal mask: the
-same boolean 4-D mask through sdpa, so it is exact on every device. Linear-attention layers get
-the rows' segments instead (`packed_segments`), with which their convolution and recurrent
-state restart at each sample (`lazytrain.model.kernels`).
+Packed rows (several samples per row, ``document_ids``) are cut into segments
+(`packed_segments`). Attention layers run flash attention's variable-length kernel over them
+where the device has it (CUDA, bf16), else a block-diagonal causal mask through sdpa, exact on
+every device (`lazytrain.model.packed_attention`). Linear-attention layers get the segments too,
+with which their convolution and recurrent state restart at each sample
+(`lazytrain.model.kernels`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ import transformers
 from lazytrain.errors import LazyTrainError
 from lazytrain.model.kernels import KernelChoice, select_linear_attention_kernels
 from lazytrain.model.lean import apply_lean_ops
+from lazytrain.model.packed_attention import (
+    PACKED_ATTENTION,
+    PackedAttentionError,
+    VarlenKernel,
+    select_packed_attention,
+    torch_varlen_kernel,
+    use_varlen,
+)
 from lazytrain.model.sublayer import block_name, recomputed
 
 SUPPORTED_ARCHITECTURES = (
@@ -231,6 +241,10 @@ class ModelAdapter:
             select_linear_attention_kernels(device) if "linear_attention" in self.layer_types else None
         )
         """The Gated-DeltaNet kernels in use (None: no linear-attention layers)."""
+        self.packed_attention = "mask"
+        """How attention layers keep packed rows' samples apart (`lazytrain.model.packed_attention`):
+        ``varlen`` (flash attention cut at the segments) or ``mask`` (a block-diagonal mask)."""
+        self.set_packed_attention(select_packed_attention(device, dtype))
         self.zero_centered_norms = self.arch in HYBRID_ARCHITECTURES
         """Qwen3.5 RMSNorms scale by (1 + weight): HF initialises their weights to 0."""
 
@@ -245,6 +259,22 @@ class ModelAdapter:
         if not self.tied:
             final.append(("lm_head.weight", (self.vocab_size, self.hidden_size)))
         self.final_layout = _layout("final", "", final, hf_rename=("model.", prefix))
+
+    def set_packed_attention(self, kind: str, kernel: VarlenKernel | None = None) -> None:
+        """Run packed rows' attention as ``kind`` (``varlen``: with ``kernel``, torch's
+        ``varlen_attn`` by default; ``mask``)."""
+        if kind not in PACKED_ATTENTION:
+            raise ValueError(f"packed attention must be one of {list(PACKED_ATTENTION)}, got {kind!r}")
+        if kind == "varlen":
+            kernel = kernel or torch_varlen_kernel()
+            if kernel is None:
+                raise PackedAttentionError(f"torch {torch.__version__} has no torch.nn.attention.varlen "
+                                           "(2.10 on): packed rows take the mask path")
+            use_varlen(self.config, [t.self_attn for k, t in self.templates.items() if k != "linear_attention"],
+                       kernel)
+        else:
+            self.config._attn_implementation = "sdpa"
+        self.packed_attention = kind
 
     # -- structure --------------------------------------------------------------------------
 
@@ -322,13 +352,20 @@ class ModelAdapter:
                 raise ValueError("packed rows (document_ids) are trained whole, not decoded")
             on_device = document_ids.to(self.device, non_blocking=True)
             padding = on_device != 0
-            masks = {kind: attention_mask_4d(padding, None, on_device) for kind in self.templates
-                     if kind != "linear_attention"}
+            # from the CPU copy the executor passes: no step waits on the GPU for them
+            segments = packed_segments(document_ids)
+            cu_cpu = segments["cu_seq_lens_q"].cpu()
+            if self.packed_attention == "varlen":
+                attention: LayerMask = {
+                    "attention_mask": None,
+                    "lazytrain_cu_seqlens": cu_cpu.to(torch.int32).to(self.device, non_blocking=True),
+                    "lazytrain_max_seqlen": int(cu_cpu.diff().max())}
+            else:
+                attention = attention_mask_4d(padding, None, on_device)
+            masks = {kind: attention for kind in self.templates if kind != "linear_attention"}
             if "linear_attention" in self.templates:
-                # from the CPU copy the executor passes: no step waits on the GPU for them
-                segments = packed_segments(document_ids)
                 masks["linear_attention"] = {
-                    "attention_mask": padding, "cu_seqlens_cpu": segments["cu_seq_lens_q"].cpu(),
+                    "attention_mask": padding, "cu_seqlens_cpu": cu_cpu,
                     **{name: t.to(self.device, non_blocking=True) for name, t in segments.items()}}
             return masks
         masks: dict[str, LayerMask] = {}
@@ -404,11 +441,13 @@ class ModelAdapter:
         return final_params["lm_head.weight"]
 
 
-LayerMask = torch.Tensor | dict[str, torch.Tensor] | None
+LayerMask = torch.Tensor | dict[str, torch.Tensor | int | None] | None
 """What `ModelAdapter.layer_masks` gives a layer type: its ``attention_mask`` (None: none), or
 for packed linear-attention layers the keyword arguments ``attention_mask``, ``seq_idx`` and
 ``cu_seq_lens_q`` (`packed_segments`, on the device) and ``cu_seqlens_cpu`` (a CPU copy of the
-offsets, for kernels that need them on the host: `lazytrain.model.kernels`)."""
+offsets, for kernels that need them on the host: `lazytrain.model.kernels`), or for packed
+attention layers on the varlen path ``lazytrain_cu_seqlens`` (int32, on the device) and
+``lazytrain_max_seqlen`` (`lazytrain.model.packed_attention`)."""
 
 
 def layer_mask_kwargs(mask: LayerMask) -> dict[str, torch.Tensor | None]:
@@ -418,7 +457,7 @@ def layer_mask_kwargs(mask: LayerMask) -> dict[str, torch.Tensor | None]:
 
 def mask_tensors(masks: dict[str, LayerMask]) -> list[torch.Tensor]:
     """Every tensor in ``masks`` (constants of a step: the executor saves references to them)."""
-    return [t for mask in masks.values() for t in layer_mask_kwargs(mask).values() if t is not None]
+    return [t for mask in masks.values() for t in layer_mask_kwargs(mask).values() if isinstance(t, torch.Tensor)]
 
 
 def packed_segments(document_ids: torch.Tensor) -> dict[str, torch.Tensor]:

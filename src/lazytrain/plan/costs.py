@@ -38,6 +38,10 @@ class CostTableMismatch(LazyTrainError, ValueError):
     pass
 
 
+ATTENTIONS = ("causal", "packed", "packed_varlen")
+"""What a table's layers were profiled with (`CostTable.attention`)."""
+
+
 def usable_gpu_bytes(capacity: int) -> int:
     """The part of ``capacity`` bytes a plan may fill."""
     return int(capacity * (1.0 - GPU_RESERVE_FRACTION))
@@ -305,10 +309,11 @@ class CostTable:
     fp32, hybrid8bit/nearest, hybrid8bit/stochastic); empty in tables written before it was
     recorded."""
     attention: str = "causal"
-    """The attention the layers were profiled with: causal (unmasked rows, and rows padded on
-    the right, which need no mask) or packed (several documents per row, a block-diagonal
-    mask: `data.packing`), whose kernels differ in time and saved bytes (sdpa has no flash
-    path for a dense mask)."""
+    """The attention the layers were profiled with (`ATTENTIONS`): causal (unmasked rows, and
+    rows padded on the right, which need no mask), packed (several documents per row,
+    `data.packing`, through a block-diagonal mask) or packed_varlen (packed rows through flash
+    attention's variable-length kernel, no mask), whose kernels differ in time and saved bytes
+    (sdpa has no flash path for a dense mask)."""
     device: str = ""
     notes: dict = field(default_factory=dict)
     layer_types: list[str] = field(default_factory=list)
@@ -318,9 +323,10 @@ class CostTable:
     """What the measured fields mean (`TABLE_VERSION`); a file without it is version 1."""
 
     def __post_init__(self) -> None:
-        if self.attention not in ("causal", "packed"):
-            raise CostTableMismatch(f"cost table attention must be causal or packed, got {self.attention!r}: "
-                                    "the file was not written by `lazytrain profile`; profile again")
+        if self.attention not in ATTENTIONS:
+            raise CostTableMismatch(f"cost table attention must be one of {', '.join(ATTENTIONS)}, got "
+                                    f"{self.attention!r}: the file was not written by `lazytrain profile`; "
+                                    "profile again")
         self.layers = [lc if isinstance(lc, LayerCosts) else LayerCosts(**lc) for lc in self.layers]
         if self.version < 2:
             # the profiler's backward window started with the layer output allocated (in its
@@ -380,7 +386,8 @@ class CostTable:
     @property
     def mask_bytes(self) -> int:
         """Packed rows' attention mask, [B, 1, S, S] booleans on the GPU for the whole step (its
-        attention layers read it; 64 MiB at 64 x 1024, 2 GiB at 2 x 32768); none unmasked."""
+        attention layers read it; 64 MiB at 64 x 1024, 2 GiB at 2 x 32768); none unmasked or on
+        the varlen path."""
         attention_layers = any(kind != "linear_attention" for kind in self.layer_types or ["full_attention"])
         return self.batch_size * self.seq_len**2 if self.attention == "packed" and attention_layers else 0
 
@@ -476,7 +483,7 @@ class CostTable:
         if attention != self.attention:
             raise CostTableMismatch(
                 f"{source} was profiled with {self.attention} attention, this run's batches take "
-                f"{attention} attention (data.packing={'true' if attention == 'packed' else 'false'}), "
+                f"{attention} attention (data.packing={'false' if attention == 'causal' else 'true'}), "
                 "whose kernels cost other times and bytes; profile with this run's data settings "
                 "(`lazytrain profile`) or drop plan.costs"
             )

@@ -113,11 +113,15 @@ linear-attention kernels see as many segments as real rows of such samples would
 def profile_batch_masks(adapter: ModelAdapter, batch: int, seq: int, attention: str):
     """(layer masks, position ids) of the profiler's batches: unmasked rows (``causal``), or
     rows of documents of about `PACKED_DOCUMENT_TOKENS` tokens, positions restarting per document
-    (``packed``), as the executor builds them for packed batches."""
+    (``packed``, or ``packed_varlen`` on the adapter's varlen path), as the executor builds them
+    for packed batches."""
     if attention == "causal":
         return adapter.layer_masks(None), torch.arange(seq).unsqueeze(0).expand(batch, -1)
-    if attention != "packed":
-        raise ValueError(f"attention must be causal or packed, got {attention!r}")
+    if attention not in ("packed", "packed_varlen"):  # the adapter's own kernel for packed rows
+        raise ValueError(f"attention must be causal, packed or packed_varlen, got {attention!r}")
+    runs = "packed_varlen" if adapter.packed_attention == "varlen" else "packed"
+    if attention != runs:
+        raise ValueError(f"profiling {attention} attention, but this adapter runs packed rows as {runs}")
     documents = max(1, round(seq / PACKED_DOCUMENT_TOKENS))
     length = -(-seq // documents)
     document = torch.arange(seq) // length

@@ -99,7 +99,9 @@ class Session:
         """The cost table of ``plan.costs`` at the training shape, or one profiled now."""
         cfg = self.config
         batch, seq = self.batch_size, cfg.data.max_seq_len
-        attention = "packed" if cfg.data.packing else "causal"  # padded rows take the causal path
+        attention = "causal"  # padded rows take the causal path
+        if cfg.data.packing:
+            attention = "packed_varlen" if self.adapter.packed_attention == "varlen" else "packed"
         if cfg.plan.costs:
             costs = CostTable.load(cfg.plan.costs).at(batch, seq)
             costs.check_layers(self.adapter.layer_types, f"plan.costs={cfg.plan.costs}")
