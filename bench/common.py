@@ -146,7 +146,7 @@ cudaMalloc / cudaFree calls (or their expandable-segment map / unmap)."""
 def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial_optimizer: bool = False,
                 optimizer: HostOptimizer | None = None, nvme: NvmeStore | None = None,
                 batches: Callable[[int], Batch] | None = None, stage_memory: bool = False,
-                fetch_allocation: str = "h2d") -> dict:
+                fetch_allocation: str = "compute") -> dict:
     """Train ``warmup + steps`` steps of ``plan`` on random tokens; the measured steps' medians.
 
     Step time runs from the start of one measured step to the start of the next. A step's

@@ -298,7 +298,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--optimizer", choices=["fp32", "hybrid8bit"], default="hybrid8bit")
-    parser.add_argument("--fetch-allocation", choices=["h2d", "compute"], default="h2d",
+    parser.add_argument("--fetch-allocation", choices=["h2d", "compute"], default="compute",
                         help="GPU memory pool of activations fetched back from the host tier (ActivationStore)")
     parser.add_argument("--state-rounding", choices=["nearest", "stochastic"], default="nearest",
                         help="optimizer.state_rounding of the 8-bit states (the profile times that step)")
@@ -574,7 +574,7 @@ def markdown(records: list[dict], args) -> str:
         f"`python bench/plan_bench.py --model {args.model} --optimizer {args.optimizer} --seq {args.seq} "
         f"--batch {args.batch} --runs {' '.join(args.runs)}"
         + (f" --state-rounding {args.state_rounding}" if args.state_rounding != "nearest" else "")
-        + (f" --fetch-allocation {args.fetch_allocation}" if args.fetch_allocation != "h2d" else "")
+        + (f" --fetch-allocation {args.fetch_allocation}" if args.fetch_allocation != "compute" else "")
         + (f" --max-batch {args.max_batch}" if args.max_batch else "")
         + (f" --kernels {' '.join(args.kernels)}" if args.kernels != ["auto"] else "")
         + f" --warmup {args.warmup} --steps {args.steps} --split-master {args.split_master}"

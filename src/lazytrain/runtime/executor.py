@@ -133,7 +133,7 @@ class Executor:
         before_load: Callable[[int], None] | None = None,
         nvme: NvmeStore | None = None,
         parallel: DataParallel | None = None,
-        fetch_allocation: str = "h2d",
+        fetch_allocation: str = "compute",
     ):
         """``fetch_allocation``: the GPU memory pool of activations fetched back from the host or
         NVMe tier (`ActivationStore`)."""
