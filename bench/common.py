@@ -192,7 +192,10 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
             allocator = torch.cuda.memory_stats(device) if cuda else {}
             stats = executor.forward_backward(**inputs)
             trace = executor.trace.summary()
-            extra = {"act_fetch_alloc_s": executor.activations.fetch_alloc_seconds}
+            # the activation store's pinned host buffers after the step (padded batches of varying
+            # length must not add to them every step)
+            extra = {"act_fetch_alloc_s": executor.activations.fetch_alloc_seconds,
+                     "host_buffers_gb": executor.activations.host_buffer_bytes / 1e9}
             if cuda:  # the caching allocator's slow paths during the step
                 now = torch.cuda.memory_stats(device)
                 extra.update({f"cuda_{key}": float(now.get(key, 0) - allocator.get(key, 0)) for key in ALLOCATOR_EVENTS})
@@ -222,6 +225,7 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
                 for m, t in zip(measured, step_times)]
     record = {key: statistics.median(r[key] for r in per_step) for key in per_step[0]
               if isinstance(per_step[0][key], float)}
+    record["host_buffers_gb_by_step"] = [r["host_buffers_gb"] for r in per_step]
     if batches is not None:
         total_s = sum(step_times)
         record.update({key: sum(r[key] * r["step_time_s"] for r in per_step) / total_s

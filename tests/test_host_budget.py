@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -216,6 +217,20 @@ def test_activation_room_is_bounded_by_the_memory_available_now(monkeypatch):
     assert host_store.activation_room(61 * GB, limit=128 * GB) == 67 * GB
 
 
+def test_memory_available_counts_a_containers_limit(tmp_path):
+    """In a cgroup with a memory limit the machine's MemAvailable overstates: what the limit
+    leaves (usage less inactive file pages) is taken when smaller; no limit ("max"), none."""
+    from lazytrain.memory.host_store import _cgroup_available
+
+    (tmp_path / "memory.max").write_text("10000000000\n")
+    (tmp_path / "memory.current").write_text("7000000000\n")
+    (tmp_path / "memory.stat").write_text("anon 6000000000\nfile 1000000000\ninactive_file 500000000\n")
+    assert _cgroup_available(str(tmp_path)) == 3_500_000_000
+    (tmp_path / "memory.max").write_text("max\n")
+    assert _cgroup_available(str(tmp_path)) is None
+    assert _cgroup_available(str(tmp_path / "absent")) is None
+
+
 def test_the_cost_table_and_a_saved_one_get_the_room_available_now(tmp_path, monkeypatch):
     """The profiler's table, and a saved table given to a later run, plan host activations within
     what the machine has available then, not only within the budget."""
@@ -234,6 +249,16 @@ def test_the_cost_table_and_a_saved_one_get_the_room_available_now(tmp_path, mon
     roomy.save(tmp_path / "costs.json")
     later = build_session(load_config(None, [*overrides, f"plan.costs={tmp_path / 'costs.json'}"]))
     assert later.cost_table().host_bytes == 3 * 2**20
+    # data parallel: this rank's state (as the profiler counts it) and its share of the room,
+    # read once every rank has allocated its state
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(host_store, "host_memory_available", lambda: host_store.host_headroom() + 2**30)
+    waits = []
+    later.parallel = SimpleNamespace(info=SimpleNamespace(local_world_size=2), barrier=lambda: waits.append(1))
+    state = later.store.bytes(later.optimizer.state_bytes()).total
+    assert later.for_this_run(roomy).host_bytes == min(host_store.default_host_limit() // 2 - state, 2**29)
+    assert waits == [1]
 
 
 def test_a_new_host_tier_buffer_stops_with_a_message_when_memory_ran_short(monkeypatch):
@@ -255,41 +280,97 @@ def test_a_new_host_tier_buffer_stops_with_a_message_when_memory_ran_short(monke
         store.put(torch.randn(4096), "host")
 
 
-def test_host_tier_buffers_stay_within_the_most_ever_lent_when_batch_lengths_vary(monkeypatch):
-    """Padded SFT batches change length every step, so the host tier asks for new sizes every
-    step. Buffers are reused when at most 1.25x larger, and before a new one is made idle ones
-    are freed, so the buffers held never exceed the most ever lent at once; a step of full rows
-    reuses its buffers exactly. (Kept by exact size, they grew by a step's worth per new length
-    until the kernel killed a 7B run on the H200 machine.)"""
+def _varying_steps(store, lengths, layers=4, slots=True):
+    """Steps whose host tier holds ``layers`` tensors of each length's rows, then frees them (as
+    the executor does, slotted by layer or not); -> the bytes lent at each step's peak."""
+    peaks = []
+    for length in lengths:
+        store.start_step()
+        handles = [store.put(torch.full((length, 1000), float(i)), "host", slot=(i, 0) if slots else None)
+                   for i in range(layers)]
+        peaks.append(store._lent_bytes)
+        for i, handle in enumerate(handles):
+            assert torch.equal(store.get(handle), torch.full((length, 1000), float(i)))
+            store.free(handle)
+    return peaks
+
+
+LENGTHS_VARYING = [300, 310, 700, 420, 900, 650, 1024, 333, 1000, 1024]
+
+
+def test_host_tier_buffers_settle_on_each_slots_longest_when_batch_lengths_vary(monkeypatch):
+    """Padded SFT batches change length every step. A host-tier tensor reuses its slot's buffer
+    (the same saved tensor of the same layer every step), replaced by a larger one only when it
+    does not fit: the buffers held are each slot's longest, and once the longest length has come
+    nothing more is pinned. (Kept by exact size in one pool they grew by a step's worth per new
+    length until the kernel killed a 7B run on the H200 machine.) The evicted buffer is gone
+    before its replacement is made."""
     from lazytrain.memory.nvme import padded_bytes
+    from lazytrain.runtime import activations
     from lazytrain.runtime.activations import ActivationStore
     from lazytrain.runtime.streams import Streams
 
     cpu = torch.device("cpu")
     store = ActivationStore(Streams(cpu), cpu)
+    made, bases = [], []
+    real_empty = activations.aligned_empty
 
-    def step(length: int, layers: int = 4) -> int:
-        """A step's host tier: ``layers`` saved tensors of ``length`` rows, then all freed;
-        -> bytes lent at the step's peak."""
-        handles = [store.put(torch.full((length, 1000), float(i)), "host") for i in range(layers)]
-        lent = store._lent_bytes
-        for i, handle in enumerate(handles):
-            assert torch.equal(store.get(handle), torch.full((length, 1000), float(i)))
-            store.free(handle)
-        return lent
+    def tracking_empty(*a, **k):
+        # every buffer made so far is still the store's, or gone (an evicted one is freed first)
+        alive = sum(ref() is not None for ref in bases)
+        made.append(alive == len(store._lent) + len(store._slots) + len(store._idle))
+        bases.append(weakref.ref(base := real_empty(*a, **k)))
+        return base
 
+    monkeypatch.setattr(activations, "aligned_empty", tracking_empty)
+    peaks = _varying_steps(store, LENGTHS_VARYING)
+    longest = 4 * padded_bytes(1024 * 1000 * 4)
+    assert store.host_buffer_bytes == max(peaks) == longest
+    # grown at 300, 310, 700, 900 and 1024 rows only, and the old one freed first each time
+    assert len(made) == 4 * 5 and all(made)
+    made.clear()
+    _varying_steps(store, [1024, 900, 333, 1024])
+    assert made == [] and store.host_buffer_bytes == longest
+
+
+def test_the_host_tier_takes_back_an_abandoned_steps_buffers_and_frees_all_when_closed():
+    """A step abandoned with its host-tier tensors stored (an out-of-memory error, an
+    interrupt) leaves their buffers lent: the next step takes them back into their slots instead
+    of pinning new ones, and an executor given up frees every buffer (`close`)."""
+    from lazytrain.runtime.activations import ActivationStore
+    from lazytrain.runtime.streams import Streams
+
+    cpu = torch.device("cpu")
+    store = ActivationStore(Streams(cpu), cpu)
+    store.start_step()
+    for i in range(3):
+        store.put(torch.randn(500, 1000), "host", slot=(i, 0))  # never freed: the step failed
+    held = store.host_buffer_bytes
+    _varying_steps(store, [500, 400], layers=3)
+    assert store.host_buffer_bytes == held and store._lent_bytes == 0
+    store.close()
+    assert store.host_buffer_bytes == 0 and not store._slots and not store._idle
+
+
+def test_nvme_staging_buffers_stay_within_the_most_ever_lent_when_batch_lengths_vary(monkeypatch):
+    """The NVMe tier's staging buffers (no slot) come from a pool: one up to 1.25x larger serves a
+    tensor, and before a new one is made idle ones are freed until the buffers held are no more
+    than the most ever lent at once; a step of full rows reuses its buffers exactly."""
+    from lazytrain.memory.nvme import padded_bytes
+    from lazytrain.runtime import activations
+    from lazytrain.runtime.activations import ActivationStore
+    from lazytrain.runtime.streams import Streams
+
+    cpu = torch.device("cpu")
+    store = ActivationStore(Streams(cpu), cpu)
     peak = 0
-    for length in [300, 310, 700, 420, 900, 650, 1024, 333, 1000, 1024]:
-        peak = max(peak, step(length))
+    for length in LENGTHS_VARYING:
+        peak = max(peak, *_varying_steps(store, [length], slots=False))
         assert store.host_buffer_bytes <= peak
     assert peak == 4 * padded_bytes(1024 * 1000 * 4)
     held = store.host_buffer_bytes
     made = []
-    from lazytrain.runtime import activations
-
     real_empty = activations.aligned_empty
     monkeypatch.setattr(activations, "aligned_empty", lambda *a, **k: made.append(a) or real_empty(*a, **k))
-    for _ in range(3):
-        step(1024)  # full rows: the same buffers every step
-        step(900)  # within 1.25x: reused as well
+    _varying_steps(store, [1024, 900, 1024, 900, 1024, 900], slots=False)  # within 1.25x: reused
     assert made == [] and store.host_buffer_bytes == held

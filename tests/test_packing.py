@@ -487,3 +487,19 @@ def test_the_flash_varlen_kernel_matches_the_mask_path_on_cuda(tmp_path, family)
     for g, (x, y) in enumerate(zip(got_grads, want_grads)):
         error = (x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-12)
         assert error < 1e-2, f"group {g}: {error:.2e}"
+
+
+def test_packed_attention_can_be_set_and_is_refused_where_it_cannot_run(tmp_path):
+    """model.packed_attention=mask takes the mask path anywhere; varlen where flash attention's
+    kernel cannot run (the CPU, fp32) is one clear error naming the setting."""
+    from lazytrain.cli.main import main as cli
+    from lazytrain.config import load_config
+    from lazytrain.model.packed_attention import PackedAttentionError
+    from lazytrain.train.session import build_session
+
+    common = [f"training.output_dir={tmp_path / 'a'}", "data.packing=true", "training.batch_size=2",
+              "data.builtin_train_size=8", "data.heldout_size=2"]
+    assert build_session(load_config(None, [*common, "model.packed_attention=mask"])).adapter.packed_attention == "mask"
+    with pytest.raises(PackedAttentionError, match=r"model.packed_attention=varlen needs .* \(this run: cpu"):
+        build_session(load_config(None, [*common, "model.packed_attention=varlen"]))
+    assert cli(["train", "model.packed_attention=flex", f"training.output_dir={tmp_path / 'b'}"]) == 2

@@ -192,9 +192,9 @@ def test_a_host_tier_keep_layer_lets_go_of_its_device_tensors_after_its_forward(
     offloaded = []
     put = executor.activations.put
 
-    def tracking_put(tensor, tier):
+    def tracking_put(tensor, tier, slot=None):
         offloaded.append(weakref.ref(tensor))
-        return put(tensor, tier)
+        return put(tensor, tier, slot)
 
     def alive():
         gc.collect()

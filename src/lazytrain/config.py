@@ -63,6 +63,10 @@ class ModelConfig:
     """SwiGLU MLPs and RMSNorms that save fewer tensors for backward (`model/lean.py`: the same
     forward, the elementwise parts recomputed in backward; a Qwen2.5-7B layer saves about 45%
     less). false: HF's modules as they are."""
+    packed_attention: Literal["auto", "varlen", "mask"] = "auto"
+    """How attention keeps packed rows' samples apart (``data.packing``): auto (varlen where it
+    runs: CUDA with bf16/fp16; else mask), varlen (flash attention's variable-length kernel over
+    the rows cut at the samples), mask (a block-diagonal mask through sdpa, on every device)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "model")

@@ -90,22 +90,47 @@ def pin_in_place(t: torch.Tensor, owner: torch.Tensor | None = None) -> bool:
 
 
 def host_memory_available() -> int | None:
-    """The machine's MemAvailable (what can be allocated without swapping), None if unknown."""
+    """What can be allocated without swapping: the machine's MemAvailable, or within a cgroup
+    limit (a container) what the limit leaves, if less (its usage less its inactive file
+    pages, which the kernel reclaims first); None if unknown."""
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    group = _cgroup_available()
+    if group is not None:
+        available = group if available is None else min(available, group)
+    return available
+
+
+def _cgroup_available(root: str = "/sys/fs/cgroup") -> int | None:
+    """``memory.max`` less ``memory.current`` plus ``inactive_file`` (cgroup v2), or None
+    without a limit."""
+    try:
+        with open(f"{root}/memory.max") as f:
+            limit = f.read().strip()
+        with open(f"{root}/memory.current") as f:
+            current = int(f.read().strip())
+        inactive = 0
+        with open(f"{root}/memory.stat") as f:
+            for line in f:
+                if line.startswith("inactive_file "):
+                    inactive = int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    if not limit.isdigit():  # "max": no limit
+        return None
+    return max(int(limit) - current + inactive, 0)
 
 
 HOST_RESERVE_FRACTION = 0.05
 HOST_RESERVE_MIN = 4 * 2**30
 """Host memory left out of the default budget: the process itself (torch, CUDA context,
 Python), the page cache, other processes. 5% of RAM, at least 4 GiB."""
-
 
 HOST_HEADROOM_FRACTION = 0.04
 HOST_HEADROOM_MIN = 4 * 2**30
@@ -126,12 +151,13 @@ def host_headroom() -> int:
     return max(int(total * HOST_HEADROOM_FRACTION), HOST_HEADROOM_MIN)
 
 
-def activation_room(state_bytes: int, limit: int | None = None, ranks: int = 1) -> int:
-    """Host bytes one process may pin for activations (and staging): its share of what the
-    budget (``limit``, default `default_host_limit`) leaves after its ``state_bytes`` of model
-    state, and no more than its share of what the machine has available now less
-    `host_headroom`. ``ranks``: the processes on this host that train together (data
-    parallel), each planning its own activations. The second bound counts what the budget's
+def activation_room(state_bytes: int, limit: int | None = None, ranks: int = 1, staging: int = 0) -> int:
+    """Host bytes one process may pin for activations: its share of what the budget (``limit``,
+    default `default_host_limit`) leaves after its ``state_bytes`` of model state, and no more
+    than its share of what the machine has available now less `host_headroom`, less its
+    ``staging`` buffers (the NVMe tier's, pinned when the step runs). ``ranks``: the
+    processes on this host that train together (data parallel), each planning its own
+    activations. The second bound counts what the budget's
     components do not: the processes' own memory (torch, the CUDA context, the data), other
     processes, the kernel. Called once every rank's model state is allocated, so the
     available memory no longer includes it."""
@@ -139,7 +165,7 @@ def activation_room(state_bytes: int, limit: int | None = None, ranks: int = 1) 
     available = host_memory_available()
     if available is not None:
         room = min(room, (available - host_headroom()) // ranks)
-    return max(room, 0)
+    return max(room - staging, 0)
 
 
 def check_available(nbytes: int, what: str) -> None:
@@ -244,6 +270,10 @@ class HostStore:
             for arena in (self._weight_arena, self._grad_arena):
                 if pin_in_place(arena):
                     self.pinned_bytes += arena.numel() * arena.element_size()
+        if not self.pinned_bytes:
+            # resident now (pinning does it otherwise): the memory available when the plan is
+            # made (`activation_room`) must not still count the gradients' pages
+            self._grad_arena.zero_()
         self.weights: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
         offset = 0

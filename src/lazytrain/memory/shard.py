@@ -146,6 +146,8 @@ class ShardedHostStore:
             for arena in (self.arena.tensor, self._grad_arena):
                 if pin_in_place(arena):
                     self.pinned_bytes += arena.numel() * arena.element_size()
+        if not self.pinned_bytes:
+            self._grad_arena.zero_()  # resident now, as `HostStore` makes its own
         self.weights: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
         offset, grad_offset = 0, 0

@@ -266,10 +266,15 @@ class ModelAdapter:
         if kind not in PACKED_ATTENTION:
             raise ValueError(f"packed attention must be one of {list(PACKED_ATTENTION)}, got {kind!r}")
         if kind == "varlen":
+            if kernel is None and select_packed_attention(self.device, self.dtype) != "varlen":
+                raise PackedAttentionError(
+                    f"model.packed_attention=varlen needs flash attention's kernel: CUDA and bf16 or fp16 "
+                    f"(this run: {self.device.type}, {self.dtype}); set model.packed_attention=mask or auto")
             kernel = kernel or torch_varlen_kernel()
             if kernel is None:
-                raise PackedAttentionError(f"torch {torch.__version__} has no torch.nn.attention.varlen "
-                                           "(2.10 on): packed rows take the mask path")
+                raise PackedAttentionError(f"model.packed_attention=varlen: torch {torch.__version__} has no "
+                                           "torch.nn.attention.varlen_attn with a causal window; set "
+                                           "model.packed_attention=mask or auto")
             use_varlen(self.config, [t.self_attn for k, t in self.templates.items() if k != "linear_attention"],
                        kernel)
         else:
@@ -350,11 +355,13 @@ class ModelAdapter:
         if document_ids is not None:
             if queries is not None and queries != document_ids.shape[1]:
                 raise ValueError("packed rows (document_ids) are trained whole, not decoded")
-            on_device = document_ids.to(self.device, non_blocking=True)
-            padding = on_device != 0
             # from the CPU copy the executor passes: no step waits on the GPU for them
             segments = packed_segments(document_ids)
             cu_cpu = segments["cu_seq_lens_q"].cpu()
+            hybrid = "linear_attention" in self.templates
+            if hybrid or self.packed_attention == "mask":
+                on_device = document_ids.to(self.device, non_blocking=True)
+                padding = on_device != 0
             if self.packed_attention == "varlen":
                 attention: LayerMask = {
                     "attention_mask": None,
@@ -363,7 +370,7 @@ class ModelAdapter:
             else:
                 attention = attention_mask_4d(padding, None, on_device)
             masks = {kind: attention for kind in self.templates if kind != "linear_attention"}
-            if "linear_attention" in self.templates:
+            if hybrid:
                 masks["linear_attention"] = {
                     "attention_mask": padding, "cu_seqlens_cpu": cu_cpu,
                     **{name: t.to(self.device, non_blocking=True) for name, t in segments.items()}}

@@ -8,9 +8,10 @@ the mask itself is B·S² bytes held through the step (2 GiB at 2 x 32768). The 
 lays the rows end to end and cuts them at the segments (`adapter.packed_segments`: each sample,
 and each row's padding), then runs torch's ``varlen_attn`` (flash attention with cumulative
 sequence offsets) causally within each segment: no mask, the flash kernel's time and saved
-bytes. It needs CUDA, bf16 or fp16 and a torch with ``torch.nn.attention.varlen`` (2.10 on);
-grouped-query attention goes to the kernel as it is (torch 2.11's kernel takes fewer key/value
-heads as given; later versions ask for ``enable_gqa``).
+bytes. It needs CUDA and bf16 or fp16 (torch 2.11 on has the kernel); grouped-query attention
+goes to the kernel as it is (torch 2.11's kernel takes fewer key/value heads as given; later
+versions ask for ``enable_gqa``). Set ``model.packed_attention=mask`` to take the mask path
+anyway.
 
 HF attention layers look their attention function up by ``config._attn_implementation``; the
 adapter registers `ATTENTION_NAME` with transformers' ``AttentionInterface`` and sets it on its
@@ -21,6 +22,7 @@ layer is given the segments (`layer_masks` passes ``lazytrain_cu_seqlens`` and
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -45,13 +47,12 @@ class PackedAttentionError(LazyTrainError, ValueError):
 
 
 def torch_varlen_kernel() -> VarlenKernel | None:
-    """torch's ``varlen_attn``, or None where this torch has none."""
+    """torch's ``varlen_attn``, or None where this torch has none that takes a causal window."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    params = inspect.signature(varlen_attn).parameters
-    return varlen_attn if "window_size" in params or "is_causal" in params else None
+    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
 
 
 def select_packed_attention(device: torch.device, dtype: torch.dtype) -> str:
@@ -66,23 +67,21 @@ def varlen_attention(kernel: VarlenKernel, query: torch.Tensor, key: torch.Tenso
     """Causal attention within each segment of packed rows: ``query`` [B, H, S, D], ``key`` and
     ``value`` [B, KV, S, D] (as HF's attention layers pass them), the rows laid end to end and
     cut at ``cu_seqlens`` (int32, [segments + 1], on the device) into segments of at most
-    ``max_seqlen`` tokens. -> [B, S, H, D], as HF's attention functions return."""
+    ``max_seqlen`` tokens, by ``kernel`` (`VarlenKernel`). -> [B, S, H, D], as HF's attention
+    functions return."""
     batch, heads, seq, dim = query.shape
     q = query.transpose(1, 2).reshape(batch * seq, heads, dim)
     k = key.transpose(1, 2).reshape(batch * seq, key.shape[1], dim)
     v = value.transpose(1, 2).reshape(batch * seq, value.shape[1], dim)
-    params = inspect.signature(kernel).parameters
-    options: dict = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if "scale" in params:
-        options["scale"] = scaling
-    elif scaling is not None and abs(scaling - dim**-0.5) > 1e-12 * dim**-0.5:
-        raise PackedAttentionError(
-            f"attention scaling {scaling} is not 1/sqrt(head_dim) and this torch's varlen_attn takes "
-            "no scale: upgrade torch, or train in fp32 (the mask path)")
-    if "enable_gqa" in params and k.shape[1] != heads:
-        options["enable_gqa"] = True
-    out = kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)
+    gqa = {"enable_gqa": True} if k.shape[1] != heads and _takes_gqa(kernel) else {}
+    out = kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling, window_size=(-1, 0), **gqa)
     return out.view(batch, seq, heads, dim)
+
+
+@functools.cache
+def _takes_gqa(kernel: VarlenKernel) -> bool:
+    """Whether ``kernel`` asks for ``enable_gqa`` (torch 2.12 on) to take fewer key/value heads."""
+    return "enable_gqa" in inspect.signature(kernel).parameters
 
 
 def lazytrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -95,7 +94,8 @@ def lazytrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if dropout:
-        raise PackedAttentionError(f"attention dropout {dropout}: the varlen path runs without dropout")
+        raise PackedAttentionError(f"attention dropout {dropout}: the varlen path has none; set "
+                                   "model.packed_attention=mask (or attention_dropout=0 in config.json)")
     return varlen_attention(module.lazytrain_varlen, query, key, value, lazytrain_cu_seqlens,
                             lazytrain_max_seqlen, scaling), None
 
@@ -105,7 +105,10 @@ transformers.AttentionInterface.register(ATTENTION_NAME, lazytrain_attention)
 
 def use_varlen(config: transformers.PretrainedConfig, attention_modules: list[torch.nn.Module],
                kernel: VarlenKernel) -> None:
-    """Point layers built from ``config`` at `lazytrain_attention`, with ``kernel`` for segments."""
+    """Point ``attention_modules`` (built from ``config``) at `lazytrain_attention`, with
+    ``kernel`` for segments."""
     config._attn_implementation = ATTENTION_NAME
     for module in attention_modules:
+        if module.config is not config:  # a copy: the layer would not see the choice
+            module.config._attn_implementation = ATTENTION_NAME
         module.lazytrain_varlen = kernel

@@ -483,9 +483,10 @@ class CostTable:
         if attention != self.attention:
             raise CostTableMismatch(
                 f"{source} was profiled with {self.attention} attention, this run's batches take "
-                f"{attention} attention (data.packing={'false' if attention == 'causal' else 'true'}), "
-                "whose kernels cost other times and bytes; profile with this run's data settings "
-                "(`lazytrain profile`) or drop plan.costs"
+                f"{attention} attention (data.packing={'false' if attention == 'causal' else 'true'}; packed "
+                "rows take varlen or the mask by model.packed_attention, the device and the dtype), whose "
+                "kernels cost other times and bytes; profile with this run's settings (`lazytrain "
+                "profile`) or drop plan.costs"
             )
 
     def check_layers(self, layer_types: Sequence[str], source: str = "the cost table") -> None:

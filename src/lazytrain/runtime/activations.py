@@ -82,10 +82,12 @@ class ActivationStore:
         self.fetch_alloc_seconds = 0.0
         """Host time this step in the GPU allocations of fetched activations (an allocator that
         has to free cached blocks and retry blocks the host here)."""
-        # pinned host buffers (`_host_buffer`): idle ones to reuse, oldest first, each with the
-        # event after which no copy reads it any more; the lent ones by address
+        # pinned host buffers (`_host_buffer`), each idle one with the event after which no
+        # copy reads it any more: the host tier's by slot, the NVMe tier's staging in a pool
+        # (oldest first); the lent ones by address, with their slot
+        self._slots: dict[object, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._idle: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
-        self._lent: dict[int, torch.Tensor] = {}
+        self._lent: dict[int, tuple[torch.Tensor, object]] = {}
         self.host_buffer_bytes = 0
         """Bytes of host buffers held, idle or lent."""
         self._lent_bytes = 0
@@ -95,35 +97,41 @@ class ActivationStore:
         self.bytes_by_tier[tier] += nbytes
         self.peak_by_tier[tier] = max(self.peak_by_tier[tier], self.bytes_by_tier[tier])
 
-    def _host_buffer(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def _host_buffer(self, numel: int, dtype: torch.dtype, slot: object = None
+                     ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """A pinned buffer of ``numel`` ``dtype`` elements, and the event after which no GPU copy
         reads it any more (None: a new one): a D2H copy into it is ordered after that on its
         stream; a CPU writer (an NVMe read) must wait for it itself.
 
-        Buffers are reused across tensors and steps: the smallest idle one that holds the bytes,
-        if it is at most `REUSE_SLACK` times larger (a step of full rows asks for the same
-        sizes every time). Batches of varying length (padded SFT batches) ask for new sizes
-        every step, so before a new buffer is made, idle ones are freed, oldest first, until
-        the buffers held are no more than the most ever lent at once (at least the new one):
-        the host memory stays within the peak the plan put on the host tier instead of growing
-        by a step's worth per new length (on the H200 machine it grew until the kernel killed
-        the run, 2026-12-03)."""
-        nbytes, size = numel * dtype.itemsize, padded_bytes(numel * dtype.itemsize)
+        Buffers are kept across steps. A host-tier tensor has a ``slot`` (which saved tensor of
+        which layer: the same every step of a plan) and gets its slot's buffer, replaced by a
+        larger one when it does not fit: batches of varying length (padded SFT batches) then
+        settle on each slot's longest, what the plan put on the host tier at its full shape,
+        with no new pinning once that length has come. (Kept by exact size in one pool, the
+        buffers grew with every new length until the kernel killed a 7B run on the H200
+        machine, 2026-12-03.) The NVMe tier's staging buffers (no slot) come from a pool: the
+        smallest idle one that holds the bytes if at most `REUSE_SLACK` times larger; before a
+        new one is made, idle ones are freed, oldest first, until the buffers held are no more
+        than the most ever lent at once."""
+        size = padded_bytes(numel * dtype.itemsize)
         evicted: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         with self._pool_lock:
-            fits = [i for i, (buf, _) in enumerate(self._idle) if size <= buf.numel() <= size * REUSE_SLACK]
-            if fits:
-                base, last_read = self._idle.pop(min(fits, key=lambda i: self._idle[i][0].numel()))
-                self._lend(base)
-                return base[:nbytes].view(dtype), last_read
-            budget = max(self._lent_high, self._lent_bytes + size)
-            while self._idle and self.host_buffer_bytes + size > budget:
-                evicted.append(self._idle.pop(0))
+            if slot is not None and slot in self._slots:
+                if self._slots[slot][0].numel() >= size:
+                    base, last_read = self._slots.pop(slot)
+                    return self._lend(base, slot, numel, dtype), last_read
+                evicted.append(self._slots.pop(slot))  # too small for this batch: a larger one
                 self.host_buffer_bytes -= evicted[-1][0].numel()
-        for _, event in evicted:
-            if event is not None:
-                event.synchronize()  # a queued copy may still read it
-        del evicted  # unpinned and unmapped with its last reference
+            elif slot is None:
+                fits = [i for i, (buf, _) in enumerate(self._idle) if size <= buf.numel() <= size * REUSE_SLACK]
+                if fits:
+                    base, last_read = self._idle.pop(min(fits, key=lambda i: self._idle[i][0].numel()))
+                    return self._lend(base, None, numel, dtype), last_read
+                budget = max(self._lent_high, self._lent_bytes + size)
+                while self._idle and self.host_buffer_bytes + size > budget:
+                    evicted.append(self._idle.pop(0))
+                    self.host_buffer_bytes -= evicted[-1][0].numel()
+        self._free(evicted)
         # a new buffer is page-locked memory the kernel cannot reclaim: stop with a message
         # rather than be killed by the kernel when the machine has run short since planning
         check_available(size, "a host-tier activation buffer")
@@ -131,26 +139,64 @@ class ActivationStore:
         base = aligned_empty(size, torch.uint8, pin=self.streams.cuda)
         with self._pool_lock:
             self.host_buffer_bytes += size
-            self._lend(base)
-        return base[:nbytes].view(dtype), None
+            return self._lend(base, slot, numel, dtype), None
 
-    def _lend(self, base: torch.Tensor) -> None:
-        """Count ``base`` as lent until `_release` (under the pool's lock); it owns the pinning,
-        so it is kept while a view of it is in use."""
-        self._lent[base.data_ptr()] = base
+    @staticmethod
+    def _free(buffers: list[tuple[torch.Tensor, torch.cuda.Event | None]]) -> None:
+        """Unpin and unmap ``buffers`` (taken out of the store) once no queued copy reads them."""
+        for event in [event for _, event in buffers if event is not None]:
+            event.synchronize()
+        buffers.clear()  # the last references (no loop variable holds one)
+
+    def _lend(self, base: torch.Tensor, slot: object, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A view of ``numel`` ``dtype`` elements of ``base``, counted as lent until `_release`
+        (under the pool's lock). ``base`` owns the pinning, so it is kept while the view is out."""
+        view = base[: numel * dtype.itemsize].view(dtype)
+        self._lent[base.data_ptr()] = (base, slot)
         self._lent_bytes += base.numel()
         self._lent_high = max(self._lent_high, self._lent_bytes)
+        return view
 
     def _release(self, buf: torch.Tensor, last_read: torch.cuda.Event | None) -> None:
         with self._pool_lock:
-            base = self._lent.pop(buf.data_ptr())
+            base, slot = self._lent.pop(buf.data_ptr())
             self._lent_bytes -= base.numel()
-            self._idle.append((base, last_read))
+            if slot is None:
+                self._idle.append((base, last_read))
+            else:
+                self._slots[slot] = (base, last_read)
 
-    def _offload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Copy ``tensor`` into a pinned buffer on the D2H stream; -> (buffer, copy done)."""
+    def _reclaim(self) -> None:
+        """Take back the host-tier buffers an abandoned step left lent (its handles are
+        garbage) to their slots, read again only after every copy queued so far. (The NVMe
+        tier's staging buffers come back when their file I/O ends.)"""
+        with self._pool_lock:
+            left = {ptr: entry for ptr, entry in self._lent.items() if entry[1] is not None}
+            for ptr in left:
+                del self._lent[ptr]
+        if not left:
+            return
+        queued = self.streams.record(self.streams.h2d)
+        with self._pool_lock:
+            for base, slot in left.values():
+                self._lent_bytes -= base.numel()
+                self._slots[slot] = (base, queued)
+
+    def close(self) -> None:
+        """Free every host buffer (an executor given up after a failed step: its pinned memory
+        goes now, not when whatever still refers to it lets go)."""
+        self._reclaim()
+        with self._pool_lock:
+            held = [*self._slots.values(), *self._idle]
+            self._slots, self._idle = {}, []
+            self.host_buffer_bytes -= sum(base.numel() for base, _ in held)
+        self._free(held)
+
+    def _offload(self, tensor: torch.Tensor, slot: object = None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Copy ``tensor`` into a pinned buffer (``slot``'s: `_host_buffer`) on the D2H stream;
+        -> (buffer, copy done)."""
         src = tensor.detach().contiguous()
-        buf, last_read = self._host_buffer(src.numel(), src.dtype)
+        buf, last_read = self._host_buffer(src.numel(), src.dtype, slot)
         self.streams.wait(last_read, self.streams.d2h)
         produced = self.streams.record()
         self.streams.wait(produced, self.streams.d2h)
@@ -162,13 +208,16 @@ class ActivationStore:
         self.streams.keep_alive(src, self.streams.d2h)
         return buf, self.streams.record(self.streams.d2h)
 
-    def put(self, tensor: torch.Tensor, tier: str) -> Handle:
+    def put(self, tensor: torch.Tensor, tier: str, slot: object = None) -> Handle:
+        """Store ``tensor`` on ``tier``. ``slot``: which saved tensor this is (the same for the
+        same tensor of every step of a plan, e.g. its layer and order): a host-tier tensor reuses
+        its slot's buffer (`_host_buffer`)."""
         nbytes = tensor.numel() * tensor.element_size()
         if tier == "gpu":
             self._account("gpu", nbytes)
             return Handle(tier="gpu", tensor=tensor, nbytes=nbytes)
         if tier == "host":
-            buf, stored = self._offload(tensor)
+            buf, stored = self._offload(tensor, slot)
             self._account("host", nbytes)
             return Handle(tier="host", tensor=buf, shape=tuple(tensor.shape), dtype=tensor.dtype,
                           stored=stored, nbytes=nbytes)
@@ -284,6 +333,7 @@ class ActivationStore:
                     "larger disk, or plan with less on the NVMe tier",
                     str(self.nvme.folder),
                 )
+        self._reclaim()
         self.bytes_by_tier = {tier: 0 for tier in self.bytes_by_tier}
         self.fetch_alloc_seconds = 0.0
         self.reset_peaks()

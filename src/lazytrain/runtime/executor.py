@@ -199,11 +199,13 @@ class Executor:
         CUDA, plausibly the failed backward's graph, whose saved-tensor hooks refer to it, on
         the autograd engine's device thread (the H200's 9B retries of 2026-12-02 each started
         5.0 GB above their first try, what the last executor's resident groups, 4.07 GB, and
-        its two weight slots hold). Dropped here, those bytes go whoever holds the executor."""
+        its two weight slots hold). Dropped here, those bytes go whoever holds the executor, and
+        so do the activation store's pinned host buffers."""
         self.weights.slots = []
         self.resident = {}
         self._consts = []
         self._bwd_slot = {}
+        self.activations.close()  # and its pinned host buffers
 
     def weights_updated(self, group: int) -> None:
         """The optimizer wrote new weights for ``group`` into the host buffer."""
@@ -255,7 +257,8 @@ class Executor:
                 # (output -> grad_fn -> saved handle -> output) that no backward ever breaks
                 # if the step is abandoned (an out-of-memory error, an interrupt)
                 whole = t.detach().as_strided((storage.nbytes() // t.element_size(),), (1,), 0)
-                stored[key] = (self.activations.put(whole, tier), whole)
+                # the layer's n-th stored tensor: the same slot every step of the plan
+                stored[key] = (self.activations.put(whole, tier, slot=(layer, len(handles))), whole)
                 handles.append(stored[key][0])
             handle = stored[key][0]
             self._reads_left[id(handle)] = self._reads_left.get(id(handle), 0) + 1
@@ -532,7 +535,7 @@ class Executor:
                 x = out.detach()
             else:
                 if lp.mode == "checkpoint":
-                    saved[i] = self.activations.put(x, lp.tier)
+                    saved[i] = self.activations.put(x, lp.tier, slot=(i, "input"))
                 with torch.no_grad():
                     x = adapter.layer_forward(i, layouts[i + 1].views(slot), x, rope, mask)
             if lp.mode != "drop" and lp.tier != "gpu":

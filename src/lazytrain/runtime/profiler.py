@@ -412,9 +412,10 @@ def profile(
         else:
             total_gpu = host_memory_total() // 4
         machine = _bandwidths(store.weights[1], device, repeats, barrier)
-        host_free = activation_room(store.bytes(optimizer_state_bytes).total, host_limit_bytes, local_world_size)
-        if nvme is not None:  # write-behind and read-ahead buffers of the NVMe tier (pinned, pooled)
-            host_free -= NVME_STAGING_BUFFERS * input_bytes
+        # with an NVMe tier, its write-behind and read-ahead buffers (pinned, pooled)
+        staging = NVME_STAGING_BUFFERS * input_bytes if nvme is not None else 0
+        host_free = activation_room(store.bytes(optimizer_state_bytes).total, host_limit_bytes, local_world_size,
+                                    staging)
         if nvme is not None:
             disk = _nvme_bandwidths(nvme, input_bytes)
             disk_note = (f"NVMe bandwidth measured in {nvme.folder} at {input_bytes} bytes per file, "

@@ -132,9 +132,13 @@ class Session:
         run's (`activation_room`: its model state, its host budget, the memory available now),
         not the profiled one's; the GPU is
         ``memory.gpu_gb`` when set."""
-        ranks = self.parallel.info.local_world_size if self.parallel is not None else 1
-        # the model state and, with an NVMe tier, its staging buffers, as the profiler counts them
-        room = activation_room(self.host_memory(costs=costs).total, host_limit_bytes(self.config), ranks)
+        ranks = 1
+        if self.parallel is not None:
+            ranks = self.parallel.info.local_world_size
+            self.parallel.barrier()  # every rank's state allocated before the memory available is read
+        # this rank's model state and, with an NVMe tier, its staging buffers, as the profiler counts them
+        room = activation_room(self.store.bytes(self.optimizer.state_bytes()).total, host_limit_bytes(self.config),
+                               ranks, self.host_memory(costs=costs).staging)
         costs = dataclasses.replace(costs, host_bytes=room)
         if self.config.memory.gpu_gb:
             costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(self.config.memory.gpu_gb * GiB)))
@@ -247,6 +251,7 @@ def build_session(config: Config) -> Session:
         host_limit_bytes=host_limit_bytes(config),
         split_master=use_split_master(config, device, dtype, distributed=parallel is not None),
         preflight=preflight, lean_ops=config.model.lean_ops,
+        packed_attention=config.model.packed_attention,
         init_device=init_device_of(config.model.init_device),
         **({"store_factory": sharded_store_factory(parallel, config)} if parallel is not None else {}),
     )
