@@ -164,6 +164,8 @@ class ActivationStore:
             if slot is None:
                 self._idle.append((base, last_read))
             else:
+                if slot in self._slots:  # a second buffer of one slot (not seen): the pool's to reuse
+                    self._idle.append(self._slots[slot])
                 self._slots[slot] = (base, last_read)
 
     def _reclaim(self) -> None:
@@ -180,6 +182,8 @@ class ActivationStore:
         with self._pool_lock:
             for base, slot in left.values():
                 self._lent_bytes -= base.numel()
+                if slot in self._slots:
+                    self._idle.append(self._slots[slot])
                 self._slots[slot] = (base, queued)
 
     def close(self) -> None:
