@@ -178,7 +178,8 @@ def test_a_kept_forward_working_set_is_counted_alike_by_the_milp(tier, recompute
 
 def test_a_packed_tables_mask_is_held_through_the_step_by_the_simulator_and_the_milp():
     """Packed rows' [B, 1, S, S] boolean mask is a GPU constant of the step: both models' peaks
-    grow by B x S^2 bytes; a stack of linear-attention layers only has no such mask."""
+    grow by B x S^2 bytes; a stack of linear-attention layers only, or packed rows on the varlen
+    kernel, has no such mask."""
     table = random_cost_table(3, 4, uniform=True)
     plan = keep_all_plan(4, table.batch_size, table.seq_len)
     packed = replace(table, attention="packed")
@@ -187,5 +188,7 @@ def test_a_packed_tables_mask_is_held_through_the_step_by_the_simulator_and_the_
     assert simulate(plan, packed).peak_gpu_bytes - simulate(plan, table).peak_gpu_bytes == mask
     assert milp_evaluate(plan, packed)[1] - milp_evaluate(plan, table)[1] == pytest.approx(mask, rel=1e-6)
     assert replace(packed, layer_types=["linear_attention"] * 4).mask_bytes == 0
-    with pytest.raises(ValueError, match="attention must be causal or packed, got 'sliding'"):
+    varlen = replace(table, attention="packed_varlen")  # flash attention's varlen kernel: no mask
+    assert varlen.mask_bytes == 0 and simulate(plan, varlen).peak_gpu_bytes == simulate(plan, table).peak_gpu_bytes
+    with pytest.raises(ValueError, match="attention must be one of causal, packed, packed_varlen, got 'sliding'"):
         replace(table, attention="sliding")
