@@ -173,7 +173,8 @@ def markdown(records: list[dict], args) -> str:
          f"{args.warmup} warm-up + {args.steps} measured steps of each. Data: the built-in problems with the "
          f"MetaMathQA-like length mix, {args.samples} samples. padded = length-grouped batches padded to their "
          "longest sample (on the right: they run unmasked); packed = rows of exactly seq tokens, attention "
-         "masked per sample. tokens/s counts "
+         "kept within each sample (packed_varlen: flash attention's variable-length kernel; packed: a "
+         "block-diagonal mask). tokens/s counts "
          "real (non-padding) tokens, totals over the measured steps' time. Command: `python "
          f"bench/packing_bench.py --model {args.model} --device {args.device} --batch {args.batch} --seq {args.seq} "
          f"--samples {args.samples} --policy {args.policy} --warmup {args.warmup} --steps {args.steps}`"),
@@ -192,6 +193,11 @@ def markdown(records: list[dict], args) -> str:
             f"{r['step_time_s']:.2f} | {r.get('predicted_step_time_s') or NAN:.2f} | {r.get('peak_gpu_alloc_gb', NAN):.1f} / {r.get('peak_gpu_reserved_gb', NAN):.1f} "
             f"| {r['host_rss_gb']:.1f} |"
         )
+    for r in records:
+        if "host_buffers_gb_by_step" in r:  # padded lengths vary: the pinned buffers must not grow with them
+            lines += ["", f"{r['name']}: attention {r.get('attention')}; the activation store's pinned host buffers "
+                      "after each measured step: "
+                      + ", ".join(f"{gb:.2f}" for gb in r["host_buffers_gb_by_step"]) + " GB."]
     for r in records:
         if r.get("oom_tries"):
             lines += ["", f"{r['name']}: the solved plan ran out of GPU memory {len(r['oom_tries'])} time(s) and was "

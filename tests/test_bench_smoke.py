@@ -129,7 +129,8 @@ def test_packing_bench_on_the_cpu_compares_packed_with_padded(tmp_path, model):
         assert r["tokens_per_s"] > 0 and 0 < r["fill_ratio"] <= 1 and r["samples_per_s"] > 0
         assert r["tokens_per_s"] == pytest.approx(sum(r["tokens_per_step"]) / sum(r["step_times_s"]))
     assert records[1]["tokens_per_s_vs_padded"] == pytest.approx(records[1]["tokens_per_s"] / records[0]["tokens_per_s"])
-    assert path.with_suffix(".md").exists()
+    assert all(len(r["host_buffers_gb_by_step"]) == 2 for r in records)  # padded lengths vary: watch the buffers
+    assert "pinned host buffers after each measured step" in path.with_suffix(".md").read_text()
 
 
 def test_packing_bench_re_solves_a_plan_that_runs_out_of_memory(tmp_path, monkeypatch):
