@@ -11,7 +11,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import model_config
-from lazytrain.model.lean import LeanRMSNorm, LeanSwiGLU, apply_lean_ops
+from lazytrain.model.lean import LeanRMSNorm, LeanRotary, LeanSwiGLU, apply_lean_ops
+from lazytrain.model.pointwise import EAGER
 
 torch.manual_seed(0)
 
@@ -71,6 +72,42 @@ def test_lean_module_equals_hf_in_fp32(shape, part):
     torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-6)
     for name in ref[2]:
         torch.testing.assert_close(got[2][name], ref[2][name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
+def test_lean_attention_equals_hf_and_leaves_other_models_alone(family, monkeypatch):
+    """The attention's rotary embedding through LeanRotary (Qwen3.5: partial): HF's forward bit
+    for bit and its gradients in fp32; HF's own modules, called outside a lean attention, keep
+    HF's function."""
+    from conftest import make_hf_model
+
+    model = make_hf_model(family, layers=4)
+    attention = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
+    lean = copy.deepcopy(attention)
+    assert apply_lean_ops(lean)[0] == ""  # the attention itself (and Qwen3.5's query/key norms)
+    calls = []
+    monkeypatch.setattr(LeanRotary, "apply", lambda *a: calls.append(1) or torch.autograd.Function.apply.__func__(
+        LeanRotary, *a))
+    x = torch.randn(2, 9, model.config.hidden_size)
+    position_ids = torch.arange(9).expand(2, -1)
+    rope = model.model.rotary_emb(x, position_ids[None].expand(3, -1, -1) if family == "qwen3_5" else position_ids)
+
+    def run(module):
+        h = x.detach().clone().requires_grad_()
+        out = module(h, position_embeddings=rope, attention_mask=None)[0]
+        out.backward(torch.ones_like(out))
+        return out.detach(), h.grad, {n: p.grad.clone() for n, p in module.named_parameters()}
+
+    ref = run(attention)
+    assert not calls  # HF's module: HF's rotary function
+    got = run(lean)
+    assert len(calls) == 1
+    assert torch.equal(ref[0], got[0])
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-6)
+    for name in ref[2]:
+        torch.testing.assert_close(got[2][name], ref[2][name], rtol=1e-5, atol=1e-6)
+    run(attention)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("zero_centered", [False, True])
@@ -136,8 +173,8 @@ def test_a_module_with_biases_keeps_hf_forward():
 def test_functions_take_no_gradient_for_what_does_not_need_one():
     x = torch.randn(2, 3, 8, requires_grad=True)
     w = [torch.randn(12, 8), torch.randn(12, 8), torch.randn(8, 12)]
-    LeanSwiGLU.apply(x, *w).sum().backward()
+    LeanSwiGLU.apply(x, *w, EAGER).sum().backward()
     assert x.grad is not None and all(t.grad is None for t in w)
     weight = torch.randn(8, requires_grad=True)
-    LeanRMSNorm.apply(x.detach(), weight, 1e-6, False).sum().backward()
+    LeanRMSNorm.apply(x.detach(), weight, 1e-6, False, EAGER).sum().backward()
     assert weight.grad is not None

@@ -63,6 +63,10 @@ class ModelConfig:
     """SwiGLU MLPs and RMSNorms that save fewer tensors for backward (`model/lean.py`: the same
     forward, the elementwise parts recomputed in backward; a Qwen2.5-7B layer saves about 45%
     less). false: HF's modules as they are."""
+    fused_ops: Literal["auto", "compiled", "eager"] = "auto"
+    """How the lean ops' elementwise parts run (`model/pointwise.py`): auto (compiled on CUDA
+    where torch.compile works, else eager), compiled (fused kernels through torch.compile, on
+    any device), eager (one kernel per operation)."""
     packed_attention: Literal["auto", "varlen", "mask"] = "auto"
     """How attention keeps packed rows' samples apart (``data.packing``): auto (varlen where it
     runs: CUDA with bf16/fp16; else mask), varlen (flash attention's variable-length kernel over

@@ -46,6 +46,7 @@ from lazytrain.model.packed_attention import (
     torch_varlen_kernel,
     use_varlen,
 )
+from lazytrain.model.pointwise import EAGER, Pointwise, select_pointwise
 from lazytrain.model.sublayer import block_name, recomputed
 
 SUPPORTED_ARCHITECTURES = (
@@ -211,7 +212,7 @@ class ModelAdapter:
     """Structure and stateless compute pieces of one supported HF model."""
 
     def __init__(self, config: transformers.PretrainedConfig, device: torch.device, dtype: torch.dtype,
-                 *, lean_ops: bool = True):
+                 *, lean_ops: bool = True, fused_ops: str = "auto"):
         self.hf_config = config
         """The folder's config (with the vision part for a ConditionalGeneration folder)."""
         self.arch = config.architectures[0]
@@ -233,7 +234,10 @@ class ModelAdapter:
         for i, kind in enumerate(self.layer_types):
             if kind not in self.templates:
                 self.templates[kind] = meta.model.layers[i].requires_grad_(False)
-        self.lean_ops = {kind: apply_lean_ops(t) if lean_ops else [] for kind, t in self.templates.items()}
+        self.pointwise: Pointwise = select_pointwise(device, fused_ops) if lean_ops else EAGER
+        """How the lean ops' elementwise parts run (``model.fused_ops``): eager or compiled."""
+        self.lean_ops = {kind: apply_lean_ops(t, self.pointwise) if lean_ops else []
+                         for kind, t in self.templates.items()}
         """Per layer type, the modules running `model.lean` forwards (fewer saved tensors)."""
         self.norm_module = meta.model.norm
         self.rotary = type(meta.model.rotary_emb)(config=text).to(device)

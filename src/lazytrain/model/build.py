@@ -53,6 +53,7 @@ def build_model(
     preflight: Callable[[list[int]], None] | None = None,
     store_factory: Callable[..., HostStore] = HostStore,
     lean_ops: bool = True,
+    fused_ops: str = "auto",
     packed_attention: str = "auto",
     init_device: torch.device | None = None,
 ) -> tuple[ModelAdapter, HostStore]:
@@ -62,12 +63,13 @@ def build_model(
     ``preflight`` gets the groups' sizes before any host memory is allocated (and may raise).
     ``store_factory`` builds the store from the layouts and dtype (a data-parallel rank's
     ``ShardedHostStore``, with its rank arguments bound). ``lean_ops``: `model.lean` forwards in
-    the layer templates (``model.lean_ops``); ``packed_attention``: ``model.packed_attention``. ``init_device``: where a built-in shape's random
-    init is drawn (default ``device``; ``model.init_device``).
+    the layer templates (``model.lean_ops``), their elementwise parts as ``fused_ops`` says
+    (``model.fused_ops``); ``packed_attention``: ``model.packed_attention``. ``init_device``:
+    where a built-in shape's random init is drawn (default ``device``; ``model.init_device``).
     """
     started = time.perf_counter()
     config = model_config(source, vocab_size)
-    adapter = ModelAdapter(config, device, dtype, lean_ops=lean_ops)
+    adapter = ModelAdapter(config, device, dtype, lean_ops=lean_ops, fused_ops=fused_ops)
     if packed_attention != "auto":
         adapter.set_packed_attention(packed_attention)
     adapter_ready = time.perf_counter()

@@ -16,8 +16,10 @@ The forward runs the same operations in the same order as the HF modules it repl
 outputs are bit-identical; the backward follows autograd's own formulas (``silu_backward``, the
 product rule, the RMSNorm chain through ``rsqrt`` and ``mean``), so gradients agree to rounding
 (`tests/test_lean_ops.py`: fp32 to 1e-6, and the executor's parity tests against HF autograd
-run with them). Plain torch operations: the same code on the CPU and on CUDA. The profiler
-measures saved bytes through saved-tensor hooks, so the planner sees the smaller layers.
+run with them). Their elementwise parts are `lazytrain.model.pointwise`'s functions, run eager
+(one kernel per operation, every device) or compiled into fused kernels (``model.fused_ops``;
+by default on CUDA), which save the same tensors. The profiler measures saved bytes through
+saved-tensor hooks, so the planner sees the smaller layers.
 
 `apply_lean_ops` swaps the ``forward`` of the modules it recognises (by class, checked for the
 formula's parts: SiLU activation, no biases) inside a layer template; anything else keeps HF's.
@@ -25,10 +27,15 @@ formula's parts: SiLU activation, no biases) inside a layer template; anything e
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import inspect
 import types
 
 import torch
 import torch.nn.functional as F
+
+from lazytrain.model.pointwise import EAGER, Pointwise
 
 SWIGLU_MLPS = frozenset({"Qwen2MLP", "Qwen3MLP", "LlamaMLP", "Qwen3_5MLP", "Qwen3_5TextMLP"})
 """HF MLP classes computing ``down(silu(gate(x)) * up(x))``."""
@@ -43,81 +50,130 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class LeanSwiGLU(torch.autograd.Function):
-    """``down(silu(x @ gate.T) * (x @ up.T))``, saving x, gate and up outputs only."""
+    """``down(silu(x @ gate.T) * (x @ up.T))``, saving x, gate and up outputs only; the
+    elementwise parts run through ``ops`` (`lazytrain.model.pointwise`: eager or fused)."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down):
+    def forward(ctx, x, w_gate, w_up, w_down, ops: Pointwise):
         gate = F.linear(x, w_gate)
         up = F.linear(x, w_up)
-        out = F.linear(F.silu(gate) * up, w_down)
+        out = F.linear(ops.swiglu(gate, up), w_down)
         ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up)
+        ctx.ops = ops
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
-        act = F.silu(gate)
-        grad_out2 = _rows(grad_out)
-        grad_w_down = grad_out2.t().mm(_rows(act * up)) if ctx.needs_input_grad[3] else None
         grad_h = grad_out.matmul(w_down)
-        grad_up = grad_h * act
-        del act
-        grad_gate = torch.ops.aten.silu_backward(grad_h * up, gate)
+        product, grad_gate, grad_up = ctx.ops.swiglu_backward(grad_h, gate, up)
         del grad_h
+        grad_w_down = _rows(grad_out).t().mm(_rows(product)) if ctx.needs_input_grad[3] else None
+        del product
         x2 = _rows(x)
         grad_w_gate = _rows(grad_gate).t().mm(x2) if ctx.needs_input_grad[1] else None
         grad_w_up = _rows(grad_up).t().mm(x2) if ctx.needs_input_grad[2] else None
         grad_x = grad_gate.matmul(w_gate) + grad_up.matmul(w_up) if ctx.needs_input_grad[0] else None
-        return grad_x, grad_w_gate, grad_w_up, grad_w_down
+        return grad_x, grad_w_gate, grad_w_up, grad_w_down, None
 
 
 class LeanRMSNorm(torch.autograd.Function):
     """RMSNorm saving its input and the per-row ``rsqrt`` only (``zero_centered``: the Qwen3.5
-    form, scaling by ``1 + weight`` in fp32)."""
+    form, scaling by ``1 + weight`` in fp32), through ``ops``."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float, zero_centered: bool):
-        xf = x.to(torch.float32)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        if zero_centered:
-            out = (xf * rstd * (1.0 + weight.float())).type_as(x)
-        else:
-            out = weight * (xf * rstd).to(x.dtype)
+    def forward(ctx, x, weight, eps: float, zero_centered: bool, ops: Pointwise):
+        rows = _rows(x)  # one signature for every caller's rank (the fused kernels compile per rank)
+        out, rstd = ops.rms_norm(rows, weight, eps, zero_centered)
         ctx.save_for_backward(x, weight, rstd)
-        ctx.zero_centered = zero_centered
-        return out
+        ctx.zero_centered, ctx.ops = zero_centered, ops
+        return out.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
-        xf = x.to(torch.float32)
-        normed = xf * rstd
-        if ctx.zero_centered:
-            g = grad_out.float()
-            grad_w = (g * normed).sum_to_size(weight.shape).to(weight.dtype) if ctx.needs_input_grad[1] else None
-            grad_normed = g * (1.0 + weight.float())
-        else:
-            grad_w = (grad_out * normed.to(x.dtype)).sum_to_size(weight.shape) if ctx.needs_input_grad[1] else None
-            grad_normed = (grad_out * weight).float()
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            # normed = xf * rstd, rstd = (mean(xf^2) + eps)^-1/2: d xf = rstd * (g - normed * mean(g * normed))
-            grad_rstd = (grad_normed * xf).sum(-1, keepdim=True)
-            grad_var = -0.5 * grad_rstd * rstd.pow(3)
-            grad_x = (grad_normed * rstd + grad_var * (2.0 / xf.shape[-1]) * xf).to(x.dtype)
-        return grad_x, grad_w, None, None
+        grad_x, grad_w = ctx.ops.rms_norm_backward(_rows(grad_out), _rows(x), weight, rstd, ctx.zero_centered)
+        return (grad_x.view(x.shape) if ctx.needs_input_grad[0] else None,
+                grad_w if ctx.needs_input_grad[1] else None, None, None, None)
+
+
+class LeanRotary(torch.autograd.Function):
+    """HF's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)`` through ``ops``: saves
+    ``cos`` and ``sin`` only, as autograd does for HF's version (their products with constants)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, unsqueeze_dim: int, ops: Pointwise):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        ctx.save_for_backward(cos, sin)
+        ctx.ops = ops
+        return ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        return (ctx.ops.rotary_backward(grad_q, cos, sin) if ctx.needs_input_grad[0] else None,
+                ctx.ops.rotary_backward(grad_k, cos, sin) if ctx.needs_input_grad[1] else None,
+                None, None, None, None)
+
+
+ROTARY_MODULES = ("modeling_qwen2", "modeling_qwen3", "modeling_llama", "modeling_qwen3_5")
+"""transformers modules whose ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` is the
+formula of `pointwise.rotary` (Qwen3.5's with a partial rotary dimension)."""
+ATTENTIONS = frozenset({"Qwen2Attention", "Qwen3Attention", "LlamaAttention", "Qwen3_5Attention"})
+"""HF attention classes calling their module's ``apply_rotary_pos_emb`` on the queries and keys."""
+_ROTARY_OPS: contextvars.ContextVar[Pointwise | None] = contextvars.ContextVar("lazytrain_rotary", default=None)
+"""The ``ops`` of the lean attention running now (None: HF's own rotary embedding)."""
+
+
+def _bind_rotary(module) -> None:
+    """Make ``module.apply_rotary_pos_emb`` run `LeanRotary` inside a lean attention's call (HF's
+    attention looks it up by name in its module) and HF's own function everywhere else."""
+    if hasattr(module, "_lazytrain_hf_rotary"):
+        return
+    hf = module.apply_rotary_pos_emb
+    module._lazytrain_hf_rotary = hf
+
+    @functools.wraps(hf)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kwargs):
+        ops = _ROTARY_OPS.get()
+        if ops is None or kwargs:
+            return hf(q, k, cos, sin, unsqueeze_dim, **kwargs)
+        return LeanRotary.apply(q, k, cos, sin, unsqueeze_dim, ops)
+
+    module.apply_rotary_pos_emb = apply_rotary_pos_emb
+
+
+def _lean_attention(attention: torch.nn.Module) -> bool:
+    """Give ``attention`` (one of `ATTENTIONS`) a forward that runs its rotary embedding through
+    `LeanRotary` with ``attention._lean_ops`` (whether its module's function is one LeanRotary
+    computes)."""
+    module = inspect.getmodule(type(attention))
+    if module is None or module.__name__.rsplit(".", 1)[-1] not in ROTARY_MODULES \
+            or not callable(getattr(module, "apply_rotary_pos_emb", None)):
+        return False
+    _bind_rotary(module)
+    attention.forward = types.MethodType(_attention_forward, attention)
+    return True
+
+
+def _attention_forward(self, *args, **kwargs):
+    token = _ROTARY_OPS.set(self._lean_ops)
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        _ROTARY_OPS.reset(token)
 
 
 def _swiglu_forward(self, x):
-    return LeanSwiGLU.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+    return LeanSwiGLU.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self._lean_ops)
 
 
 def _norm_forward(self, x):
-    return LeanRMSNorm.apply(x, self.weight, self._lean_eps, False)
+    return LeanRMSNorm.apply(x, self.weight, self._lean_eps, False, self._lean_ops)
 
 
 def _zero_centered_norm_forward(self, x):
-    return LeanRMSNorm.apply(x, self.weight, self._lean_eps, True)
+    return LeanRMSNorm.apply(x, self.weight, self._lean_eps, True, self._lean_ops)
 
 
 def _is_swiglu(module: torch.nn.Module) -> bool:
@@ -127,12 +183,18 @@ def _is_swiglu(module: torch.nn.Module) -> bool:
             and type(act).__name__ in ("SiLU", "SiLUActivation"))
 
 
-def apply_lean_ops(template: torch.nn.Module) -> list[str]:
-    """Swap in the lean forwards inside ``template``; the names of the modules swapped."""
+def apply_lean_ops(template: torch.nn.Module, ops: Pointwise = EAGER) -> list[str]:
+    """Swap in the lean forwards inside ``template``, their elementwise parts run by ``ops``;
+    the names of the modules swapped."""
     swapped = []
     for name, module in template.named_modules():
         kind = type(module).__name__
-        if _is_swiglu(module):
+        if _is_swiglu(module) or kind in RMS_NORMS | ZERO_CENTERED_NORMS | ATTENTIONS:
+            module._lean_ops = ops
+        if kind in ATTENTIONS:
+            if not _lean_attention(module):
+                continue
+        elif _is_swiglu(module):
             module.forward = types.MethodType(_swiglu_forward, module)
         elif kind in RMS_NORMS | ZERO_CENTERED_NORMS and isinstance(getattr(module, "weight", None), torch.Tensor):
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))

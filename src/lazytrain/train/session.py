@@ -250,7 +250,7 @@ def build_session(config: Config) -> Session:
         optimizer_bytes_per_param=lambda numels: state_bytes_per_param(config.optimizer, numels),
         host_limit_bytes=host_limit_bytes(config),
         split_master=use_split_master(config, device, dtype, distributed=parallel is not None),
-        preflight=preflight, lean_ops=config.model.lean_ops,
+        preflight=preflight, lean_ops=config.model.lean_ops, fused_ops=config.model.fused_ops,
         packed_attention=config.model.packed_attention,
         init_device=init_device_of(config.model.init_device),
         **({"store_factory": sharded_store_factory(parallel, config)} if parallel is not None else {}),
