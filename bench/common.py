@@ -112,7 +112,8 @@ def compute_only(executor: Executor, batch: int, seq: int, repeats: int = 5) -> 
                 torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
 
         by_type[kind] = time_ms(dev, layer, repeats)
-    return {"compute_only_layer_ms": by_type[adapter.layer_types[0]], "compute_only_layer_ms_by_type": by_type,
+    return {"fused_ops": adapter.pointwise.kind, "compute_only_layer_ms": by_type[adapter.layer_types[0]],
+            "compute_only_layer_ms_by_type": by_type,
             "compute_only_layers_s": sum(by_type[kind] for kind in adapter.layer_types) / 1e3}
 
 

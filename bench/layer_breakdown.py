@@ -25,10 +25,14 @@ from lazytrain.model.build import model_config
 from lazytrain.runtime.device import time_ms
 
 CATEGORIES = (
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
-    ("attention", ("flash", "fmha", "attention", "cudnn")),
 )
-"""Kernel (or on the CPU, operator) names by category, matched in order; the rest is "other"."""
+"""Kernel (or on the CPU, operator) names by category, matched in order; the rest is "other".
+Attention first: cuDNN's attention kernels (``cudnn_generated_fort_native_sdpa_sm90_flash_...``)
+also match the matmul patterns; the first H200 run (2026-12-03) counted them as matmuls."""
+VARIANTS = {"lean-compiled": (True, "compiled"), "lean-eager": (True, "eager"), "hf": (False, "eager")}
+"""What a row runs: the lean ops with fused (compiled) or eager elementwise parts, or HF's modules."""
 
 
 def category(name: str) -> str:
@@ -60,9 +64,11 @@ def layer_step(adapter: ModelAdapter, batch: int, seq: int, device: torch.device
     return step, layout.numel
 
 
-def breakdown(lean: bool, args, device: torch.device) -> dict:
+def breakdown(variant: str, args, device: torch.device) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    adapter = ModelAdapter(model_config(f"builtin:{args.model}", vocab_size=32000), device, dtype, lean_ops=lean)
+    lean, fused_ops = VARIANTS[variant]
+    adapter = ModelAdapter(model_config(f"builtin:{args.model}", vocab_size=32000), device, dtype, lean_ops=lean,
+                           fused_ops=fused_ops)
     step, params = layer_step(adapter, args.batch, args.seq, device)
     fwd_bwd_ms = time_ms(device, step, args.repeats)
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
@@ -88,8 +94,9 @@ def breakdown(lean: bool, args, device: torch.device) -> dict:
     tokens = args.batch * args.seq
     matmul_flops = 6 * params * tokens  # forward 2, backward 4 per parameter and token
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[: args.top]
-    return {"name": f"{args.model}_b{args.batch}_s{args.seq}_{'lean' if lean else 'hf'}", **run_header(device),
+    return {"name": f"{args.model}_b{args.batch}_s{args.seq}_{variant}", **run_header(device),
             "model": args.model, "batch_size": args.batch, "seq_len": args.seq, "lean_ops": lean,
+            "fused_ops": adapter.pointwise.kind,
             "layer_params": params, "fwd_bwd_ms": fwd_bwd_ms, "kernel_ms": dict(by_category),
             "kernel_total_ms": sum(by_category.values()),
             "matmul_tflops": matmul_flops / (by_category["matmul"] * 1e9) if by_category["matmul"] else None,
@@ -109,7 +116,8 @@ def markdown(records: list[dict], args) -> str:
     for r in records:
         k = r["kernel_ms"]
         rate = f"{r['matmul_tflops']:.0f}" if r["matmul_tflops"] else "-"
-        lines.append(f"| {'lean ops' if r['lean_ops'] else 'HF modules'} | {r['fwd_bwd_ms']:.1f} | "
+        label = f"lean ops, {r['fused_ops']} elementwise" if r["lean_ops"] else "HF modules"
+        lines.append(f"| {label} | {r['fwd_bwd_ms']:.1f} | "
                      f"{k.get('matmul', 0):.1f} | {k.get('attention', 0):.1f} | {k.get('other', 0):.1f} | {rate} | "
                      f"{r['layer_tflops']:.0f} |")
     for r in records:
@@ -123,14 +131,14 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--lean", choices=["on", "off", "both"], default="both")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     device = torch.device(args.device)
-    records = [breakdown(lean, args, device) for lean in {"on": [True], "off": [False], "both": [True, False]}[args.lean]]
+    records = [breakdown(variant, args, device) for variant in args.variants]
     for r in records:
         print({k: v for k, v in r.items() if k != "top_kernels_ms"}, flush=True)
     print(write_results(records, f"layer_breakdown_{args.model}_{device_tag(device)}_{today()}_s{args.seq}_b{args.batch}",

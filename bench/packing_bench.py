@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -70,7 +71,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--batchings", nargs="+", choices=BATCHINGS, default=list(BATCHINGS),
+                        help="which batchings to run (one per process keeps a device call short)")
+    parser.add_argument("--report", default=None, metavar="STUDY_JSON",
+                        help="run nothing: compare the batchings in a study file (the per-batching records "
+                             "merged by python -m bench.merge_results) and write its Markdown report")
     args = parser.parse_args()
+    if args.report:
+        path = Path(args.report)
+        records = json.loads(path.read_text())
+        compare(records)
+        print(write_results(records, path.name.removesuffix(".json"), markdown(records, args), str(path.parent)))
+        return
 
     t0 = time.perf_counter()
     session = bench_session(args.model, optimizer=args.optimizer, device=args.device, batch=args.batch,
@@ -86,7 +98,7 @@ def main() -> None:
     template = resolve_template(config.data)
     records: list[dict] = []
     gpu_bytes = None  # the planner's GPU memory after an out-of-memory re-solve, kept for the next batching
-    for batching in BATCHINGS:
+    for batching in args.batchings:
         name = f"{args.model}_{batching}_b{args.batch}_s{args.seq}"
         data = dataclasses.replace(config.data, packing=batching == "packed")
         session.config.data = data  # the plan profiles the attention these batches take
@@ -155,12 +167,17 @@ def main() -> None:
         records.append({"name": name, **common, **record, "batching": batching, "data": report.summary()})
         print(json.dumps(records[-1]), flush=True)
         write_results(records, stem, markdown(records, args), args.out)
+    compare(records)
+    path = write_results(records, stem, markdown(records, args), args.out)
+    print(f"wrote {path}", flush=True)
+
+
+def compare(records: list[dict]) -> None:
+    """The packed record gains ``tokens_per_s_vs_padded`` where both batchings were measured."""
     measured = {r["batching"]: r for r in records if "tokens_per_s" in r}
     if len(measured) == 2:
         measured["packed"]["tokens_per_s_vs_padded"] = (measured["packed"]["tokens_per_s"]
                                                         / measured["padded"]["tokens_per_s"])
-    path = write_results(records, stem, markdown(records, args), args.out)
-    print(f"wrote {path}", flush=True)
 
 
 def markdown(records: list[dict], args) -> str:
@@ -206,6 +223,10 @@ def markdown(records: list[dict], args) -> str:
                                   f"predicted, {t['seen_peak_gpu_gb']:.1f} needed" for t in r["oom_tries"])
                       + (f"; it ran with {r['planner_gpu_budget_gb']:.1f} GB." if r.get("planner_gpu_budget_gb")
                          else ".")]
+    reports = sorted({r["report"] for r in records if "report" in r})
+    if reports:
+        lines += ["", "Merged from " + ", ".join(f"`{name}.json`" for name in reports) + " (one process per "
+                  "batching, `--batchings`; `python -m bench.merge_results`, then `--report`)."]
     data = next((r["data"] for r in records if "data" in r), None)
     if data:
         lines += ["", f"Tokenized data: {data}."]

@@ -458,14 +458,16 @@ def test_accuracy_reference_trains_each_kind_on_the_cpu(tmp_path):
 
 
 def test_layer_breakdown_on_the_cpu_splits_the_layers_time(tmp_path):
-    """One tiny layer's forward + backward, with lean ops and HF's modules: records and a report
-    with the operators' time by category, the matmuls among them."""
+    """One tiny layer's forward + backward, with lean ops (their elementwise parts compiled) and
+    HF's modules: records and a report with the operators' time by category, the matmuls among
+    them."""
     subprocess.run([sys.executable, "bench/layer_breakdown.py", "--model", "tiny", "--batch", "2", "--seq", "64",
-                    "--device", "cpu", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+                    "--device", "cpu", "--variants", "lean-compiled", "hf", "--out", str(tmp_path)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
     (path,) = tmp_path.glob("layer_breakdown_tiny_*.json")
     records = json.loads(path.read_text())
-    assert [r["lean_ops"] for r in records] == [True, False]
+    assert [(r["lean_ops"], r["fused_ops"]) for r in records] == [(True, "compiled"), (False, "eager")]
     for r in records:
         assert r["kernel_ms"]["matmul"] > 0 and r["layer_params"] > 0
         assert r["top_kernels_ms"] and all(ms > 0 for _, ms in r["top_kernels_ms"])
-    assert "| lean ops |" in path.with_suffix(".md").read_text()
+    assert "| lean ops, compiled elementwise |" in path.with_suffix(".md").read_text()
