@@ -12,6 +12,7 @@ get ``None`` and a warning, and use the pure-torch path of the same math.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -78,20 +79,48 @@ def build_directory() -> Path:
 
 
 STALE_LOCK_S = 600
-"""A build lock this old belongs to a build that was killed (a build takes about a minute)."""
+"""Without ``fcntl``: a build lock this old belongs to a build that was killed (a build takes
+about a minute)."""
 
 
-def _clear_stale_lock(directory: Path) -> None:
-    """torch's build lock is a file that a killed build leaves behind, and the next build waits
-    on it forever: remove one older than `STALE_LOCK_S`."""
+@contextlib.contextmanager
+def _building(directory: Path):
+    """The right to build in ``directory``, with torch's build lock cleared if a killed build left
+    it.
+
+    torch's lock is a file (``lock``) that a killed build leaves behind, and the next build waits
+    on it forever (on the H200, 2026-12-03, a benchmark started 2 minutes after a test run was
+    killed printed nothing in 330 s, most likely waiting there). Each LazyTrain build first takes an ``flock`` on a
+    file of its own, which the kernel releases when its holder dies; holding it, no other
+    LazyTrain build is running in this directory, so a ``lock`` file found then is a dead
+    build's and is removed. Without ``fcntl`` (not Linux): only a lock older than `STALE_LOCK_S`.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
     lock = directory / "lock"
+    if fcntl is None:
+        _remove_lock(lock, older_than=STALE_LOCK_S)
+        yield
+        return
+    with open(directory / "lazytrain_build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            _remove_lock(lock, older_than=0)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
+def _remove_lock(lock: Path, older_than: float) -> None:
     try:
         age = time.time() - lock.stat().st_mtime
     except OSError:
         return
-    if age > STALE_LOCK_S:
-        warnings.warn(f"lazytrain: removing a stale kernel build lock {lock} ({age / 60:.0f} min old)",
-                      RuntimeWarning, stacklevel=3)
+    if age >= older_than:
+        warnings.warn(f"lazytrain: removing the kernel build lock {lock} that a killed build left "
+                      f"({age / 60:.1f} min old)", RuntimeWarning, stacklevel=4)
         lock.unlink(missing_ok=True)
 
 
@@ -106,15 +135,15 @@ def load_kernel(required: bool = False) -> ModuleType | None:
 
             directory = build_directory()
             directory.mkdir(parents=True, exist_ok=True)
-            _clear_stale_lock(directory)
-            _loaded = cpp_extension.load(
-                name="lazytrain_hybrid8bit",
-                sources=[str(SOURCE)],
-                extra_cflags=_CFLAGS,
-                extra_ldflags=_LDFLAGS,
-                build_directory=str(directory),
-                verbose=os.environ.get("LAZYTRAIN_VERBOSE_BUILD", "") == "1",
-            )
+            with _building(directory):
+                _loaded = cpp_extension.load(
+                    name="lazytrain_hybrid8bit",
+                    sources=[str(SOURCE)],
+                    extra_cflags=_CFLAGS,
+                    extra_ldflags=_LDFLAGS,
+                    build_directory=str(directory),
+                    verbose=os.environ.get("LAZYTRAIN_VERBOSE_BUILD", "") == "1",
+                )
             _failure = None
             return _loaded
         except Exception as err:  # any build or load failure means: use the torch path
