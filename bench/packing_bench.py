@@ -80,6 +80,11 @@ def main() -> None:
     if args.report:
         path = Path(args.report)
         records = json.loads(path.read_text())
+        # the report describes what the records ran, not this command's defaults
+        head = records[0]
+        args.model, args.batch, args.seq = head["model"], head["batch_size"], head["seq_len"]
+        args.samples, args.optimizer = head.get("samples", args.samples), head.get("optimizer", args.optimizer)
+        args.steps = len(head.get("step_times_s", [])) or args.steps
         compare(records)
         print(write_results(records, path.name.removesuffix(".json"), markdown(records, args), str(path.parent)))
         return
@@ -94,7 +99,9 @@ def main() -> None:
     print(f"model {args.model}: {store.num_params / 1e9:.2f}B params, built in {time.perf_counter() - t0:.0f} s",
           flush=True)
     options = session.policy_options()
-    stem = f"packing_{args.model}_{device_tag(device)}_{today()}_s{args.seq}_b{args.batch}{args.tag}"
+    # a process running some of the batchings names them: two such runs never overwrite each other
+    part = "" if set(args.batchings) == set(BATCHINGS) else "_" + "_".join(args.batchings)
+    stem = f"packing_{args.model}_{device_tag(device)}_{today()}_s{args.seq}_b{args.batch}{part}{args.tag}"
     template = resolve_template(config.data)
     records: list[dict] = []
     gpu_bytes = None  # the planner's GPU memory after an out-of-memory re-solve, kept for the next batching

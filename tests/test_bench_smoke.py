@@ -133,6 +133,24 @@ def test_packing_bench_on_the_cpu_compares_packed_with_padded(tmp_path, model):
     assert "pinned host buffers after each measured step" in path.with_suffix(".md").read_text()
 
 
+def test_packing_bench_reports_a_merged_study_from_its_records(tmp_path, monkeypatch):
+    """``--report``: the comparison and the heading come from the records (the committed H200
+    study, one process per batching), not from the command's defaults (batch 16)."""
+    import shutil
+
+    from bench import packing_bench
+
+    study = tmp_path / "packing_study.json"
+    shutil.copy(ROOT / "bench/results/packing_qwen2.5-7b_h200_2026-12-03_s1024_b64.json", study)
+    monkeypatch.setattr(sys, "argv", ["packing_bench.py", "--report", str(study)])
+    packing_bench.main()
+    report = study.with_suffix(".md").read_text()
+    assert report.startswith("# Packed against padded batches: qwen2.5-7b, seq 1024, batch 64\n")
+    packed = next(r for r in json.loads(study.read_text()) if r["batching"] == "packed")
+    assert packed["tokens_per_s_vs_padded"] == pytest.approx(9329.7 / 4240.0, rel=1e-4)
+    assert "| 2.20x |" in report and "Merged from" in report
+
+
 def test_packing_bench_re_solves_a_plan_that_runs_out_of_memory(tmp_path, monkeypatch):
     """As `lazytrain train` does: a solved plan whose step runs out of GPU memory (simulated on
     the CPU, once) is re-solved with less memory for the planner and run again; the next

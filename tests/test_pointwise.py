@@ -130,7 +130,7 @@ def test_selection_by_device_and_setting(monkeypatch, caplog):
     fused = select_pointwise(CPU, "compiled")
     assert fused.kind == "compiled"
     # each function is torch.compile's wrapper of the eager one
-    assert all(getattr(getattr(fused, name), "_torchdynamo_orig_callable", None) is fn
+    assert all(getattr(getattr(fused, name).compiled, "_torchdynamo_orig_callable", None) is fn
                for name, fn in pointwise.FUNCTIONS.items())
     with pytest.raises(FusedOpsError, match="model.fused_ops must be one of auto, compiled, eager, got 'fast'"):
         select_pointwise(CPU, "fast")
@@ -162,6 +162,27 @@ def test_past_the_recompile_limit_a_call_runs_eager_and_stays_right():
         for dtype in (torch.float32, torch.float64, torch.bfloat16):
             gate, up = torch.randn(6, 5, dtype=dtype), torch.randn(6, 5, dtype=dtype)
             torch.testing.assert_close(compiled().swiglu(gate, up), pointwise.swiglu(gate, up))
+    torch._dynamo.reset()
+
+
+def test_one_graph_serves_the_norms_of_every_rank_length_and_coincidence():
+    """The norms get rows detached from any view, and sizes are not duck-typed: the first call's
+    token count equal to the width (a guard on that equality otherwise), other lengths, 3-D and
+    4-D inputs (Qwen3's per-head norms, a view of a larger tensor) take one compiled graph."""
+    from torch._dynamo.utils import counters
+
+    from lazytrain.model.lean import LeanRMSNorm
+
+    torch._dynamo.reset()
+    counters.clear()
+    weight = torch.rand(48) + 0.5
+    inputs = [torch.randn(2, 24, 48), torch.randn(3, 5, 48), torch.randn(2, 3, 8, 48)[:, :, 2:6],
+              torch.randn(7, 96).view(7, 2, 48)]
+    with torch.no_grad():
+        for x in inputs:
+            got = LeanRMSNorm.apply(x, weight, 1e-6, False, compiled())
+            torch.testing.assert_close(got, LeanRMSNorm.apply(x, weight, 1e-6, False, EAGER), rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
 
 

@@ -65,11 +65,22 @@ class LeanSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
-        grad_h = grad_out.matmul(w_down)
-        product, grad_gate, grad_up = ctx.ops.swiglu_backward(grad_h, gate, up)
+        if ctx.ops.kind == "eager":
+            # one kernel per operation: the product freed before grad_h exists, silu(gate) before
+            # grad_gate (about 4.2 [tokens, intermediate] tensors at the peak instead of 5)
+            act = F.silu(gate)
+            grad_w_down = _rows(grad_out).t().mm(_rows(act * up)) if ctx.needs_input_grad[3] else None
+            grad_h = grad_out.matmul(w_down)
+            grad_up = grad_h * act
+            del act
+            grad_gate = torch.ops.aten.silu_backward(grad_h * up, gate)
+        else:
+            # fused: one kernel reads grad_h, gate and up once and writes all three results
+            grad_h = grad_out.matmul(w_down)
+            product, grad_gate, grad_up = ctx.ops.swiglu_backward(grad_h, gate, up)
+            grad_w_down = _rows(grad_out).t().mm(_rows(product)) if ctx.needs_input_grad[3] else None
+            del product
         del grad_h
-        grad_w_down = _rows(grad_out).t().mm(_rows(product)) if ctx.needs_input_grad[3] else None
-        del product
         x2 = _rows(x)
         grad_w_gate = _rows(grad_gate).t().mm(x2) if ctx.needs_input_grad[1] else None
         grad_w_up = _rows(grad_up).t().mm(x2) if ctx.needs_input_grad[2] else None
@@ -83,17 +94,19 @@ class LeanRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, zero_centered: bool, ops: Pointwise):
-        rows = _rows(x)  # one signature for every caller's rank (the fused kernels compile per rank)
-        out, rstd = ops.rms_norm(rows, weight, eps, zero_centered)
+        # rows, detached from any view's base: one signature whatever the caller's rank and
+        # layout (torch.compile guards on a view's base, and compiles once per signature)
+        out, rstd = ops.rms_norm(_rows(x).detach(), weight, eps, zero_centered)
         ctx.save_for_backward(x, weight, rstd)
         ctx.zero_centered, ctx.ops = zero_centered, ops
-        return out.view(x.shape)
+        return out.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
-        grad_x, grad_w = ctx.ops.rms_norm_backward(_rows(grad_out), _rows(x), weight, rstd, ctx.zero_centered)
-        return (grad_x.view(x.shape) if ctx.needs_input_grad[0] else None,
+        grad_x, grad_w = ctx.ops.rms_norm_backward(_rows(grad_out).detach(), _rows(x).detach(), weight, rstd,
+                                                   ctx.zero_centered)
+        return (grad_x.reshape(x.shape) if ctx.needs_input_grad[0] else None,
                 grad_w if ctx.needs_input_grad[1] else None, None, None, None)
 
 
@@ -125,22 +138,29 @@ _ROTARY_OPS: contextvars.ContextVar[Pointwise | None] = contextvars.ContextVar("
 """The ``ops`` of the lean attention running now (None: HF's own rotary embedding)."""
 
 
-def _bind_rotary(module) -> None:
+ROTARY_PARAMETERS = ("q", "k", "cos", "sin", "unsqueeze_dim")
+
+
+def _bind_rotary(module) -> bool:
     """Make ``module.apply_rotary_pos_emb`` run `LeanRotary` inside a lean attention's call (HF's
-    attention looks it up by name in its module) and HF's own function everywhere else."""
+    attention looks it up by name in its module) and HF's own function everywhere else; False
+    (nothing bound) where the function takes other parameters than `ROTARY_PARAMETERS`."""
     if hasattr(module, "_lazytrain_hf_rotary"):
-        return
+        return True
     hf = module.apply_rotary_pos_emb
+    if tuple(inspect.signature(hf).parameters) != ROTARY_PARAMETERS:
+        return False
     module._lazytrain_hf_rotary = hf
 
     @functools.wraps(hf)
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kwargs):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         ops = _ROTARY_OPS.get()
-        if ops is None or kwargs:
-            return hf(q, k, cos, sin, unsqueeze_dim, **kwargs)
+        if ops is None or cos.requires_grad or sin.requires_grad:  # LeanRotary gives cos, sin no gradient
+            return hf(q, k, cos, sin, unsqueeze_dim)
         return LeanRotary.apply(q, k, cos, sin, unsqueeze_dim, ops)
 
     module.apply_rotary_pos_emb = apply_rotary_pos_emb
+    return True
 
 
 def _lean_attention(attention: torch.nn.Module) -> bool:
@@ -149,9 +169,8 @@ def _lean_attention(attention: torch.nn.Module) -> bool:
     computes)."""
     module = inspect.getmodule(type(attention))
     if module is None or module.__name__.rsplit(".", 1)[-1] not in ROTARY_MODULES \
-            or not callable(getattr(module, "apply_rotary_pos_emb", None)):
+            or not callable(getattr(module, "apply_rotary_pos_emb", None)) or not _bind_rotary(module):
         return False
-    _bind_rotary(module)
     attention.forward = types.MethodType(_attention_forward, attention)
     return True
 

@@ -29,6 +29,7 @@ to eager with a warning), eager elsewhere.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,13 +133,38 @@ EAGER = Pointwise("eager", **FUNCTIONS)
 _COMPILED: list[Pointwise] = []
 
 
+def _compile(fn: Callable) -> Callable:
+    """``fn`` under ``torch.compile`` with dynamic shapes and no duck sizing.
+
+    Not fullgraph: past dynamo's recompile limit (8 input signatures of one function: dtypes,
+    ranks, strides) a fullgraph function raises, in the middle of a run (torch 2.11, seen on the
+    H200); this one runs eager. No duck sizing: by default two sizes that happen to be equal in
+    a call (a batch's token count and the hidden size, say) are compiled as one symbol, guarded,
+    and a later call where they differ compiles again; without it a function keeps one graph per
+    dtype and layout (sizes 0 and 1 are still specialised)."""
+    compiled_fn = torch.compile(fn, dynamic=True)
+    try:  # a private module: where it is absent, duck sizing stays
+        from torch.fx.experimental import _config as shape_config
+
+        shapes = shape_config.patch
+    except (ImportError, AttributeError):
+        shapes = None
+
+    @functools.wraps(fn)
+    def call(*args):
+        if shapes is None:
+            return compiled_fn(*args)
+        with shapes(use_duck_shape=False):
+            return compiled_fn(*args)
+
+    call.compiled = compiled_fn
+    return call
+
+
 def compiled() -> Pointwise:
-    """The functions under ``torch.compile`` (made once a process; each compiles on first use)."""
+    """The functions under `_compile` (made once a process; each compiles on first use)."""
     if not _COMPILED:
-        # not fullgraph: past dynamo's recompile limit (8 input signatures of one function: dtypes,
-        # ranks, strides) a fullgraph function raises, in the middle of a run; this one runs eager
-        _COMPILED.append(Pointwise("compiled", **{name: torch.compile(fn, dynamic=True)
-                                                  for name, fn in FUNCTIONS.items()}))
+        _COMPILED.append(Pointwise("compiled", **{name: _compile(fn) for name, fn in FUNCTIONS.items()}))
     return _COMPILED[0]
 
 
@@ -149,9 +175,11 @@ _PROBED: dict[str, str | None] = {}
 def _compile_failure(device: torch.device) -> str | None:
     if device.type not in _PROBED:
         try:
-            probe = torch.compile(swiglu, dynamic=True, fullgraph=True)  # fullgraph: a graph break fails here
+            # a function of its own, so the probe takes none of the real functions' cache entries
+            probe = torch.compile(lambda a, b: F.silu(a) * b, dynamic=True, fullgraph=True)
             x = torch.randn(4, 8, device=device)
-            torch.testing.assert_close(probe(x, x), swiglu(x, x))
+            with torch.no_grad():
+                torch.testing.assert_close(probe(x, x), swiglu(x, x))
             _PROBED[device.type] = None
         except Exception as error:  # noqa: BLE001 - any failure (no Triton, no C++ compiler) means eager
             text = str(error).strip().splitlines()
