@@ -139,6 +139,10 @@ def test_packed_runs_are_profiled_with_their_document_mask(tmp_path, monkeypatch
     with pytest.raises(CostTableMismatch, match="profiled with packed attention, this run's batches take causal"):
         table("d", f"plan.costs={tmp_path / 'packed.json'}")
     assert table("e", "data.packing=true", f"plan.costs={tmp_path / 'packed.json'}").attention == "packed"
+    # a table profiled with eager elementwise ops is refused by a run that compiles them
+    assert packed.elementwise == "eager"
+    with pytest.raises(CostTableMismatch, match="profiled with eager elementwise ops, this run's layers run compiled"):
+        table("g", "data.packing=true", "model.fused_ops=compiled", f"plan.costs={tmp_path / 'packed.json'}")
     with pytest.raises(ValueError, match="attention must be causal, packed or packed_varlen"):
         real(None, 2, 10, "sliding")
     assert torch.equal(real(build_session(load_config(None, [f"training.output_dir={tmp_path / 'f'}", *COMMON])).adapter,

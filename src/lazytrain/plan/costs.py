@@ -314,6 +314,10 @@ class CostTable:
     `data.packing`, through a block-diagonal mask) or packed_varlen (packed rows through flash
     attention's variable-length kernel, no mask), whose kernels differ in time and saved bytes
     (sdpa has no flash path for a dense mask)."""
+    elementwise: str = ""
+    """How the lean ops' elementwise parts ran when profiled (`model.fused_ops` as resolved:
+    eager or compiled), which differ in time (a 7B layer 172 against 152 ms on the H200) and in
+    a layer's working set; empty in tables written before it was recorded (eager)."""
     device: str = ""
     notes: dict = field(default_factory=dict)
     layer_types: list[str] = field(default_factory=list)
@@ -487,6 +491,16 @@ class CostTable:
                 "rows take varlen or the mask by model.packed_attention, the device and the dtype), whose "
                 "kernels cost other times and bytes; profile with this run's settings (`lazytrain "
                 "profile`) or drop plan.costs"
+            )
+
+    def check_elementwise(self, kind: str, source: str = "the cost table") -> None:
+        """Raise `CostTableMismatch` unless this table's layers ran ``kind`` elementwise ops."""
+        if kind != (self.elementwise or "eager"):
+            raise CostTableMismatch(
+                f"{source} was profiled with {self.elementwise or 'eager'} elementwise ops, this run's layers "
+                f"run {kind} ones (model.fused_ops, and the device), whose layers take other times and "
+                "working memory; profile with this run's settings (`lazytrain profile`), set "
+                f"model.fused_ops={self.elementwise or 'eager'}, or drop plan.costs"
             )
 
     def check_layers(self, layer_types: Sequence[str], source: str = "the cost table") -> None:

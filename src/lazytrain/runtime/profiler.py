@@ -444,6 +444,7 @@ def profile(
             host_bytes=max(int(host_free), 0),
             fits=fits,
             attention=attention,
+            elementwise=adapter.pointwise.kind,
             world_size=local_world_size,
             local_world_size=local_world_size,
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -106,6 +106,7 @@ class Session:
             costs = CostTable.load(cfg.plan.costs).at(batch, seq)
             costs.check_layers(self.adapter.layer_types, f"plan.costs={cfg.plan.costs}")
             costs.check_attention(attention, f"plan.costs={cfg.plan.costs}")
+            costs.check_elementwise(self.adapter.pointwise.kind, f"plan.costs={cfg.plan.costs}")
             costs.check_optimizer(describe(self.optimizer), f"plan.costs={cfg.plan.costs}")
             costs = self.for_this_run(costs)
         else:
