@@ -143,11 +143,11 @@ def _compile(fn: Callable) -> Callable:
     and a later call where they differ compiles again; without it a function keeps one graph per
     dtype and layout (sizes 0 and 1 are still specialised)."""
     compiled_fn = torch.compile(fn, dynamic=True)
-    try:  # a private module: where it is absent, duck sizing stays
+    try:  # a private module: where it or its setting is absent, duck sizing stays
         from torch.fx.experimental import _config as shape_config
 
-        shapes = shape_config.patch
-    except (ImportError, AttributeError):
+        shapes = shape_config.patch if hasattr(shape_config, "use_duck_shape") else None
+    except ImportError:
         shapes = None
 
     @functools.wraps(fn)
