@@ -1,4 +1,5 @@
-"""Memory-lean SwiGLU MLPs and RMSNorms: the same forward, fewer tensors saved for backward.
+"""Memory-lean SwiGLU MLPs and RMSNorms (the same forward, fewer tensors saved for backward), and
+the attention's rotary embedding, their elementwise parts eager or fused.
 
 A decoder layer run under autograd saves every intermediate some backward formula reads. In a
 SwiGLU MLP that is the gate and up projections' outputs, ``silu(gate)`` and their product: four
@@ -11,6 +12,8 @@ output. The autograd Functions here save only what cannot be recomputed cheaply:
   matmuls).
 - RMSNorm: the input and the per-row ``rsqrt`` (one float per token); the normalised value is
   recomputed.
+- Rotary embedding (`LeanRotary`, inside the attention modules of `ATTENTIONS`): ``cos`` and
+  ``sin``, as autograd saves for HF's function; it is here so that its elementwise work fuses too.
 
 The forward runs the same operations in the same order as the HF modules it replaces, so
 outputs are bit-identical; the backward follows autograd's own formulas (``silu_backward``, the
@@ -136,9 +139,8 @@ ATTENTIONS = frozenset({"Qwen2Attention", "Qwen3Attention", "LlamaAttention", "Q
 """HF attention classes calling their module's ``apply_rotary_pos_emb`` on the queries and keys."""
 _ROTARY_OPS: contextvars.ContextVar[Pointwise | None] = contextvars.ContextVar("lazytrain_rotary", default=None)
 """The ``ops`` of the lean attention running now (None: HF's own rotary embedding)."""
-
-
 ROTARY_PARAMETERS = ("q", "k", "cos", "sin", "unsqueeze_dim")
+"""The signature of the ``apply_rotary_pos_emb`` `LeanRotary` replaces (any other: HF's kept)."""
 
 
 def _bind_rotary(module) -> bool:
