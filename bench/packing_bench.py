@@ -48,6 +48,7 @@ from bench.common import (
 from bench.plan_bench import tries
 from lazytrain.data.pipeline import resolve_template, training_batches
 from lazytrain.plan.costs import CostTable
+from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.policies import policy_plan
 from lazytrain.plan.simulate import simulate
@@ -112,8 +113,12 @@ def main() -> None:
         t0 = time.perf_counter()
         plan, costs = session.plan()
         if gpu_bytes is not None and costs is not None and gpu_bytes < costs.gpu_bytes:
-            costs = dataclasses.replace(costs, gpu_bytes=gpu_bytes)
-            plan = policy_plan(plan.policy, costs, options)
+            try:
+                plan = policy_plan(plan.policy, dataclasses.replace(costs, gpu_bytes=gpu_bytes), options)
+                costs = dataclasses.replace(costs, gpu_bytes=gpu_bytes)
+            except PlanInfeasible:  # these batches need more than the last ones ran with
+                print(f"{batching}: no plan within the {gpu_bytes / 1e9:.2f} GB the last batching ran with; "
+                      f"planned with its own {costs.gpu_bytes / 1e9:.2f} GB", flush=True)
         predicted = simulate(plan, costs).metrics()["predicted_step_time_s"] if costs is not None \
             else plan.predicted_step_time_s
         print(f"{batching}: plan {plan.policy} at batch {plan.batch_size} x seq {plan.seq_len} in "

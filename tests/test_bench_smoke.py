@@ -151,7 +151,7 @@ def test_packing_bench_reports_a_merged_study_from_its_records(tmp_path, monkeyp
     assert "| 2.20x |" in report and "Merged from" in report
 
 
-def test_packing_bench_re_solves_a_plan_that_runs_out_of_memory(tmp_path, monkeypatch):
+def test_packing_bench_re_solves_a_plan_that_runs_out_of_memory(tmp_path, monkeypatch, capsys):
     """As `lazytrain train` does: a solved plan whose step runs out of GPU memory (simulated on
     the CPU, once) is re-solved with less memory for the planner and run again; the next
     batching starts from the plan that ran."""
@@ -175,7 +175,13 @@ def test_packing_bench_re_solves_a_plan_that_runs_out_of_memory(tmp_path, monkey
     padded, packed = json.loads(path.read_text())
     assert padded["oom_replans"] == 1 and len(padded["oom_tries"]) == 1 and packed["oom_replans"] == 0
     (failed,) = padded["oom_tries"]
-    assert failed["planner_gpu_budget_gb"] > padded["planner_gpu_budget_gb"] == packed["planner_gpu_budget_gb"]
+    assert failed["planner_gpu_budget_gb"] > padded["planner_gpu_budget_gb"]
+    # the packed rows are planned within what the padded ones ran with, unless their cheapest plan
+    # needs more (the re-solve left 4% less than the padded plan's peak; the profiles' numbers
+    # vary with the machine's load): then with their own budget, and the log says so
+    if packed["planner_gpu_budget_gb"] != padded["planner_gpu_budget_gb"]:
+        assert packed["planner_gpu_budget_gb"] > padded["planner_gpu_budget_gb"]
+        assert "no plan within the" in capsys.readouterr().out
     assert padded["tokens_per_s"] > 0 and packed["tokens_per_s"] > 0
     assert "re-solved with less memory" in path.with_suffix(".md").read_text()
 
