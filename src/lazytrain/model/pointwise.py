@@ -202,6 +202,6 @@ def select_pointwise(device: torch.device, prefer: str = "auto") -> Pointwise:
         raise FusedOpsError(f"model.fused_ops=compiled, but torch.compile cannot run on {device.type} here "
                             f"({failure}); set model.fused_ops=eager (or auto, which falls back to it)")
     log.warning("model.fused_ops=auto: torch.compile failed on %s (%s); the layers' norms, SwiGLU and rotary "
-                "embedding run unfused (eager): a Qwen2.5-7B layer took 172 ms so against 152 fused on an H200",
+                "embedding run unfused (eager): a Qwen2.5-7B layer took 172 ms eager against 152 fused on an H200",
                 device.type, failure)
     return EAGER

@@ -90,10 +90,11 @@ def _building(directory: Path):
 
     torch's lock is a file (``lock``) that a killed build leaves behind, and the next build waits
     on it forever (on the H200, 2026-12-03, a benchmark started 2 minutes after a test run was
-    killed printed nothing in 330 s, most likely waiting there). Each LazyTrain build first takes an ``flock`` on a
-    file of its own, which the kernel releases when its holder dies; holding it, no other
-    LazyTrain build is running in this directory, so a ``lock`` file found then is a dead
-    build's and is removed. Without ``fcntl`` (not Linux): only a lock older than `STALE_LOCK_S`.
+    killed printed nothing in 330 s, most likely waiting there). Each LazyTrain build first
+    takes an ``flock`` on a file of its own, which the kernel releases when its holder dies;
+    holding it, no other LazyTrain build is running in this directory, so a ``lock`` file found
+    then is a dead build's and is removed. Without ``fcntl`` (not Linux): only a lock older than
+    `STALE_LOCK_S`.
     """
     try:
         import fcntl
