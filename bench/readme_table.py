@@ -68,6 +68,12 @@ def outcome(record: dict) -> str:
     return record["status"]
 
 
+def fastest_row(rows: list[dict], run: str) -> dict | None:
+    """``run``'s finished row with the most tokens/s, of any batch (a search's tries included)."""
+    return max((r for r in rows if r["run"] == run and r["status"] == "ok"), key=lambda r: r["tokens_per_s"],
+               default=None)
+
+
 def summary(model: str, rows: list[dict]) -> str:
     """LazyTrain 8-bit's tokens/s against the fastest offloading peer that ran, each at its
     fastest batch, and against plain PyTorch on the GPU (the no-offload ceiling) where it ran."""
@@ -106,8 +112,11 @@ def table(records: list[dict]) -> str:
     ]
     notes, footnotes = [], []
     for model in models:
-        # the runs at the batches asked for, and each run's largest batch (not the search's other tries)
-        rows = sorted((r for r in records if r["model"] == model and (not r.get("search") or r.get("largest_batch"))),
+        everything = [r for r in records if r["model"] == model]
+        fastest = {id(fastest_row(everything, run)) for run in {r["run"] for r in everything}}
+        # the runs at the batches asked for, each run's largest batch and its fastest (a search's
+        # other tries are left out)
+        rows = sorted((r for r in everything if not r.get("search") or r.get("largest_batch") or id(r) in fastest),
                       key=lambda r: (ORDER.index(r["run"]) if r["run"] in ORDER else len(ORDER), r["batch_size"]))
         reference = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["run"] == REFERENCE and r["status"] == "ok"}
         for r in rows:
@@ -119,7 +128,8 @@ def table(records: list[dict]) -> str:
                     footnotes.append(r["note"])
                 label += f" [{footnotes.index(r['note']) + 1}]"
             largest = " (largest)" if r.get("largest_batch_bounded", True) else " (largest tried)"
-            batch = f"{r['batch_size']}" + (largest if r.get("largest_batch") else "")
+            batch = (f"{r['batch_size']}" + (largest if r.get("largest_batch") else "")
+                     + (" (fastest)" if r.get("search") and id(r) in fastest and not r.get("largest_batch") else ""))
             exact = {True: "yes", False: "no", None: "-"}[r.get("optimizer_exact")]
             host = r.get("host_used_gb") if r["status"] == "ok" else None
             lines.append(
