@@ -288,7 +288,9 @@ class Study:
             return True, pinned
         return False, host_estimate(run, self.numels, False)
 
-    def run(self, run: str, batch: int, search: bool = False) -> dict:
+    def run(self, run: str, batch: int, search: bool = False, planner: bool = False) -> dict:
+        """One process at ``batch`` (or a row saying why none was started); ``planner``: a
+        search's try that also records the planner's largest batch (a first run always does)."""
         args = self.args
         record = self.header(run, batch)
         record["search"] = search
@@ -323,7 +325,7 @@ class Study:
                    "steps": args.steps, "device": args.device, "seed": args.seed, "head_chunk": args.head_chunk,
                    "pin_memory": pin, "host_limit_gb": host_limit,
                    # the planner's largest batch: the search's first guess, needed from its first run only
-                   "planner_max_batch_limit": 0 if search else args.max_batch}
+                   "planner_max_batch_limit": args.max_batch if planner or not search else 0}
             log = Path(args.out) / "peers_logs" / f"{record['name']}.log"
             print(f"{record['name']}: running ({run}, batch {batch})", flush=True)
             worker = launch(job, log, reserve, args.worker_timeout)
@@ -384,7 +386,15 @@ class Study:
         if per_sample <= 0:
             return None
         guess = min(int((GUESS_FILL * self.gpu_bytes - fixed) / per_sample) // 8 * 8, self.args.max_batch)
+        if first["runner"] == "pytorch_gpu":  # within its own estimate, at the same fill
+            guess = min(guess, self.estimated_gpu_max_batch(GUESS_FILL))
         return guess if guess > first["batch_size"] else None
+
+    def estimated_gpu_max_batch(self, fill: float = 1.0) -> int:
+        """The largest batch (a multiple of 8) whose `gpu_need` fits ``fill`` of the card; at
+        1.0, past it `run` refuses the no-offload run without starting it."""
+        per_sample = self.gpu_need(1) - self.gpu_need(0)
+        return max(0, int(fill * self.gpu_bytes - self.gpu_need(0)) // per_sample // 8 * 8)
 
     def largest_batch(self, run: str, first: dict) -> None:
         """Find the largest batch that runs, in few tries (each is a process that builds the model
@@ -399,7 +409,11 @@ class Study:
         hi = None if fits[first["batch_size"]] else first["batch_size"]
         guess = self.first_guess(first)
         near = guess is not None
-        for _ in range(self.args.max_tries):
+        # LazyTrain without the planner's figure (a row committed before it was recorded): the
+        # first try asks its worker for it, and the next try starts there
+        ask_planner = first["runner"] == "lazytrain" and guess is None
+        tries = 0
+        while tries < self.args.max_tries:
             if guess is not None:
                 batch, guess = guess, None
             elif hi is None:
@@ -408,11 +422,18 @@ class Study:
                 batch = (lo + hi) // 2
             if batch in fits or batch < 1:
                 break
-            record = self.run(run, batch, search=True)
+            record = self.run(run, batch, search=True, planner=ask_planner)
+            # a batch refused by an estimate started no process: it costs no try
+            tries += "log" in record
             if record["status"] not in ("ok", *GPU_MEMORY):
                 break
             fits[batch] = record["status"] == "ok"
             lo, hi = (batch, hi) if fits[batch] else (lo, batch)
+            if ask_planner:
+                ask_planner = False
+                planned = min(record.get("planner_max_batch") or 0, self.args.max_batch)
+                if planned > lo and (hi is None or planned < hi) and planned not in fits:
+                    guess, near = planned, True
         best = max((b for b, ok in fits.items() if ok), default=None)
         bounded = best is not None and (best >= self.args.max_batch
                                         or any(not ok and b > best for b, ok in fits.items()))

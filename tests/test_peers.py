@@ -275,9 +275,9 @@ def _search(monkeypatch, limit: int, max_tries: int, max_batch: int = 512) -> tu
     study.gpu_bytes, study.vocab, study.numels, study.records = int(100 * GB), 1000, [10], []
     tried = []
 
-    def run(run, batch, search=False):
+    def run(run, batch, search=False, planner=False):
         tried.append(batch)
-        record = {"run": run, "runner": "fsdp2_cpu_offload", "batch_size": batch,
+        record = {"run": run, "runner": "fsdp2_cpu_offload", "batch_size": batch, "log": "w.log",
                   "status": "ok" if batch <= limit else "out of GPU memory", "peak_gpu_alloc_gb": 4 + 0.25 * batch}
         study.records.append(record)
         return record
@@ -340,9 +340,9 @@ def test_lazytrains_largest_batch_search_starts_at_the_planners_largest(monkeypa
     study.gpu_bytes, study.vocab, study.numels, study.records = int(100 * GB), 1000, [10], []
     tried = []
 
-    def run(run, batch, search=False):
+    def run(run, batch, search=False, planner=False):
         tried.append(batch)
-        record = {"run": run, "runner": "lazytrain", "batch_size": batch, "planner_max_batch": 600,
+        record = {"run": run, "runner": "lazytrain", "batch_size": batch, "planner_max_batch": 600, "log": "w.log",
                   "status": "ok" if batch <= 620 else "does not fit GPU memory", "peak_gpu_alloc_gb": 99.0}
         study.records.append(record)
         return record
@@ -354,3 +354,64 @@ def test_lazytrains_largest_batch_search_starts_at_the_planners_largest(monkeypa
     assert [r["batch_size"] for r in study.records if r.get("largest_batch")] == [600]
     # a first row without the planner's figure (committed before it was recorded): doubling
     assert study.first_guess({"runner": "lazytrain", "status": "ok", "batch_size": 64}) is None
+
+
+def test_a_lazytrain_search_without_the_planners_figure_asks_its_first_try(monkeypatch):
+    """A committed first row without ``planner_max_batch``: the first try doubles (128) and asks
+    its worker for the planner's largest batch (600), and the next try starts there."""
+    from bench.peers import GB, Study
+
+    study = Study.__new__(Study)
+    study.args = SimpleNamespace(max_tries=3, max_batch=1024, head_chunk=4096)
+    study.gpu_bytes, study.vocab, study.numels, study.records = int(100 * GB), 1000, [10], []
+    asked = []
+
+    def run(run, batch, search=False, planner=False):
+        asked.append((batch, planner))
+        record = {"run": run, "runner": "lazytrain", "batch_size": batch, "log": "w.log",
+                  "status": "ok" if batch <= 620 else "out of GPU memory",
+                  **({"planner_max_batch": 600} if planner else {})}
+        study.records.append(record)
+        return record
+
+    monkeypatch.setattr(study, "run", run)
+    monkeypatch.setattr(study, "save", lambda: None)
+    study.largest_batch("lazytrain:hybrid8bit", {"run": "lazytrain:hybrid8bit", "runner": "lazytrain",
+                                                 "batch_size": 64, "status": "ok"})
+    assert asked == [(128, True), (600, False), (675, False)]
+    assert [r["batch_size"] for r in study.records if r.get("largest_batch")] == [600]
+
+
+def test_the_no_offload_search_stays_within_its_own_estimate(monkeypatch):
+    """Plain PyTorch's first guess is capped where its GPU estimate reaches the guesses' 90% of
+    the card (the 12-03 search on the H200 guessed 392, which the estimate refused), and a batch the
+    estimate refuses costs no try: only batches that started a process count."""
+    from bench.peers import GB, Study
+
+    study = Study.__new__(Study)
+    study.args = SimpleNamespace(max_tries=2, max_batch=1024, head_chunk=4096, seq=1024)
+    study.gpu_bytes, study.vocab, study.numels, study.records = int(150 * GB), 1000, [10**9], []
+    study.layers, study.hidden, study.intermediate = 32, 4096, 16384
+    cap = study.estimated_gpu_max_batch()
+    assert cap % 8 == 0 and study.gpu_need(cap) <= study.gpu_bytes < study.gpu_need(cap + 8)
+    # a first row whose peak points far past what the estimate allows
+    first = {"run": "pytorch_gpu", "runner": "pytorch_gpu", "batch_size": 8, "status": "ok",
+             "peak_gpu_alloc_gb": study.gpu_need(0) / GB + 0.01}
+    assert study.first_guess(first) == study.estimated_gpu_max_batch(0.9) < cap
+    tried = []
+
+    def run(run, batch, search=False, planner=False):
+        tried.append(batch)
+        need = study.gpu_need(batch)
+        record = {"run": run, "runner": "pytorch_gpu", "batch_size": batch,
+                  "status": "does not fit GPU memory" if need > study.gpu_bytes else "ok"}
+        if need <= study.gpu_bytes:
+            record["log"] = "w.log"
+        study.records.append(record)
+        return record
+
+    monkeypatch.setattr(study, "run", run)
+    monkeypatch.setattr(study, "save", lambda: None)
+    monkeypatch.setattr(study, "first_guess", lambda first: 2 * cap)  # as an old guess would
+    study.largest_batch("pytorch_gpu", first)
+    assert tried[0] == 2 * cap and len([b for b in tried if study.gpu_need(b) <= study.gpu_bytes]) == 2
