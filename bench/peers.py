@@ -324,7 +324,8 @@ class Study:
             job = {"run": run, "model": self.model, "batch": batch, "seq": args.seq, "warmup": args.warmup,
                    "steps": args.steps, "device": args.device, "seed": args.seed, "head_chunk": args.head_chunk,
                    "pin_memory": pin, "host_limit_gb": host_limit,
-                   # the planner's largest batch: the search's first guess, needed from its first run only
+                   # the planner's largest batch: the search's first guess, from the first run (or from a
+                   # search's first try when the first run's row lacks it)
                    "planner_max_batch_limit": args.max_batch if planner or not search else 0}
             log = Path(args.out) / "peers_logs" / f"{record['name']}.log"
             print(f"{record['name']}: running ({run}, batch {batch})", flush=True)
@@ -401,7 +402,8 @@ class Study:
         and times a few steps: minutes at 7B): first the batch `first_guess` extrapolates from
         ``first``'s GPU peak, then steps of 1/8 up from a batch that ran near it (doubling without
         a guess) until one runs out of memory, then bisect; mark the largest batch that ran, and
-        whether an out-of-memory run or ``--max-batch`` bounds it (``largest_batch_bounded``)."""
+        whether an out-of-memory run or ``--max-batch`` bounds it (``largest_batch_bounded``).
+        Only tries that start a process count against ``--max-tries``."""
         fits = {first["batch_size"]: first["status"] == "ok"}
         if first["status"] not in ("ok", *GPU_MEMORY):
             return
