@@ -32,9 +32,9 @@ was used before it (pinned memory included either way).
 
 ``--batches 64 max`` adds, per run, a search for its largest batch, at most ``--max-tries``
 extra runs (`Study.largest_batch`): from where a line through the first batch's GPU peak fills
-0.9 of the card (LazyTrain, whose plan fills the card at any batch: from the planner's own
-largest batch, recorded by its first run), then up, then bisection. The largest batch that ran is marked, and whether a failure or ``--max-batch``
-bounded it (``largest_batch_bounded``; the reports say "largest tried" when not).
+0.9 of the card (LazyTrain, whose plan fills the card at any batch: from 0.9 of the planner's
+own largest batch, recorded by its first run), then up, then bisection. The largest batch that
+ran is marked, and whether a failure or ``--max-batch`` bounded it (``largest_batch_bounded``; the reports say "largest tried" when not).
 
 JSON records (DESIGN.md section 6; written after every row) and a Markdown report per model
 go to ``--out`` as ``peers_MODEL_DEVICE_DATE_sSEQ``; each worker's log to ``--out``/peers_logs.
@@ -71,8 +71,11 @@ GUESS_FILL = 0.9
 """The share of the GPU the largest-batch search's first guess aims to fill (fragmentation and
 the allocator's reserve take some of the rest)."""
 RUNS = ("lazytrain:hybrid8bit", "lazytrain:fp32", "deepspeed_zero3_offload", "fsdp2_cpu_offload", "pytorch_gpu")
-PROCESS_BYTES = 3 * 10**9
-"""A worker beyond its model state: interpreter, torch and CUDA libraries, CUDA context."""
+PROCESS_BYTES = 4 * 10**9
+"""A worker beyond its model state: interpreter, torch and CUDA libraries, CUDA context, data;
+also what a LazyTrain worker uses beyond its ``memory.host_limit_gb`` budget. On the H200 the 7B
+fp32 worker used 2.86 GB past that budget at batch 64 (12-01) and at least 3.08 GB at batch
+128 (12-03), when the watchdog stopped it 0.1 GB inside the 6 GB reserve: 3 GB was too few."""
 POLL_S = 0.25
 GPU_MEMORY = ("out of GPU memory", "does not fit GPU memory")
 """Statuses that a smaller batch may cure (what the largest-batch search walks on)."""
@@ -371,13 +374,13 @@ class Study:
         """The batch at which a straight line through ``first``'s GPU peak reaches `GUESS_FILL` of
         the card: peak = fixed + per sample x batch, the fixed part being what does not grow with
         the batch (one loss chunk's logits at 14 B each, and for the no-offload run its 16 B/param
-        of model state). For LazyTrain, whose plan fills the card at any batch, the planner's own
-        largest batch from that run's profile (``planner_max_batch``). None without these, or
+        of model state). For LazyTrain, whose plan fills the card at any batch, `planner_guess`:
+        0.9 of the planner's own largest batch from that run's profile. None without these, or
         when no larger batch fits."""
         if first["status"] != "ok":
             return None
         if first["runner"] == "lazytrain":
-            guess = min(first.get("planner_max_batch") or 0, self.args.max_batch)
+            guess = self.planner_guess(first)
             return guess if guess > first["batch_size"] else None
         peak = first.get("peak_gpu_alloc_gb")
         if not self.gpu_bytes or peak is None:
@@ -390,6 +393,15 @@ class Study:
         if first["runner"] == "pytorch_gpu":  # within its own estimate, at the same fill
             guess = min(guess, self.estimated_gpu_max_batch(GUESS_FILL))
         return guess if guess > first["batch_size"] else None
+
+    def planner_guess(self, record: dict) -> int:
+        """`GUESS_FILL` of the largest batch LazyTrain's planner fits from ``record``'s profile
+        (``planner_max_batch``; 0 without it), a multiple of 8 within ``--max-batch``. The planner
+        extrapolates from a smaller batch's profile, and a batch's own profile can need a little
+        more: on the H200 the 7B b128 profile fitted 453, whose own profile then needed 0.56 GiB
+        more than the card (12-03), a try spent on a refusal."""
+        planned = min(record.get("planner_max_batch") or 0, self.args.max_batch)
+        return int(GUESS_FILL * planned) // 8 * 8
 
     def estimated_gpu_max_batch(self, fill: float = 1.0) -> int:
         """The largest batch (a multiple of 8) whose `gpu_need` fits ``fill`` of the card; at
@@ -433,7 +445,7 @@ class Study:
             lo, hi = (batch, hi) if fits[batch] else (lo, batch)
             if ask_planner:
                 ask_planner = False
-                planned = min(record.get("planner_max_batch") or 0, self.args.max_batch)
+                planned = self.planner_guess(record)
                 if planned > lo and (hi is None or planned < hi) and planned not in fits:
                     guess, near = planned, True
         best = max((b for b, ok in fits.items() if ok), default=None)
@@ -530,6 +542,24 @@ def annotations(pairs: list[str], flag: str) -> list[tuple[str, str]]:
     return [tuple(pair.split("=", 1)) for pair in pairs]
 
 
+def largest_marks(records: list[dict]) -> None:
+    """Re-mark each run's largest batch over merged rows: a search continued in a later call
+    (``--search-from`` a row of an earlier file) marks its own largest, and the earlier file's
+    mark must go. Of a run's rows marked ``largest_batch``, the mark stays on the largest batch
+    that ran; it is bounded when any of the run's rows ran out of GPU memory at a larger batch."""
+    for run in {r["run"] for r in records if r.get("largest_batch")}:
+        rows = [r for r in records if r["run"] == run]
+        best = max((r for r in rows if r.get("largest_batch") and r["status"] == "ok"),
+                   key=lambda r: r["batch_size"], default=None)
+        for r in rows:
+            if r.get("largest_batch") and r is not best:
+                del r["largest_batch"]
+                r.pop("largest_batch_bounded", None)
+        if best is not None:
+            best["largest_batch_bounded"] = best.get("largest_batch_bounded", False) or any(
+                r["status"] in GPU_MEMORY and r["batch_size"] > best["batch_size"] for r in rows)
+
+
 def merge(args) -> None:
     """``--merge``: record files of one model become one study file + report (``--into``), with
     ``--note`` and ``--invalid`` set on the rows they name; the inputs are left in place."""
@@ -547,6 +577,7 @@ def merge(args) -> None:
         for name, text in pairs:
             for r in named(name):
                 r[key] = text
+    largest_marks(records)
     head = records[0]
     args.seq, args.warmup, args.steps, args.seed = head["seq_len"], head["warmup_steps"], head["steps"], head["seed"]
     args.head_chunk = head["head_chunk_tokens"]
