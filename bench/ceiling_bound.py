@@ -1,0 +1,135 @@
+"""What a step's distance from compute-only is made of, by the planner's own model: the solved
+plan's predicted step on a profiled cost table, then again with one resource at a time made free.
+
+No GPU: it reads a committed `CostTable` (``lazytrain profile`` / ``bench/plan_bench.py`` wrote
+it on the device), solves the MILP as the trainer would (`solve_plan`, the CPU update overlapped
+with the next forward) and simulates the plan, for each scenario:
+
+- ``as profiled``: the table as measured (``bench/plan_bench.py`` quotes this prediction);
+- ``free CPU update``: ``optimizer_ns_per_param = 0`` (the update costs nothing, wherever it
+  runs);
+- ``CPU update x F``: the update F times faster (``--speedups``);
+- ``free transfers``: host links 1000x faster (weights, gradients and host-tier activations);
+- ``free CPU update and transfers``: both: what is left is recompute, forced by the card's memory;
+- ``no memory limit``: card and host as large as the plan wants (no recompute is forced): the
+  streamed step's floor with this table's layer and head times;
+- ``free CPU update, card + N GB``: what N GB fewer saved bytes (or a larger card) would buy
+  once the update is off the critical path (``--extra-gb``).
+
+Compute-only (the issue-19 denominator) is taken from the table as each layer's forward +
+backward plus the head and the embedding (``bench/plan_bench.py`` measures it with the weights
+resident instead: at 7B b64 4.34 + 0.50 s against this table's 4.29 + 0.50).
+
+    python bench/ceiling_bound.py bench/results/costs_qwen2.5-7b_h200_2026-12-03_s1024_b64_fused.json
+
+JSON records and a Markdown report go to ``--out`` as ``ceiling_bound_<table stem>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from bench.common import write_results
+from lazytrain.plan.costs import CostTable
+from lazytrain.plan.milp import PlanInfeasible, solve_plan
+from lazytrain.plan.simulate import simulate
+
+FAST = 1000.0
+"""How much faster a resource made "free" runs (infinite would divide by zero in the model)."""
+LARGE = 10**15
+"""Bytes of a memory made unlimited."""
+
+
+def compute_only_s(costs: CostTable) -> float:
+    """Each layer's forward + backward at the table's shape, plus the head and the embedding."""
+    layers = sum(layer.forward_ms + layer.backward_ms for layer in costs.layers)
+    return (layers + costs.head_ms + costs.embed_forward_ms + costs.embed_backward_ms) * 1e-3
+
+
+def scenarios(costs: CostTable, speedups: list[float], extra_gb: list[float]) -> list[tuple[str, CostTable]]:
+    fast_links = {"h2d_gbps": costs.h2d_gbps * FAST, "d2h_gbps": costs.d2h_gbps * FAST,
+                  "bidir_gbps": costs.bidir_gbps * FAST}
+    out = [("as profiled", costs), ("free CPU update", dataclasses.replace(costs, optimizer_ns_per_param=0.0))]
+    out += [(f"CPU update x {f:g}", dataclasses.replace(costs, optimizer_ns_per_param=costs.optimizer_ns_per_param / f))
+            for f in speedups]
+    out += [("free transfers", dataclasses.replace(costs, **fast_links)),
+            ("free CPU update and transfers", dataclasses.replace(costs, optimizer_ns_per_param=0.0, **fast_links)),
+            ("no memory limit", dataclasses.replace(costs, gpu_bytes=LARGE, host_bytes=LARGE))]
+    out += [(f"free CPU update, card + {gb:g} GB",
+             dataclasses.replace(costs, optimizer_ns_per_param=0.0, gpu_bytes=costs.gpu_bytes + int(gb * 1e9)))
+            for gb in extra_gb]
+    return out
+
+
+def row(name: str, costs: CostTable, table: str, time_limit: float) -> dict:
+    floor = compute_only_s(costs)
+    record = {"name": name, "table": table, "batch_size": costs.batch_size, "seq_len": costs.seq_len,
+              "device": costs.device, "optimizer_ns_per_param": costs.optimizer_ns_per_param,
+              "compute_only_s": floor}
+    try:
+        plan = solve_plan(costs, optimizer_overlap=True, head_chunk_tokens=costs.head_chunk_tokens or 4096,
+                          time_limit_s=time_limit)
+    except PlanInfeasible as err:
+        return {**record, "status": f"no plan: {err}"}
+    sim = simulate(plan, costs, optimizer_overlap=True)
+    modes: dict[str, int] = {}
+    for lp in plan.layers:
+        mode = f"{lp.mode} {lp.tier}" + (f" (recompute {lp.recompute})" if lp.recompute != "none" else "")
+        modes[mode] = modes.get(mode, 0) + 1
+    metrics = sim.metrics()
+    return {**record, "status": "ok", **metrics, "modes": modes,
+            "recompute_s": metrics["predicted_gpu_compute_s"] - floor,
+            "step_over_compute_only": metrics["predicted_step_time_s"] / floor,
+            "milp_status": plan.notes["milp"]["status"]}
+
+
+def markdown(records: list[dict], table: str) -> str:
+    head = records[0]
+    lines = [f"# Where the step's distance from compute-only goes: {Path(table).stem}", "",
+             f"The planner's model (MILP + simulator) on `{table}` (batch {head['batch_size']} x seq "
+             f"{head['seq_len']}, {head['device']}), each row one resource made free "
+             f"(`python bench/ceiling_bound.py {table}`). Compute-only from the table: "
+             f"{head['compute_only_s']:.3f} s.", "",
+             "| scenario | predicted step s | / compute-only | GPU compute s | of it recompute and extra s | "
+             "exposed H2D + D2H s | CPU wait + other idle s | layer modes |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | {r['status']} | | | | | | |")
+            continue
+        modes = ", ".join(f"{k} {v}" for k, v in sorted(r["modes"].items()))
+        lines.append(f"| {r['name']} | {r['predicted_step_time_s']:.3f} | {r['step_over_compute_only']:.3f}x | "
+                     f"{r['predicted_gpu_compute_s']:.3f} | {r['recompute_s']:.3f} | "
+                     f"{r['predicted_exposed_h2d_s']:.3f} + {r['predicted_exposed_d2h_s']:.3f} | "
+                     f"{r['predicted_gpu_idle_other_s']:.3f} | {modes} |")
+    lines += ["", "Predictions, not measurements: `bench/plan_bench.py` measures the as-profiled plan (its "
+              "records quote this table's prediction next to the measured step). \"of it recompute and extra\": "
+              "GPU compute less compute-only (recompute, and compute slowed by copies in flight)."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("table", help="a cost table JSON (CostTable.save)")
+    parser.add_argument("--speedups", type=float, nargs="*", default=[1.5, 2.0])
+    parser.add_argument("--extra-gb", type=float, nargs="*", default=[15.0, 30.0, 60.0],
+                        help="GPU memory added to the card with a free CPU update: what fewer saved bytes would buy")
+    parser.add_argument("--time-limit", type=float, default=30.0, help="the MILP's time limit per scenario (s)")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    costs = CostTable.load(args.table)
+    records = [row(name, table, args.table, args.time_limit) for name, table in scenarios(costs, args.speedups, args.extra_gb)]
+    for r in records:
+        if r["status"] == "ok":
+            print(f"{r['name']:32s} step {r['predicted_step_time_s']:.3f} s  {r['step_over_compute_only']:.3f}x  "
+                  f"compute {r['predicted_gpu_compute_s']:.3f}  idle {r['predicted_gpu_idle_other_s']:.3f}", flush=True)
+        else:
+            print(f"{r['name']:32s} {r['status']}", flush=True)
+    path = write_results(records, f"ceiling_bound_{Path(args.table).stem}", markdown(records, args.table), args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
