@@ -144,6 +144,26 @@ allocation that failed and was retried after freeing cached blocks, whole-device
 cudaMalloc / cudaFree calls (or their expandable-segment map / unmap)."""
 
 
+class SkippedUpdate(HostOptimizer):
+    """``like``'s groups with the CPU update's cost removed: a step writes nothing (the weights stay
+    as they are) and returns at once. For timing a plan as if the update ran elsewhere for free
+    (`bench/plan_bench.py --update skipped`, the "free CPU update" row of `bench/ceiling_bound.py`
+    measured); never for training."""
+
+    def __init__(self, like: HostOptimizer):
+        super().__init__(like.masters, like.decay_numel, like.config)
+
+    def step_group(self, group: int, grad: torch.Tensor, clip_coef: float, lr: float,
+                   weight_out: torch.Tensor | None) -> None:
+        self.steps[group] += 1
+
+    def state_dict(self) -> dict:
+        raise RuntimeError("SkippedUpdate only times steps: it has no state to save")
+
+    def load_state_dict(self, state: dict) -> None:
+        raise RuntimeError("SkippedUpdate only times steps: it has no state to load")
+
+
 def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial_optimizer: bool = False,
                 optimizer: HostOptimizer | None = None, nvme: NvmeStore | None = None,
                 batches: Callable[[int], Batch] | None = None, stage_memory: bool = False,

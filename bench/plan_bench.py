@@ -66,6 +66,7 @@ from bench.common import (
     bench_session,
     device_tag,
     oom_record,
+    SkippedUpdate,
     random_batch,
     run_header,
     timed_steps,
@@ -328,6 +329,11 @@ def main() -> None:
     parser.add_argument("--cap-max-batch", type=int, default=64)
     parser.add_argument("--cap-up", type=int, default=3, help="batches tried above the first that fits")
     parser.add_argument("--cap-measure", action="store_true", help="time solved and megatrain at their cap batch")
+    parser.add_argument("--update", nargs="+", choices=["cpu", "skipped"], default=["cpu"],
+                        help="the CPU update as trained (cpu), and/or with its cost removed (skipped: a "
+                             "step writes nothing; the plan is solved and predicted with "
+                             "optimizer_ns_per_param=0, bench/ceiling_bound.py's 'free CPU update' row); "
+                             "each run is measured once per choice")
     parser.add_argument("--costs", nargs="+", default=[], metavar="[KERNELS=]FILE",
                         help="use this costs.json instead of profiling (KERNELS=FILE: for that kernel study only)")
     parser.add_argument("--copy-check", action="store_true",
@@ -445,7 +451,7 @@ def study(session, args, kernels: str) -> None:
     check_copies("before_runs")
 
     def measure(policy: str, table: CostTable, plan, name: str, cap_gb: float | None = None,
-                host_limit_gib: float | None = None) -> bool:
+                host_limit_gib: float | None = None, update: str = "cpu") -> bool:
         """Time ``plan``; record it with its prediction (or its out-of-memory, or why it was not
         started). Whether it ran."""
         if args.time_limit:
@@ -462,7 +468,8 @@ def study(session, args, kernels: str) -> None:
                 return False
         try:
             record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps, stage_memory=args.stage_memory,
-                                 fetch_allocation=args.fetch_allocation)
+                                 fetch_allocation=args.fetch_allocation,
+                                 optimizer=SkippedUpdate(session.optimizer) if update == "skipped" else None)
         except torch.OutOfMemoryError as error:
             records.append(oom_record(name, common, policy, plan.batch_size, args.seq, error))
             predicted = simulate(plan, table, optimizer_overlap=True)
@@ -484,6 +491,7 @@ def study(session, args, kernels: str) -> None:
         record["prediction_error"] = record["predicted_step_time_s"] / record["step_time_s"] - 1
         record["per_layer_type"] = per_type(plan, table, record["compute_only_layer_ms_by_type"])
         record["gpu_mem_cap_gb"] = cap_gb
+        record["update"] = update
         host = session.host_memory(int(record["predicted_act_host_gb"] * 1e9), table)
         limit = host.limit if host_limit_gib is None else int(host_limit_gib * GiB)
         record["host_budget_gb"] = {**{k: v / 1e9 for k, v in host.components().items()},
@@ -504,11 +512,13 @@ def study(session, args, kernels: str) -> None:
     def plan_for(policy: str, table: CostTable) -> Plan:
         return policy_plan(policy, table, options(args))
 
-    def run_for(policy: str, suffix: str, host_gib: str, table: CostTable, plan: Plan, replans: int) -> dict | None:
+    def run_for(policy: str, suffix: str, host_gib: str, update: str, table: CostTable, plan: Plan,
+                replans: int) -> dict | None:
         """Measure ``plan``: None when it ran, else its out-of-memory record."""
         name = f"{args.model}_{policy}_b{plan.batch_size}_s{args.seq}{suffix}{args.tag}" + (
             f"_replan{replans}" if replans else "")
-        if measure(policy, table, plan, name, host_limit_gib=float(host_gib) if host_gib else None):
+        if measure(policy, table, plan, name, host_limit_gib=float(host_gib) if host_gib else None,
+                   update=update):
             return None
         return records[-1]
 
@@ -523,15 +533,19 @@ def study(session, args, kernels: str) -> None:
             state = session.host_memory()
             run_costs = dataclasses.replace(costs, host_bytes=max(int(float(host_gib) * GiB) - state.total, 0))
             suffix = f"_host{host_gib}"
-        batch = args.batch
-        if size == "max":
-            t0 = time.perf_counter()
-            batch = predicted_max_batch(policy, run_costs, args.seq, run_costs.gpu_bytes, args,
-                                        args.max_batch or args.batch)
-            print(f"{policy}{suffix}: largest batch the simulator fits: {batch} (searched in "
-                  f"{time.perf_counter() - t0:.0f} s)", flush=True)
-        tries(policy, batch, run_costs, args.seq, functools.partial(plan_for, policy),
-              functools.partial(run_for, policy, suffix, host_gib), walk_down=size == "max")
+        for update in args.update:
+            # skipped: planned as if the update were free, which it then is
+            table = run_costs if update == "cpu" else dataclasses.replace(run_costs, optimizer_ns_per_param=0.0)
+            run_suffix = suffix + ("" if update == "cpu" else "_update-skipped")
+            batch = args.batch
+            if size == "max":
+                t0 = time.perf_counter()
+                batch = predicted_max_batch(policy, table, args.seq, table.gpu_bytes, args,
+                                            args.max_batch or args.batch)
+                print(f"{policy}{run_suffix}: largest batch the simulator fits: {batch} (searched in "
+                      f"{time.perf_counter() - t0:.0f} s)", flush=True)
+            tries(policy, batch, table, args.seq, functools.partial(plan_for, policy),
+                  functools.partial(run_for, policy, run_suffix, host_gib, update), walk_down=size == "max")
 
     check_copies("after_runs")
     if args.cap_gb:
@@ -575,6 +589,8 @@ def markdown(records: list[dict], args) -> str:
         f"--batch {args.batch} --runs {' '.join(args.runs)}"
         + (f" --state-rounding {args.state_rounding}" if args.state_rounding != "nearest" else "")
         + (f" --fetch-allocation {args.fetch_allocation}" if args.fetch_allocation != "compute" else "")
+        + (f" --update {' '.join(args.update)}" if args.update != ["cpu"] else "")
+        + (f" --costs {' '.join(args.costs)}" if args.costs else "")
         + (f" --max-batch {args.max_batch}" if args.max_batch else "")
         + (f" --kernels {' '.join(args.kernels)}" if args.kernels != ["auto"] else "")
         + f" --warmup {args.warmup} --steps {args.steps} --split-master {args.split_master}"

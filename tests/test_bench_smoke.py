@@ -495,3 +495,48 @@ def test_layer_breakdown_on_the_cpu_splits_the_layers_time(tmp_path):
         assert r["kernel_ms"]["matmul"] > 0 and r["layer_params"] > 0
         assert r["top_kernels_ms"] and all(ms > 0 for _, ms in r["top_kernels_ms"])
     assert "| lean ops, compiled elementwise |" in path.with_suffix(".md").read_text()
+
+
+def test_plan_bench_times_a_plan_with_the_update_skipped(tmp_path):
+    """``--update cpu skipped``: each run twice; the skipped one is planned and predicted as if the
+    update cost nothing (the 'free CPU update' row of bench/ceiling_bound.py)."""
+    import dataclasses
+
+    from lazytrain.plan.costs import CostTable
+    from lazytrain.plan.plan import Plan
+    from lazytrain.plan.simulate import simulate
+
+    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+                    "--seq", "32", "--runs", "solved", "--update", "cpu", "skipped", "--split-master", "off",
+                    "--warmup", "1", "--steps", "1", "--out", str(tmp_path)], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
+    (path,) = tmp_path.glob("plan_tiny_*.json")
+    records = json.loads(path.read_text())
+    costs = CostTable.from_dict(next(r["costs"] for r in records if r["name"] == "costs"))
+    runs = [r for r in records if "tokens_per_s" in r]
+    assert [(r["update"], r["name"].endswith("_update-skipped")) for r in runs] == [("cpu", False), ("skipped", True)]
+    assert costs.optimizer_ns_per_param > 0
+    # the skipped run stepped SkippedUpdate, not the session's optimizer
+    assert runs[1]["cpu_optimizer_s"] < 0.2 * runs[0]["cpu_optimizer_s"]
+    for r in runs:
+        table = costs if r["update"] == "cpu" else dataclasses.replace(costs, optimizer_ns_per_param=0.0)
+        predicted = simulate(Plan.from_dict(r["plan"]), table, optimizer_overlap=True).step_time_s
+        assert r["predicted_step_time_s"] == pytest.approx(predicted, rel=1e-9)
+    assert "--update cpu skipped" in path.with_suffix(".md").read_text()
+
+
+def test_a_skipped_update_leaves_the_weights_and_the_real_one_changes_them():
+    from bench.common import SkippedUpdate, bench_session, timed_steps
+    from lazytrain.plan.plan import keep_all_plan
+
+    session = bench_session("tiny", device="cpu", batch=2, seq=16)
+    plan = keep_all_plan(session.adapter.num_layers, 2, 16, 4096)
+    before = [w.clone() for w in session.store.weights]
+    skipped = SkippedUpdate(session.optimizer)
+    timed_steps(session, plan, warmup=0, steps=2, optimizer=skipped)
+    assert all(torch.equal(a, b) for a, b in zip(before, session.store.weights))
+    assert skipped.steps == [2] * len(before)
+    with pytest.raises(RuntimeError, match="no state to save"):
+        skipped.state_dict()
+    timed_steps(session, plan, warmup=0, steps=2)
+    assert not all(torch.equal(a, b) for a, b in zip(before, session.store.weights))
