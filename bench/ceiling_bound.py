@@ -14,7 +14,14 @@ with the next forward) and simulates the plan, for each scenario:
 - ``no memory limit``: card and host as large as the plan wants (no recompute is forced): the
   streamed step's floor with this table's layer and head times;
 - ``free CPU update, card + N GB``: what N GB fewer saved bytes (or a larger card) would buy
-  once the update is off the critical path (``--extra-gb``).
+  once the update is off the critical path (``--extra-gb``);
+- ``CPU update F x slower``: the update as a step's copies slow it (``--slowdowns``; on the H200
+  the 7B steps of 12-01..12-04 updated at 0.247-0.336 ns/param against profiles of 0.253-0.275,
+  and the update is memory-bound there, `bench/optim_bench.py --threads`);
+- ``embedding + head updated on the GPU``: their update taken off the CPU (``const_params``
+  no longer on the CPU's timeline) and their master remainders and states held on the card
+  (``--device-update-bytes``: bytes per parameter taken from the card), alone and with each
+  slowdown: a design not built, estimated.
 
 Compute-only (the issue-19 denominator) is taken from the table as each layer's forward +
 backward plus the head and the embedding (``bench/plan_bench.py`` measures it with the weights
@@ -34,6 +41,7 @@ from pathlib import Path
 from bench.common import write_results
 from lazytrain.plan.costs import CostTable
 from lazytrain.plan.milp import PlanInfeasible, solve_plan
+from lazytrain.plan.plan import Plan
 from lazytrain.plan.simulate import simulate
 
 FAST = 1000.0
@@ -48,7 +56,13 @@ def compute_only_s(costs: CostTable) -> float:
     return (layers + costs.head_ms + costs.embed_forward_ms + costs.embed_backward_ms) * 1e-3
 
 
-def scenarios(costs: CostTable, speedups: list[float], extra_gb: list[float]) -> list[tuple[str, CostTable]]:
+DEVICE_UPDATE_BYTES = 4.0625
+"""Card bytes per parameter whose update runs on the GPU: the split master's 16-bit remainder (the
+bf16 weight is resident anyway) and the 8-bit m and sqrt(v) with their block absmax."""
+
+
+def scenarios(costs: CostTable, speedups: list[float], extra_gb: list[float], slowdowns: list[float] = (),
+              device_update_bytes: float = DEVICE_UPDATE_BYTES) -> list[tuple[str, CostTable]]:
     fast_links = {"h2d_gbps": costs.h2d_gbps * FAST, "d2h_gbps": costs.d2h_gbps * FAST,
                   "bidir_gbps": costs.bidir_gbps * FAST}
     out = [("as profiled", costs), ("free CPU update", dataclasses.replace(costs, optimizer_ns_per_param=0.0))]
@@ -60,10 +74,19 @@ def scenarios(costs: CostTable, speedups: list[float], extra_gb: list[float]) ->
     out += [(f"free CPU update, card + {gb:g} GB",
              dataclasses.replace(costs, optimizer_ns_per_param=0.0, gpu_bytes=costs.gpu_bytes + int(gb * 1e9)))
             for gb in extra_gb]
+    ns = costs.optimizer_ns_per_param
+    out += [(f"CPU update {f:g} x slower", dataclasses.replace(costs, optimizer_ns_per_param=ns * f)) for f in slowdowns]
+    on_gpu = {"const_params": 0, "gpu_bytes": costs.gpu_bytes - int(costs.const_params * device_update_bytes)}
+    out += [("embedding + head updated on the GPU", dataclasses.replace(costs, **on_gpu))]
+    out += [(f"embedding + head updated on the GPU, CPU update {f:g} x slower",
+             dataclasses.replace(costs, optimizer_ns_per_param=ns * f, **on_gpu)) for f in slowdowns]
     return out
 
 
-def row(name: str, costs: CostTable, table: str, time_limit: float) -> dict:
+def row(name: str, costs: CostTable, table: str, time_limit: float, profiled_plan: Plan | None = None) -> dict:
+    """The scenario's solved plan, simulated; with ``profiled_plan`` (the as-profiled row's plan)
+    also that plan's step under this scenario's costs, not re-solved (timing only: on a smaller
+    card it may not fit)."""
     floor = compute_only_s(costs)
     record = {"name": name, "table": table, "batch_size": costs.batch_size, "seq_len": costs.seq_len,
               "device": costs.device, "optimizer_ns_per_param": costs.optimizer_ns_per_param,
@@ -79,7 +102,9 @@ def row(name: str, costs: CostTable, table: str, time_limit: float) -> dict:
         mode = f"{lp.mode} {lp.tier}" + (f" (recompute {lp.recompute})" if lp.recompute != "none" else "")
         modes[mode] = modes.get(mode, 0) + 1
     metrics = sim.metrics()
-    return {**record, "status": "ok", **metrics, "modes": modes,
+    if profiled_plan is not None:
+        record["profiled_plan_step_s"] = simulate(profiled_plan, costs, optimizer_overlap=True).step_time_s
+    return {**record, "status": "ok", **metrics, "modes": modes, "plan": plan.to_dict(),
             "recompute_s": metrics["predicted_gpu_compute_s"] - floor,
             "step_over_compute_only": metrics["predicted_step_time_s"] / floor,
             "milp_status": plan.notes["milp"]["status"]}
@@ -89,24 +114,27 @@ def markdown(records: list[dict], table: str) -> str:
     head = records[0]
     lines = [f"# Where the step's distance from compute-only goes: {Path(table).stem}", "",
              f"The planner's model (MILP + simulator) on `{table}` (batch {head['batch_size']} x seq "
-             f"{head['seq_len']}, {head['device']}), each row one resource made free "
+             f"{head['seq_len']}, {head['device']}), each row one resource made free or changed "
              f"(`python bench/ceiling_bound.py {table}`). Compute-only from the table: "
              f"{head['compute_only_s']:.3f} s.", "",
              "| scenario | predicted step s | / compute-only | GPU compute s | of it recompute and extra s | "
-             "exposed H2D + D2H s | CPU wait + other idle s | layer modes |",
-             "|---|---|---|---|---|---|---|---|"]
+             "exposed H2D + D2H s | CPU wait + other idle s | the profiled plan s | layer modes |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | {r['status']} | | | | | | |")
+            lines.append(f"| {r['name']} | {r['status']} | | | | | | | |")
             continue
         modes = ", ".join(f"{k} {v}" for k, v in sorted(r["modes"].items()))
         lines.append(f"| {r['name']} | {r['predicted_step_time_s']:.3f} | {r['step_over_compute_only']:.3f}x | "
                      f"{r['predicted_gpu_compute_s']:.3f} | {r['recompute_s']:.3f} | "
                      f"{r['predicted_exposed_h2d_s']:.3f} + {r['predicted_exposed_d2h_s']:.3f} | "
-                     f"{r['predicted_gpu_idle_other_s']:.3f} | {modes} |")
+                     f"{r['predicted_gpu_idle_other_s']:.3f} | {r.get('profiled_plan_step_s', float('nan')):.3f} | "
+                     f"{modes} |")
     lines += ["", "Predictions, not measurements: `bench/plan_bench.py` measures the as-profiled plan (its "
               "records quote this table's prediction next to the measured step). \"of it recompute and extra\": "
-              "GPU compute less compute-only (recompute, and compute slowed by copies in flight)."]
+              "GPU compute less compute-only (recompute, and compute slowed by copies in flight). \"the profiled "
+              "plan\": the as-profiled row's plan under the scenario's costs, not re-solved (what a run of that "
+              "plan would take if only the resource changed; timing only)."]
     return "\n".join(lines) + "\n"
 
 
@@ -116,11 +144,23 @@ def main() -> None:
     parser.add_argument("--speedups", type=float, nargs="*", default=[1.5, 2.0])
     parser.add_argument("--extra-gb", type=float, nargs="*", default=[15.0, 30.0, 60.0],
                         help="GPU memory added to the card with a free CPU update: what fewer saved bytes would buy")
+    parser.add_argument("--slowdowns", type=float, nargs="*", default=[1.33],
+                        help="the CPU update this many times slower than profiled (as in a step)")
+    parser.add_argument("--device-update-bytes", type=float, default=DEVICE_UPDATE_BYTES,
+                        help="card bytes per parameter of a group updated on the GPU")
     parser.add_argument("--time-limit", type=float, default=30.0, help="the MILP's time limit per scenario (s)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     costs = CostTable.load(args.table)
-    records = [row(name, table, args.table, args.time_limit) for name, table in scenarios(costs, args.speedups, args.extra_gb)]
+    named = scenarios(costs, args.speedups, args.extra_gb, args.slowdowns, args.device_update_bytes)
+    first = row(*named[0], args.table, args.time_limit)
+    profiled = None
+    if first["status"] == "ok":
+        profiled = Plan.from_dict(first["plan"])
+        first["profiled_plan_step_s"] = first["predicted_step_time_s"]
+    records = [first] + [row(name, table, args.table, args.time_limit, profiled) for name, table in named[1:]]
+    for r in records:
+        r.pop("plan", None)  # the layer modes say enough; whole plans would bloat the record file
     for r in records:
         if r["status"] == "ok":
             print(f"{r['name']:32s} step {r['predicted_step_time_s']:.3f} s  {r['step_over_compute_only']:.3f}x  "

@@ -7,6 +7,7 @@ after warm-up) and bytes of optimizer state per parameter, as a JSON record appe
 ``<out>/optim_<host>_<date>.json`` and a Markdown report beside it.
 
     python bench/optim_bench.py --numel 268435456 --threads 16
+    python bench/optim_bench.py --numel 268435456 --threads 1 4 8 16   # is the step memory-bound?
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--numel", type=int, default=2**28, help="parameters in the one group")
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+        "--threads", type=int, nargs="+", default=None,
+        help="torch intra-op threads (default: torch's); several: one record each",
     )
     parser.add_argument("--steps", type=int, default=7, help="timed steps per path")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per path first")
@@ -84,6 +86,25 @@ def run_path(
     return ns, opt.state_bytes() / numel, opt
 
 
+BYTES_8BIT = 16
+"""Bytes of memory traffic per parameter of this bench's 8-bit step (whole fp32 master read and
+written 8, bf16 gradient read 2, bf16 weight written 2, m and sqrt(v) codes read and written 4;
+the absmax arrays are 1/16 B)."""
+
+
+def copy_gbps(numel: int, warmup: int, steps: int) -> float:
+    """Host memory bandwidth as a plain copy sees it at this thread count: bytes read + written
+    per second of ``dst.copy_(src)`` on ``numel`` fp32 elements (median of ``steps``)."""
+    src, dst = torch.ones(numel), torch.empty(numel)
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return 8 * numel / statistics.median(times) / 1e9
+
+
 def write_report(record: dict, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"optim_{device_tag(record['device'])}_{record['date'][:10]}"
@@ -102,16 +123,22 @@ def write_report(record: dict, out_dir: Path) -> Path:
         "",
         (
             "| date | torch | threads | params | 8-bit path | 8-bit ns/param | fp32 ns/param "
-            "| speedup | 8-bit state B/param |"
+            "| speedup | 8-bit state B/param | 8-bit step GB/s | host copy GB/s |"
         ),
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in records:
+        copy = r.get("host_copy_gbps")
         lines.append(
             f"| {r['date']} | {r['torch']} | {r['threads']} | {r['n_params']:,} | {r['path_8bit']} "
             f"| {r['ns_per_param_8bit']:.3f} | {r['ns_per_param_fp32']:.3f} | {r['speedup']:.2f}x "
-            f"| {r['state_bytes_per_param']:.3f} |"
+            f"| {r['state_bytes_per_param']:.3f} | {BYTES_8BIT / r['ns_per_param_8bit']:.1f} "
+            f"| {'-' if copy is None else f'{copy:.1f}'} |"
         )
+    lines += ["", (f"8-bit step GB/s: the step's memory traffic ({BYTES_8BIT} B/param, `BYTES_8BIT`) "
+                   "over its time. host copy GB/s: bytes read + written per second by a plain fp32 "
+                   "copy of the same size at the same thread count (`copy_gbps`), the bandwidth a "
+                   "memory-bound step could reach.")]
     if record.get("note"):
         lines += ["", f"Note: {record['note']}"]
     json_path.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -120,8 +147,12 @@ def write_report(record: dict, out_dir: Path) -> Path:
 
 def main() -> None:
     args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    for threads in args.threads or [torch.get_num_threads()]:
+        torch.set_num_threads(threads)
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     threads = torch.get_num_threads()
     config = AdamWConfig(lr=LR, weight_decay=0.1)
     choice = kernel_choice(args.kernel)
@@ -148,7 +179,9 @@ def main() -> None:
     ns32, bytes32, _ = run_path(
         "fused fp32 AdamW", lambda m, d: FusedAdamW(m, d, config), args.numel, args
     )
-    print(f"speedup {ns32 / ns8:.2f}x; fp32 state {bytes32:.1f} B/param")
+    copy = copy_gbps(args.numel, args.warmup, args.steps)
+    print(f"speedup {ns32 / ns8:.2f}x; fp32 state {bytes32:.1f} B/param; 8-bit step "
+          f"{BYTES_8BIT / ns8:.1f} GB/s, host copy {copy:.1f} GB/s")
     record = {
         "name": "optim_step",
         "date": dt.datetime.now().isoformat(timespec="seconds"),
@@ -163,6 +196,7 @@ def main() -> None:
         "state_bytes_per_param_fp32": bytes32,
         "threads": threads,
         "n_params": args.numel,
+        "host_copy_gbps": copy,
         "clip_coef": CLIP_COEF,
         "note": note,
     }

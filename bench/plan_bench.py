@@ -63,10 +63,10 @@ from pathlib import Path
 import torch
 
 from bench.common import (
+    SkippedUpdate,
     bench_session,
     device_tag,
     oom_record,
-    SkippedUpdate,
     random_batch,
     run_header,
     timed_steps,

@@ -540,3 +540,14 @@ def test_a_skipped_update_leaves_the_weights_and_the_real_one_changes_them():
         skipped.state_dict()
     timed_steps(session, plan, warmup=0, steps=2)
     assert not all(torch.equal(a, b) for a, b in zip(before, session.store.weights))
+
+
+def test_optim_bench_records_one_row_per_thread_count_with_the_host_copy_bandwidth(tmp_path):
+    subprocess.run([sys.executable, "bench/optim_bench.py", "--numel", "262144", "--threads", "1", "2",
+                    "--steps", "1", "--warmup", "0", "--kernel", "torch", "--out", str(tmp_path)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    (path,) = tmp_path.glob("optim_*.json")
+    records = json.loads(path.read_text())
+    assert [r["threads"] for r in records] == [1, 2]
+    assert all(r["host_copy_gbps"] > 0 and r["ns_per_param_8bit"] > 0 for r in records)
+    assert "host copy GB/s" in path.with_suffix(".md").read_text()

@@ -9,7 +9,7 @@ import pytest
 
 from bench.ceiling_bound import FAST, LARGE, compute_only_s, row, scenarios
 from lazytrain.plan.milp import min_gpu_bytes
-from lazytrain.plan.plan import keep_all_plan
+from lazytrain.plan.plan import Plan, keep_all_plan
 from lazytrain.plan.simulate import simulate
 from lazytrain.plan.synthetic import random_cost_table
 
@@ -30,6 +30,9 @@ def test_each_freed_resource_shortens_or_keeps_the_step(seed, tmp_path):
     table = squeezed_table(seed)
     floor = compute_only_s(table)
     rows = {name: row(name, t, "t.json", 10.0) for name, t in scenarios(table, [2.0], [1.0])}
+    # the GPU-update row takes card memory away: on a squeezed card it may leave no plan
+    on_gpu = rows.pop("embedding + head updated on the GPU")
+    assert on_gpu["status"] == "ok" or on_gpu["status"].startswith("no plan")
     assert all(r["status"] == "ok" for r in rows.values())
     step = {name: r["predicted_step_time_s"] for name, r in rows.items()}
     tol = 1 + 1e-3  # the MILP's relative gap
@@ -51,3 +54,25 @@ def test_each_freed_resource_shortens_or_keeps_the_step(seed, tmp_path):
     # every scenario's step is at least compute-only
     assert all(s >= floor * (1 - 1e-9) for s in step.values())
     json.dumps(list(rows.values()))  # a record file can hold them
+
+
+def test_the_gpu_update_scenario_takes_the_constants_off_the_cpu_and_their_states_off_the_card():
+    table = squeezed_table(3)
+    named = dict(scenarios(table, [], [], [1.5], device_update_bytes=4.0))
+    on_gpu = named["embedding + head updated on the GPU"]
+    assert on_gpu.const_params == 0 and table.const_params > 0
+    assert on_gpu.gpu_bytes == table.gpu_bytes - 4 * table.const_params
+    assert on_gpu.optimizer_ns_per_param == table.optimizer_ns_per_param
+    slow = named["embedding + head updated on the GPU, CPU update 1.5 x slower"]
+    assert slow.optimizer_ns_per_param == pytest.approx(1.5 * table.optimizer_ns_per_param)
+    assert named["CPU update 1.5 x slower"].const_params == table.const_params
+    rows = {name: row(name, t, "t.json", 10.0) for name, t in named.items()}
+    step = {name: r["predicted_step_time_s"] for name, r in rows.items() if r["status"] == "ok"}
+    tol = 1 + 1e-3
+    assert step["as profiled"] <= step["CPU update 1.5 x slower"] * tol
+    # the as-profiled plan, not re-solved, under a scenario's costs
+    profiled = Plan.from_dict(rows["as profiled"]["plan"])
+    slower = named["CPU update 1.5 x slower"]
+    again = row("CPU update 1.5 x slower", slower, "t.json", 10.0, profiled)
+    assert again["profiled_plan_step_s"] == pytest.approx(simulate(profiled, slower, optimizer_overlap=True).step_time_s)
+    assert again["profiled_plan_step_s"] > step["as profiled"] * tol  # the same plan, a slower update
