@@ -32,6 +32,10 @@ One process, one model in host memory (random init of a real config):
    shape with the other setting) adds each run's tokens/s ratio against the baseline's run of
    the same policy and batch. The host budget (model state per component, the plan's host
    activations, against ``--host-limit-gb`` or the machine less its reserve) is in the records.
+6. ``--update cpu skipped``: each run also with the CPU update's cost removed
+   (`common.SkippedUpdate`: a step writes nothing), planned and predicted with
+   ``optimizer_ns_per_param=0``: what the update costs the step, measured (issue 19; the rows
+   of 2026-12-04 used ``--costs`` with the committed 12-03 tables instead of profiling).
 
 JSON (written after every run, so a cut-off call keeps what finished) and Markdown to ``--out``.
 ``--time-limit SECONDS`` (the call's limit less a margin): a try that cannot finish in what is
