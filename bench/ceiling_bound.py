@@ -21,7 +21,8 @@ with the next forward) and simulates the plan, for each scenario:
 - ``embedding + head updated on the GPU``: their update taken off the CPU (``const_params``
   no longer on the CPU's timeline) and their master remainders and states held on the card
   (``--device-update-bytes``: bytes per parameter taken from the card), alone and with each
-  slowdown: a design not built, estimated.
+  slowdown: a design not built, estimated. Not counted: the head's gradient held on the card
+  until the norm is known (2 B per head parameter, 1.09 GB at 7B) and the update's temporaries.
 
 Compute-only (the issue-19 denominator) is taken from the table as each layer's forward +
 backward plus the head and the embedding (``bench/plan_bench.py`` measures it with the weights
