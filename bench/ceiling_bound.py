@@ -77,7 +77,8 @@ def scenarios(costs: CostTable, speedups: list[float], extra_gb: list[float], sl
             for gb in extra_gb]
     ns = costs.optimizer_ns_per_param
     out += [(f"CPU update {f:g} x slower", dataclasses.replace(costs, optimizer_ns_per_param=ns * f)) for f in slowdowns]
-    on_gpu = {"const_params": 0, "gpu_bytes": costs.gpu_bytes - int(costs.const_params * device_update_bytes)}
+    on_gpu = {"const_params": 0, "head_params": None,
+              "gpu_bytes": costs.gpu_bytes - int(costs.const_params * device_update_bytes)}
     out += [("embedding + head updated on the GPU", dataclasses.replace(costs, **on_gpu))]
     out += [(f"embedding + head updated on the GPU, CPU update {f:g} x slower",
              dataclasses.replace(costs, optimizer_ns_per_param=ns * f, **on_gpu)) for f in slowdowns]
@@ -91,6 +92,7 @@ def row(name: str, costs: CostTable, table: str, time_limit: float, profiled_pla
     floor = compute_only_s(costs)
     record = {"name": name, "table": table, "batch_size": costs.batch_size, "seq_len": costs.seq_len,
               "device": costs.device, "optimizer_ns_per_param": costs.optimizer_ns_per_param,
+              "head_params": costs.head_params,
               "compute_only_s": floor}
     try:
         plan = solve_plan(costs, optimizer_overlap=True, head_chunk_tokens=costs.head_chunk_tokens or 4096,
@@ -111,12 +113,12 @@ def row(name: str, costs: CostTable, table: str, time_limit: float, profiled_pla
             "milp_status": plan.notes["milp"]["status"]}
 
 
-def markdown(records: list[dict], table: str) -> str:
+def markdown(records: list[dict], table: str, options: str = "") -> str:
     head = records[0]
     lines = [f"# Where the step's distance from compute-only goes: {Path(table).stem}", "",
              f"The planner's model (MILP + simulator) on `{table}` (batch {head['batch_size']} x seq "
              f"{head['seq_len']}, {head['device']}), each row one resource made free or changed "
-             f"(`python bench/ceiling_bound.py {table}`). Compute-only from the table: "
+             f"(`python bench/ceiling_bound.py {table}{options}`). Compute-only from the table: "
              f"{head['compute_only_s']:.3f} s.", "",
              "| scenario | predicted step s | / compute-only | GPU compute s | of it recompute and extra s | "
              "exposed H2D + D2H s | CPU wait + other idle s | the profiled plan s | layer modes |",
@@ -149,10 +151,18 @@ def main() -> None:
                         help="the CPU update this many times slower than profiled (as in a step)")
     parser.add_argument("--device-update-bytes", type=float, default=DEVICE_UPDATE_BYTES,
                         help="card bytes per parameter of a group updated on the GPU")
+    parser.add_argument("--head-params", type=int, default=None,
+                        help="the last group's parameters, for a table written before the cost table had "
+                             "head_params (its update then runs after the layers', as the executor runs it)")
     parser.add_argument("--time-limit", type=float, default=30.0, help="the MILP's time limit per scenario (s)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     costs = CostTable.load(args.table)
+    if args.head_params is not None:
+        if not 0 <= args.head_params <= costs.const_params:
+            parser.error(f"--head-params {args.head_params} is outside 0..{costs.const_params} (the table's "
+                         "const_params)")
+        costs = dataclasses.replace(costs, head_params=args.head_params)
     named = scenarios(costs, args.speedups, args.extra_gb, args.slowdowns, args.device_update_bytes)
     first = row(*named[0], args.table, args.time_limit)
     profiled = None
@@ -168,7 +178,9 @@ def main() -> None:
                   f"compute {r['predicted_gpu_compute_s']:.3f}  idle {r['predicted_gpu_idle_other_s']:.3f}", flush=True)
         else:
             print(f"{r['name']:32s} {r['status']}", flush=True)
-    path = write_results(records, f"ceiling_bound_{Path(args.table).stem}", markdown(records, args.table), args.out)
+    stem = f"ceiling_bound_{Path(args.table).stem}" + ("" if args.head_params is None else "_head-last")
+    options = "" if args.head_params is None else f" --head-params {args.head_params}"
+    path = write_results(records, stem, markdown(records, args.table, options), args.out)
     print(f"wrote {path}")
 
 

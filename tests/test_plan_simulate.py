@@ -110,6 +110,48 @@ def test_optimizer_overlap_hides_cpu_time():
     assert serial.exposed_s["cpu"] == pytest.approx(table.optimizer_ms * 1e-3)
 
 
+def test_the_overlapped_update_steps_the_embedding_first_and_the_head_last():
+    """As `HostUpdater` does: the embedding's update (and upload) before the first forward,
+    each layer's before its forward, the head's after the last layer's and before the head; a
+    table without ``head_params`` (before 2026-12-04) keeps every constant first."""
+    from lazytrain.plan.synthetic import DecoderShape, synthetic_cost_table
+
+    qwen7b = DecoderShape(num_layers=28, hidden=3584, intermediate=18944, num_heads=28, num_kv_heads=4,
+                          vocab=152064)
+    table = synthetic_cost_table(qwen7b, 8, 1024)
+    table.optimizer_ns_per_param = 2.0  # the update outpaces the forward: the head waits for it
+    L = table.num_layers
+    assert table.head_params == qwen7b.vocab * qwen7b.hidden + qwen7b.hidden
+    plan = checkpoint_all_plan(L, table.batch_size, table.seq_len)
+    result = simulate(plan, table, optimizer_overlap=True)
+    ops = {label: (start, end) for _, start, end, label in result.timeline}
+    stage = dict(zip(result.stage_names, result.stage_start_s))
+    ns = table.optimizer_ns_per_param * 1e-9
+    embed_params = table.const_params - table.head_params
+    assert ops["optim embed"][1] - ops["optim embed"][0] == pytest.approx(ns * embed_params)
+    assert ops["optim embed"][1] <= ops["w embed"][0] and ops["w embed"][1] <= stage["embed"]
+    assert ops["optim head"][0] >= ops[f"optim {L - 1}"][1]
+    assert ops["optim head"][1] <= ops["w head"][0] and ops["w head"][1] <= stage["head"]
+    assert ops["optim head"][1] > stage[f"fwd {L - 1}"]  # the update is behind: the head waited
+
+    # an older table: one update of every constant, before the embedding
+    old = simulate(plan, replace(table, head_params=None), optimizer_overlap=True)
+    old_ops = {label: (start, end) for _, start, end, label in old.timeline}
+    assert "optim head" not in old_ops
+    assert old_ops["optim embed/head"][1] - old_ops["optim embed/head"][0] == pytest.approx(ns * table.const_params)
+    # the embedding first: the forward starts sooner; the head waits for the whole update anyway
+    assert stage["embed"] < dict(zip(old.stage_names, old.stage_start_s))["embed"]
+
+
+def test_a_head_larger_than_the_constants_is_refused():
+    from lazytrain.plan.costs import CostTableMismatch
+
+    table = random_cost_table(3, 2)
+    bad = replace(table, head_params=table.const_params + 1)
+    with pytest.raises(CostTableMismatch, match="outside 0..const_params"):
+        simulate(checkpoint_all_plan(2, table.batch_size, table.seq_len), bad, optimizer_overlap=True)
+
+
 def test_capacity_violations_are_reported():
     table = random_cost_table(5, 4)
     plan = keep_all_plan(4, table.batch_size, table.seq_len)

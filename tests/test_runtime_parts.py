@@ -82,6 +82,8 @@ def test_profiler_measures_the_executor_pieces_on_the_cpu(tmp_path):
     assert layer.saved_bytes > layer.input_bytes == 4 * 32 * session.adapter.hidden_size * 4
     assert costs.optimizer_ns_per_param > 0
     assert layer.weight_bytes == session.store.weights[1].numel() * session.store.weights[1].element_size()
+    # the last group (stepped after the layers) apart from the embedding (stepped before them)
+    assert costs.head_params == session.adapter.final_layout.numel < costs.const_params
 
 
 def test_the_profilers_saved_tensors_go_at_their_last_use_in_the_backward():

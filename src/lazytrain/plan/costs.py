@@ -270,6 +270,11 @@ class CostTable:
     """bf16 bytes of those parameters: copied back to the GPU after each CPU step."""
     const_grad_bytes: int
     """Their gradient bytes, copied to the host at the end of backward."""
+    head_params: int | None = None
+    """Of ``const_params``, the last group's (final norm and, untied, the head): the overlapped
+    CPU update steps it after the layers and the embedding before them (`HostUpdater`), so the
+    head waits for it and the first forward does not. None (tables written before 2026-12-04):
+    the step models update and upload all of ``const_params`` before the embedding."""
 
     h2d_gbps: float
     d2h_gbps: float
@@ -453,6 +458,16 @@ class CostTable:
             fits={k: replace(v) for k, v in self.fits.items()},
             notes=dict(self.notes),
         )
+
+    def const_split(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """((params, weight bytes) updated and uploaded before the forward, (the same) before
+        the head): the embedding's, then the last group's (`head_params`)."""
+        head = self.head_params or 0
+        if not 0 <= head <= self.const_params:
+            raise CostTableMismatch(f"head_params {head} is outside 0..const_params ({self.const_params}): "
+                                    "the table is inconsistent; profile again")
+        head_bytes = self.const_weight_bytes * head / self.const_params if self.const_params else 0.0
+        return ((self.const_params - head, self.const_weight_bytes - head_bytes), (head, head_bytes))
 
     @property
     def optimizer_ms(self) -> float:

@@ -492,17 +492,21 @@ def _build(
 
     upload_ms = c.const_weight_bytes / GB * ch
     if overlap:
-        # The previous step's CPU update runs first: embedding/head, then layer 0, 1, ...;
-        # layer j's weights are copied only after its update.
+        # The previous step's CPU update runs first: the embedding, then layer 0, 1, ..., then
+        # the final norm + head (`CostTable.const_split`); layer j's weights are copied only
+        # after its update, the head's before the head runs.
         ns = c.optimizer_ns_per_param * 1e-6
-        opt_done = ns * c.const_params
-        start = opt_done + upload_ms
+        (first_params, first_bytes), (head_params, head_bytes) = c.const_split()
+        opt_done = ns * first_params
+        start = opt_done + first_bytes / GB * ch
         m.objective_const = start
         elapsed = t_embed
         for j in range(L):
             opt_done += ns * lay[j].params
             m.ge(elapsed, opt_done + w[j] * ch - start)
             elapsed = elapsed + t_fwd[j]
+        if head_params:
+            m.ge(elapsed, opt_done + ns * head_params + head_bytes / GB * ch - start)
     else:
         m.objective_const = c.optimizer_ms + upload_ms
 

@@ -219,11 +219,13 @@ class _StepModel:
         opt_ops: list[_Op | None] = [None] * L
         const_upload: _Op | None = None
         if self.overlap:
+            # the executor's order (`HostUpdater`): embedding, layers, final norm + head
             ns = c.optimizer_ns_per_param * 1e-6
+            (first_params, first_bytes), (head_params, head_bytes) = c.const_split()
             opt_const = _Op(
                 stream="cpu",
-                work=ns * c.const_params,
-                label="optim embed/head",
+                work=ns * first_params,
+                label="optim embed" if head_params else "optim embed/head",
                 issue=None,
                 key=(-1, 0, -1, -1),
             )
@@ -239,11 +241,19 @@ class _StepModel:
                     )
                 )
             opt_ops = cpu[1:]
-            self.cpu_ops = cpu
             const_upload = self._copy(
-                "h2d", c.const_weight_bytes, "w embed/head", None, after=(opt_const,)
+                "h2d", first_bytes, "w embed" if head_params else "w embed/head", None, after=(opt_const,)
             )
             self._wait(st.embed, const_upload)
+            if head_params:
+                opt_head = _Op(stream="cpu", work=ns * head_params, label="optim head", issue=None,
+                               key=(-1, 0, L, -1))
+                cpu.append(opt_head)
+                # copied when the executor reaches the head (after the last forward is issued)
+                head_upload = self._copy("h2d", head_bytes, "w head", st.fwd(L - 1), order=st.head,
+                                         after=(opt_head,))
+                self._wait(st.head, head_upload)
+            self.cpu_ops = cpu
         else:
             self.cpu_ops = []
 

@@ -43,6 +43,11 @@ class DecoderShape:
         embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         return embeddings + self.hidden
 
+    @property
+    def head_params(self) -> int:
+        """The last group's: the final norm, and the head unless tied to the embedding."""
+        return (0 if self.tied_embeddings else self.vocab * self.hidden) + self.hidden
+
 
 QWEN25_32B = DecoderShape(
     num_layers=64, hidden=5120, intermediate=27648, num_heads=40, num_kv_heads=8, vocab=152064
@@ -136,6 +141,7 @@ def synthetic_cost_table(
         embed_backward_work_bytes=(tokens * bf16 + min(tokens, shape.vocab) * 4 + min(tokens, 8192) * 4) * h,
         head_chunk_tokens=head_chunk_tokens,
         const_params=const,
+        head_params=shape.head_params,
         const_weight_bytes=const * bf16,
         const_grad_bytes=const * bf16,
         h2d_gbps=mc.h2d_gbps,
@@ -249,4 +255,7 @@ def random_cost_table(seed: int, num_layers: int, *, uniform: bool = False, opti
         host_bytes=rng.choice([0, int(u(0, 1) * saved), 10 * saved]),
         nvme_bytes=rng.choice([0, int(u(0, 1) * saved), 10 * saved]),
         device="random",
+        # drawn last, so the draws above are those of tables from before the field: an older
+        # table's (None: all constants updated first) or a share of the constants
+        head_params=None if rng.random() < 0.3 else int(const_params * u(0, 0.6)),
     )

@@ -431,6 +431,7 @@ def profile(
             **constants,
             head_chunk_tokens=head_chunk_tokens,
             const_params=const_params,
+            head_params=adapter.final_layout.numel,
             const_weight_bytes=const_params * esize,
             const_grad_bytes=const_params * esize,
             **disk,
