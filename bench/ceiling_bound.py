@@ -16,7 +16,7 @@ with the next forward) and simulates the plan, for each scenario:
 - ``free CPU update, card + N GB``: what N GB fewer saved bytes (or a larger card) would buy
   once the update is off the critical path (``--extra-gb``);
 - ``CPU update F x slower``: the update as a step's copies slow it (``--slowdowns``; on the H200
-  the 7B steps of 12-01..12-04 updated at 0.247-0.336 ns/param against profiles of 0.253-0.275,
+  the 7B steps of 12-01..12-04 updated at 0.224-0.336 ns/param against profiles of 0.253-0.275,
   and the update is memory-bound there, `bench/optim_bench.py --threads`);
 - ``embedding + head updated on the GPU``: their update taken off the CPU (``const_params``
   no longer on the CPU's timeline) and their master remainders and states held on the card
