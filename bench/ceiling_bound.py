@@ -172,7 +172,6 @@ def main() -> None:
     records = [first] + [row(name, table, args.table, args.time_limit, profiled) for name, table in named[1:]]
     for r in records:
         r.pop("plan", None)  # the layer modes say enough; whole plans would bloat the record file
-    for r in records:
         if r["status"] == "ok":
             print(f"{r['name']:32s} step {r['predicted_step_time_s']:.3f} s  {r['step_over_compute_only']:.3f}x  "
                   f"compute {r['predicted_gpu_compute_s']:.3f}  idle {r['predicted_gpu_idle_other_s']:.3f}", flush=True)

@@ -490,7 +490,6 @@ def _build(
                     hull(t, base, bw + r, unit_options(i), grad_out)
     stage(c.embed_backward_ms, 0.0, (w[0] + c.const_grad_bytes / GB) * c.grad_share)
 
-    upload_ms = c.const_weight_bytes / GB * ch
     if overlap:
         # The previous step's CPU update runs first: the embedding, then layer 0, 1, ..., then
         # the final norm + head (`CostTable.const_split`); layer j's weights are copied only
@@ -508,7 +507,7 @@ def _build(
         if head_params:
             m.ge(elapsed, opt_done + ns * head_params + head_bytes / GB * ch - start)
     else:
-        m.objective_const = c.optimizer_ms + upload_ms
+        m.objective_const = c.optimizer_ms + c.const_weight_bytes / GB * ch
 
     # -- memory -----------------------------------------------------------------------------
     gpu_var = None
