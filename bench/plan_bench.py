@@ -78,7 +78,7 @@ from bench.common import (
     write_results,
 )
 from lazytrain.model.kernels import select_linear_attention_kernels
-from lazytrain.plan.costs import CostTable, usable_gpu_bytes
+from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable, usable_gpu_bytes
 from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.plan import Plan, keep_all_plan
 from lazytrain.plan.policies import PolicyOptions, policy_plan
@@ -92,7 +92,8 @@ GiB = 2**30
 
 
 def options(args) -> PolicyOptions:
-    return PolicyOptions(megatrain_every=args.every, head_chunk_tokens=args.head_chunk, tiers=tuple(args.tiers))
+    return PolicyOptions(megatrain_every=args.every, head_chunk_tokens=args.head_chunk, tiers=tuple(args.tiers),
+                         recompute=tuple(args.recompute))
 
 
 MAX_TRIES = 8
@@ -317,6 +318,9 @@ def main() -> None:
                              "with both, one study each on the same model in host memory (a run spec "
                              "KERNELS/POLICY[:max] runs with those kernels only)")
     parser.add_argument("--tiers", nargs="+", default=["gpu", "host"], help="activation tiers the MILP may use")
+    parser.add_argument("--recompute", nargs="*", choices=RECOMPUTE_OPTIONS, default=list(RECOMPUTE_OPTIONS),
+                        help="what the MILP may recompute inside a kept layer (plan.recompute_blocks); none: whole "
+                             "layers only")
     parser.add_argument("--nvme-dir", default=None, help="profile the NVMe tier here (and let runs use it)")
     parser.add_argument("--every", type=int, default=4, help="megatrain checkpoint interval")
     parser.add_argument("--head-chunk", type=int, default=4096)
@@ -405,7 +409,8 @@ def study(session, args, kernels: str) -> None:
     common = run_header(device, model=args.model, optimizer=args.optimizer, overlap_optimizer=True,
                         cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                         split_master=args.split_master == "on", world_size=1, runner="lazytrain",
-                        state_rounding=args.state_rounding, fetch_allocation=args.fetch_allocation)
+                        state_rounding=args.state_rounding, fetch_allocation=args.fetch_allocation,
+                        recompute_allowed=list(args.recompute))
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else []
     records: list[dict] = []
     os.makedirs(args.out, exist_ok=True)

@@ -18,13 +18,15 @@ import argparse
 import torch
 
 from bench.common import RESULTS, device_tag, run_header, today, write_results
+from lazytrain.model import sublayer
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import model_config
 from lazytrain.runtime.device import resolve_device
 from lazytrain.runtime.profiler import saved_tensor_bytes
 
 
-def layer_saved_bytes(adapter: ModelAdapter, layer: int, batch: int, seq: int, device: torch.device) -> int:
+def layer_saved_bytes(adapter: ModelAdapter, layer: int, batch: int, seq: int, device: torch.device,
+                      recompute: str = "none") -> int:
     layout = adapter.layouts[layer + 1]
     gen = torch.Generator(device=device).manual_seed(layer)
     slot = torch.empty(layout.numel, dtype=adapter.dtype, device=device).normal_(0, 0.02, generator=gen)
@@ -32,8 +34,8 @@ def layer_saved_bytes(adapter: ModelAdapter, layer: int, batch: int, seq: int, d
     x = torch.randn(batch, seq, adapter.hidden_size, device=device, dtype=adapter.dtype, generator=gen)
     leaves = layout.leaves(slot)
     x_in = x.detach().requires_grad_()
-    _, saved = saved_tensor_bytes(lambda: adapter.layer_forward(layer, leaves, x_in, rope, adapter.layer_masks(None)),
-                                  (slot, *rope))
+    _, saved = saved_tensor_bytes(lambda: adapter.layer_forward(layer, leaves, x_in, rope, adapter.layer_masks(None),
+                                                                recompute=recompute), (slot, *rope))
     return saved
 
 
@@ -60,23 +62,31 @@ def main() -> None:
                 saved = layer_saved_bytes(adapter, layer, args.batch, args.seq, device)
                 per_kind.setdefault(kind, {})["lean" if lean else "hf"] = saved / tokens
                 print(f"{shape} {kind} lean={lean}: {saved / tokens / 1e3:.1f} KB/token", flush=True)
+                if lean and "mlp_up" in sublayer.options(adapter.templates[kind]):
+                    up = layer_saved_bytes(adapter, layer, args.batch, args.seq, device, recompute="mlp_up")
+                    per_kind[kind]["mlp_up"] = up / tokens
+                    print(f"{shape} {kind} lean, up projection recomputed: {up / tokens / 1e3:.1f} KB/token", flush=True)
         for kind, v in per_kind.items():
             record = {"name": f"saved_bytes_{shape}_{kind}", **run_header(device), "model": shape, "layer_type": kind,
                       "seq_len": args.seq, "batch_size": args.batch, "dtype": args.dtype,
                       "hidden_size": config.get_text_config().hidden_size,
                       "saved_bytes_per_token_hf": v["hf"], "saved_bytes_per_token_lean": v["lean"],
-                      "lean_over_hf": v["lean"] / v["hf"]}
+                      "lean_over_hf": v["lean"] / v["hf"], "saved_bytes_per_token_lean_mlp_up": v.get("mlp_up")}
             records.append(record)
+            up = f"{v['mlp_up'] / 1e3:.1f} | {v['mlp_up'] * 65536 / 1e9:.2f}" if "mlp_up" in v else "- | -"
             rows.append(f"| {shape} | {kind} | {v['hf'] / 1e3:.1f} | {v['lean'] / 1e3:.1f} | {v['lean'] / v['hf']:.3f} | "
-                        f"{v['hf'] * 65536 / 1e9:.2f} | {v['lean'] * 65536 / 1e9:.2f} |")
+                        f"{v['hf'] * 65536 / 1e9:.2f} | {v['lean'] * 65536 / 1e9:.2f} | {up} |")
     lines = [f"# Saved bytes per token of one decoder layer, HF modules against the lean ops ({today()})", "",
              f"{records[0]['device']}, torch {records[0]['torch']}, transformers {records[0]['transformers']}; "
              f"{args.dtype}, batch {args.batch} x seq {args.seq}, random weights and input. The count is the "
              "profiler's (`saved_tensor_bytes`): distinct storages autograd saves, the layer input included, "
-             "weights and rotary tables not. Command: `python bench/saved_bytes.py --shapes "
+             "weights and rotary tables not; a lean norm's output counts as its input (the executor stores that and "
+             "recomputes the output in backward). \"+ up recomputed\": the layer kept with `recompute=mlp_up`. "
+             "Command: `python bench/saved_bytes.py --shapes "
              f"{' '.join(args.shapes)} --batch {args.batch} --seq {args.seq} --dtype {args.dtype}`", "",
-             "| shape | layer type | HF KB/token | lean KB/token | lean / HF | HF GB at 64 x 1024 | lean GB at 64 x 1024 |",
-             "|---|---|---|---|---|---|---|", *rows]
+             "| shape | layer type | HF KB/token | lean KB/token | lean / HF | HF GB at 64 x 1024 | lean GB at 64 x 1024 "
+             "| lean + up recomputed KB/token | GB at 64 x 1024 |",
+             "|---|---|---|---|---|---|---|---|---|", *rows]
     stem = f"saved_bytes_{device_tag(device)}_{today()}{args.tag}"
     write_results(records, stem, "\n".join(lines) + "\n", args.out)
     print("\n".join(lines))

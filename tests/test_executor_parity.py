@@ -215,7 +215,25 @@ def test_sublayer_recompute_keeps_fewer_bytes(qwen2_setup):
         layers = [LayerPlan(mode="keep", tier="host", recompute=recompute) for _ in range(adapter.num_layers)]
         plan = Plan(policy="x", batch_size=2, seq_len=11, layers=layers)
         kept[recompute] = Executor(adapter, store, plan, CPU).forward_backward(*batch).peak_activation_bytes["host"]
-    assert kept["mlp"] < kept["none"] and kept["attention"] < kept["none"]
+    assert kept["mlp"] < kept["none"] and kept["attention"] < kept["none"] and kept["mlp_up"] < kept["none"]
+    tokens, inter = 2 * 11, adapter.config.intermediate_size
+    assert kept["none"] - kept["mlp_up"] == adapter.num_layers * tokens * inter * 4  # the up projection's output
+
+
+def test_kept_layers_store_the_norms_inputs_not_their_outputs(qwen2_setup, monkeypatch):
+    """A kept layer's two norm outputs (the attention's and the MLP's inputs) are recomputed in
+    backward from the norms' inputs, which are stored anyway: two [tokens, hidden] tensors
+    fewer per layer, and HF's gradients."""
+    from lazytrain.model import lean
+
+    adapter, store, batch, _, ref = qwen2_setup
+    plan = Plan(policy="x", batch_size=2, seq_len=11,
+                layers=[LayerPlan(mode="keep", tier="host") for _ in range(adapter.num_layers)])
+    lean_bytes = Executor(adapter, store, plan, CPU).forward_backward(*batch).peak_activation_bytes["host"]
+    assert_grads_equal(adapter, store, ref)
+    monkeypatch.setattr(lean, "_register", lambda *a, **k: None)
+    stored = Executor(adapter, store, plan, CPU).forward_backward(*batch).peak_activation_bytes["host"]
+    assert stored - lean_bytes == adapter.num_layers * 2 * (2 * 11 * adapter.hidden_size * 4)
 
 
 @pytest.mark.parametrize("tier", ["gpu", "host"])

@@ -11,7 +11,15 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import model_config
-from lazytrain.model.lean import LeanRMSNorm, LeanRotary, LeanSwiGLU, apply_lean_ops
+from lazytrain.model import lean
+from lazytrain.model.lean import (
+    LeanRMSNorm,
+    LeanRotary,
+    LeanSwiGLU,
+    apply_lean_ops,
+    recomputable_outputs,
+    recomputing_up,
+)
 from lazytrain.model.pointwise import EAGER
 
 torch.manual_seed(0)
@@ -178,3 +186,83 @@ def test_functions_take_no_gradient_for_what_does_not_need_one():
     weight = torch.randn(8, requires_grad=True)
     LeanRMSNorm.apply(x.detach(), weight, 1e-6, False, EAGER).sum().backward()
     assert weight.grad is not None
+
+
+def test_recomputing_up_saves_the_gate_only_and_gives_the_same_gradients():
+    hf = _layer("tiny").mlp
+    mlp = copy.deepcopy(hf)
+    apply_lean_ops(mlp)
+    x = torch.randn(2, 10, hf.gate_proj.in_features)
+    grad = torch.randn(2, 10, hf.down_proj.out_features)
+    tokens, inter = 20, hf.gate_proj.out_features
+    with recomputing_up():
+        assert _saved_bytes(mlp, x) == 4 * tokens * (hf.gate_proj.in_features + inter)
+        out, gx, gw = _grads(mlp, x, grad)
+    mlp.zero_grad(set_to_none=True)
+    ref_out, ref_gx, ref_gw = _grads(mlp, x, grad)
+    # the up projection recomputed is the forward's matmul again: the same bits
+    assert torch.equal(out, ref_out) and torch.equal(gx, ref_gx)
+    assert all(torch.equal(gw[n], ref_gw[n]) for n in ref_gw)
+    _, hf_gx, _ = _grads(hf, x, grad)
+    torch.testing.assert_close(gx, hf_gx, rtol=1e-5, atol=1e-6)
+
+
+class _TwoReaders(torch.nn.Module):
+    """A norm whose output two matmuls read (the q/k/v projections' pattern)."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.norm = copy.deepcopy(_layer("tiny").input_layernorm)
+        self.q = torch.nn.Linear(self.norm.weight.shape[0], width, bias=False)
+        self.k = torch.nn.Linear(self.norm.weight.shape[0], width, bias=False)
+        apply_lean_ops(self)
+
+    def forward(self, x):
+        with recomputable_outputs():
+            n = self.norm(x)
+            return self.q(n) * self.k(n)
+
+
+def test_a_norm_output_under_a_pack_hook_is_recomputed_from_the_norm_input(monkeypatch):
+    """The profiler's count (the executor's pack hook does the same): the normed tensor two
+    matmuls save costs nothing beyond the norm's own input; backward recomputes it once, and the
+    gradients are the bits of autograd's."""
+    from lazytrain.runtime.profiler import saved_tensor_bytes
+
+    block = _TwoReaders()
+    x = torch.randn(3, 7, block.norm.weight.shape[0]).requires_grad_()
+    weights = tuple(block.parameters())
+    calls = []
+    real = lean._norm_output
+    monkeypatch.setattr(lean, "_norm_output", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out, recomputed = saved_tensor_bytes(lambda: block(x), weights)
+    grads = torch.autograd.grad(out.sum(), [x, *weights])
+    assert calls == [1]
+    ref = block(x)
+    assert torch.equal(out, ref)
+    ref_grads = torch.autograd.grad(ref.sum(), [x, *weights])
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    # without the registry the normed tensor is stored: x.numel() floats more
+    monkeypatch.setattr(lean, "_register", lambda *a, **k: None)
+    _, stored = saved_tensor_bytes(lambda: block(x), weights)
+    assert stored - recomputed == 4 * x.numel()
+    assert recomputed == 4 * x.numel() + 4 * 21 + 2 * 4 * 21 * 16  # x, rstd, the two products' inputs
+
+
+def test_a_changed_or_unregistered_output_has_no_recipe():
+    norm = copy.deepcopy(_layer("tiny").input_layernorm)
+    apply_lean_ops(norm)
+    x = torch.randn(2, 5, norm.weight.shape[0], requires_grad=True)
+    assert lean.saved_recipe(norm(x)) is None  # no registry open
+    with recomputable_outputs():
+        out = norm(x)
+        recipe = lean.saved_recipe(out)
+        assert recipe is not None and torch.equal(recipe.fn(*recipe.inputs), out)
+        assert lean.saved_recipe(out[0]) is recipe  # a view of it
+        assert lean.saved_recipe(x) is None
+        with torch.no_grad():
+            out.mul_(2)  # changed in place: no longer the norm of x
+        assert lean.saved_recipe(out) is None
+        with torch.no_grad():
+            assert lean.saved_recipe(norm(x)) is None  # no graph: nothing saves it
+    assert lean.saved_recipe(out) is None  # the registry is closed

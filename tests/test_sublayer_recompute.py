@@ -128,7 +128,7 @@ def profiled(request, tmp_path_factory):
 def test_profiler_measures_each_option(profiled):
     _, _, costs = profiled
     for lc in costs.type_costs().values():
-        assert set(lc.recompute_options) == {"mlp", "attention"}
+        assert set(lc.recompute_options) == {"mlp", "attention", "mlp_up"}
         for option in lc.recompute_options.values():
             assert lc.input_bytes <= option.saved_bytes < lc.saved_bytes
             assert option.recompute_ms >= 0
@@ -182,8 +182,8 @@ def test_executor_keeps_what_the_simulator_predicts(profiled):
     host peak is the simulator's, byte for byte."""
     adapter, store, costs = profiled
     L = adapter.num_layers
-    options = ["mlp", "attention", "none"]
-    layers = [LayerPlan(mode="keep", tier="host", recompute=options[i % 3]) for i in range(L - 1)]
+    options = ["mlp", "attention", "mlp_up", "none"]
+    layers = [LayerPlan(mode="keep", tier="host", recompute=options[i % 4]) for i in range(L - 1)]
     layers[-1] = LayerPlan(mode="checkpoint", tier="host")
     layers.append(LayerPlan(mode="keep", tier="gpu"))
     plan = Plan(policy="x", batch_size=costs.batch_size, seq_len=costs.seq_len, layers=layers)
@@ -218,3 +218,22 @@ def test_a_forward_set_on_the_block_runs_inside_the_checkpoint_and_stays(tmp_pat
     assert_grads_equal(adapter, store, ref)
     assert mlp.forward is replacement
     assert len(calls) == 6  # each layer's forward and its recompute
+
+
+def test_a_layer_without_a_lean_mlp_offers_no_up_projection_recompute(tmp_path):
+    from lazytrain.memory.host_store import HostStore
+    from lazytrain.model.adapter import ModelAdapter, load_hf_config
+    from lazytrain.model.loading import load_safetensors
+    from lazytrain.model.sublayer import RecomputeUnavailable, options
+
+    folder = tmp_path / "model"
+    make_hf_model("qwen2", layers=2).save_pretrained(folder)
+    adapter = ModelAdapter(load_hf_config(folder), CPU, torch.float32, lean_ops=False)
+    assert options(adapter.templates["full_attention"]) == ("mlp", "attention")
+    store = HostStore(adapter.layouts, torch.float32, pin=False)
+    load_safetensors(adapter, store, folder)
+    plan = keep_all_plan(2, 2, 7)
+    plan.layers[1].recompute = "mlp_up"
+    ids = torch.randint(0, adapter.vocab_size, (2, 7))
+    with pytest.raises(RecomputeUnavailable, match="recomputes 'mlp_up' in a 'full_attention' layer"):
+        Executor(adapter, store, plan, CPU).forward_backward(ids, ids.clone(), None)

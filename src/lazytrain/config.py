@@ -17,6 +17,7 @@ from typing import Literal
 import yaml
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.plan.plan import RECOMPUTE
 from lazytrain.optim.base import AdamWConfig
 
 
@@ -248,17 +249,20 @@ class PlanConfig:
     """Layers of weights copied ahead (1 = double buffering)."""
     overlap_optimizer: bool = True
     """Run the CPU optimizer step behind the next step's forward."""
-    recompute_blocks: tuple[str, ...] = ("mlp", "attention")
-    """Blocks the solved plan may recompute inside a kept layer's backward (keeping only their
-    inputs): mlp, attention; [] keeps or recomputes whole layers only."""
+    recompute_blocks: tuple[str, ...] = ("mlp", "attention", "mlp_up")
+    """What the solved plan may recompute inside a kept layer's backward: mlp, attention (the
+    block, keeping only its inputs), mlp_up (the MLP's up projection); [] keeps or recomputes
+    whole layers only."""
 
     def __post_init__(self) -> None:
         check_fields(self, "plan")
         if self.megatrain_every < 1 or self.head_chunk_tokens < 1 or self.weight_prefetch < 1:
             raise ConfigError("plan.megatrain_every, head_chunk_tokens, weight_prefetch must be >= 1")
-        unknown = sorted(set(self.recompute_blocks) - {"mlp", "attention"})
+        options = [r for r in RECOMPUTE if r != "none"]
+        unknown = sorted(set(self.recompute_blocks) - set(options))
         if unknown:
-            raise ConfigError(f"plan.recompute_blocks: {unknown} are not blocks; use mlp, attention or []")
+            raise ConfigError(f"plan.recompute_blocks: {unknown} cannot be recomputed; use any of "
+                              f"{', '.join(options)}, or []")
         if self.file is not None and self.policy != "auto":
             raise ConfigError(
                 f"plan.file={self.file} and plan.policy={self.policy} both choose the plan; drop one"

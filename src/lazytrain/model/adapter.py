@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import transformers
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.model.kernels import KernelChoice, select_linear_attention_kernels
-from lazytrain.model.lean import apply_lean_ops
+from lazytrain.model.lean import apply_lean_ops, recomputable_outputs
 from lazytrain.model.packed_attention import (
     PACKED_ATTENTION,
     PackedAttentionError,
@@ -47,7 +46,7 @@ from lazytrain.model.packed_attention import (
     use_varlen,
 )
 from lazytrain.model.pointwise import EAGER, Pointwise, select_pointwise
-from lazytrain.model.sublayer import block_name, recomputed
+from lazytrain.model.sublayer import recomputing
 
 SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
@@ -403,14 +402,16 @@ class ModelAdapter:
         """Decoder layer ``layer`` on ``hidden`` with ``params`` (views of its weight slot);
         ``masks`` from `layer_masks`; ``kwargs`` go to the HF layer (a cache when generating).
 
-        ``recompute`` (``mlp`` | ``attention``; under autograd): that block keeps only its
-        inputs and is re-run in backward (`lazytrain.model.sublayer`)."""
+        ``recompute`` (``mlp`` | ``attention`` | ``mlp_up``; under autograd): that block keeps
+        only its inputs and is re-run in backward, or the MLP its up projection
+        (`lazytrain.model.sublayer`)."""
         kind = self.layer_types[layer]
         template = self.templates[kind]
         # a cache is indexed by the layer's own index: the shared template takes it per call
         mixer = template.linear_attn if kind == "linear_attention" else template.self_attn
         mixer.layer_idx = layer
-        with recomputed(template, block_name(kind, recompute), params) if recompute != "none" else nullcontext():
+        # the lean norms' outputs may be recomputed rather than stored (`lean.saved_recipe`)
+        with recomputing(template, kind, recompute, params), recomputable_outputs():
             return torch.func.functional_call(
                 template,
                 params,

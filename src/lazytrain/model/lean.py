@@ -24,6 +24,22 @@ run with them). Their elementwise parts are `lazytrain.model.pointwise`'s functi
 by default on CUDA), which save the same tensors. The profiler measures saved bytes through
 saved-tensor hooks, so the planner sees the smaller layers.
 
+Two more bytes-for-time trades, for a layer run under saved-tensor hooks (the executor's kept
+layers, the profiler's count of them):
+
+- A norm's output (the q/k/v projections' or the MLP's input, which those matmuls save for their
+  weight gradients) need not be stored: it is the norm of the input the norm saves already.
+  Inside `recomputable_outputs` (`ModelAdapter.layer_forward` opens one per layer call) each
+  lean norm's output is registered; `saved_recipe` tells a pack hook that a tensor it is given
+  is such an output, and what recomputes it (`Recomputed`: once per backward, however many
+  nodes read it). 14 KB per token of a Qwen2.5-7B layer (two [tokens, hidden] bf16 tensors of
+  121 KB saved), for two norm passes in backward. Without hooks nothing changes: autograd
+  keeps the output.
+- With `recomputing_up` (a kept layer's ``LayerPlan.recompute = "mlp_up"``) `LeanSwiGLU` saves
+  the gate projection's output but not the up projection's, and recomputes that in backward
+  (one [tokens, hidden] x [hidden, intermediate] matmul): 37.9 of the 121 KB per token at 7B,
+  for about 13 ms of a 150 ms layer forward + backward at 64 x 1024 tokens on an H200.
+
 `apply_lean_ops` swaps the ``forward`` of the modules it recognises (by class, checked for the
 formula's parts: SiLU activation, no biases) inside a layer template; anything else keeps HF's.
 """
@@ -34,6 +50,10 @@ import contextvars
 import functools
 import inspect
 import types
+import weakref
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -53,21 +73,27 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class LeanSwiGLU(torch.autograd.Function):
-    """``down(silu(x @ gate.T) * (x @ up.T))``, saving x, gate and up outputs only; the
-    elementwise parts run through ``ops`` (`lazytrain.model.pointwise`: eager or fused)."""
+    """``down(silu(x @ gate.T) * (x @ up.T))``, saving x, gate and up outputs only (with
+    ``recompute_up``: x and gate, the up projection recomputed in backward); the elementwise
+    parts run through ``ops`` (`lazytrain.model.pointwise`: eager or fused)."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, ops: Pointwise):
+    def forward(ctx, x, w_gate, w_up, w_down, ops: Pointwise, recompute_up: bool = False):
         gate = F.linear(x, w_gate)
         up = F.linear(x, w_up)
         out = F.linear(ops.swiglu(gate, up), w_down)
-        ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up)
+        if recompute_up:
+            ctx.save_for_backward(x, w_gate, w_up, w_down, gate)
+        else:
+            ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up)
         ctx.ops = ops
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
+        x, w_gate, w_up, w_down, gate, *kept = ctx.saved_tensors
+        up = kept[0] if kept else F.linear(x, w_up)  # the forward's matmul again: the same values
+        del kept
         if ctx.ops.kind == "eager":
             # one kernel per operation: the product freed before grad_h exists, silu(gate) before
             # grad_gate (about 4.2 [tokens, intermediate] tensors at the peak instead of 5)
@@ -83,12 +109,12 @@ class LeanSwiGLU(torch.autograd.Function):
             product, grad_gate, grad_up = ctx.ops.swiglu_backward(grad_h, gate, up)
             grad_w_down = _rows(grad_out).t().mm(_rows(product)) if ctx.needs_input_grad[3] else None
             del product
-        del grad_h
+        del grad_h, up
         x2 = _rows(x)
         grad_w_gate = _rows(grad_gate).t().mm(x2) if ctx.needs_input_grad[1] else None
         grad_w_up = _rows(grad_up).t().mm(x2) if ctx.needs_input_grad[2] else None
         grad_x = grad_gate.matmul(w_gate) + grad_up.matmul(w_up) if ctx.needs_input_grad[0] else None
-        return grad_x, grad_w_gate, grad_w_up, grad_w_down, None
+        return grad_x, grad_w_gate, grad_w_up, grad_w_down, None, None
 
 
 class LeanRMSNorm(torch.autograd.Function):
@@ -185,16 +211,124 @@ def _attention_forward(self, *args, **kwargs):
         _ROTARY_OPS.reset(token)
 
 
+# -- outputs recomputed instead of saved -----------------------------------------------------
+
+_RECOMPUTE_UP: contextvars.ContextVar[bool] = contextvars.ContextVar("lazytrain_recompute_up", default=False)
+"""Whether the lean SwiGLU MLPs running now save their up projection's output (False) or
+recompute it in backward (True: `recomputing_up`)."""
+
+
+@contextmanager
+def recomputing_up():
+    """Within the block, the lean SwiGLU MLPs recompute their up projection in backward instead
+    of saving its output (``LayerPlan.recompute = "mlp_up"``)."""
+    token = _RECOMPUTE_UP.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTE_UP.reset(token)
+
+
+@dataclass(slots=True, eq=False)
+class Recipe:
+    """How to recompute a registered output: ``fn(*inputs)``, bit for bit (the same kernels on
+    the same values). Compared by identity: one per output registered."""
+
+    fn: Callable[..., torch.Tensor]
+    inputs: tuple[torch.Tensor, ...]
+    output: weakref.ref
+    """The output as its callers got it (alive: its storage is not another tensor's)."""
+    version: int
+    """Its version counter when registered: changed in place since, it is not the norm's any more."""
+
+
+_OUTPUTS: contextvars.ContextVar[dict[int, Recipe] | None] = contextvars.ContextVar(
+    "lazytrain_recomputable", default=None)
+"""The recomputable outputs of the layer call running now, by storage address (None: none kept)."""
+
+
+@contextmanager
+def recomputable_outputs():
+    """Register the lean norms' outputs made within the block (under autograd) for
+    `saved_recipe`; they are forgotten when it ends."""
+    token = _OUTPUTS.set({})
+    try:
+        yield
+    finally:
+        _OUTPUTS.reset(token)
+
+
+def _register(output: torch.Tensor, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> None:
+    """``output`` == ``fn(*inputs)`` (bit for bit: the same kernels on the same values), whole in
+    its own storage."""
+    outputs = _OUTPUTS.get()
+    if outputs is None or not output.requires_grad or output.storage_offset() != 0 or not output.is_contiguous() \
+            or output.untyped_storage().nbytes() != output.numel() * output.element_size():
+        return
+    outputs[output.untyped_storage().data_ptr()] = Recipe(fn, inputs, weakref.ref(output), output._version)
+
+
+def saved_recipe(t: torch.Tensor) -> Recipe | None:
+    """For a tensor autograd saves (given to a pack hook): the `Recipe` of the registered output
+    it views, unchanged since (the hook saves the recipe's inputs instead: `Recomputed`); None
+    for anything else."""
+    outputs = _OUTPUTS.get()
+    if not outputs:
+        return None
+    recipe = outputs.get(t.untyped_storage().data_ptr())
+    output = recipe.output() if recipe is not None else None
+    if output is None or output._version != recipe.version or t._version != recipe.version or t.dtype != output.dtype:
+        return None
+    return recipe
+
+
+class Recomputed:
+    """One recomputable storage as a pack hook keeps it: its inputs as the hook packed them, how
+    many saved tensors view it (``reads``: the hook counts them), and the value while some are
+    left to read: recomputed at the first `read` of a backward, dropped after the last."""
+
+    __slots__ = ("fn", "inputs", "reads", "value")
+
+    def __init__(self, fn: Callable[..., torch.Tensor], inputs: list):
+        self.fn, self.inputs, self.reads, self.value = fn, inputs, 0, None
+
+    def read(self, unpack: Callable[[object], torch.Tensor]) -> torch.Tensor:
+        """The whole value (the caller views it as the saved tensor was); ``unpack`` turns the
+        packed inputs back into tensors."""
+        value = self.value
+        if value is None:
+            with torch.no_grad():
+                value = self.fn(*(unpack(p) for p in self.inputs))
+        self.reads -= 1
+        self.value = value if self.reads > 0 else None
+        return value
+
+
+def _norm_output(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, ops: Pointwise):
+    return ops.rms_norm(_rows(x).detach(), weight, eps, zero_centered)[0].reshape(x.shape)
+
+
 def _swiglu_forward(self, x):
-    return LeanSwiGLU.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self._lean_ops)
+    return LeanSwiGLU.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self._lean_ops,
+                            _RECOMPUTE_UP.get())
 
 
-def _norm_forward(self, x):
-    return LeanRMSNorm.apply(x, self.weight, self._lean_eps, False, self._lean_ops)
+def _norm_forward(self, x, zero_centered: bool = False):
+    out = LeanRMSNorm.apply(x, self.weight, self._lean_eps, zero_centered, self._lean_ops)
+    _register(out, functools.partial(_norm_output, eps=self._lean_eps, zero_centered=zero_centered,
+                                     ops=self._lean_ops), x, self.weight)
+    return out
 
 
 def _zero_centered_norm_forward(self, x):
-    return LeanRMSNorm.apply(x, self.weight, self._lean_eps, True, self._lean_ops)
+    return _norm_forward(self, x, zero_centered=True)
+
+
+def is_lean_swiglu(module: torch.nn.Module | None) -> bool:
+    """Whether ``module`` runs `LeanSwiGLU` (`apply_lean_ops` swapped its forward): what
+    `recomputing_up` acts on."""
+    forward = module.__dict__.get("forward") if module is not None else None
+    return getattr(forward, "__func__", None) is _swiglu_forward
 
 
 def _is_swiglu(module: torch.nn.Module) -> bool:

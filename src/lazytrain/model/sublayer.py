@@ -1,4 +1,5 @@
-"""Sub-layer recompute: a kept layer whose attention or MLP block is recomputed in backward.
+"""Sub-layer recompute: a kept layer whose attention or MLP block, or its MLP's up projection,
+is recomputed in backward.
 
 A ``keep`` layer runs under autograd and keeps every tensor its backward needs. With
 ``LayerPlan.recompute`` = ``mlp`` (or ``attention``: ``self_attn``, or ``linear_attn`` in a
@@ -13,19 +14,52 @@ slot, and the recompute reads it from the slot that holds the layer in backward 
 slot may hold another layer by then). Tensors in the block's keyword arguments (the mask, the
 rotary cos/sin, the hidden states HF passes by name) are moved to positional inputs for the
 same reason: checkpoint keeps keyword arguments by reference, outside any hook.
+
+``mlp_up`` is narrower: the layer's memory-lean SwiGLU MLP (`lazytrain.model.lean`) saves its
+gate projection's output but not its up projection's, and recomputes that one matmul in backward
+(`lean.recomputing_up`); a layer whose MLP is not a lean SwiGLU (``model.lean_ops=false``, a
+mixture of experts) does not offer it (`options`).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
+from lazytrain.errors import LazyTrainError
+from lazytrain.model.lean import is_lean_swiglu, recomputing_up
+
 RECOMPUTE_BLOCKS = ("mlp", "attention")
-"""The blocks of a decoder layer a kept layer may recompute (``LayerPlan.recompute``)."""
+"""The blocks of a decoder layer a kept layer may recompute whole (``LayerPlan.recompute``)."""
+RECOMPUTE_PARTS = ("mlp_up",)
+"""Parts of a block a kept layer may recompute (``LayerPlan.recompute``): the MLP's up projection."""
+
+
+class RecomputeUnavailable(LazyTrainError, ValueError):
+    """A plan asks a layer to recompute something it cannot."""
+
+
+def options(template: torch.nn.Module) -> tuple[str, ...]:
+    """What a kept layer built from ``template`` may recompute in backward (besides nothing)."""
+    return RECOMPUTE_BLOCKS + (RECOMPUTE_PARTS if is_lean_swiglu(getattr(template, "mlp", None)) else ())
+
+
+def recomputing(template: torch.nn.Module, layer_type: str, recompute: str, params: dict[str, torch.Tensor]):
+    """The context a kept layer's forward runs in for ``recompute`` (``LayerPlan.recompute``)."""
+    if recompute == "none":
+        return nullcontext()
+    if recompute in RECOMPUTE_PARTS:
+        if recompute not in options(template):
+            raise RecomputeUnavailable(
+                f"the plan recomputes 'mlp_up' in a {layer_type!r} layer, whose MLP is not a memory-lean "
+                "SwiGLU (model.lean_ops=false, or another kind of MLP); plan again (`lazytrain plan`) for "
+                "this model, or set that layer's recompute to 'mlp' or 'none'")
+        return recomputing_up()
+    return recomputed(template, block_name(layer_type, recompute), params)
 
 
 def block_name(layer_type: str, recompute: str) -> str:

@@ -22,6 +22,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.plan.plan import RECOMPUTE
 
 TABLE_VERSION = 2
 """What the profiler's fields mean. 1: a layer's ``backward_work_bytes`` left out the layer
@@ -132,8 +133,9 @@ def default_fits() -> dict[str, ShapeFit]:
     return {name: replace(TOKEN_LINEAR) for name in FITTED}
 
 
-RECOMPUTE_OPTIONS = ("mlp", "attention")
-"""Blocks a kept layer may recompute in its backward (``LayerPlan.recompute``)."""
+RECOMPUTE_OPTIONS = tuple(r for r in RECOMPUTE if r != "none")
+"""What a kept layer may recompute in its backward (``LayerPlan.recompute``): a block, or the
+MLP's up projection."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -14,7 +14,9 @@ Per layer, exactly one mode:
 
 A ``keep`` layer may also recompute one block (``LayerPlan.recompute``): ``mlp``, or
 ``attention`` (the token mixer: self-attention, or Gated-DeltaNet linear attention). That
-block's inputs are kept instead of its saved tensors, and the layer's backward re-runs it.
+block's inputs are kept instead of its saved tensors, and the layer's backward re-runs it. Or
+``mlp_up``: the MLP's up projection only (its output is not kept; backward recomputes it from
+the MLP's input, which is kept anyway).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from lazytrain.errors import LazyTrainError
 
 MODES = ("keep", "checkpoint", "drop")
 TIERS = ("gpu", "host", "nvme")
-RECOMPUTE = ("none", "mlp", "attention")
+RECOMPUTE = ("none", "mlp", "attention", "mlp_up")
 
 
 class PlanError(LazyTrainError, ValueError):
@@ -44,7 +46,8 @@ class LayerPlan:
     """Backward: how many layers ahead tensors on host/nvme are fetched back to the GPU."""
     recompute: str = "none"
     """keep layers: none | mlp | attention, a block whose saved tensors are not kept but
-    recomputed in the layer's backward from its inputs (which are kept, on ``tier``)."""
+    recomputed in the layer's backward from its inputs (which are kept, on ``tier``); mlp_up,
+    the MLP's up projection recomputed so."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -92,20 +92,28 @@ def synthetic_cost_table(
     attention_flops = 2 * seq_len * h
     forward_ms = tokens * (2 * params + attention_flops) / rate + 0.2  # + launch overhead
     bf16 = 2
-    # sub-layer options: the MLP keeps its input (the normed hidden, kept already) instead of
-    # gate, up, act and product; attention its input instead of q, k, v and its output
+    # what a kept layer saves with the memory-lean ops (`lazytrain.model.lean`): its input, q/k/v,
+    # the attention output, the residual after attention, gate and up (the norms' outputs are
+    # recomputed from their inputs). Sub-layer options: the MLP keeps its input (the residual,
+    # kept already) instead of gate and up; attention its input (the layer's) instead of q, k,
+    # v and its output; mlp_up recomputes the up projection instead of keeping its output
     mlp_flops = 2 * 3 * h * i
     attention_block_flops = 2 * (2 * h * h + 2 * h * kv) + attention_flops
     recompute_options = {
         "mlp": RecomputeCosts(
-            saved_bytes=tokens * (6 * h + 2 * kv) * bf16,
+            saved_bytes=tokens * (4 * h + 2 * kv) * bf16,
             recompute_ms=tokens * mlp_flops / rate,
-            backward_work_bytes=tokens * (8 * i + 4 * h) * bf16,
+            backward_work_bytes=tokens * (6 * i + 4 * h) * bf16,
         ),
         "attention": RecomputeCosts(
-            saved_bytes=tokens * (4 * h + 4 * i) * bf16,
+            saved_bytes=tokens * (2 * h + 2 * i) * bf16,
             recompute_ms=tokens * attention_block_flops / rate,
             backward_work_bytes=tokens * (4 * i + 6 * h + 2 * kv) * bf16,
+        ),
+        "mlp_up": RecomputeCosts(
+            saved_bytes=tokens * (4 * h + 2 * kv + i) * bf16,
+            recompute_ms=tokens * 2 * h * i / rate,
+            backward_work_bytes=tokens * (5 * i + 4 * h) * bf16,
         ),
     }
     layer = LayerCosts(
@@ -115,8 +123,7 @@ def synthetic_cost_table(
         backward_ms=2 * forward_ms,
         recompute_ms=1.05 * forward_ms,
         input_bytes=tokens * h * bf16,
-        # norm in/out, q/k/v, attention out, MLP norm in/out, gate, up, act, product.
-        saved_bytes=tokens * (6 * h + 2 * kv + 4 * i) * bf16,
+        saved_bytes=tokens * (4 * h + 2 * kv + 2 * i) * bf16,
         forward_work_bytes=tokens * (3 * i + h) * bf16,
         backward_work_bytes=tokens * (4 * i + 4 * h) * bf16,
         recompute_options=recompute_options,

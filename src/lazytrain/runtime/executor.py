@@ -11,9 +11,11 @@ Per layer the plan says what survives from forward to backward:
   ``saved_tensors_hooks``. Saved *weights* are replaced by a reference (offset, size,
   stride) into the slot, so backward reads them from whichever slot holds the layer then
   and the slot can be reused in between. Saved activations go to the plan's tier, each
-  storage once however many ops save it. With ``LayerPlan.recompute`` (mlp | attention) that
-  block keeps only its inputs (its weights among them, as slot references) and is re-run
-  inside the layer's backward (``model.sublayer``), on the weights of the backward's slot.
+  storage once however many ops save it; a memory-lean norm's output is not stored but
+  recomputed from the norm's input (``model.lean``). With ``LayerPlan.recompute`` (mlp |
+  attention) that block keeps only its inputs (its weights among them, as slot references) and
+  is re-run inside the layer's backward (``model.sublayer``), on the weights of the backward's
+  slot; with ``mlp_up`` the MLP's up projection is.
 - ``checkpoint``: the layer input is stored on the plan's tier and the layer runs without
   autograd; backward re-runs it with autograd.
 - ``drop``: nothing is stored; backward re-runs the segment from its checkpoint without
@@ -50,6 +52,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from lazytrain.memory.host_store import HostStore
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.adapter import ModelAdapter, mask_tensors, right_padded
+from lazytrain.model.lean import Recomputed, saved_recipe
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.activations import ActivationStore, Handle
 from lazytrain.runtime.distributed import DataParallel
@@ -85,6 +88,16 @@ class _StoredRef:
     """A saved tensor as a view of a storage the activation store holds (``handle``)."""
 
     handle: Handle
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class _RecomputedRef:
+    """A saved tensor as a view of a value recomputed in backward (a lean norm's output)."""
+
+    state: Recomputed
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
@@ -233,13 +246,16 @@ class Executor:
     # -- saved-tensor hooks for "keep" layers --------------------------------------------
 
     def _pack_hook(self, layer: int, slot: torch.Tensor, tier: str, handles: list[Handle],
-                   stored: dict[tuple[int, torch.dtype], tuple[Handle, torch.Tensor]]):
+                   stored: dict):
         """The saved-tensor pack hook of a keep layer's forward. ``stored``: each storage is
         stored once per layer, however many ops save it or views of it (the q/k/v projections
         all save the normed input): what the profiler counts. An entry holds the GPU storage,
         so its address is not reused for another tensor during the forward; the caller clears
         ``stored`` after it (autograd keeps a pack hook, and all it refers to, as long as the
-        graph: an entry left there would keep an offloaded tensor's GPU copy until backward)."""
+        graph: an entry left there would keep an offloaded tensor's GPU copy until backward).
+        A lean norm's output (`lean.saved_recipe`) is not stored: its inputs are (the norm's
+        own input, stored for its backward anyway, and its weight), and `_unpack` recomputes
+        it once for all the nodes that read it (``stored`` has its `Recomputed` by recipe)."""
         slot_ptr = slot.untyped_storage().data_ptr()
         const_ptrs = {c.untyped_storage().data_ptr(): i for i, c in enumerate(self._consts)}
 
@@ -247,6 +263,13 @@ class Executor:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             where = (tuple(t.size()), tuple(t.stride()), t.storage_offset())
+            recipe = saved_recipe(t)
+            if recipe is not None:  # a lean norm's output: its inputs are stored, it is recomputed
+                if recipe not in stored:
+                    stored[recipe] = (Recomputed(recipe.fn, [pack(i) for i in recipe.inputs]), None)
+                state = stored[recipe][0]
+                state.reads += 1
+                return _RecomputedRef(state, *where)
             if ptr == slot_ptr:
                 return _WeightRef(layer, *where)
             if ptr in const_ptrs:
@@ -299,6 +322,8 @@ class Executor:
             return slot.as_strided(packed.size, packed.stride, packed.offset)
         if isinstance(packed, _ConstRef):
             return self._consts[packed.index].as_strided(packed.size, packed.stride, packed.offset)
+        if isinstance(packed, _RecomputedRef):
+            return packed.state.read(self._unpack).as_strided(packed.size, packed.stride, packed.offset)
         handle = packed.handle
         out = self.activations.get(handle).as_strided(packed.size, packed.stride, packed.offset)
         left = self._reads_left.pop(id(handle), 1) - 1

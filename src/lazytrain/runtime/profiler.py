@@ -3,10 +3,11 @@
 Times are medians over repeats after warm-up, with CUDA events on a GPU (perf_counter on the
 CPU). Per layer: the no-grad forward (what a segment rebuild runs), the forward under autograd
 (a recompute), its backward, the bytes autograd saves (counted through saved_tensors_hooks,
-storages de-duplicated, weights and step constants left out) and the working sets from the
-allocator's peaks; and, at the reference shape, the saved bytes, backward time and working
-set of the layer kept with its MLP or its attention block recomputed in backward
-(``LayerCosts.recompute_options``). A stack of several layer types (Qwen3.5's linear and full
+storages de-duplicated, weights and step constants left out, the lean norms' outputs counted as
+the executor keeps them: as their inputs) and the working sets from the allocator's peaks; and,
+at the reference shape, the saved bytes, backward time and working set of the layer kept with
+each thing it may recompute in backward (`sublayer.options`: its MLP, its attention block, its
+MLP's up projection; ``LayerCosts.recompute_options``). A stack of several layer types (Qwen3.5's linear and full
 attention) has each type measured on its first layer. Constants: the embedding and the chunked head + loss. Machine: H2D, D2H
 and both-directions bandwidth at one layer's transfer size, the slowdown of compute while a
 copy runs, the CPU optimizer's time per parameter, and (given an `NvmeStore`) the disk's
@@ -26,12 +27,13 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from lazytrain.memory.host_store import HostStore, activation_room, host_memory_total
 from lazytrain.memory.nvme import NvmeStore, aligned_empty
+from lazytrain.model import sublayer
 from lazytrain.model.adapter import ModelAdapter, mask_tensors
+from lazytrain.model.lean import Recipe, Recomputed, saved_recipe
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.optim.factory import describe
 from lazytrain.optim.split import SplitMaster
 from lazytrain.plan.costs import (
-    RECOMPUTE_OPTIONS,
     CostTable,
     LayerCosts,
     RecomputeCosts,
@@ -82,8 +84,15 @@ def saved_tensor_bytes(fn: Callable[[], object], excluded: tuple[torch.Tensor, .
     skip = {t.untyped_storage().data_ptr() for t in excluded}
     saved: dict[int, int] = {}
     held: list[torch.UntypedStorage] = []
+    recomputed: dict[Recipe, Recomputed] = {}
 
     def pack(t: torch.Tensor):
+        recipe = saved_recipe(t)
+        if recipe is not None:  # a lean norm's output: its inputs are what is kept, as in the executor
+            if recipe not in recomputed:
+                recomputed[recipe] = Recomputed(recipe.fn, [pack(i) for i in recipe.inputs])
+            recomputed[recipe].reads += 1
+            return recomputed[recipe], tuple(t.size()), tuple(t.stride()), t.storage_offset()
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in skip and ptr not in saved:
@@ -91,8 +100,15 @@ def saved_tensor_bytes(fn: Callable[[], object], excluded: tuple[torch.Tensor, .
             held.append(storage)
         return t
 
-    with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t):
+    def unpack(packed):
+        if isinstance(packed, tuple):
+            state, size, stride, offset = packed
+            return state.read(unpack).as_strided(size, stride, offset)
+        return packed
+
+    with torch.enable_grad(), saved_tensors_hooks(pack, unpack):
         result = fn()
+    recomputed.clear()
     # Every saved variable of the graph refers to ``pack`` and so to this list: kept, it would
     # hold each storage to the end of the backward instead of its last use, as in the executor
     # (the H200's 9B tables of 2026-12-02 measured the backward's working set 2.5-3.5 GB larger
@@ -195,7 +211,7 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
         forward_no_grad()
     backward_ms, saved_bytes, backward_work_bytes, keep_forward_work_bytes = backward_costs()
     recompute_options = {}
-    for name in RECOMPUTE_OPTIONS if options else ():
+    for name in sublayer.options(adapter.templates[adapter.layer_types[layer]]) if options else ():
         option_ms, option_saved, option_work, option_forward_work = backward_costs(name)
         recompute_options[name] = RecomputeCosts(
             saved_bytes=option_saved,
