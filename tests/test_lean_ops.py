@@ -210,12 +210,12 @@ def test_recomputing_up_saves_the_gate_only_and_gives_the_same_gradients():
 class _TwoReaders(torch.nn.Module):
     """A norm whose output two matmuls read (the q/k/v projections' pattern)."""
 
-    def __init__(self, width: int = 16):
+    def __init__(self, width: int = 16, ops=EAGER):
         super().__init__()
         self.norm = copy.deepcopy(_layer("tiny").input_layernorm)
         self.q = torch.nn.Linear(self.norm.weight.shape[0], width, bias=False)
         self.k = torch.nn.Linear(self.norm.weight.shape[0], width, bias=False)
-        apply_lean_ops(self)
+        apply_lean_ops(self, ops)
 
     def forward(self, x):
         with recomputable_outputs():
@@ -223,14 +223,19 @@ class _TwoReaders(torch.nn.Module):
             return self.q(n) * self.k(n)
 
 
-def test_a_norm_output_under_a_pack_hook_is_recomputed_from_the_norm_input(monkeypatch):
+@pytest.mark.parametrize("device, dtype, kind", [
+    ("cpu", torch.float32, "eager"),
+    pytest.param("cuda", torch.bfloat16, "compiled",
+                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_norm_output_under_a_pack_hook_is_recomputed_from_the_norm_input(monkeypatch, device, dtype, kind):
     """The profiler's count (the executor's pack hook does the same): the normed tensor two
     matmuls save costs nothing beyond the norm's own input; backward recomputes it once, and the
-    gradients are the bits of autograd's."""
+    gradients are the bits of autograd's (on a GPU with the compiled kernels, in bf16)."""
+    from lazytrain.model.pointwise import compiled
     from lazytrain.runtime.profiler import saved_tensor_bytes
 
-    block = _TwoReaders()
-    x = torch.randn(3, 7, block.norm.weight.shape[0]).requires_grad_()
+    block = _TwoReaders(ops=compiled() if kind == "compiled" else EAGER).to(device, dtype)
+    x = torch.randn(3, 7, block.norm.weight.shape[0], device=device, dtype=dtype).requires_grad_()
     weights = tuple(block.parameters())
     calls = []
     real = lean._norm_output
@@ -245,8 +250,9 @@ def test_a_norm_output_under_a_pack_hook_is_recomputed_from_the_norm_input(monke
     # without the registry the normed tensor is stored: x.numel() floats more
     monkeypatch.setattr(lean, "_register", lambda *a, **k: None)
     _, stored = saved_tensor_bytes(lambda: block(x), weights)
-    assert stored - recomputed == 4 * x.numel()
-    assert recomputed == 4 * x.numel() + 4 * 21 + 2 * 4 * 21 * 16  # x, rstd, the two products' inputs
+    size = x.element_size()
+    assert stored - recomputed == size * x.numel()
+    assert recomputed == size * x.numel() + 4 * 21 + 2 * size * 21 * 16  # x, rstd (fp32), the product's inputs
 
 
 def test_a_changed_or_unregistered_output_has_no_recipe():
