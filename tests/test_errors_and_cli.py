@@ -70,6 +70,12 @@ def test_config_errors():
         load_config(None, ["optimizer.state_rounding=stochastic"])
     with pytest.raises(ConfigError, match="optimizer.state_rounding='up' is not one of auto, nearest, stochastic"):
         load_config(None, ["optimizer.kind=hybrid8bit", "optimizer.state_rounding=up"])
+    assert load_config(None, []).plan.recompute_blocks == ("mlp", "attention", "mlp_up")
+    assert load_config(None, ["plan.recompute_blocks=[attention, mlp_up]"]).plan.recompute_blocks == \
+        ("attention", "mlp_up")
+    with pytest.raises(ConfigError, match=r"plan.recompute_blocks: \['norm'\] cannot be recomputed; use any of "
+                                          "mlp, attention, mlp_up, or"):
+        load_config(None, ["plan.recompute_blocks=[mlp, norm]"])
 
 
 def test_state_rounding_auto_rounds_stochastically_when_fine_tuning_loaded_weights(tmp_path):
