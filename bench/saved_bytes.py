@@ -76,17 +76,17 @@ def main() -> None:
             up = f"{v['mlp_up'] / 1e3:.1f} | {v['mlp_up'] * 65536 / 1e9:.2f}" if "mlp_up" in v else "- | -"
             rows.append(f"| {shape} | {kind} | {v['hf'] / 1e3:.1f} | {v['lean'] / 1e3:.1f} | {v['lean'] / v['hf']:.3f} | "
                         f"{v['hf'] * 65536 / 1e9:.2f} | {v['lean'] * 65536 / 1e9:.2f} | {up} |")
+    header = (f"{records[0]['device']}, torch {records[0]['torch']}, transformers {records[0]['transformers']}; "
+              f"{args.dtype}, batch {args.batch} x seq {args.seq}, random weights and input. The count is the "
+              "profiler's (`saved_tensor_bytes`): distinct storages autograd saves, the layer input included, "
+              "weights and rotary tables not; a lean norm's output counts as its input (the executor stores that "
+              "and recomputes the output in backward). \"+ up recomputed\": the layer kept with "
+              "`recompute=mlp_up`. Command: `python bench/saved_bytes.py --shapes "
+              f"{' '.join(args.shapes)} --batch {args.batch} --seq {args.seq} --dtype {args.dtype}`")
+    columns = ("| shape | layer type | HF KB/token | lean KB/token | lean / HF | HF GB at 64 x 1024 | lean GB at 64 x 1024 "
+               "| lean + up recomputed KB/token | GB at 64 x 1024 |")
     lines = [f"# Saved bytes per token of one decoder layer, HF modules against the lean ops ({today()})", "",
-             f"{records[0]['device']}, torch {records[0]['torch']}, transformers {records[0]['transformers']}; "
-             f"{args.dtype}, batch {args.batch} x seq {args.seq}, random weights and input. The count is the "
-             "profiler's (`saved_tensor_bytes`): distinct storages autograd saves, the layer input included, "
-             "weights and rotary tables not; a lean norm's output counts as its input (the executor stores that and "
-             "recomputes the output in backward). \"+ up recomputed\": the layer kept with `recompute=mlp_up`. "
-             "Command: `python bench/saved_bytes.py --shapes "
-             f"{' '.join(args.shapes)} --batch {args.batch} --seq {args.seq} --dtype {args.dtype}`", "",
-             "| shape | layer type | HF KB/token | lean KB/token | lean / HF | HF GB at 64 x 1024 | lean GB at 64 x 1024 "
-             "| lean + up recomputed KB/token | GB at 64 x 1024 |",
-             "|---|---|---|---|---|---|---|---|---|", *rows]
+             header, "", columns, "|---|---|---|---|---|---|---|---|---|", *rows]
     stem = f"saved_bytes_{device_tag(device)}_{today()}{args.tag}"
     write_results(records, stem, "\n".join(lines) + "\n", args.out)
     print("\n".join(lines))

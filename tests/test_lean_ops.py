@@ -9,9 +9,9 @@ import torch
 import transformers
 from torch.autograd.graph import saved_tensors_hooks
 
+from lazytrain.model import lean
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import model_config
-from lazytrain.model import lean
 from lazytrain.model.lean import (
     LeanRMSNorm,
     LeanRotary,

@@ -17,8 +17,8 @@ from typing import Literal
 import yaml
 
 from lazytrain.errors import LazyTrainError
-from lazytrain.plan.plan import RECOMPUTE
 from lazytrain.optim.base import AdamWConfig
+from lazytrain.plan.plan import RECOMPUTE
 
 
 class ConfigError(LazyTrainError, ValueError):
