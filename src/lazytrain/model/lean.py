@@ -32,13 +32,13 @@ layers, the profiler's count of them):
   Inside `recomputable_outputs` (`ModelAdapter.layer_forward` opens one per layer call) each
   lean norm's output is registered; `saved_recipe` tells a pack hook that a tensor it is given
   is such an output, and what recomputes it (`Recomputed`: once per backward, however many
-  nodes read it). 14 KB per token of a Qwen2.5-7B layer (two [tokens, hidden] bf16 tensors of
-  121 KB saved), for two norm passes in backward. Without hooks nothing changes: autograd
+  nodes read it). 14 KB per token of a Qwen2.5-7B layer (two [tokens, hidden] bf16 tensors: 121.0
+  -> 106.6 KB saved), for two norm passes in backward. Without hooks nothing changes: autograd
   keeps the output.
 - With `recomputing_up` (a kept layer's ``LayerPlan.recompute = "mlp_up"``) `LeanSwiGLU` saves
   the gate projection's output but not the up projection's, and recomputes that in backward
-  (one [tokens, hidden] x [hidden, intermediate] matmul): 37.9 of the 121 KB per token at 7B,
-  for about 13 ms of a 150 ms layer forward + backward at 64 x 1024 tokens on an H200.
+  (one [tokens, hidden] x [hidden, intermediate] matmul): 37.9 of the 106.6 KB per token at 7B,
+  for 13.8 ms of a 150 ms layer forward + backward at 64 x 1024 tokens (H200, 2026-12-04).
 
 `apply_lean_ops` swaps the ``forward`` of the modules it recognises (by class, checked for the
 formula's parts: SiLU activation, no biases) inside a layer template; anything else keeps HF's.
