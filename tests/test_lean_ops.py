@@ -266,9 +266,20 @@ def test_a_changed_or_unregistered_output_has_no_recipe():
         assert recipe is not None and torch.equal(recipe.fn(*recipe.inputs), out)
         assert lean.saved_recipe(out[0]) is recipe  # a view of it
         assert lean.saved_recipe(x) is None
+        assert lean.saved_recipe(torch._neg_view(out)) is None  # a lazy negation of it
         with torch.no_grad():
             out.mul_(2)  # changed in place: no longer the norm of x
         assert lean.saved_recipe(out) is None
+        # an output that dies takes its entry along, and the inputs it held: a q/k norm's input
+        # is the q/k projection's output, which a layer recomputing its attention frees
+        y = torch.randn(2, 5, norm.weight.shape[0], requires_grad=True) * 1.0
+        registered = len(lean._OUTPUTS.get())
+        norm(y)
+        assert len(lean._OUTPUTS.get()) == registered
+        kept = norm(y)
+        assert len(lean._OUTPUTS.get()) == registered + 1
+        del kept
+        assert len(lean._OUTPUTS.get()) == registered
         with torch.no_grad():
             assert lean.saved_recipe(norm(x)) is None  # no graph: nothing saves it
     assert lean.saved_recipe(out) is None  # the registry is closed

@@ -234,6 +234,9 @@ def test_a_layer_without_a_lean_mlp_offers_no_up_projection_recompute(tmp_path):
     load_safetensors(adapter, store, folder)
     plan = keep_all_plan(2, 2, 7)
     plan.layers[1].recompute = "mlp_up"
-    ids = torch.randint(0, adapter.vocab_size, (2, 7))
     with pytest.raises(RecomputeUnavailable, match="recomputes 'mlp_up' in a 'full_attention' layer"):
-        Executor(adapter, store, plan, CPU).forward_backward(ids, ids.clone(), None)
+        Executor(adapter, store, plan, CPU)  # before any step
+    with pytest.raises(RecomputeUnavailable, match="whose MLP is not a memory-lean SwiGLU"):
+        adapter.layer_forward(1, adapter.layouts[2].leaves(store.weights[2]), torch.randn(2, 7, adapter.hidden_size),
+                              adapter.rotary_embeddings(torch.arange(7).expand(2, -1), torch.float32),
+                              adapter.layer_masks(None), recompute="mlp_up")

@@ -232,7 +232,8 @@ def recomputing_up():
 @dataclass(slots=True, eq=False)
 class Recipe:
     """How to recompute a registered output: ``fn(*inputs)``, bit for bit (the same kernels on
-    the same values). Compared by identity: one per output registered."""
+    the same values). Compared by identity: one per output registered. A change made past
+    autograd's version counter (through ``.data``) is not seen: nothing in a layer does that."""
 
     fn: Callable[..., torch.Tensor]
     inputs: tuple[torch.Tensor, ...]
@@ -265,7 +266,15 @@ def _register(output: torch.Tensor, fn: Callable[..., torch.Tensor], *inputs: to
     if outputs is None or not output.requires_grad or output.storage_offset() != 0 or not output.is_contiguous() \
             or output.untyped_storage().nbytes() != output.numel() * output.element_size():
         return
-    outputs[output.untyped_storage().data_ptr()] = Recipe(fn, inputs, weakref.ref(output), output._version)
+    key = output.untyped_storage().data_ptr()
+
+    def forget(ref: weakref.ref) -> None:
+        # the output is gone: so is the entry, and with it the inputs it held (a q/k norm's input
+        # is the q/k projection's output, which a layer recomputing its attention would free)
+        if key in outputs and outputs[key].output is ref:
+            del outputs[key]
+
+    outputs[key] = Recipe(fn, inputs, weakref.ref(output, forget), output._version)
 
 
 def saved_recipe(t: torch.Tensor) -> Recipe | None:
@@ -277,7 +286,8 @@ def saved_recipe(t: torch.Tensor) -> Recipe | None:
         return None
     recipe = outputs.get(t.untyped_storage().data_ptr())
     output = recipe.output() if recipe is not None else None
-    if output is None or output._version != recipe.version or t._version != recipe.version or t.dtype != output.dtype:
+    if output is None or output._version != recipe.version or t._version != recipe.version or t.dtype != output.dtype \
+            or t.is_neg() or t.is_conj():  # a lazy negation / conjugation is not in the storage
         return None
     return recipe
 

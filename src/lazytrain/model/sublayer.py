@@ -48,16 +48,22 @@ def options(template: torch.nn.Module) -> tuple[str, ...]:
     return RECOMPUTE_BLOCKS + (RECOMPUTE_PARTS if is_lean_swiglu(getattr(template, "mlp", None)) else ())
 
 
+def check_option(template: torch.nn.Module, layer_type: str, recompute: str) -> None:
+    """Raise `RecomputeUnavailable` unless a kept ``layer_type`` layer built from ``template`` can
+    recompute ``recompute`` (the executor checks a plan's layers before its first step)."""
+    if recompute in RECOMPUTE_PARTS and recompute not in options(template):
+        raise RecomputeUnavailable(
+            f"the plan recomputes {recompute!r} in a {layer_type!r} layer, whose MLP is not a memory-lean "
+            "SwiGLU (model.lean_ops=false, or another kind of MLP); plan again (`lazytrain plan`) for "
+            "this model, or set that layer's recompute to 'mlp' or 'none'")
+
+
 def recomputing(template: torch.nn.Module, layer_type: str, recompute: str, params: dict[str, torch.Tensor]):
     """The context a kept layer's forward runs in for ``recompute`` (``LayerPlan.recompute``)."""
     if recompute == "none":
         return nullcontext()
     if recompute in RECOMPUTE_PARTS:
-        if recompute not in options(template):
-            raise RecomputeUnavailable(
-                f"the plan recomputes 'mlp_up' in a {layer_type!r} layer, whose MLP is not a memory-lean "
-                "SwiGLU (model.lean_ops=false, or another kind of MLP); plan again (`lazytrain plan`) for "
-                "this model, or set that layer's recompute to 'mlp' or 'none'")
+        check_option(template, layer_type, recompute)
         return recomputing_up()
     return recomputed(template, block_name(layer_type, recompute), params)
 

@@ -52,6 +52,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from lazytrain.memory.host_store import HostStore
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model.adapter import ModelAdapter, mask_tensors, right_padded
+from lazytrain.model import sublayer
 from lazytrain.model.lean import Recomputed, saved_recipe
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.activations import ActivationStore, Handle
@@ -151,6 +152,9 @@ class Executor:
         """``fetch_allocation``: the GPU memory pool of activations fetched back from the host or
         NVMe tier (`ActivationStore`)."""
         plan.check(adapter.num_layers)
+        for i, lp in enumerate(plan.layers):
+            if lp.mode == "keep":
+                sublayer.check_option(adapter.templates[adapter.layer_types[i]], adapter.layer_types[i], lp.recompute)
         self.parallel = parallel
         """Data parallel: ``store`` is then a ``ShardedHostStore`` (gradients are shards)."""
         self.adapter = adapter

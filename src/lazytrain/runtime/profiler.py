@@ -183,7 +183,9 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
         kept with ``recompute``."""
         times = []
         for _ in range(repeats + 2):
-            state["out"] = forward_grad(recompute)
+            # under the byte count's pack hook, as the executor's keep layers run: a lean norm's
+            # output is recomputed in the backward timed here (two norm passes a layer)
+            state["out"], _ = saved_tensor_bytes(lambda: forward_grad(recompute), excluded)
             times.append(time_ms(device, run_backward, 1, warmup=0))
         state.pop("out")  # its output would stay allocated under the next forward's window
         seen: set[int] = set()
