@@ -51,8 +51,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from lazytrain.memory.host_store import HostStore
 from lazytrain.memory.nvme import NvmeStore
-from lazytrain.model.adapter import ModelAdapter, mask_tensors, right_padded
 from lazytrain.model import sublayer
+from lazytrain.model.adapter import ModelAdapter, mask_tensors, right_padded
 from lazytrain.model.lean import Recomputed, saved_recipe
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.activations import ActivationStore, Handle
