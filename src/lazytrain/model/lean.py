@@ -314,6 +314,17 @@ class Recomputed:
         return value
 
 
+def recomputed_read(recipe: Recipe, states: dict, pack: Callable[[torch.Tensor], object]) -> Recomputed:
+    """A pack hook's `Recomputed` for one more saved tensor viewing ``recipe``'s output: the one
+    in ``states`` (the hook's, by recipe), or a new one there with the recipe's inputs packed by
+    ``pack`` (the hook itself)."""
+    state = states.get(recipe)
+    if state is None:
+        state = states[recipe] = Recomputed(recipe.fn, [pack(i) for i in recipe.inputs])
+    state.reads += 1
+    return state
+
+
 def _norm_output(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, ops: Pointwise):
     return ops.rms_norm(_rows(x).detach(), weight, eps, zero_centered)[0].reshape(x.shape)
 

@@ -53,7 +53,7 @@ from lazytrain.memory.host_store import HostStore
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model import sublayer
 from lazytrain.model.adapter import ModelAdapter, mask_tensors, right_padded
-from lazytrain.model.lean import Recomputed, saved_recipe
+from lazytrain.model.lean import Recomputed, recomputed_read, saved_recipe
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.activations import ActivationStore, Handle
 from lazytrain.runtime.distributed import DataParallel
@@ -269,11 +269,7 @@ class Executor:
             where = (tuple(t.size()), tuple(t.stride()), t.storage_offset())
             recipe = saved_recipe(t)
             if recipe is not None:  # a lean norm's output: its inputs are stored, it is recomputed
-                if recipe not in stored:
-                    stored[recipe] = (Recomputed(recipe.fn, [pack(i) for i in recipe.inputs]), None)
-                state = stored[recipe][0]
-                state.reads += 1
-                return _RecomputedRef(state, *where)
+                return _RecomputedRef(recomputed_read(recipe, stored, pack), *where)
             if ptr == slot_ptr:
                 return _WeightRef(layer, *where)
             if ptr in const_ptrs:

@@ -7,8 +7,8 @@ storages de-duplicated, weights and step constants left out, the lean norms' out
 the executor keeps them: as their inputs) and the working sets from the allocator's peaks; and,
 at the reference shape, the saved bytes, backward time and working set of the layer kept with
 each thing it may recompute in backward (`sublayer.options`: its MLP, its attention block, its
-MLP's up projection; ``LayerCosts.recompute_options``). A stack of several layer types (Qwen3.5's linear and full
-attention) has each type measured on its first layer. Constants: the embedding and the chunked head + loss. Machine: H2D, D2H
+MLP's up projection; ``LayerCosts.recompute_options``). A stack of several layer types
+(Qwen3.5's linear and full attention) has each type measured on its first layer. Constants: the embedding and the chunked head + loss. Machine: H2D, D2H
 and both-directions bandwidth at one layer's transfer size, the slowdown of compute while a
 copy runs, the CPU optimizer's time per parameter, and (given an `NvmeStore`) the disk's
 write and read bandwidth through the NVMe tier's own path (pinned buffer, thread pool, CRC) at
@@ -29,7 +29,7 @@ from lazytrain.memory.host_store import HostStore, activation_room, host_memory_
 from lazytrain.memory.nvme import NvmeStore, aligned_empty
 from lazytrain.model import sublayer
 from lazytrain.model.adapter import ModelAdapter, mask_tensors
-from lazytrain.model.lean import Recipe, Recomputed, saved_recipe
+from lazytrain.model.lean import Recipe, Recomputed, recomputed_read, saved_recipe
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.optim.factory import describe
 from lazytrain.optim.split import SplitMaster
@@ -89,10 +89,7 @@ def saved_tensor_bytes(fn: Callable[[], object], excluded: tuple[torch.Tensor, .
     def pack(t: torch.Tensor):
         recipe = saved_recipe(t)
         if recipe is not None:  # a lean norm's output: its inputs are what is kept, as in the executor
-            if recipe not in recomputed:
-                recomputed[recipe] = Recomputed(recipe.fn, [pack(i) for i in recipe.inputs])
-            recomputed[recipe].reads += 1
-            return recomputed[recipe], tuple(t.size()), tuple(t.stride()), t.storage_offset()
+            return recomputed_read(recipe, recomputed, pack), tuple(t.size()), tuple(t.stride()), t.storage_offset()
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in skip and ptr not in saved:
