@@ -278,6 +278,15 @@ class CostTable:
     head waits for it and the first forward does not. None (tables written before 2026-12-04):
     the step models update and upload all of ``const_params`` before the embedding."""
 
+    const_update_ms: float | None = None
+    """The AdamW step of the embedding and the final group together on the GPU (a plan's
+    ``const_update="device"``), timed by the profiler with the run's optimizer; None (tables
+    written before 2026-12-04, or an optimizer without a device step): the planner keeps them
+    on the host."""
+    const_update_bytes: int = 0
+    """GPU bytes those groups' master remainder (or fp32 master) and optimizer state take
+    while they are stepped there (through the whole step, beside ``gpu_fixed_bytes``)."""
+
     h2d_gbps: float
     d2h_gbps: float
     bidir_gbps: float
@@ -382,6 +391,10 @@ class CostTable:
             )
         if self.copy_slowdown < 1:
             raise ValueError(f"copy_slowdown must be >= 1, got {self.copy_slowdown}")
+        if self.const_update_ms is not None and self.const_update_ms < 0:
+            raise ValueError(f"const_update_ms must be >= 0 or None, got {self.const_update_ms}")
+        if self.const_update_bytes < 0:
+            raise ValueError(f"const_update_bytes must be >= 0, got {self.const_update_bytes}")
         if self.optimizer_ns_per_param < 0:
             raise ValueError(
                 f"optimizer_ns_per_param must be >= 0, got {self.optimizer_ns_per_param}"

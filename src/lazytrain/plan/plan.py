@@ -30,6 +30,9 @@ from lazytrain.errors import LazyTrainError
 MODES = ("keep", "checkpoint", "drop")
 TIERS = ("gpu", "host", "nvme")
 RECOMPUTE = ("none", "mlp", "attention", "mlp_up")
+CONST_UPDATES = ("host", "device")
+"""Where the embedding and the final norm + head (the groups resident on the GPU) take their
+AdamW step: with the decoder layers on the host CPU, or on the executor's device."""
 
 
 class PlanError(LazyTrainError, ValueError):
@@ -76,11 +79,19 @@ class Plan:
     """Tokens per chunk of the LM head + cross-entropy (the full logits never exist)."""
     weight_prefetch: int = 1
     """How many layers ahead weights are copied to the GPU (1 = double buffering)."""
+    const_update: str = "host"
+    """Where the resident groups (embedding, final norm + head) take their optimizer step
+    (`CONST_UPDATES`): ``host``, the CPU optimizer with the layers (their gradients copied out,
+    their new weights copied back); ``device``, the GPU, where their master remainder and
+    optimizer state then live (`CostTable.const_update_bytes`): no copies, and no CPU time
+    before the first layer's and after the last layer's update (`runtime.update`)."""
     predicted_step_time_s: float | None = None
     notes: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.layers = [lp if isinstance(lp, LayerPlan) else LayerPlan(**lp) for lp in self.layers]
+        if self.const_update not in CONST_UPDATES:
+            raise ValueError(f"plan const_update {self.const_update!r} is not one of {CONST_UPDATES}")
         if self.batch_size < 1 or self.seq_len < 1:
             raise ValueError(
                 f"plan batch_size and seq_len must be >= 1, got {self.batch_size}, {self.seq_len}"
