@@ -18,11 +18,14 @@ with the next forward) and simulates the plan, for each scenario:
 - ``CPU update F x slower``: the update as a step's copies slow it (``--slowdowns``; on the H200
   the 7B steps of 12-01..12-04 updated at 0.224-0.336 ns/param against profiles of 0.253-0.275,
   and the update is memory-bound there, `bench/optim_bench.py --threads`);
-- ``embedding + head updated on the GPU``: their update taken off the CPU (``const_params``
-  no longer on the CPU's timeline) and their master remainders and states held on the card
-  (``--device-update-bytes``: bytes per parameter taken from the card), alone and with each
-  slowdown: a design not built, estimated. Not counted: the head's gradient held on the card
-  until the norm is known (2 B per head parameter, 1.09 GB at 7B) and the update's temporaries.
+- ``embedding + head updated on the GPU``: the plan's ``const_update="device"`` (their update
+  on the card, timed by the profiler: ``const_update_ms``, ``const_update_bytes``), alone and
+  with each slowdown; every other row keeps them on the host, so this row shows what moving
+  them buys. A table profiled before 2026-12-04 has no such time: the row then estimates it,
+  their update taken off the CPU (``const_params`` no longer on the CPU's timeline, no GPU time)
+  and their master remainders and states held on the card (``--device-update-bytes``: bytes per
+  parameter taken from the card); not counted there: their gradients held on the card until
+  the update (2 B per parameter, 1.09 GB for the 7B head) and the update's temporaries.
 
 Compute-only (the issue-19 denominator) is taken from the table as each layer's forward +
 backward plus the head and the embedding (``bench/plan_bench.py`` measures it with the weights
@@ -63,7 +66,8 @@ bf16 weight is resident anyway) and the 8-bit m and sqrt(v) with their block abs
 
 
 def scenarios(costs: CostTable, speedups: list[float], extra_gb: list[float], slowdowns: list[float] = (),
-              device_update_bytes: float = DEVICE_UPDATE_BYTES) -> list[tuple[str, CostTable]]:
+              device_update_bytes: float = DEVICE_UPDATE_BYTES) -> list[tuple[str, CostTable, str]]:
+    """(name, cost table, where the embedding and head are stepped: `Plan.const_update`) per row."""
     fast_links = {"h2d_gbps": costs.h2d_gbps * FAST, "d2h_gbps": costs.d2h_gbps * FAST,
                   "bidir_gbps": costs.bidir_gbps * FAST}
     out = [("as profiled", costs), ("free CPU update", dataclasses.replace(costs, optimizer_ns_per_param=0.0))]
@@ -77,26 +81,32 @@ def scenarios(costs: CostTable, speedups: list[float], extra_gb: list[float], sl
             for gb in extra_gb]
     ns = costs.optimizer_ns_per_param
     out += [(f"CPU update {f:g} x slower", dataclasses.replace(costs, optimizer_ns_per_param=ns * f)) for f in slowdowns]
-    on_gpu = {"const_params": 0, "head_params": None,
-              "gpu_bytes": costs.gpu_bytes - int(costs.const_params * device_update_bytes)}
-    out += [("embedding + head updated on the GPU", dataclasses.replace(costs, **on_gpu))]
+    out = [(name, table, "host") for name, table in out]
+    if costs.const_update_ms is not None:
+        on_gpu, const_update = {}, "device"
+    else:  # estimated (see the module docstring)
+        on_gpu = {"const_params": 0, "head_params": None,
+                  "gpu_bytes": costs.gpu_bytes - int(costs.const_params * device_update_bytes)}
+        const_update = "host"
+    out += [("embedding + head updated on the GPU", dataclasses.replace(costs, **on_gpu), const_update)]
     out += [(f"embedding + head updated on the GPU, CPU update {f:g} x slower",
-             dataclasses.replace(costs, optimizer_ns_per_param=ns * f, **on_gpu)) for f in slowdowns]
+             dataclasses.replace(costs, optimizer_ns_per_param=ns * f, **on_gpu), const_update) for f in slowdowns]
     return out
 
 
-def row(name: str, costs: CostTable, table: str, time_limit: float, profiled_plan: Plan | None = None) -> dict:
-    """The scenario's solved plan, simulated; with ``profiled_plan`` (the as-profiled row's plan)
-    also that plan's step under this scenario's costs, not re-solved (timing only: on a smaller
-    card it may not fit)."""
+def row(name: str, costs: CostTable, table: str, time_limit: float, profiled_plan: Plan | None = None,
+        const_update: str = "host") -> dict:
+    """The scenario's solved plan (the embedding and head stepped where ``const_update`` says),
+    simulated; with ``profiled_plan`` (the as-profiled row's plan) also that plan's step under this
+    scenario's costs, not re-solved (timing only: on a smaller card it may not fit)."""
     floor = compute_only_s(costs)
     record = {"name": name, "table": table, "batch_size": costs.batch_size, "seq_len": costs.seq_len,
               "device": costs.device, "optimizer_ns_per_param": costs.optimizer_ns_per_param,
-              "head_params": costs.head_params,
+              "head_params": costs.head_params, "const_update": const_update,
               "compute_only_s": floor}
     try:
         plan = solve_plan(costs, optimizer_overlap=True, head_chunk_tokens=costs.head_chunk_tokens or 4096,
-                          time_limit_s=time_limit)
+                          time_limit_s=time_limit, const_update=const_update)
     except PlanInfeasible as err:
         return {**record, "status": f"no plan: {err}"}
     sim = simulate(plan, costs, optimizer_overlap=True)
@@ -138,6 +148,12 @@ def markdown(records: list[dict], table: str, options: str = "") -> str:
               "GPU compute less compute-only (recompute, and compute slowed by copies in flight). \"the profiled "
               "plan\": the as-profiled row's plan under the scenario's costs, not re-solved (what a run of that "
               "plan would take if only the resource changed; timing only)."]
+    if any(r["const_update"] == "device" for r in records):
+        lines.append("\n\"embedding + head updated on the GPU\": the plan's const_update=device with the table's "
+                     "const_update_ms and const_update_bytes; every other row steps them on the host.")
+    else:
+        lines.append("\n\"embedding + head updated on the GPU\": estimated (the table has no const_update_ms): "
+                     "their update off the CPU at no GPU time, their states taken from the card.")
     return "\n".join(lines) + "\n"
 
 
@@ -150,7 +166,8 @@ def main() -> None:
     parser.add_argument("--slowdowns", type=float, nargs="*", default=[1.33],
                         help="the CPU update this many times slower than profiled (as in a step)")
     parser.add_argument("--device-update-bytes", type=float, default=DEVICE_UPDATE_BYTES,
-                        help="card bytes per parameter of a group updated on the GPU")
+                        help="card bytes per parameter of a group updated on the GPU, for a table without "
+                             "const_update_ms (with it, the profiled const_update_bytes are used)")
     parser.add_argument("--head-params", type=int, default=None,
                         help="the last group's parameters, for a table written before the cost table had "
                              "head_params (its update then runs after the layers', as the executor runs it)")
@@ -164,12 +181,14 @@ def main() -> None:
                          "const_params)")
         costs = dataclasses.replace(costs, head_params=args.head_params)
     named = scenarios(costs, args.speedups, args.extra_gb, args.slowdowns, args.device_update_bytes)
-    first = row(*named[0], args.table, args.time_limit)
+    name, table, const_update = named[0]
+    first = row(name, table, args.table, args.time_limit, const_update=const_update)
     profiled = None
     if first["status"] == "ok":
         profiled = Plan.from_dict(first["plan"])
         first["profiled_plan_step_s"] = first["predicted_step_time_s"]
-    records = [first] + [row(name, table, args.table, args.time_limit, profiled) for name, table in named[1:]]
+    records = [first] + [row(name, table, args.table, args.time_limit, profiled, const_update)
+                         for name, table, const_update in named[1:]]
     for r in records:
         r.pop("plan", None)  # the layer modes say enough; whole plans would bloat the record file
         if r["status"] == "ok":

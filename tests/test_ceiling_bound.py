@@ -29,7 +29,7 @@ def squeezed_table(seed: int, layers: int = 5):
 def test_each_freed_resource_shortens_or_keeps_the_step(seed, tmp_path):
     table = squeezed_table(seed)
     floor = compute_only_s(table)
-    rows = {name: row(name, t, "t.json", 10.0) for name, t in scenarios(table, [2.0], [1.0])}
+    rows = {name: row(name, t, "t.json", 10.0, const_update=where) for name, t, where in scenarios(table, [2.0], [1.0])}
     # the GPU-update row takes card memory away: on a squeezed card it may leave no plan
     on_gpu = rows.pop("embedding + head updated on the GPU")
     assert on_gpu["status"] == "ok" or on_gpu["status"].startswith("no plan")
@@ -57,8 +57,10 @@ def test_each_freed_resource_shortens_or_keeps_the_step(seed, tmp_path):
 
 
 def test_the_gpu_update_scenario_takes_the_constants_off_the_cpu_and_their_states_off_the_card():
+    """A table without the device step's time: the scenario is estimated by editing the table."""
     table = squeezed_table(3)
-    named = dict(scenarios(table, [], [], [1.5], device_update_bytes=4.0))
+    named = {name: t for name, t, _ in scenarios(table, [], [], [1.5], device_update_bytes=4.0)}
+    assert {where for *_, where in scenarios(table, [], [], [1.5])} == {"host"}
     on_gpu = named["embedding + head updated on the GPU"]
     assert on_gpu.const_params == 0 and table.const_params > 0 and not on_gpu.head_params
     assert on_gpu.gpu_bytes == table.gpu_bytes - 4 * table.const_params
@@ -76,3 +78,20 @@ def test_the_gpu_update_scenario_takes_the_constants_off_the_cpu_and_their_state
     again = row("CPU update 1.5 x slower", slower, "t.json", 10.0, profiled)
     assert again["profiled_plan_step_s"] == pytest.approx(simulate(profiled, slower, optimizer_overlap=True).step_time_s)
     assert again["profiled_plan_step_s"] > step["as profiled"] * tol  # the same plan, a slower update
+
+
+def test_a_table_with_the_device_steps_time_plans_the_gpu_scenario_with_const_update_device():
+    table = dataclasses.replace(squeezed_table(3), const_update_ms=2.0, const_update_bytes=10**6)
+    named = scenarios(table, [], [], [1.5])
+    where = {name: w for name, _, w in named}
+    assert where["embedding + head updated on the GPU"] == "device"
+    assert where["embedding + head updated on the GPU, CPU update 1.5 x slower"] == "device"
+    assert {w for name, w in where.items() if "on the GPU" not in name} == {"host"}
+    tables = {name: t for name, t, _ in named}
+    assert tables["embedding + head updated on the GPU"] == table  # the real option: the table as profiled
+    on_gpu = row("embedding + head updated on the GPU", table, "t.json", 10.0, const_update="device")
+    profiled = row("as profiled", table, "t.json", 10.0)
+    assert on_gpu["const_update"] == "device" and Plan.from_dict(on_gpu["plan"]).const_update == "device"
+    assert profiled["const_update"] == "host" and Plan.from_dict(profiled["plan"]).const_update == "host"
+    # the update is on the critical path here (0.5 ns/param): off the CPU, the step is shorter
+    assert on_gpu["predicted_step_time_s"] < profiled["predicted_step_time_s"]

@@ -467,6 +467,8 @@ class CostTable:
             d2h_gbps=self.d2h_gbps * share,
             bidir_gbps=self.bidir_gbps * share,
             optimizer_ns_per_param=self.optimizer_ns_per_param / share * self.world_size / world_size,
+            # the executor steps the resident groups on the GPU in a single process only
+            const_update_ms=self.const_update_ms if world_size == 1 else None,
             world_size=world_size,
             local_world_size=local_world_size,
             layers=[replace(lc) for lc in self.layers],
@@ -510,6 +512,16 @@ class CostTable:
                 f"{source} timed the CPU optimizer as {self.optimizer}, this run steps {optimizer} "
                 "(optimizer.kind, optimizer.state_rounding), whose step takes another time; profile "
                 "with this run's optimizer settings (`lazytrain profile`) or drop plan.costs"
+            )
+
+    def check_const_update(self, const_update: str) -> None:
+        """Raise `CostTableMismatch` if a plan's ``const_update`` needs a time this table lacks."""
+        if const_update == "device" and self.const_update_ms is None:
+            raise CostTableMismatch(
+                "const_update='device' steps the embedding and head on the GPU, but the cost table has no "
+                "const_update_ms (written before 2026-12-04, for several ranks, or with an optimizer without "
+                "a device step); profile again (`lazytrain profile`, optimizer.kind=hybrid8bit, one process) "
+                "or use const_update=host"
             )
 
     def check_attention(self, attention: str, source: str = "the cost table") -> None:

@@ -46,6 +46,13 @@ LP relaxation without changing the integer optimum: per-stage "hull" rows giving
 prefetch/offload its exact extra time (a fraction of an offload cannot hide in a stage's slack),
 and a cardinality cut on the GPU-kept layers from the head's memory row.
 
+The embedding and the final norm + head take their optimizer step on the host (their
+gradients copied out in the embedding's backward stage, their new weights in before the
+embedding and the head) or, ``const_update="device"``, on the GPU: no copies, and
+``const_update_ms`` of compute in the embedding's stage (with ``optimizer_overlap``) or after
+the CPU step (without), with ``const_update_bytes`` more GPU memory in every stage. `solve_plan`
+solves either or both and keeps the faster.
+
 The simulator and this model agree exactly (up to solver tolerances) on plans this model can
 express: prefetch distances 1, no host/NVMe tier on the last layer, no NVMe tier on the last
 four (tensors must reach the disk before they are read back). With ``optimizer_overlap`` the
@@ -66,7 +73,7 @@ from scipy.sparse import coo_matrix
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable
-from lazytrain.plan.plan import LayerPlan, Plan
+from lazytrain.plan.plan import CONST_UPDATES, LayerPlan, Plan
 
 MODE_LAYER = {
     "f": ("keep", "gpu"),
@@ -234,12 +241,14 @@ def _build(
     tiers: tuple[str, ...],
     overlap: bool,
     max_segment: int,
+    device: bool = False,
     fixed: Plan | None = None,
     memory: bool = True,
     minimize_gpu: bool = False,
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
 ) -> _Built:
-    """The MILP, in ms and GB. ``fixed`` pins every decision to that plan's (evaluation)."""
+    """The MILP, in ms and GB. ``device``: the embedding and head stepped on the GPU
+    (``const_update="device"``). ``fixed`` pins every decision to that plan's (evaluation)."""
     c = costs
     L = c.num_layers
     m = _Model()
@@ -442,7 +451,10 @@ def _build(
             extra = extra + ind * gain
         m.ge(t, extra)
 
-    t_embed = stage(c.embed_forward_ms, w[0], 0.0)
+    # stepped on the GPU with the overlap, the embedding and head go ahead of the embedding forward
+    # (the stage's copies start with them: the executor does not wait for the GPU step)
+    device_ms = c.const_update_ms if device else 0.0
+    t_embed = stage(c.embed_forward_ms + (device_ms if overlap else 0.0), w[0], 0.0)
     t_fwd = []
     for i in range(L):
         nvme_ms = n[i - 2] * (x[i - 2] * cnw) if i >= 2 else _Expr()
@@ -488,14 +500,17 @@ def _build(
                 if not ind.is_zero():
                     base = compute - rc * not_keep[i] - block_ms + r * ind
                     hull(t, base, bw + r, unit_options(i), grad_out)
-    stage(c.embed_backward_ms, 0.0, (w[0] + c.const_grad_bytes / GB) * c.grad_share)
+    const_grads = 0.0 if device else c.const_grad_bytes / GB  # stepped on the GPU: no copy out
+    stage(c.embed_backward_ms, 0.0, (w[0] + const_grads) * c.grad_share)
 
     if overlap:
         # The previous step's CPU update runs first: the embedding, then layer 0, 1, ..., then
-        # the final norm + head (`CostTable.const_split`); layer j's weights are copied only
-        # after its update, the head's before the head runs.
+        # the final norm + head (`CostTable.const_split`; stepped on the GPU, the layers only);
+        # layer j's weights are copied only after its update, the head's before the head runs.
         ns = c.optimizer_ns_per_param * 1e-6
-        (first_params, first_bytes), (head_params, head_bytes) = c.const_split()
+        (first_params, first_bytes), (head_params, head_bytes) = (
+            ((0, 0.0), (0, 0.0)) if device else c.const_split()
+        )
         opt_done = ns * first_params
         start = opt_done + first_bytes / GB * ch
         m.objective_const = start
@@ -506,6 +521,9 @@ def _build(
             elapsed = elapsed + t_fwd[j]
         if head_params:
             m.ge(elapsed, opt_done + ns * head_params + head_bytes / GB * ch - start)
+    elif device:
+        # the CPU steps the layers, then the GPU the embedding and head (`HostUpdater.start`)
+        m.objective_const = c.optimizer_ns_per_param * sum(lc.params for lc in lay) * 1e-6 + device_ms
     else:
         m.objective_const = c.optimizer_ms + c.const_weight_bytes / GB * ch
 
@@ -517,8 +535,9 @@ def _build(
             cap: _Expr | float = gpu_var
         else:
             cap = (c.gpu_bytes if gpu_bytes is None else gpu_bytes) / GB - _MARGIN_GB
-        fixed_gb = c.step_fixed_bytes / GB
-        forward_fixed_gb = c.forward_fixed_bytes / GB
+        device_gb = c.const_update_bytes / GB if device else 0.0
+        fixed_gb = c.step_fixed_bytes / GB + device_gb
+        forward_fixed_gb = c.forward_fixed_bytes / GB + device_gb
         grads = c.grad_buffers * max(w)
         # GPU-kept bytes of layers < i, as running-sum columns (keeps the matrix sparse).
         kept_before = [_Expr()]
@@ -529,7 +548,8 @@ def _build(
 
         # before the head: no gradients of the embedding and head; an offloaded tensor's GPU
         # copy is freed in its own stage
-        m.le(forward_fixed_gb + w[0] + x[0], cap)  # the embedding's output
+        # the embedding's output; stepped on the GPU, before it the update with their gradients
+        m.le(forward_fixed_gb + w[0] + max(x[0], c.const_grad_bytes / GB if device else 0.0), cap)
         for i in range(L):
             current = x[i] + saved(i, "fo") - (f[i] + o[i]) * x[i]
             m.le(
@@ -639,11 +659,25 @@ class SolveStats:
 
     status: str
     solve_time_s: float
+    """Of every solve: with ``const_update=None`` the host's and the device's."""
     objective_s: float
     mip_gap: float
     num_binaries: int
     num_rows: int
     num_columns: int
+
+
+def _const_update_choices(costs: CostTable, const_update: str | None) -> tuple[str, ...]:
+    """Where the embedding and head may take their step: ``const_update``, or (None) the host
+    and, where the table has the GPU step's time, the device."""
+    if const_update is None:
+        return ("host", "device") if costs.const_update_ms is not None else ("host",)
+    if const_update not in CONST_UPDATES:
+        raise ValueError(
+            f"const_update {const_update!r} is not one of {CONST_UPDATES}, or None for the faster of them"
+        )
+    costs.check_const_update(const_update)
+    return (const_update,)
 
 
 def solve_plan(
@@ -657,37 +691,54 @@ def solve_plan(
     time_limit_s: float = 10.0,
     mip_rel_gap: float = 1e-4,
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
+    const_update: str | None = None,
 ) -> Plan:
     """The plan with the least predicted step time at ``costs``' batch shape.
 
     ``gpu_bytes`` overrides ``costs.gpu_bytes`` (a memory cap); ``tiers`` limits where
     activations may live; ``max_segment`` bounds a recompute segment's length (checkpoint +
     drop layers); ``recompute`` lists the blocks a kept layer may recompute (where the table
-    has their costs; ``()``: whole layers only). The plan is optimal within ``mip_rel_gap`` (relative), or the best found
-    in ``time_limit_s`` (``notes["milp"]["status"] == "time limit"``, with its gap). Raises
-    `PlanInfeasible` when no plan fits.
+    has their costs; ``()``: whole layers only). ``const_update`` is where the embedding and
+    head take their optimizer step (`Plan.const_update`): ``host``, ``device``, or None: each
+    the table allows (device only with its ``const_update_ms``) is solved and the faster plan
+    kept (the host on a tie); ``notes["const_update"]`` holds each one's predicted step (None:
+    no plan fits). The plan is optimal within ``mip_rel_gap`` (relative), or the best found in
+    ``time_limit_s`` per solve (``notes["milp"]["status"] == "time limit"``, with its gap).
+    Raises `PlanInfeasible` when no plan fits.
     """
     start = time.perf_counter()
-    built = _build(
-        costs,
-        gpu_bytes=gpu_bytes,
-        tiers=tiers,
-        overlap=optimizer_overlap,
-        max_segment=max_segment,
-        recompute=recompute,
-    )
-    res = built.model.solve(time_limit_s, mip_rel_gap)
+    solved = {}
+    for choice in _const_update_choices(costs, const_update):
+        built = _build(
+            costs,
+            gpu_bytes=gpu_bytes,
+            tiers=tiers,
+            overlap=optimizer_overlap,
+            max_segment=max_segment,
+            device=choice == "device",
+            recompute=recompute,
+        )
+        res = built.model.solve(time_limit_s, mip_rel_gap)
+        if res.x is None and res.status != 2:
+            raise RuntimeError(f"MILP solver failed: {res.message}")
+        solved[choice] = (built, res)
     elapsed = time.perf_counter() - start
-    if res.x is None:
-        if res.status == 2:
-            raise PlanInfeasible(_infeasible_message(costs, gpu_bytes, tiers, max_segment, recompute))
-        raise RuntimeError(f"MILP solver failed: {res.message}")
+    objective_ms = {
+        choice: float(res.fun) + built.model.objective_const
+        for choice, (built, res) in solved.items()
+        if res.x is not None
+    }
+    if not objective_ms:
+        raise PlanInfeasible(
+            _infeasible_message(costs, gpu_bytes, tiers, max_segment, recompute, const_update)
+        )
+    choice = min(objective_ms, key=objective_ms.__getitem__)
+    built, res = solved[choice]
     layers = _decode(built, res.x, costs.num_layers)
-    objective_ms = float(res.fun) + built.model.objective_const
     stats = SolveStats(
         status={0: "optimal", 1: "time limit"}.get(res.status, f"status {res.status}"),
         solve_time_s=elapsed,
-        objective_s=objective_ms * 1e-3,
+        objective_s=objective_ms[choice] * 1e-3,
         mip_gap=float(getattr(res, "mip_gap", 0.0) or 0.0),
         num_binaries=built.num_binaries,
         num_rows=len(built.model.rows),
@@ -700,10 +751,12 @@ def solve_plan(
         layers=layers,
         head_chunk_tokens=head_chunk_tokens,
         weight_prefetch=1,
-        predicted_step_time_s=objective_ms * 1e-3,
+        const_update=choice,
+        predicted_step_time_s=objective_ms[choice] * 1e-3,
         notes={
             "optimizer_overlap": optimizer_overlap,
             "milp": {k: getattr(stats, k) for k in SolveStats.__slots__},
+            "const_update": {k: objective_ms[k] * 1e-3 if k in objective_ms else None for k in solved},
         },
     )
 
@@ -718,6 +771,7 @@ def milp_evaluate(
     if plan.weight_prefetch != 1 or any(lp.prefetch != 1 for lp in plan.layers):
         raise ValueError("the MILP models prefetch distance 1 only")
     plan.check(costs.num_layers)
+    costs.check_const_update(plan.const_update)
     if optimizer_overlap is None:
         optimizer_overlap = bool(plan.notes.get("optimizer_overlap", False))
     unbounded = replace(costs, host_bytes=2**62, nvme_bytes=2**62)
@@ -726,6 +780,7 @@ def milp_evaluate(
         "tiers": ("gpu", "host", "nvme"),
         "overlap": optimizer_overlap,
         "max_segment": 0,
+        "device": plan.const_update == "device",
         "fixed": plan,
     }
     timed = _build(unbounded, memory=False, **kw)
@@ -745,15 +800,18 @@ def min_gpu_bytes(
     max_segment: int = DEFAULT_MAX_SEGMENT,
     time_limit_s: float = 30.0,
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
+    const_update: str | None = None,
 ) -> int:
     """The least GPU memory (fixed part included) any plan needs at ``costs``' batch shape,
-    within the host and NVMe capacities."""
+    within the host and NVMe capacities, with the embedding and head stepped where
+    ``const_update`` says (None: either; that is the host, as the device step only adds)."""
     built = _build(
         costs,
         gpu_bytes=None,
         tiers=tiers,
         overlap=False,
         max_segment=max_segment,
+        device=_const_update_choices(costs, const_update)[0] == "device",
         minimize_gpu=True,
         recompute=recompute,
     )
@@ -769,13 +827,19 @@ def _infeasible_message(
     tiers: tuple[str, ...],
     max_segment: int,
     recompute: tuple[str, ...],
+    const_update: str | None,
 ) -> str:
     budget = costs.gpu_bytes if gpu_bytes is None else gpu_bytes
-    need = min_gpu_bytes(costs, tiers=tiers, max_segment=max_segment, recompute=recompute)
+    need = min_gpu_bytes(costs, tiers=tiers, max_segment=max_segment, recompute=recompute,
+                         const_update=const_update)
+    device = ""
+    if const_update == "device":
+        device = (f", or step the embedding and head on the host (const_update=host: their GPU step "
+                  f"holds {costs.const_update_bytes / GiB:.2f} GiB)")
     return (
         f"GPU memory: no plan fits batch {costs.batch_size} x seq {costs.seq_len} in "
         f"{budget / GiB:.2f} GiB; the cheapest plan needs {need / GiB:.2f} GiB (with "
         f"{costs.host_bytes / GiB:.1f} GiB host and {costs.nvme_bytes / GiB:.1f} GiB NVMe for "
         f"activations, tiers {list(tiers)}); lower the batch size or sequence length, allow "
-        "host/NVMe activation tiers, or raise the GPU memory cap"
+        f"host/NVMe activation tiers, or raise the GPU memory cap{device}"
     )

@@ -14,7 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable
-from lazytrain.plan.plan import Plan, checkpoint_all_plan, keep_all_plan, megatrain_plan
+from lazytrain.plan.plan import (
+    CONST_UPDATES,
+    Plan,
+    checkpoint_all_plan,
+    keep_all_plan,
+    megatrain_plan,
+)
 
 BASELINE_POLICIES = ("megatrain", "keep_all", "checkpoint_gpu", "checkpoint_host", "checkpoint_nvme")
 POLICIES = ("solved", *BASELINE_POLICIES, "checkpoint_all")
@@ -33,6 +39,15 @@ class PolicyOptions:
     optimizer_overlap: bool = True
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS
     """Blocks a kept layer may recompute in its backward (``solved`` only)."""
+    const_update: str = "host"
+    """Where the embedding and head take their optimizer step (`Plan.const_update`): host,
+    device, or auto (the solved plan the faster of them by the MILP; a baseline, host)."""
+
+    def __post_init__(self) -> None:
+        if self.const_update not in ("auto", *CONST_UPDATES):
+            raise ValueError(
+                f"const_update {self.const_update!r} is not one of auto, {', '.join(CONST_UPDATES)}"
+            )
 
 
 def baseline_plan(name: str, num_layers: int, batch_size: int, seq_len: int,
@@ -54,6 +69,7 @@ def baseline_plan(name: str, num_layers: int, batch_size: int, seq_len: int,
             "(checkpoint_all takes its tier from plan.checkpoint_tier)"
         )
     plan.weight_prefetch = o.weight_prefetch
+    plan.const_update = "host" if o.const_update == "auto" else o.const_update
     return plan
 
 
@@ -69,7 +85,8 @@ def policy_plan(name: str, costs: CostTable, options: PolicyOptions | None = Non
     from lazytrain.plan.milp import solve_plan
 
     plan = solve_plan(costs, gpu_bytes=gpu_bytes, tiers=o.tiers, optimizer_overlap=o.optimizer_overlap,
-                      head_chunk_tokens=o.head_chunk_tokens, recompute=o.recompute)
+                      head_chunk_tokens=o.head_chunk_tokens, recompute=o.recompute,
+                      const_update=None if o.const_update == "auto" else o.const_update)
     plan.weight_prefetch = o.weight_prefetch
     return plan
 

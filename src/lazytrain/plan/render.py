@@ -57,7 +57,8 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
     lines = [
         (
             f"plan {plan.policy!r}: batch {plan.batch_size} x seq {plan.seq_len} "
-            f"({tokens} tokens), {plan.num_layers} layers, weight prefetch {plan.weight_prefetch}"
+            f"({tokens} tokens), {plan.num_layers} layers, weight prefetch {plan.weight_prefetch}, "
+            f"embedding + head stepped on the {plan.const_update}"
         ),
         f"step {sim.step_time_s:.4f} s simulated"
         + (

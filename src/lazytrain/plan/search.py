@@ -71,11 +71,13 @@ def search_batch(
     time_limit_s: float = 10.0,
     mip_rel_gap: float = 1e-4,
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
+    const_update: str | None = None,
 ) -> SearchResult:
     """Pick the batch size (and its plan) for ``seq_len``.
 
     ``goal="throughput"`` maximises predicted tokens/s; ``goal="max_batch"`` takes the
-    largest batch that fits ``gpu_bytes`` (default: the table's GPU memory). Raises
+    largest batch that fits ``gpu_bytes`` (default: the table's GPU memory). ``const_update``
+    is `solve_plan`'s (None: at each batch the faster of host and device). Raises
     `PlanInfeasible` when not even the smallest candidate fits.
     """
     if goal not in GOALS:
@@ -93,6 +95,7 @@ def search_batch(
         "time_limit_s": time_limit_s,
         "mip_rel_gap": mip_rel_gap,
         "recompute": recompute,
+        "const_update": const_update,
     }
     tried: list[dict] = []
 
@@ -102,7 +105,8 @@ def search_batch(
         while hi - lo > 1:
             mid = (lo + hi) // 2
             table = costs.at(batches[mid], seq_len)
-            need = min_gpu_bytes(table, tiers=tiers, max_segment=max_segment, recompute=recompute)
+            need = min_gpu_bytes(table, tiers=tiers, max_segment=max_segment, recompute=recompute,
+                                 const_update=const_update)
             tried.append(
                 {"batch_size": batches[mid], "min_gpu_bytes": need, "feasible": need <= budget}
             )
@@ -132,6 +136,7 @@ def search_batch(
                 "step_time_s": sim.step_time_s,
                 "tokens_per_s": sim.tokens_per_s,
                 "solve_time_s": plan.notes["milp"]["solve_time_s"],
+                "const_update": plan.const_update,
             }
         )
         if best is None or sim.tokens_per_s > best.sim.tokens_per_s:

@@ -26,13 +26,21 @@ Executor rules the dependencies encode (a stage "waits" = its compute does not s
 - The CPU optimizer runs after backward, or (``optimizer_overlap``) during the next step's
   forward: then layer j's weights are copied only after its update, and the embedding/head
   after theirs (so this model's step starts with the previous step's optimizer).
+- ``plan.const_update == "device"``: the embedding and the final norm + head take their step
+  on the GPU's compute stream (``CostTable.const_update_ms``), so they take no CPU time and
+  their gradients and weights cross PCIe neither way. With the overlap the step runs ahead of
+  the embedding while the CPU steps the layers (the embedding stage is reached at the start of
+  the step: what it issues does not wait for the GPU step); without, after the CPU step.
 
 With every prefetch distance 1 each stage waits for everything the previous stage issued, so
 the step time is a sum of per-stage maxima; that is what the MILP (``milp.py``) optimises.
 
 GPU memory is counted per stage: the fixed part (before the head without the embedding's and
-the head's gradients), every buffer live in that stage and the largest transient phase of the stage (a layer's working set; in a segment's first backward
-stage also each re-forward of the segment rebuild).
+the head's gradients; with the device update also its master remainders and states,
+``const_update_bytes``), every buffer live in that stage and the largest transient phase of the
+stage (a layer's working set; in a segment's first backward stage also each re-forward of the
+segment rebuild; stepped on the device, the embedding's and head's gradients, held from the
+previous step's backward to their update in the embedding stage).
 """
 
 from __future__ import annotations
@@ -156,6 +164,7 @@ def simulate(plan: Plan, costs: CostTable, optimizer_overlap: bool | None = None
             f"({costs.batch_size}, {costs.seq_len}); use costs.at({plan.batch_size}, "
             f"{plan.seq_len})"
         )
+    costs.check_const_update(plan.const_update)
     if optimizer_overlap is None:
         optimizer_overlap = bool(plan.notes.get("optimizer_overlap", False))
     step = _StepModel(plan, costs, optimizer_overlap)
@@ -165,8 +174,13 @@ def simulate(plan: Plan, costs: CostTable, optimizer_overlap: bool | None = None
 class _StepModel:
     def __init__(self, plan: Plan, costs: CostTable, overlap: bool) -> None:
         self.plan, self.costs, self.overlap = plan, costs, overlap
+        self.device = plan.const_update == "device"
         self.st = _Stages(costs.num_layers)
         self.compute: dict[int, _Op] = {}
+        self.const_update: _Op | None = None
+        """The embedding's and head's step on the GPU (``plan.const_update == "device"``)."""
+        self.stage_begins: dict[int, _Op] = {}
+        """Compute ops whose start marks a stage's issue where that is not the stage's own compute."""
         self.transfers: list[_Op] = []
         self.waits: dict[int, list[_Op]] = defaultdict(list)
         self.gpu: list[tuple[int, int, int]] = []
@@ -217,45 +231,24 @@ class _StepModel:
         compute_ms[st.embed_bwd] = c.embed_backward_ms
 
         opt_ops: list[_Op | None] = [None] * L
-        const_upload: _Op | None = None
+        self.cpu_ops = []
+        if self.device:
+            self.const_update = _Op(stream="compute", work=c.const_update_ms, label="const update", issue=None)
         if self.overlap:
-            # the executor's order (`HostUpdater`): embedding, layers, final norm + head
+            # the executor's order (`HostUpdater`): embedding, layers, final norm + head (the
+            # layers only where those two are stepped on the GPU)
             ns = c.optimizer_ns_per_param * 1e-6
-            (first_params, first_bytes), (head_params, head_bytes) = c.const_split()
-            opt_const = _Op(
-                stream="cpu",
-                work=ns * first_params,
-                label="optim embed" if head_params else "optim embed/head",
-                issue=None,
-                key=(-1, 0, -1, -1),
-            )
-            cpu = [opt_const]
-            for j in range(L):
-                cpu.append(
-                    _Op(
-                        stream="cpu",
-                        work=ns * layers[j].params,
-                        label=f"optim {j}",
-                        issue=None,
-                        key=(-1, 0, j, -1),
-                    )
-                )
-            opt_ops = cpu[1:]
-            const_upload = self._copy(
-                "h2d", first_bytes, "w embed" if head_params else "w embed/head", None, after=(opt_const,)
-            )
-            self._wait(st.embed, const_upload)
-            if head_params:
-                opt_head = _Op(stream="cpu", work=ns * head_params, label="optim head", issue=None,
-                               key=(-1, 0, L, -1))
-                cpu.append(opt_head)
-                # copied when the executor reaches the head (after the last forward is issued)
-                head_upload = self._copy("h2d", head_bytes, "w head", st.fwd(L - 1), order=st.head,
-                                         after=(opt_head,))
-                self._wait(st.head, head_upload)
-            self.cpu_ops = cpu
-        else:
-            self.cpu_ops = []
+            opt_ops = [
+                _Op(stream="cpu", work=ns * layers[j].params, label=f"optim {j}", issue=None, key=(-1, 0, j, -1))
+                for j in range(L)
+            ]
+            self.cpu_ops = list(opt_ops)
+            if self.device:
+                # the GPU step is queued ahead of the embedding forward; the executor goes on at
+                # once (layer 0's weights wait for its CPU step, not for the GPU)
+                self.stage_begins[st.embed] = self.const_update
+            else:
+                self._host_const_update(ns)
 
         # Forward weights: slot for layer j is free once layer j-k-1 is done, i.e. when the
         # compute of stage fwd(j)-k starts.
@@ -285,19 +278,25 @@ class _StepModel:
             issue = st.bwd(j) + 1
             op = self._copy("d2h", layers[j].weight_bytes * c.grad_share, f"grad {j}", issue)
             self._wait(issue + 1, op)
-        self._wait(
-            st.embed_bwd + 1,
-            self._copy("d2h", c.const_grad_bytes * c.grad_share, "grad embed/head", st.embed_bwd),
-        )
+        if not self.device:
+            self._wait(
+                st.embed_bwd + 1,
+                self._copy("d2h", c.const_grad_bytes * c.grad_share, "grad embed/head", st.embed_bwd),
+            )
+        else:
+            # their gradients wait on the GPU for the next step's update, which runs before the
+            # embedding's output exists
+            self.phases[st.embed].append(c.const_grad_bytes)
 
         for stage, ms in compute_ms.items():
             self.compute[stage] = _Op(
                 stream="compute", work=ms, label=self.st.names()[stage], issue=None, key=(stage,)
             )
         if not self.overlap:
+            cpu_params = sum(lc.params for lc in layers) + (0 if self.device else c.const_params)
             optimizer = _Op(
                 stream="cpu",
-                work=c.optimizer_ms,
+                work=c.optimizer_ns_per_param * cpu_params * 1e-6,
                 label="optimizer",
                 issue=None,
                 key=(st.optimizer,),
@@ -306,11 +305,41 @@ class _StepModel:
                 op for op in self.transfers if op.stream == "d2h"
             ]
             self.cpu_ops = [optimizer]
-            upload = self._copy(
-                "h2d", c.const_weight_bytes, "w embed/head", None, after=(optimizer,)
-            )
-            if upload is not None:
-                upload.key = (st.optimizer, 0, 0, 0)
+            if self.device:
+                # queued on the compute stream once the CPU step returns (`HostUpdater.start`)
+                self.const_update.after = [optimizer]
+            else:
+                upload = self._copy(
+                    "h2d", c.const_weight_bytes, "w embed/head", None, after=(optimizer,)
+                )
+                if upload is not None:
+                    upload.key = (st.optimizer, 0, 0, 0)
+
+    def _host_const_update(self, ns: float) -> None:
+        """The overlapped CPU step of the embedding (before the layers') and of the final norm +
+        head (after them), each group's weights uploaded after its step and before its stage."""
+        c, st, L = self.costs, self.st, self.costs.num_layers
+        (first_params, first_bytes), (head_params, head_bytes) = c.const_split()
+        opt_const = _Op(
+            stream="cpu",
+            work=ns * first_params,
+            label="optim embed" if head_params else "optim embed/head",
+            issue=None,
+            key=(-1, 0, -1, -1),
+        )
+        self.cpu_ops.append(opt_const)
+        const_upload = self._copy(
+            "h2d", first_bytes, "w embed" if head_params else "w embed/head", None, after=(opt_const,)
+        )
+        self._wait(st.embed, const_upload)
+        if head_params:
+            opt_head = _Op(stream="cpu", work=ns * head_params, label="optim head", issue=None,
+                           key=(-1, 0, L, -1))
+            self.cpu_ops.append(opt_head)
+            # copied when the executor reaches the head (after the last forward is issued)
+            head_upload = self._copy("h2d", head_bytes, "w head", st.fwd(L - 1), order=st.head,
+                                     after=(opt_head,))
+            self._wait(st.head, head_upload)
 
     def _unit(self, start: int, end: int, compute_ms: dict[int, float]) -> None:
         """Backward of layers [start, end): a keep layer, or a checkpoint and its drops."""
@@ -424,6 +453,10 @@ class _StepModel:
             op = self.compute[stage]
             op.after = op.after + self.waits.get(stage, [])
             queues["compute"].append(op)
+        if self.const_update is not None:
+            # with the overlap ahead of the embedding, else after the CPU step at the end
+            at = 0 if self.overlap else len(queues["compute"])
+            queues["compute"].insert(at, self.const_update)
         for op in sorted(self.transfers, key=lambda o: o.key):
             queues[op.stream].append(op)
         queues["cpu"] = sorted(self.cpu_ops, key=lambda o: o.key)
@@ -442,7 +475,9 @@ class _StepModel:
                     if s in active or head[s] >= len(queues[s]):
                         continue
                     op = queues[s][head[s]]
-                    if op.issue is not None and math.isnan(self.compute[op.issue].start):
+                    if op.issue is not None and math.isnan(
+                        self.stage_begins.get(op.issue, self.compute[op.issue]).start
+                    ):
                         continue
                     if any(math.isnan(a.end) for a in op.after):
                         continue
@@ -526,6 +561,8 @@ class _StepModel:
         c = self.costs
         # the embedding's and the head's gradients exist from the head on
         fixed = [c.forward_fixed_bytes if s <= self.st.head else c.step_fixed_bytes for s in range(n)]
+        if self.device:
+            fixed = [f + c.const_update_bytes for f in fixed]
         gpu = [fixed[s] + max(self.phases.get(s, [0])) for s in range(n)]
         host, nvme = [0] * n, [0] * n
         for buffers, out in ((self.gpu, gpu), (self.host, host), (self.nvme, nvme)):

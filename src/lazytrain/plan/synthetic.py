@@ -173,11 +173,12 @@ def synthetic_cost_table(
 
 
 def random_cost_table(seed: int, num_layers: int, *, uniform: bool = False, options: bool = True,
-                      keep_forward: bool = True) -> CostTable:
+                      keep_forward: bool = True, const_update: bool = False) -> CostTable:
     """A random but self-consistent table, for fuzzing the planner (capacities unconstrained:
     GPU memory is set to fit every plan; tests shrink it). Layers may recompute a random subset
     of the sub-layer blocks (``options``); with ``keep_forward`` a kept layer's forward may have
-    a measured working set of its own (else the no-grad forward's stands in)."""
+    a measured working set of its own (else the no-grad forward's stands in); with
+    ``const_update`` the table has the embedding's and head's GPU step (time and bytes)."""
     rng = random.Random(seed)
 
     def u(lo: float, hi: float) -> float:
@@ -237,7 +238,7 @@ def random_cost_table(seed: int, num_layers: int, *, uniform: bool = False, opti
     serial = h2d * d2h / (h2d + d2h)
     saved = sum(lc.saved_bytes for lc in layers)
     const_params = int(u(0.01, 1.0) * GB)
-    return CostTable(
+    table = CostTable(
         batch_size=rng.choice([1, 2, 4, 8]),
         seq_len=rng.choice([512, 1024, 4096]),
         layers=layers,
@@ -266,3 +267,10 @@ def random_cost_table(seed: int, num_layers: int, *, uniform: bool = False, opti
         # table's (None: all constants updated first) or a share of the constants
         head_params=None if rng.random() < 0.3 else int(const_params * u(0, 0.6)),
     )
+    if const_update:
+        # from a fourth generator, so the table is otherwise the one without them: 1-50 ms per
+        # billion parameters, 2-6 bytes per parameter of master remainder and states
+        dev = random.Random(seed + 3)
+        table.const_update_ms = const_params * dev.uniform(1e-9, 5e-8)
+        table.const_update_bytes = int(const_params * dev.uniform(2, 6))
+    return table
