@@ -152,6 +152,17 @@ class SkippedUpdate(HostOptimizer):
 
     def __init__(self, like: HostOptimizer):
         super().__init__(like.masters, like.decay_numel, like.config)
+        self._device: set[int] = set()
+
+    @property
+    def device_groups(self) -> frozenset[int]:
+        return frozenset(self._device)
+
+    def to_device(self, group: int, weight: torch.Tensor) -> None:  # a plan's GPU-stepped groups: no cost either
+        self._device.add(group)
+
+    def to_host(self) -> None:
+        self._device.clear()
 
     def step_group(self, group: int, grad: torch.Tensor, clip_coef: float, lr: float,
                    weight_out: torch.Tensor | None) -> None:

@@ -91,9 +91,9 @@ from lazytrain.runtime.profiler import CONSTANTS, measure_constants
 GiB = 2**30
 
 
-def options(args) -> PolicyOptions:
+def options(args, const_update: str = "auto") -> PolicyOptions:
     return PolicyOptions(megatrain_every=args.every, head_chunk_tokens=args.head_chunk, tiers=tuple(args.tiers),
-                         recompute=tuple(args.recompute))
+                         recompute=tuple(args.recompute), const_update=const_update)
 
 
 MAX_TRIES = 8
@@ -342,6 +342,9 @@ def main() -> None:
                              "step writes nothing; the plan is solved and predicted with "
                              "optimizer_ns_per_param=0, bench/ceiling_bound.py's 'free CPU update' row); "
                              "each run is measured once per choice")
+    parser.add_argument("--const-update", nargs="+", choices=["auto", "host", "device"], default=["auto"],
+                        help="where the embedding and head take their optimizer step (plan.const_update); "
+                             "several: each run once per choice")
     parser.add_argument("--costs", nargs="+", default=[], metavar="[KERNELS=]FILE",
                         help="use this costs.json instead of profiling (KERNELS=FILE: for that kernel study only)")
     parser.add_argument("--copy-check", action="store_true",
@@ -397,6 +400,14 @@ def load_costs(path: str, session, args) -> CostTable:
               + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()), flush=True)
         d = {**d, **measured, "notes": {**d.get("notes", {}), "constants": (
             f"{', '.join(CONSTANTS)} measured by bench/plan_bench.py on {today()}: the table predates {', '.join(missing)}")}}
+    if "const_update_ms" not in d and session.device.type == "cuda":
+        from lazytrain.runtime.profiler import const_update_costs
+
+        ms, nbytes = const_update_costs(session.make_optimizer, session.store, session.adapter, session.device, 5)
+        print(f"{path} has no const_update_ms: the embedding's and head's device step timed now: "
+              f"{ms} ms, {nbytes / 1e9:.2f} GB", flush=True)
+        d = {**d, "const_update_ms": ms, "const_update_bytes": nbytes, "notes": {**d.get("notes", {}), "const_update": (
+            f"const_update_ms and const_update_bytes measured by bench/plan_bench.py on {today()}: the table predates them")}}
     return session.for_this_run(CostTable.from_dict(d))
 
 
@@ -518,8 +529,8 @@ def study(session, args, kernels: str) -> None:
         save()
         return True
 
-    def plan_for(policy: str, table: CostTable) -> Plan:
-        return policy_plan(policy, table, options(args))
+    def plan_for(policy: str, const_update: str, table: CostTable) -> Plan:
+        return policy_plan(policy, table, options(args, const_update))
 
     def run_for(policy: str, suffix: str, host_gib: str, update: str, table: CostTable, plan: Plan,
                 replans: int) -> dict | None:
@@ -545,16 +556,18 @@ def study(session, args, kernels: str) -> None:
         for update in args.update:
             # skipped: planned as if the update were free, which it then is
             table = run_costs if update == "cpu" else dataclasses.replace(run_costs, optimizer_ns_per_param=0.0)
-            run_suffix = suffix + ("" if update == "cpu" else "_update-skipped")
-            batch = args.batch
-            if size == "max":
-                t0 = time.perf_counter()
-                batch = predicted_max_batch(policy, table, args.seq, table.gpu_bytes, args,
-                                            args.max_batch or args.batch)
-                print(f"{policy}{run_suffix}: largest batch the simulator fits: {batch} (searched in "
-                      f"{time.perf_counter() - t0:.0f} s)", flush=True)
-            tries(policy, batch, table, args.seq, functools.partial(plan_for, policy),
-                  functools.partial(run_for, policy, run_suffix, host_gib, update), walk_down=size == "max")
+            for const_update in args.const_update:
+                run_suffix = (suffix + ("" if update == "cpu" else "_update-skipped")
+                              + ("" if args.const_update == ["auto"] else f"_const-{const_update}"))
+                batch = args.batch
+                if size == "max":
+                    t0 = time.perf_counter()
+                    batch = predicted_max_batch(policy, table, args.seq, table.gpu_bytes, args,
+                                                args.max_batch or args.batch)
+                    print(f"{policy}{run_suffix}: largest batch the simulator fits: {batch} (searched in "
+                          f"{time.perf_counter() - t0:.0f} s)", flush=True)
+                tries(policy, batch, table, args.seq, functools.partial(plan_for, policy, const_update),
+                      functools.partial(run_for, policy, run_suffix, host_gib, update), walk_down=size == "max")
 
     check_copies("after_runs")
     if args.cap_gb:
@@ -599,6 +612,7 @@ def markdown(records: list[dict], args) -> str:
         + (f" --state-rounding {args.state_rounding}" if args.state_rounding != "nearest" else "")
         + (f" --fetch-allocation {args.fetch_allocation}" if args.fetch_allocation != "compute" else "")
         + (f" --update {' '.join(args.update)}" if args.update != ["cpu"] else "")
+        + (f" --const-update {' '.join(args.const_update)}" if args.const_update != ["auto"] else "")
         + (f" --costs {' '.join(args.costs)}" if args.costs else "")
         + (f" --max-batch {args.max_batch}" if args.max_batch else "")
         + (f" --kernels {' '.join(args.kernels)}" if args.kernels != ["auto"] else "")
@@ -626,8 +640,10 @@ def markdown(records: list[dict], args) -> str:
             (f"Profiled at batch {c['batch_size']} x seq {c['seq_len']}: {layer_text}; head+loss "
             f"{c['head_ms']:.1f} ms; H2D {c['h2d_gbps']:.1f}, D2H {c['d2h_gbps']:.1f}, both {c['bidir_gbps']:.1f} "
             f"GB/s; compute slowdown under copies {c['copy_slowdown']:.3f}; CPU optimizer "
-            f"{c['optimizer_ns_per_param']:.3f} ns/param; NVMe write {c['nvme_write_gbps']:.2f} / read "
-            f"{c['nvme_read_gbps']:.2f} GB/s."),
+            f"{c['optimizer_ns_per_param']:.3f} ns/param"
+            + (f"; embedding + head step on the GPU {c['const_update_ms']:.1f} ms, "
+               f"{c['const_update_bytes'] / 1e9:.2f} GB" if c.get("const_update_ms") is not None else "")
+            + f"; NVMe write {c['nvme_write_gbps']:.2f} / read {c['nvme_read_gbps']:.2f} GB/s."),
             "",
         ]
     lines += [

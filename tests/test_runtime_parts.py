@@ -84,6 +84,25 @@ def test_profiler_measures_the_executor_pieces_on_the_cpu(tmp_path):
     assert layer.weight_bytes == session.store.weights[1].numel() * session.store.weights[1].element_size()
     # the last group (stepped after the layers) apart from the embedding (stepped before them)
     assert costs.head_params == session.adapter.final_layout.numel < costs.const_params
+    # fp32 AdamW (this config's) has no device step for the resident groups
+    assert session.config.optimizer.kind == "fp32"
+    assert costs.const_update_ms is None and costs.const_update_bytes == 0
+
+
+def test_the_profiler_times_the_resident_groups_step_on_the_device(tmp_path):
+    from lazytrain.config import load_config
+    from lazytrain.optim.hybrid8bit import state_bytes_per_param
+    from lazytrain.runtime.profiler import profile
+    from lazytrain.train.session import build_session
+
+    config = load_config(None, [f"training.output_dir={tmp_path}", "model.source=builtin:tiny",
+                                "optimizer.kind=hybrid8bit"])
+    session = build_session(config)
+    costs = profile(session.adapter, session.store, session.device, 2, 16, session.make_optimizer, repeats=1)
+    # here the device is the CPU: an fp32 master and 8-bit states per parameter
+    assert costs.const_update_ms > 0
+    per_param = 4 + state_bytes_per_param([session.store.weights[1].numel()])
+    assert costs.const_update_bytes == pytest.approx(costs.const_params * per_param, rel=1e-6)
 
 
 def test_the_profilers_saved_tensors_go_at_their_last_use_in_the_backward():

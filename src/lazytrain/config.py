@@ -254,6 +254,12 @@ class PlanConfig:
     """What the solved plan may recompute inside a kept layer's backward: mlp, attention (the
     block, keeping only its inputs), mlp_up (the MLP's up projection); [] keeps or recomputes
     whole layers only."""
+    const_update: Literal["auto", "host", "device"] = "auto"
+    """Where the embedding and the final norm + head (resident on the GPU) take their optimizer
+    step: host (the CPU optimizer, with the layers), device (the GPU: their master remainders
+    and optimizer states then live there, ~4 B per parameter of those groups, and neither their
+    gradients nor their weights cross PCIe; optimizer.kind=hybrid8bit, one process), or auto
+    (the solved plan takes whichever the planner predicts faster; other policies: host)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "plan")
@@ -350,6 +356,12 @@ class Config:
             self.optimizer.lr = 2e-3 if self.model.source == "builtin:tiny" else 1e-5
         if self.eval.model is None:
             self.eval.model = self.training.output_dir
+        if self.plan.const_update == "device" and self.optimizer.kind != "hybrid8bit":
+            raise ConfigError(
+                f"plan.const_update=device steps the embedding and head on the GPU, which optimizer.kind="
+                f"{self.optimizer.kind} cannot (its step is CPU-only); set optimizer.kind=hybrid8bit or "
+                "plan.const_update=auto"
+            )
         if self.training.eval_every and self.data.dataset != "builtin":
             raise ConfigError(
                 "training.eval_every needs held-out data, which only the built-in data has here; "

@@ -61,7 +61,9 @@ class HostOptimizer(ABC):
                 raise ValueError(f"master group {g} must be a flat fp32 CPU tensor or a SplitMaster")
             if not 0 <= d <= m.numel():
                 raise ValueError(f"decay_numel[{g}]={d} outside [0, {m.numel()}]")
-        self.masters = masters
+        self.masters = list(masters)
+        """Each group's master: the host store's, or while the group is on a device
+        (`to_device`) its copy there."""
         self.decay_numel = decay_numel
         self.config = config
         self.steps = [0] * len(masters)
@@ -86,6 +88,22 @@ class HostOptimizer(ABC):
         weight_out: torch.Tensor | None,
     ) -> None:
         """One AdamW step of ``group`` with gradient ``grad * clip_coef`` at learning rate ``lr``."""
+
+    @property
+    def device_groups(self) -> frozenset[int]:
+        """Groups stepped on a device (`to_device`) until `to_host`."""
+        return frozenset()
+
+    def to_device(self, group: int, weight: torch.Tensor) -> None:
+        """Step ``group`` on ``weight``'s device until `to_host` (an optimizer that can: see
+        `Hybrid8bitAdamW.to_device`)."""
+        raise ValueError(
+            f"the {type(self).__name__} optimizer steps on the CPU only; the groups resident on the GPU "
+            "can be stepped there with optimizer.kind=hybrid8bit (or set plan.const_update=host)"
+        )
+
+    def to_host(self) -> None:
+        """Bring every group stepped on a device back to its host tensors (none here)."""
 
     @abstractmethod
     def state_dict(self) -> dict:

@@ -38,6 +38,13 @@ A split master (``split.py``) is joined to fp32, stepped and split again inside 
 (kernel) or chunk (torch path), so the masters it holds are bit-for-bit those of an unsplit
 run fed the same gradients; its weight half is the streamed weight, written in that pass.
 
+A group may be stepped on a device instead (`Hybrid8bitAdamW.to_device`: the embedding and
+the final norm + head, whose weights the executor keeps on the GPU): its remainder (or fp32
+master) and state are copied there, and the torch path runs there on the device's gradient,
+in pieces of ``DEVICE_CHUNK`` elements, writing the executor's copy of the weights; `to_host`
+copies them back. The same float32 math as on the host's torch path, so a device step equals
+it (the C++ kernel's differs by about an ulp, as above).
+
 Steps of different groups may run concurrently from several threads (each group's state is
 its own and the kernel holds no GIL); one group must not be stepped by two threads at once.
 Each step spreads its blocks over torch's intra-op threads (``torch.get_num_threads()``), so
@@ -62,6 +69,7 @@ from lazytrain.optim.quant import (
     rounding_key,
     rounding_uniforms,
     signed_tables,
+    tables_on,
     unsigned_tables,
 )
 from lazytrain.optim.split import SplitMaster
@@ -180,7 +188,14 @@ class Fp32State:
 
 
 TORCH_CHUNK = 256 * BLOCK
-"""Elements per piece of the pure-torch path: its temporaries then stay in cache."""
+"""Elements per piece of the pure-torch path on the CPU: its temporaries then stay in cache."""
+DEVICE_CHUNK = 1 << 23
+"""Elements per piece on a GPU: few enough kernel launches (a 545 M-element head takes 65
+pieces), temporaries of ~0.4 GB."""
+
+
+def _chunk(device: torch.device) -> int:
+    return TORCH_CHUNK if device.type == "cpu" else DEVICE_CHUNK
 
 
 def _adam_update(
@@ -226,13 +241,15 @@ def torch_step_8bit(
     s: StepScalars,
     rounding: tuple[int, int] | None = None,
 ) -> None:
-    """The kernel's step with torch ops, a piece of TORCH_CHUNK elements at a time (the
-    fallback where the kernel does not build). ``rounding``: (key, index of the first element
-    in its whole group) to round sqrt(v) stochastically (``quant.rounding_uniforms``)."""
-    mt, vt = signed_tables(), unsigned_tables()
-    n = master.numel()
-    for lo in range(0, n, TORCH_CHUNK):
-        hi = min(n, lo + TORCH_CHUNK)
+    """The kernel's step with torch ops on the tensors' device, a piece of `_chunk` elements at
+    a time (on the CPU, the fallback where the kernel does not build). ``rounding``: (key, index
+    of the first element in its whole group) to round sqrt(v) stochastically
+    (``quant.rounding_uniforms``)."""
+    device = grad.device
+    mt, vt = tables_on(True, device), tables_on(False, device)
+    n, step = master.numel(), _chunk(device)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
         chunk = _master_chunk(master, lo, hi)
         blocks = slice(lo // BLOCK, num_blocks(hi))
         m_codes, v_codes = state.m_codes[lo:hi], state.v_codes[lo:hi]
@@ -242,7 +259,7 @@ def torch_step_8bit(
         decay_numel = min(max(s.decay_numel - lo, 0), hi - lo)
         m, v = _adam_update(chunk, grad[lo:hi], m, root * root, s, decay_numel)
         root = v.sqrt()
-        uniforms = None if rounding is None else rounding_uniforms(rounding[0], rounding[1] + lo, hi - lo)
+        uniforms = None if rounding is None else rounding_uniforms(rounding[0], rounding[1] + lo, hi - lo, device)
         for codes, absmax, x, tables, u in (
             (m_codes, m_absmax, m, mt, None), (v_codes, v_absmax, root, vt, uniforms)
         ):
@@ -322,12 +339,60 @@ class Hybrid8bitAdamW(HostOptimizer):
             else Fp32State.zeros(m.numel())
             for g, (m, size) in enumerate(zip(masters, sizes))
         ]
+        self._home: dict[int, tuple[torch.Tensor | SplitMaster, QuantizedState | Fp32State]] = {}
+        """Groups on a device (`to_device`): their host master and state."""
+        self._device_weight: dict[int, torch.Tensor] = {}
+        """Groups on a device: the weights there each step writes."""
         mt, vt = signed_tables(), unsigned_tables()
         self._tables = [
             t
             for tables in (mt, vt)
             for t in (tables.qmap, tables.midpoints, tables.lut, tables.pieces)
         ]
+
+    @property
+    def device_groups(self) -> frozenset[int]:
+        return frozenset(self._home)
+
+    def to_device(self, group: int, weight: torch.Tensor) -> None:
+        """Step ``group`` on ``weight``'s device until `to_host`. ``weight`` is the group's flat
+        weights there (the executor's resident copy, holding the current weights): a split
+        master's remainder is copied beside it and ``weight`` becomes its other half, an fp32
+        master is copied and writes ``weight`` after each step; the state is copied too. Steps
+        then take the gradient on that device and write ``weight``: nothing crosses PCIe."""
+        if group in self._home:
+            raise ValueError(f"group {group} is on {self._device_weight[group].device} already; to_host first")
+        master, state = self.masters[group], self.states[group]
+        if weight.numel() != master.numel() or not weight.is_contiguous():
+            raise ValueError(f"group {group}: the device weights must be {master.numel()} contiguous "
+                             f"elements, got {weight.numel()}")
+        device = weight.device
+        if isinstance(master, SplitMaster):
+            if weight.dtype != torch.bfloat16:
+                raise ValueError(f"group {group}: a split master's weight half is bf16, got {weight.dtype}")
+            on = SplitMaster(weight.view(-1), master.remainder.to(device, copy=True))
+        else:
+            on = master.to(device, copy=True)
+        self._home[group] = (master, state)
+        self.masters[group] = on
+        self.states[group] = type(state)(**{k: t.to(device, copy=True) for k, t in state.tensors().items()})
+        self._device_weight[group] = weight.view(-1)
+
+    def to_host(self) -> None:
+        """Copy each device group's master (a split master's two halves: the weight half into
+        the host store's weights) and state back to its host tensors; the groups are stepped on
+        the host from then on."""
+        for group, (master, state) in list(self._home.items()):
+            on, on_state = self.masters[group], self.states[group]
+            if isinstance(master, SplitMaster):
+                master.weight.copy_(on.weight)
+                master.remainder.copy_(on.remainder)
+            else:
+                master.copy_(on)
+            for name, t in state.tensors().items():
+                t.copy_(on_state.tensors()[name])
+            self.masters[group], self.states[group] = master, state
+            del self._home[group], self._device_weight[group]
 
     @property
     def backend(self) -> str:
@@ -346,11 +411,18 @@ class Hybrid8bitAdamW(HostOptimizer):
         n = master.numel()
         if grad.numel() != n:
             raise ValueError(f"group {group}: gradient has {grad.numel()} elements, master {n}")
-        if grad.dtype not in (torch.bfloat16, torch.float32) or grad.device.type != "cpu":
+        on_device = group in self._home
+        where = (master.weight if isinstance(master, SplitMaster) else master).device
+        if grad.dtype not in (torch.bfloat16, torch.float32) or grad.device != where:
             raise ValueError(
-                f"group {group}: gradient must be a bf16 or fp32 CPU tensor, got "
-                f"{grad.dtype} on {grad.device}"
+                f"group {group}: gradient must be a bf16 or fp32 tensor on {where} (where the "
+                f"group is stepped), got {grad.dtype} on {grad.device}"
             )
+        if on_device:
+            if weight_out is not None and weight_out.data_ptr() != self._device_weight[group].data_ptr():
+                raise ValueError(f"group {group} is stepped on {where} and writes its weights there; "
+                                 "pass weight_out=None")
+            weight_out = self._device_weight[group]
         if weight_out is not None and (
             weight_out.numel() != n
             or weight_out.dtype not in (torch.bfloat16, torch.float32)
@@ -360,7 +432,8 @@ class Hybrid8bitAdamW(HostOptimizer):
                 f"group {group}: weight_out must be a contiguous bf16 or fp32 tensor of {n} "
                 f"elements, got {weight_out.dtype} with {weight_out.numel()}"
             )
-        self._check_weight_out(group, weight_out)
+        if not on_device:
+            self._check_weight_out(group, weight_out)
         grad = grad.reshape(-1).contiguous()
         out = None if weight_out is None else weight_out.view(-1)
         # the kernel takes a split master as (weight_out, remainder); `master` only sizes it
@@ -375,7 +448,7 @@ class Hybrid8bitAdamW(HostOptimizer):
             rounding = None
             if self.rounding == "stochastic":
                 rounding = (rounding_key(self.seed, group, step), self.group_offsets[group])
-            if self._kernel is None:
+            if self._kernel is None or on_device:
                 torch_step_8bit(grad, master, state, out, s, rounding)
             else:
                 self._kernel.step_8bit(
@@ -383,7 +456,7 @@ class Hybrid8bitAdamW(HostOptimizer):
                     state.v_codes, state.v_absmax, out, remainder, self._tables, *scalars,
                     s.decay_numel, rounding is not None, *(rounding or (0, 0)),
                 )  # fmt: skip
-        elif self._kernel is None:
+        elif self._kernel is None or on_device:
             torch_step_fp32(grad, master, state, out, s)
         else:
             self._kernel.step_fp32(
@@ -393,6 +466,7 @@ class Hybrid8bitAdamW(HostOptimizer):
         self.steps[group] = step
 
     def state_dict(self) -> dict:
+        self.to_host()  # the host tensors are the state that is saved
         return {
             "kind": "hybrid8bit",
             "format": STATE_FORMAT,
@@ -401,6 +475,7 @@ class Hybrid8bitAdamW(HostOptimizer):
         }
 
     def load_state_dict(self, state: dict) -> None:
+        self.to_host()  # loaded into the host tensors; a group goes to its device again when stepped there
         if state.get("kind") != "hybrid8bit":
             raise ValueError(
                 f"optimizer state is of kind {state.get('kind')!r}, this optimizer is "

@@ -28,7 +28,7 @@ Blocks whose absmax is below the smallest normal float32 are stored as zeros, so
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
@@ -252,6 +252,15 @@ def unsigned_tables() -> QuantTables:
     return build_tables(False)
 
 
+@cache
+def tables_on(signed: bool, device: torch.device) -> QuantTables:
+    """The tables of one map with their tensors on ``device`` (for a step on the GPU)."""
+    tables = build_tables(signed)
+    if device.type == "cpu":
+        return tables
+    return replace(tables, **{name: getattr(tables, name).to(device) for name in ("qmap", "midpoints", "lut", "pieces")})
+
+
 def nearest_code(x: torch.Tensor, tables: QuantTables) -> torch.Tensor:
     """uint8 index of the code nearest to each float32 ``x`` (in [-1, 1]), by bucket table."""
     bits = x.contiguous().view(torch.int32)
@@ -329,11 +338,11 @@ def rounding_key(seed: int, group: int, step: int) -> int:
     return fmix32((seed * 0x9E3779B1 + group * 0x85EBCA77 + step * 0xC2B2AE3D) & MASK32)
 
 
-def rounding_uniforms(key: int, first: int, count: int) -> torch.Tensor:
+def rounding_uniforms(key: int, first: int, count: int, device: torch.device | None = None) -> torch.Tensor:
     """float32 uniforms in [0, 1) (24 bits) for the elements ``first .. first + count - 1`` of a
     group: a hash of the key and the element's index, so the draw of an element is the same
     whoever computes it (the kernel, this path, a data-parallel rank holding a shard)."""
-    index = torch.arange(first, first + count, dtype=torch.int64)
+    index = torch.arange(first, first + count, dtype=torch.int64, device=device)
     block_key = fmix32(key ^ _mul32(index >> 32, 0x27D4EB2F))
     bits = fmix32((index & MASK32) ^ block_key)
     return (bits >> 8).to(torch.float32) * 2.0**-24

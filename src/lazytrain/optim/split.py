@@ -42,7 +42,7 @@ def _to_int16(x: torch.Tensor) -> torch.Tensor:
 
 def split_into(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor) -> None:
     """Write fp32 ``master``'s two halves into bf16 ``weight`` and int16 ``remainder``."""
-    kernel = _kernel()
+    kernel = _kernel() if master.device.type == "cpu" else None
     if kernel is not None:
         kernel.split_master(master, weight, remainder)
         return
@@ -53,7 +53,7 @@ def split_into(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tens
 
 def join_into(weight: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The fp32 masters of ``weight`` and ``remainder``, written into ``out``."""
-    kernel = _kernel()
+    kernel = _kernel() if weight.device.type == "cpu" else None
     if kernel is not None:
         kernel.join_master(weight, remainder, out)
         return out
@@ -102,12 +102,12 @@ class SplitMaster:
     def fp32(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The exact fp32 master (in ``out`` if given)."""
         if out is None:
-            out = torch.empty(self.numel(), dtype=torch.float32)
+            out = torch.empty(self.numel(), dtype=torch.float32, device=self.weight.device)
         return join_into(self.weight, self.remainder, out)
 
     def assign(self, master: torch.Tensor) -> None:
         """Hold ``master`` (any shape, dtype or device; its values as fp32): both halves written."""
-        split_into(master.reshape(-1).to(device="cpu", dtype=torch.float32).contiguous(), self.weight,
+        split_into(master.reshape(-1).to(device=self.weight.device, dtype=torch.float32).contiguous(), self.weight,
                    self.remainder)
 
     def clone(self) -> SplitMaster:

@@ -27,6 +27,11 @@ layers' masks keep attention within each sample (``ModelAdapter.layer_masks``) a
 the positions, which restart per sample; the loss is the same sum over target tokens divided by
 the same count, so each sample's contribution is what it is unpacked.
 
+With ``plan.const_update == "device"`` the resident groups (embedding, final norm + head) are
+stepped on the GPU (`runtime.update`): their gradients stay there (``device_grads``, the
+head's accumulated straight into its flat buffer) instead of going to the host, and the step
+writes their resident weights, which are then never copied in again.
+
 The LM head and cross-entropy run on chunks of the target tokens only (prompt and padding
 positions never reach the head), with backward per chunk, so the full logits never exist.
 Each layer's gradient is copied to the pinned host buffer on the D2H stream, and its squared
@@ -152,6 +157,11 @@ class Executor:
         """``fetch_allocation``: the GPU memory pool of activations fetched back from the host or
         NVMe tier (`ActivationStore`)."""
         plan.check(adapter.num_layers)
+        if plan.const_update == "device" and parallel is not None:
+            raise ValueError(
+                "plan const_update='device' steps the embedding and head on this GPU, which a data-parallel "
+                "run (whose ranks each hold a shard of them) does not do; plan with const_update=host"
+            )
         for i, lp in enumerate(plan.layers):
             if lp.mode == "keep":
                 sublayer.check_option(adapter.templates[adapter.layer_types[i]], adapter.layer_types[i], lp.recompute)
@@ -194,6 +204,11 @@ class Executor:
             self.num_groups - 1: torch.empty(store.weights[-1].numel(), dtype=self.dtype, device=device),
         }
         self._resident_version = {g: -1 for g in self.resident}
+        self.device_groups = frozenset(self.resident) if plan.const_update == "device" else frozenset()
+        """Groups stepped on the GPU (`Plan.const_update`): their resident weights are the ones
+        the optimizer writes."""
+        self.device_grads: dict[int, torch.Tensor] = {}
+        """The last step's flat gradients of ``device_groups``, until the optimizer takes them."""
         self.weight_version = [0] * self.num_groups
         self.grad_ready: list[torch.cuda.Event | None] = [None] * self.num_groups
         self.grad_norm_sq = torch.zeros(self.num_groups, dtype=torch.float32, device=device)
@@ -220,6 +235,7 @@ class Executor:
         so do the activation store's pinned host buffers."""
         self.weights.slots = []
         self.resident = {}
+        self.device_grads = {}
         self._consts = []
         self._bwd_slot = {}
         self.activations.close()  # and its pinned host buffers
@@ -344,8 +360,10 @@ class Executor:
             self.stage_memory.append((name, torch.cuda.max_memory_allocated(self.device)))
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def _emit_grads(self, group: int, grads: dict[str, torch.Tensor]) -> None:
-        """Squared norm on the GPU, then an async copy into the pinned host gradient buffer."""
+    def _emit_grads(self, group: int, grads: dict[str, torch.Tensor], flat: torch.Tensor | None = None) -> None:
+        """Squared norm on the GPU, then an async copy into the pinned host gradient buffer; for
+        a group stepped on the GPU, the flat gradient kept there instead (in ``flat`` where
+        given: grads already viewing their place in it are not copied)."""
         layout = self.adapter.layouts[group]
         ordered = [grads[p.name] for p in layout.params]
         if self.parallel is not None and self.parallel.world_size > 1:
@@ -353,6 +371,19 @@ class Executor:
             return
         norms = torch._foreach_norm(ordered, 2, dtype=torch.float32)
         self.grad_norm_sq[group] = torch.stack(norms).square().sum()
+        if group in self.device_groups:
+            if flat is None and len(ordered) == 1:
+                flat = ordered[0].reshape(-1)
+            else:
+                if flat is None:
+                    flat = torch.empty(layout.numel, dtype=ordered[0].dtype, device=self.device)
+                for p, g in zip(layout.params, ordered):
+                    place = flat[p.offset : p.offset + p.numel]
+                    if g.data_ptr() != place.data_ptr():
+                        place.copy_(g.reshape(-1))
+            self.device_grads[group] = flat
+            self.grad_ready[group] = None
+            return
         produced = self.streams.record()
         host = self.store.grads[group]
         self.streams.wait(produced, self.streams.d2h)
@@ -405,12 +436,13 @@ class Executor:
         targets: torch.Tensor,
         num_targets: int,
         loss_denominator: int | None = None,
+        head_grad: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Final norm, chunked LM head and cross-entropy over the target positions only,
         with backward per chunk: the full logits never exist.
 
         Returns the gradient of the last hidden states, of the norm weight and of the head
-        weight, and the loss (sum over target tokens / ``loss_denominator``, by default
+        weight (accumulated in ``head_grad`` where given, zeroed here), and the loss (sum over target tokens / ``loss_denominator``, by default
         ``num_targets``: the mean) as a device scalar.
         """
         denominator = loss_denominator or num_targets
@@ -421,7 +453,7 @@ class Executor:
             normed = adapter.final_norm(norm_weight, x_last)
         hidden = normed.detach().reshape(-1, hidden_size).index_select(0, valid)
         grad_hidden = torch.empty_like(hidden)
-        head_grad = torch.zeros_like(head_weight)
+        head_grad = torch.zeros_like(head_weight) if head_grad is None else head_grad.zero_()
         loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
         chunk = self.plan.head_chunk_tokens
         for a in range(0, num_targets, chunk):
@@ -574,9 +606,13 @@ class Executor:
         final = self.num_groups - 1
         final_leaf = layouts[final].leaves(self._resident_weights(final))
         head_w = adapter.head_weight(embed_leaf, final_leaf)
+        final_flat = None
+        if final in self.device_groups and not adapter.tied:  # the head's gradient where the optimizer reads it
+            final_flat = torch.empty(layouts[final].numel, dtype=self.dtype, device=dev)
         span = self.trace.begin()
         g, g_norm, head_grad, loss_sum = self.head_loss_backward(
-            x, final_leaf["model.norm.weight"], head_w, valid, targets, num_targets, global_targets
+            x, final_leaf["model.norm.weight"], head_w, valid, targets, num_targets, global_targets,
+            None if final_flat is None else layouts[final].views(final_flat)["lm_head.weight"],
         )
         # the last hidden state is not needed past the head: held by ``x`` it stayed on the GPU
         # through the whole backward, one batch x seq x hidden tensor the simulator counts in
@@ -586,7 +622,10 @@ class Executor:
         final_grads = {"model.norm.weight": g_norm}
         if not adapter.tied:
             final_grads["lm_head.weight"] = head_grad
-        self._emit_grads(final, final_grads)
+        self._emit_grads(final, final_grads, final_flat)
+        del final_grads, final_flat
+        if not adapter.tied:
+            head_grad = None  # held by the copy out (or the GPU step) as long as they need it
         self._stage_done("head")
 
         # backward: segments from the last; tensors on a slower tier are fetched back on the
@@ -647,7 +686,7 @@ class Executor:
 
         # embedding (and the tied head), summed in fp32 and rounded once
         span = self.trace.begin()
-        g_embed = adapter.embed_backward(ids, g, head_grad if adapter.tied else torch.zeros_like(embed_w))
+        g_embed = adapter.embed_backward(ids, g, head_grad if head_grad is not None else torch.zeros_like(embed_w))
         self.trace.end("compute", span)
         self._emit_grads(0, {"embed_tokens.weight": g_embed})
         del g, g_embed

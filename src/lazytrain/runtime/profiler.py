@@ -322,6 +322,32 @@ def _optimizer_ns_per_param(optimizer_factory: Callable[[list[torch.Tensor], lis
     return ms * 1e6 / master.numel(), describe(scratch)
 
 
+def const_update_costs(optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer], store: HostStore,
+                  adapter: ModelAdapter, device: torch.device, repeats: int) -> tuple[float | None, int]:
+    """The resident groups' optimizer step on ``device`` (`Plan.const_update="device"`): (ms for
+    the embedding and final group together, GPU bytes their masters and states take there),
+    timed on a scratch group the size of a decoder layer (the step is elementwise: its time is
+    linear in the elements) with states of the embedding's kind; (None, 0) where the optimizer
+    has no device step."""
+    master = store.weights[1].float()
+    if isinstance(store.masters[1], SplitMaster):
+        master = SplitMaster.of(master)
+    scratch = optimizer_factory([master], [adapter.layouts[1].decay_numel])
+    weight = store.weights[1].to(device, copy=True)
+    try:
+        scratch.to_device(0, weight)
+    except ValueError:
+        return None, 0
+    grad = torch.randn(master.numel(), device=device).to(store.dtype)
+    ms = time_ms(device, lambda: scratch.step_group(0, grad, 0.5, 1e-5, None), repeats)
+    state = scratch.states[0].tensors().values()
+    held = sum(t.numel() * t.element_size() for t in state)
+    held += master.remainder.numel() * 2 if isinstance(master, SplitMaster) else master.numel() * 4
+    const_params = adapter.layouts[0].numel + adapter.final_layout.numel
+    scale = const_params / master.numel()
+    return ms * scale, round(held * scale)
+
+
 def _nvme_bandwidths(nvme: NvmeStore, nbytes: int, files: int = 4) -> dict:
     """GB/s of writing then reading ``files`` files of ``nbytes`` each through ``nvme``.
 
@@ -403,6 +429,9 @@ def profile(
 
         constants = measure_constants(executor, store, device, batch_size, seq_len, repeats)
         optimizer_ns, optimizer = _optimizer_ns_per_param(optimizer_factory, store, adapter, repeats)
+        # data parallel steps each rank's shard of them on the host (`Executor`)
+        const_update_ms, const_update_bytes = (
+            const_update_costs(optimizer_factory, store, adapter, device, repeats) if local_world_size == 1 else (None, 0))
         esize = store.weights[1].element_size()
         type_costs = {
             kind: LayerCosts(
@@ -453,6 +482,8 @@ def profile(
             # per parameter of the model: a rank of local_world_size steps 1/local_world_size of it
             optimizer_ns_per_param=optimizer_ns / local_world_size,
             optimizer=optimizer,
+            const_update_ms=const_update_ms,
+            const_update_bytes=const_update_bytes,
             gpu_bytes=usable_gpu_bytes(gpu_bytes or total_gpu),
             # resident embedding and final group and their gradients; the CUDA context and the
             # allocator's slack come out of gpu_bytes (usable_gpu_bytes), not here

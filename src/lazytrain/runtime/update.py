@@ -7,6 +7,13 @@ optimizer. Groups are stepped in the order the next forward needs them: embeddin
 the next forward waits only for the group it is about to load (``wait_group``), so the CPU
 step hides behind the GPU forward.
 
+Groups the plan steps on the GPU (``executor.device_groups``, `Plan.const_update`: the
+embedding and the final norm + head) are stepped from the calling thread on the GPU's compute
+stream, after the worker has started on the layers: the GPU work (tens of ms) goes ahead of
+the next forward, which waits for the first layer's CPU step anyway. The optimizer holds their
+master remainder and state on the GPU from the first such step until `finish`, which copies
+them back to the host (what checkpoints, exports and evaluation read).
+
 Data parallel (the executor has ``parallel``): the optimizer holds this rank's shards; each
 group's step writes the rank's shard of the shared weights, then ``parallel.publish`` waits
 until every rank's shard of that group is in this host's weights.
@@ -49,11 +56,13 @@ class HostUpdater:
 
     def start(self, clip_coef: float, lr: float) -> None:
         """Begin updating every group with gradient * ``clip_coef`` at learning rate ``lr``."""
-        self.finish()
+        self._join()
         self.executor.weights.invalidate()
+        on_device = self.executor.device_groups
         for group in range(self.num_groups):
-            self._done[group].clear()
-            self.executor.weights_updated(group)
+            if group not in on_device:
+                self._done[group].clear()
+                self.executor.weights_updated(group)
         self.wait_seconds = 0.0
         if self.overlap:
             self._thread = threading.Thread(target=self._run, args=(clip_coef, lr), daemon=True)
@@ -61,20 +70,35 @@ class HostUpdater:
         else:
             self._run(clip_coef, lr)
             self.wait_group(0)
+        for group in sorted(on_device):
+            if group not in self.optimizer.device_groups:
+                self.optimizer.to_device(group, self.executor.resident[group])
+            self.optimizer.step_group(group, self.executor.device_grads.pop(group), clip_coef, lr, None)
 
-    def finish(self) -> None:
-        """Wait for the whole update (before saving, evaluating or exiting)."""
+    def _join(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         for group in range(self.num_groups):
             self.wait_group(group)
 
+    def finish(self) -> None:
+        """Wait for the whole update and bring the groups stepped on the GPU back to the host
+        (before saving, evaluating or exiting: the host store and optimizer state are then the
+        whole state)."""
+        self._join()
+        on_device = self.optimizer.device_groups
+        self.optimizer.to_host()  # on the compute stream, after the steps queued there
+        for group in on_device:
+            self.executor.store.sync_weights_from_masters(group)  # an fp32 master's streamed weights
+
     def _run(self, clip_coef: float, lr: float) -> None:
         t0 = time.perf_counter()
         store, parallel = self.executor.store, self.executor.parallel
         try:
             for group in range(self.num_groups):
+                if group in self.executor.device_groups:
+                    continue
                 self.executor.wait_grad(group)
                 if parallel is None:
                     self.optimizer.step_group(group, store.grads[group], clip_coef, lr, store.weights[group])

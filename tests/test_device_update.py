@@ -1,0 +1,160 @@
+"""The resident groups (embedding, final norm + head) stepped on the executor's device
+(`Plan.const_update="device"`) train exactly as when the CPU optimizer steps them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import make_hf_model, random_batch
+
+from lazytrain.memory.host_store import HostStore
+from lazytrain.model.adapter import ModelAdapter, load_hf_config
+from lazytrain.model.loading import load_safetensors
+from lazytrain.optim.adamw import FusedAdamW
+from lazytrain.optim.base import AdamWConfig
+from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
+from lazytrain.optim.split import SplitMaster
+from lazytrain.plan.plan import megatrain_plan
+from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.update import HostUpdater
+
+CPU = torch.device("cpu")
+OPT = AdamWConfig(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+STEPS = 6
+
+
+def _run(folder, const_update: str, dtype: torch.dtype, split: bool, device=CPU, poison: bool = False,
+         rounding: str = "stochastic"):
+    """Train STEPS steps; returns (losses, store, optimizer state). ``poison``: after the first
+    update, the host copies of the device groups' gradients and weights are overwritten with
+    NaN, so any step that still read them would show it."""
+    adapter = ModelAdapter(load_hf_config(folder), device, dtype)
+    store = HostStore(adapter.layouts, dtype, pin=False, split_master=split)
+    load_safetensors(adapter, store, folder)
+    plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 3, 12, every=2), const_update=const_update)
+    executor = Executor(adapter, store, plan, device)
+    optimizer = Hybrid8bitAdamW(store.masters, [lay.decay_numel for lay in adapter.layouts], OPT, kernel="torch",
+                                rounding=rounding, seed=3)
+    updater = HostUpdater(executor, optimizer, overlap=True)
+    losses = []
+    for step in range(STEPS):
+        stats = executor.forward_backward(*random_batch(3, 12, adapter.vocab_size, padded=True, seed=step))
+        losses.append(stats.loss)
+        updater.start(min(1.0, 0.5 / (stats.grad_norm + 1e-6)), OPT.lr * (1 - step / STEPS))
+        if poison and step == 0:
+            for g in (0, len(store.weights) - 1):
+                store.grads[g].fill_(float("nan"))
+                store.weights[g].fill_(float("nan"))
+        if step == 2:  # a checkpoint mid-run: the device groups come home, then go back
+            updater.finish()
+            optimizer.state_dict()
+    updater.finish()
+    return losses, store, optimizer.state_dict()
+
+
+def _assert_same(a, b):
+    (losses_a, store_a, state_a), (losses_b, store_b, state_b) = a, b
+    assert losses_a == losses_b
+    for g in range(len(store_a.masters)):
+        assert torch.equal(store_a.master_fp32(g), store_b.master_fp32(g)), f"group {g}"
+        assert torch.equal(store_a.weights[g], store_b.weights[g]), f"group {g}"
+    assert state_a["steps"] == state_b["steps"]
+    for ga, gb in zip(state_a["groups"], state_b["groups"]):
+        for name in ga:
+            assert torch.equal(ga[name], gb[name].cpu()), name
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2-tied"])
+@pytest.mark.parametrize("dtype,split", [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16-split"])
+def test_device_groups_train_as_on_the_host(tmp_path, family, dtype, split):
+    make_hf_model(family, seed=1, layers=4).save_pretrained(tmp_path)
+    host = _run(tmp_path, "host", dtype, split)
+    device = _run(tmp_path, "device", dtype, split, poison=True)
+    _assert_same(host, device)
+    # and they trained: the embedding moved
+    fresh = HostStore(ModelAdapter(load_hf_config(tmp_path), CPU, dtype).layouts, dtype, pin=False, split_master=split)
+    load_safetensors(ModelAdapter(load_hf_config(tmp_path), CPU, dtype), fresh, tmp_path)
+    assert not torch.equal(fresh.master_fp32(0), device[1].master_fp32(0))
+
+
+def test_device_steps_keep_the_gradients_and_weights_off_the_host(tmp_path):
+    """The executor keeps the device groups' gradients (the head's accumulated in its flat
+    buffer) and the optimizer writes the resident weights: the host buffers are not touched."""
+    make_hf_model("qwen2", seed=1, layers=2).save_pretrained(tmp_path)
+    adapter = ModelAdapter(load_hf_config(tmp_path), CPU, torch.float32)
+    store = HostStore(adapter.layouts, torch.float32, pin=False)
+    load_safetensors(adapter, store, tmp_path)
+    plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 2, 8), const_update="device")
+    executor = Executor(adapter, store, plan, CPU)
+    final = len(store.masters) - 1
+    assert executor.device_groups == {0, final}
+    for g in (0, final):
+        store.grads[g].fill_(float("nan"))
+    executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False))
+    assert set(executor.device_grads) == {0, final}
+    assert all(bool(store.grads[g].isnan().all()) for g in (0, final))
+    head = adapter.final_layout.params[-1]
+    assert executor.device_grads[final][head.offset:].abs().sum() > 0
+    optimizer = Hybrid8bitAdamW(store.masters, [lay.decay_numel for lay in adapter.layouts], OPT, kernel="torch")
+    updater = HostUpdater(executor, optimizer)
+    before = store.weights[0].clone()
+    updater.start(1.0, 1e-3)
+    updater._join()
+    assert optimizer.device_groups == {0, final} and not executor.device_grads
+    assert torch.equal(store.weights[0], before)  # stepped where the executor holds it
+    assert not torch.equal(executor.resident[0], before)
+    updater.finish()
+    assert optimizer.device_groups == frozenset()
+    assert torch.equal(store.weights[0], executor.resident[0])
+
+
+def test_an_optimizer_without_a_device_step_says_so(tmp_path):
+    make_hf_model("qwen2", seed=1, layers=2).save_pretrained(tmp_path)
+    adapter = ModelAdapter(load_hf_config(tmp_path), CPU, torch.float32)
+    store = HostStore(adapter.layouts, torch.float32, pin=False)
+    optimizer = FusedAdamW(store.masters, [lay.decay_numel for lay in adapter.layouts], OPT)
+    with pytest.raises(ValueError, match="CPU only.*hybrid8bit"):
+        optimizer.to_device(0, store.weights[0].clone())
+
+
+def test_to_device_checks_its_weights():
+    master = SplitMaster.of(torch.randn(5000))
+    optimizer = Hybrid8bitAdamW([master], [5000], OPT, kernel="torch")
+    with pytest.raises(ValueError, match="5000 contiguous elements"):
+        optimizer.to_device(0, torch.zeros(10, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16"):
+        optimizer.to_device(0, torch.zeros(5000))
+    optimizer.to_device(0, master.weight.clone())
+    with pytest.raises(ValueError, match="already"):
+        optimizer.to_device(0, master.weight.clone())
+    with pytest.raises(ValueError, match="weight_out=None"):
+        optimizer.step_group(0, torch.zeros(5000), 1.0, 1e-3, torch.zeros(5000, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_a_gpu_step_equals_the_host_torch_path(rounding):
+    """The same float32 math on the GPU: masters and states within an ulp-scale tolerance of the
+    host's torch path after a few steps (CUDA's elementwise kernels may fuse a multiply-add)."""
+    torch.manual_seed(0)
+    n = (1 << 23) + 3 * (1 << 20) + 77  # two DEVICE_CHUNK pieces, a partial block at the end
+    master0 = torch.randn(n)
+    host_master, dev_master = SplitMaster.of(master0), SplitMaster.of(master0)
+    host = Hybrid8bitAdamW([host_master], [n - 100], OPT, kernel="torch", rounding=rounding, seed=1)
+    dev = Hybrid8bitAdamW([dev_master], [n - 100], OPT, kernel="torch", rounding=rounding, seed=1)
+    cuda = torch.device("cuda")
+    dev.to_device(0, dev_master.weight.to(cuda))
+    for step in range(3):
+        grad = (torch.randn(n) * (step + 1)).bfloat16()
+        host.step_group(0, grad, 0.8, 1e-3, None)
+        dev.step_group(0, grad.to(cuda), 0.8, 1e-3, None)
+    dev.to_host()
+    torch.testing.assert_close(dev_master.fp32(), host_master.fp32(), rtol=1e-6, atol=1e-7)
+    for name, t in host.states[0].tensors().items():
+        other = dev.states[0].tensors()[name]
+        if name.endswith("codes"):  # a value on a midpoint may round either way
+            assert (t.int() - other.int()).abs().max() <= 1 and (t != other).float().mean() < 1e-4, name
+        else:
+            torch.testing.assert_close(other, t, rtol=1e-6, atol=0)
