@@ -18,6 +18,7 @@ from lazytrain.optim import kernel as kernel_module
 from lazytrain.optim.adamw import FusedAdamW
 from lazytrain.optim.base import AdamWConfig
 from lazytrain.optim.hybrid8bit import (
+    DEVICE_CHUNK,
     MIN_8BIT_NUMEL,
     Fp32State,
     Hybrid8bitAdamW,
@@ -77,7 +78,10 @@ def _check_codes(codes, reference_codes, normalized, qmap, scale):
     )
 
 
-def _one_step(backend, numel, decay_numel, grad_dtype, out_dtype, clip, step, seed, rounding="nearest"):
+def _one_step(backend, numel, decay_numel, grad_dtype, out_dtype, clip, step, seed, rounding="nearest",
+              device=None):
+    """One step from a random state; ``device``: the group stepped there (`to_device`; the
+    weights written there are ``out``), then brought back."""
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(numel, generator=gen)
     grad = (torch.randn(numel, generator=gen) * 1e-2).to(grad_dtype)
@@ -98,8 +102,15 @@ def _one_step(backend, numel, decay_numel, grad_dtype, out_dtype, clip, step, se
     ref = reference_step(
         master, grad, m, v, step=step, clip_coef=clip, lr=lr, config=CONFIG, decay_numel=decay_numel
     )
-    out = None if out_dtype is None else torch.full((numel,), float("nan"), dtype=out_dtype)
-    opt.step_group(0, grad, clip, lr, out)
+    if device is not None:
+        weight = torch.full((numel,), float("nan"), dtype=out_dtype or torch.float32, device=device)
+        opt.to_device(0, weight)
+        opt.step_group(0, grad.to(device), clip, lr, None)
+        opt.to_host()
+        out = None if out_dtype is None else weight.cpu()
+    else:
+        out = None if out_dtype is None else torch.full((numel,), float("nan"), dtype=out_dtype)
+        opt.step_group(0, grad, clip, lr, out)
     assert opt.steps[0] == step
     beta1 = CONFIG.betas[0]
     m_terms = beta1 * m.double().abs() + (1 - beta1) * grad.double().abs() * clip
@@ -192,6 +203,35 @@ def test_kernel_and_torch_path_agree(rounding):
     for name in ("m_codes", "v_codes"):
         a, b = state_a.tensors()[name].long(), state_b.tensors()[name].long()
         # fused multiply-adds move a few values across a code boundary, by one code
+        assert int((a - b).abs().max()) <= 1
+        assert float((a != b).float().mean()) < 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("numel,decay_numel", [*SHAPES, (DEVICE_CHUNK + 20 * BLOCK + 77, DEVICE_CHUNK + 13)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["out-bf16", "out-fp32"])
+def test_the_gpu_step_matches_float64_reference(numel, decay_numel, out_dtype):
+    """A group stepped on the GPU (`to_device`: the compiled pieces, the fp32-state path for a
+    small group), a tail piece and decay ending inside the second piece included."""
+    opt, m_terms, ref, out = _one_step("torch", numel, decay_numel, torch.bfloat16, out_dtype, 0.37, 7, numel,
+                                       device="cuda")
+    _check_step(opt, ref, out, m_terms)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_gpu_step_and_torch_path_agree(rounding):
+    """Stochastic codes drawn on the GPU are the host's draws (the same hash of the element)."""
+    results = []
+    for device in (None, "cuda"):
+        opt, _, _, out = _one_step("torch", 50_003, 30_001, torch.bfloat16, torch.bfloat16, 0.6, 3, 11, rounding,
+                                   device=device)
+        results.append((opt.masters[0], opt.states[0], out))
+    (master_a, state_a, out_a), (master_b, state_b, out_b) = results
+    torch.testing.assert_close(master_a, master_b, rtol=0, atol=1e-6)
+    assert torch.equal(out_b, master_b.bfloat16())
+    for name in ("m_codes", "v_codes"):
+        a, b = state_a.tensors()[name].long(), state_b.tensors()[name].long()
         assert int((a - b).abs().max()) <= 1
         assert float((a != b).float().mean()) < 1e-3
 

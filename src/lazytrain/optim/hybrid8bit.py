@@ -63,7 +63,11 @@ from lazytrain.optim.base import AdamWConfig, HostOptimizer
 from lazytrain.optim.kernel import kernel_choice, load_kernel
 from lazytrain.optim.quant import (
     BLOCK,
+    QuantTables,
+    MASK32,
+    _mul32,
     dequantize_blockwise,
+    fmix32,
     num_blocks,
     quantize_blockwise,
     rounding_key,
@@ -277,11 +281,100 @@ def torch_step_fp32(
     s: StepScalars,
 ) -> None:
     n = master.numel()
-    chunk = _master_chunk(master, 0, n)
-    m, v = _adam_update(chunk, grad, state.exp_avg, state.exp_avg_sq, s, s.decay_numel)
-    state.exp_avg.copy_(m)
-    state.exp_avg_sq.copy_(v)
-    _write_chunk(master, chunk, weight_out, 0, n)
+    step = n if grad.device.type == "cpu" else DEVICE_CHUNK  # a GPU's temporaries stay bounded
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        chunk = _master_chunk(master, lo, hi)
+        decay_numel = min(max(s.decay_numel - lo, 0), hi - lo)
+        m, v = _adam_update(chunk, grad[lo:hi], state.exp_avg[lo:hi], state.exp_avg_sq[lo:hi], s, decay_numel)
+        state.exp_avg[lo:hi].copy_(m)
+        state.exp_avg_sq[lo:hi].copy_(v)
+        _write_chunk(master, chunk, weight_out, lo, hi)
+
+
+def _device_piece(grad: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor | None,
+                  m_codes: torch.Tensor, m_absmax: torch.Tensor, v_codes: torch.Tensor, v_absmax: torch.Tensor,
+                  weight_out: torch.Tensor | None, scalars: torch.Tensor, ints: torch.Tensor,
+                  mt: QuantTables, vt: QuantTables, stochastic: bool) -> None:
+    """One piece of `torch_step_8bit`'s math, for `torch.compile` on a GPU (a few fused kernels
+    instead of ~100 passes over memory: eager, the 7B's 1.09 B embedding + head parameters took
+    340 ms on the H200). The per-step numbers come as tensors, so no step recompiles:
+    ``scalars`` = (clip, beta1, 1 - beta1, beta2, 1 - beta2, eps, step_size, inv_bc2_sqrt, decay)
+    (the differences taken in float64, as the eager path's Python floats are), ``ints`` = (index
+    of the piece's first element in its group, decay_numel, rounding key). ``remainder``: the
+    master is split (``weight`` its bf16 half), else ``weight`` is the fp32 master and
+    ``weight_out`` gets its cast. Decay is a multiply by ``decay`` or by 1 (exact) per element."""
+    device = grad.device
+    clip, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_bc2_sqrt, decay = scalars.unbind()
+    n = grad.numel()
+    local = torch.arange(n, device=device)
+    index = local + ints[0]
+    if remainder is not None:
+        high = (weight.view(torch.int16).to(torch.int64) & 0xFFFF) << 16
+        bits = (high + remainder.to(torch.int64)) & 0xFFFFFFFF
+        master = (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
+    else:
+        master = weight
+    m = dequantize_blockwise(m_codes, m_absmax, mt)
+    root = dequantize_blockwise(v_codes, v_absmax, vt)
+    g = grad.float() * clip
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * (root * root) + one_minus_beta2 * (g * g)
+    denom = v.sqrt() * inv_bc2_sqrt + eps
+    new = master * torch.where(local < ints[1], decay, 1.0) - step_size * (m / denom)
+    uniforms = None
+    if stochastic:
+        block_key = fmix32(ints[2] ^ _mul32(index >> 32, 0x27D4EB2F))
+        uniforms = (fmix32((index & MASK32) ^ block_key) >> 8).to(torch.float32) * 2.0**-24
+    for codes, absmax, x, tables, u in ((m_codes, m_absmax, m, mt, None), (v_codes, v_absmax, v.sqrt(), vt, uniforms)):
+        new_codes, new_absmax = quantize_blockwise(x, tables, uniforms=u)
+        codes.copy_(new_codes)
+        absmax.copy_(new_absmax)
+    if remainder is not None:
+        bits = new.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        high = ((bits + 0x8000) >> 16) & 0xFFFF
+        low = bits & 0xFFFF
+        weight.view(torch.int16).copy_((high - ((high >> 15) << 16)).to(torch.int16))
+        remainder.copy_((low - ((low >> 15) << 16)).to(torch.int16))
+    else:
+        weight.copy_(new)
+        if weight_out is not None:
+            weight_out.copy_(new)
+
+
+_compiled_piece = None
+
+
+def device_step_8bit(
+    grad: torch.Tensor,
+    master: torch.Tensor | SplitMaster,
+    state: QuantizedState,
+    weight_out: torch.Tensor | None,
+    s: StepScalars,
+    rounding: tuple[int, int] | None = None,
+) -> None:
+    """`torch_step_8bit` on a GPU: the same math, `_device_piece` compiled (once for every piece
+    size, ``dynamic=True``), ``DEVICE_CHUNK`` elements at a time."""
+    global _compiled_piece
+    if _compiled_piece is None:
+        _compiled_piece = torch.compile(_device_piece, dynamic=True)
+    device = grad.device
+    split = isinstance(master, SplitMaster)
+    scalars = torch.tensor([s.clip, s.beta1, 1.0 - s.beta1, s.beta2, 1.0 - s.beta2, s.eps, s.step_size,
+                            s.inv_bc2_sqrt, s.decay],
+                           dtype=torch.float32).to(device, non_blocking=True)
+    key, first = rounding if rounding is not None else (0, 0)
+    n = master.numel()
+    for lo in range(0, n, DEVICE_CHUNK):
+        hi = min(n, lo + DEVICE_CHUNK)
+        blocks = slice(lo // BLOCK, num_blocks(hi))
+        ints = torch.tensor([first + lo, s.decay_numel - lo, key], dtype=torch.int64).to(device, non_blocking=True)
+        _compiled_piece(
+            grad[lo:hi], (master.weight if split else master)[lo:hi], master.remainder[lo:hi] if split else None,
+            state.m_codes[lo:hi], state.m_absmax[blocks], state.v_codes[lo:hi], state.v_absmax[blocks],
+            None if split or weight_out is None else weight_out[lo:hi], scalars, ints,
+            tables_on(True, device), tables_on(False, device), rounding is not None,
+        )
 
 
 class Hybrid8bitAdamW(HostOptimizer):
@@ -448,7 +541,9 @@ class Hybrid8bitAdamW(HostOptimizer):
             rounding = None
             if self.rounding == "stochastic":
                 rounding = (rounding_key(self.seed, group, step), self.group_offsets[group])
-            if self._kernel is None or on_device:
+            if on_device and grad.device.type == "cuda":
+                device_step_8bit(grad, master, state, out, s, rounding)
+            elif self._kernel is None or on_device:
                 torch_step_8bit(grad, master, state, out, s, rounding)
             else:
                 self._kernel.step_8bit(
