@@ -353,11 +353,13 @@ def device_step_8bit(
     s: StepScalars,
     rounding: tuple[int, int] | None = None,
 ) -> None:
-    """`torch_step_8bit` on a GPU: the same math, `_device_piece` compiled (once for every piece
-    size, ``dynamic=True``), ``DEVICE_CHUNK`` elements at a time."""
+    """`torch_step_8bit` on a GPU: the same math, `_device_piece` compiled, ``DEVICE_CHUNK``
+    elements at a time (a full piece's size, then one generic in the size once a tail shows a
+    second: torch's automatic dynamic shapes; ``dynamic=True`` would also make the map tables'
+    bit counts symbolic, which inductor cannot shift by)."""
     global _compiled_piece
     if _compiled_piece is None:
-        _compiled_piece = torch.compile(_device_piece, dynamic=True)
+        _compiled_piece = torch.compile(_device_piece)
     device = grad.device
     split = isinstance(master, SplitMaster)
     scalars = torch.tensor([s.clip, s.beta1, 1.0 - s.beta1, s.beta2, 1.0 - s.beta2, s.eps, s.step_size,
