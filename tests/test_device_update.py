@@ -160,3 +160,33 @@ def test_a_split_master_stepped_on_the_gpu_agrees_with_the_host_torch_path(round
             assert int((t.long() - other.long()).abs().max()) <= 1 and float((t != other).float().mean()) < 1e-3
         else:
             torch.testing.assert_close(other, t, rtol=2e-6, atol=0)
+
+
+def test_a_device_step_that_cannot_be_compiled_runs_eagerly(monkeypatch):
+    """Where torch.compile fails (no Triton, no compiler), the step warns and runs its eager
+    pieces: the same values (here on the CPU, as the device's)."""
+    from lazytrain.optim import hybrid8bit
+    from lazytrain.optim.hybrid8bit import StepScalars, device_step_8bit, torch_step_8bit
+
+    def broken(fn):
+        def run(*args):
+            raise RuntimeError("no backend")
+        return run
+
+    monkeypatch.setattr(hybrid8bit, "_compiled_piece", None)
+    monkeypatch.setattr(hybrid8bit.torch, "compile", broken)
+    n = 3 * 4096 + 5
+    a, b = SplitMaster.of(torch.randn(n)), SplitMaster.of(torch.randn(n))
+    b.weight.copy_(a.weight)
+    b.remainder.copy_(a.remainder)
+    opt_a = Hybrid8bitAdamW([a], [n], OPT, kernel="torch")
+    opt_b = Hybrid8bitAdamW([b], [n], OPT, kernel="torch")
+    grad = torch.randn(n).bfloat16()
+    s = StepScalars.of(OPT, 1, 1e-3, 0.5, n - 7)
+    torch_step_8bit(grad, a, opt_a.states[0], None, s)
+    with pytest.warns(RuntimeWarning, match="could not be compiled.*eagerly"):
+        device_step_8bit(grad, b, opt_b.states[0], None, s)
+    assert hybrid8bit._compiled_piece is hybrid8bit._device_piece
+    assert torch.equal(a.fp32(), b.fp32())
+    for name, t in opt_a.states[0].tensors().items():
+        assert torch.equal(t, opt_b.states[0].tensors()[name]), name
