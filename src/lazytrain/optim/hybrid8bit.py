@@ -64,8 +64,8 @@ from lazytrain.optim.base import AdamWConfig, HostOptimizer
 from lazytrain.optim.kernel import kernel_choice, load_kernel
 from lazytrain.optim.quant import (
     BLOCK,
-    QuantTables,
     MASK32,
+    QuantTables,
     _mul32,
     dequantize_blockwise,
     fmix32,
