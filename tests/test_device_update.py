@@ -190,3 +190,21 @@ def test_a_device_step_that_cannot_be_compiled_runs_eagerly(monkeypatch):
     assert torch.equal(a.fp32(), b.fp32())
     for name, t in opt_a.states[0].tensors().items():
         assert torch.equal(t, opt_b.states[0].tensors()[name]), name
+
+
+def test_a_skipped_steps_device_gradients_are_not_held_into_the_next(tmp_path):
+    """A step whose update is skipped (non-finite loss) leaves its device gradients unstepped;
+    the next step lets go of them before it runs, as the planner assumes."""
+    make_hf_model("qwen2", seed=1, layers=2).save_pretrained(tmp_path)
+    adapter = ModelAdapter(load_hf_config(tmp_path), CPU, torch.float32)
+    store = HostStore(adapter.layouts, torch.float32, pin=False)
+    load_safetensors(adapter, store, tmp_path)
+    plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 2, 8), const_update="device")
+    executor = Executor(adapter, store, plan, CPU)
+    executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False))
+    stale = executor.device_grads[0]
+    seen = []
+    real_embed = adapter.embed
+    adapter.embed = lambda *a: (seen.append(any(g is stale for g in executor.device_grads.values())), real_embed(*a))[1]
+    executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False, seed=1))
+    assert seen == [False] and executor.device_grads[0] is not stale

@@ -555,6 +555,7 @@ class Executor:
         rope = (cos, sin)
         self.trace.start_step()
         self._reads_left.clear()  # an abandoned step's counts
+        self.device_grads.clear()  # a skipped step's (not stepped): not held through this one
         self.grad_norm_sq.zero_()
         # the layer inputs the plan writes to NVMe (a keep layer's saved tensors add to it;
         # after the first step the measured peak is checked too)
