@@ -85,6 +85,10 @@ class Plan:
     their new weights copied back); ``device``, the GPU, where their master remainder and
     optimizer state then live (`CostTable.const_update_bytes`): no copies, and no CPU time
     before the first layer's and after the last layer's update (`runtime.update`)."""
+    device_layers: int = 0
+    """With ``const_update="device"``: the first ``device_layers`` decoder layers are resident on
+    the GPU too (weights not streamed) and stepped there with the embedding and head, so the
+    CPU optimizer starts on the layers after them as the forward starts on layer 0."""
     predicted_step_time_s: float | None = None
     notes: dict = field(default_factory=dict)
 
@@ -92,6 +96,13 @@ class Plan:
         self.layers = [lp if isinstance(lp, LayerPlan) else LayerPlan(**lp) for lp in self.layers]
         if self.const_update not in CONST_UPDATES:
             raise ValueError(f"plan const_update {self.const_update!r} is not one of {CONST_UPDATES}")
+        if self.device_layers < 0:
+            raise ValueError(f"plan device_layers must be >= 0, got {self.device_layers}")
+        if self.device_layers and self.const_update != "device":
+            raise ValueError(
+                f"plan device_layers={self.device_layers} steps layers on the GPU beside the embedding and head: "
+                f"it needs const_update='device', got {self.const_update!r}"
+            )
         if self.batch_size < 1 or self.seq_len < 1:
             raise ValueError(
                 f"plan batch_size and seq_len must be >= 1, got {self.batch_size}, {self.seq_len}"
@@ -130,6 +141,8 @@ class Plan:
                 f"plan has {len(self.layers)} layers, the model has {num_layers}; "
                 "re-run `lazytrain plan` for this model"
             )
+        if self.device_layers > num_layers:
+            raise PlanError(f"plan device_layers={self.device_layers} exceeds the model's {num_layers} layers")
         for i, lp in enumerate(self.layers):
             if lp.mode == "drop" and self.layers[i - 1].mode == "keep":
                 raise PlanError(
