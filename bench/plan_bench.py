@@ -92,8 +92,10 @@ GiB = 2**30
 
 
 def options(args, const_update: str = "auto") -> PolicyOptions:
+    device_layers = None if args.device_layers == "auto" else int(args.device_layers)
     return PolicyOptions(megatrain_every=args.every, head_chunk_tokens=args.head_chunk, tiers=tuple(args.tiers),
-                         recompute=tuple(args.recompute), const_update=const_update)
+                         recompute=tuple(args.recompute), const_update=const_update,
+                         device_layers=device_layers if const_update != "host" else 0)
 
 
 MAX_TRIES = 8
@@ -345,6 +347,10 @@ def main() -> None:
     parser.add_argument("--const-update", nargs="+", choices=["auto", "host", "device"], default=["auto"],
                         help="where the embedding and head take their optimizer step (plan.const_update); "
                              "several: each run once per choice")
+    parser.add_argument("--device-layers", default="0",
+                        help="first decoder layers resident on the GPU and stepped there with the embedding and "
+                             "head (plan.device_layers): a number, or auto (the MILP chooses); runs with "
+                             "--const-update host take 0")
     parser.add_argument("--costs", nargs="+", default=[], metavar="[KERNELS=]FILE",
                         help="use this costs.json instead of profiling (KERNELS=FILE: for that kernel study only)")
     parser.add_argument("--copy-check", action="store_true",
@@ -558,7 +564,9 @@ def study(session, args, kernels: str) -> None:
             table = run_costs if update == "cpu" else dataclasses.replace(run_costs, optimizer_ns_per_param=0.0)
             for const_update in args.const_update:
                 run_suffix = (suffix + ("" if update == "cpu" else "_update-skipped")
-                              + ("" if args.const_update == ["auto"] else f"_const-{const_update}"))
+                              + ("" if args.const_update == ["auto"] else f"_const-{const_update}")
+                              + ("" if args.device_layers == "0" or const_update == "host"
+                                 else f"_dl{args.device_layers}"))
                 batch = args.batch
                 if size == "max":
                     t0 = time.perf_counter()
@@ -613,6 +621,7 @@ def markdown(records: list[dict], args) -> str:
         + (f" --fetch-allocation {args.fetch_allocation}" if args.fetch_allocation != "compute" else "")
         + (f" --update {' '.join(args.update)}" if args.update != ["cpu"] else "")
         + (f" --const-update {' '.join(args.const_update)}" if args.const_update != ["auto"] else "")
+        + (f" --device-layers {args.device_layers}" if args.device_layers != "0" else "")
         + (f" --costs {' '.join(args.costs)}" if args.costs else "")
         + (f" --max-batch {args.max_batch}" if args.max_batch else "")
         + (f" --kernels {' '.join(args.kernels)}" if args.kernels != ["auto"] else "")

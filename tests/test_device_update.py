@@ -26,25 +26,28 @@ STEPS = 6
 
 
 def _run(folder, const_update: str, dtype: torch.dtype, split: bool, device=CPU, poison: bool = False,
-         rounding: str = "stochastic"):
+         rounding: str = "stochastic", device_layers: int = 0):
     """Train STEPS steps; returns (losses, store, optimizer state). ``poison``: after the first
     update, the host copies of the device groups' gradients and weights are overwritten with
-    NaN, so any step that still read them would show it."""
+    NaN, so any step that still read them would show it (a streamed device layer, too)."""
     adapter = ModelAdapter(load_hf_config(folder), device, dtype)
     store = HostStore(adapter.layouts, dtype, pin=False, split_master=split)
     load_safetensors(adapter, store, folder)
-    plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 3, 12, every=2), const_update=const_update)
+    plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 3, 12, every=2), const_update=const_update,
+                               device_layers=device_layers)
     executor = Executor(adapter, store, plan, device)
     optimizer = Hybrid8bitAdamW(store.masters, [lay.decay_numel for lay in adapter.layouts], OPT, kernel="torch",
                                 rounding=rounding, seed=3)
     updater = HostUpdater(executor, optimizer, overlap=True)
     losses = []
+    if poison:
+        assert executor.device_groups == {0, *range(1, 1 + device_layers), len(store.weights) - 1}
     for step in range(STEPS):
         stats = executor.forward_backward(*random_batch(3, 12, adapter.vocab_size, padded=True, seed=step))
         losses.append(stats.loss)
         updater.start(min(1.0, 0.5 / (stats.grad_norm + 1e-6)), OPT.lr * (1 - step / STEPS))
         if poison and step == 0:
-            for g in (0, len(store.weights) - 1):
+            for g in executor.device_groups:
                 store.grads[g].fill_(float("nan"))
                 store.weights[g].fill_(float("nan"))
         if step == 2:  # a checkpoint mid-run: the device groups come home, then go back
@@ -73,6 +76,10 @@ def test_device_groups_train_as_on_the_host(tmp_path, family, dtype, split):
     host = _run(tmp_path, "host", dtype, split)
     device = _run(tmp_path, "device", dtype, split, poison=True)
     _assert_same(host, device)
+    # the first layers resident and stepped there too (one segment of the plan inside them,
+    # one across their end: every=2 checkpoints layers 0 and 2)
+    for device_layers in (1, 3):
+        _assert_same(host, _run(tmp_path, "device", dtype, split, poison=True, device_layers=device_layers))
     # and they trained: the embedding moved
     fresh = HostStore(ModelAdapter(load_hf_config(tmp_path), CPU, dtype).layouts, dtype, pin=False, split_master=split)
     load_safetensors(ModelAdapter(load_hf_config(tmp_path), CPU, dtype), fresh, tmp_path)
@@ -208,3 +215,34 @@ def test_a_skipped_steps_device_gradients_are_not_held_into_the_next(tmp_path):
     adapter.embed = lambda *a: (seen.append(any(g is stale for g in executor.device_grads.values())), real_embed(*a))[1]
     executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False, seed=1))
     assert seen == [False] and executor.device_grads[0] is not stale
+
+
+def test_device_layers_are_not_streamed(tmp_path):
+    make_hf_model("qwen2", seed=1, layers=4).save_pretrained(tmp_path)
+    adapter = ModelAdapter(load_hf_config(tmp_path), CPU, torch.float32)
+    store = HostStore(adapter.layouts, torch.float32, pin=False)
+    load_safetensors(adapter, store, tmp_path)
+    streamed = {}
+    for k in (0, 2):
+        plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 2, 8, every=2), const_update="device",
+                                   device_layers=k)
+        executor = Executor(adapter, store, plan, CPU)
+        stats = executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False))
+        streamed[k] = stats.h2d_weight_bytes
+        assert set(executor.device_grads) == {0, *range(1, k + 1), len(store.weights) - 1}
+    layer_bytes = store.weights[1].numel() * store.weights[1].element_size()
+    # with 3 slots: layers 2 and 3 stream in the forward and are still there for the backward;
+    # streamed too, layers 0 and 1 took 3 copies (0 again in the backward)
+    assert streamed[2] == 2 * layer_bytes and streamed[0] == 5 * layer_bytes
+
+
+def test_a_plan_with_device_layers_needs_the_device_update():
+    from lazytrain.plan.plan import Plan, PlanError
+
+    with pytest.raises(ValueError, match="needs const_update='device'"):
+        dataclasses.replace(megatrain_plan(4, 2, 8), device_layers=2)
+    plan = dataclasses.replace(megatrain_plan(4, 2, 8), const_update="device", device_layers=5)
+    with pytest.raises(PlanError, match="exceeds the model's 4 layers"):
+        plan.check(4)
+    with pytest.raises(ValueError, match=">= 0"):
+        Plan(policy="x", batch_size=1, seq_len=1, layers=[], device_layers=-1)

@@ -260,6 +260,11 @@ class PlanConfig:
     and optimizer states then live there, ~4 B per parameter of those groups, and neither their
     gradients nor their weights cross PCIe; optimizer.kind=hybrid8bit, one process), or auto
     (the solved plan takes whichever the planner predicts faster; other policies: host)."""
+    device_layers: int | None = 0
+    """With the embedding and head stepped on the GPU: how many of the first decoder layers are
+    resident there too (not streamed) and stepped there (~3.5 B per parameter of those layers on
+    the card beside their weights; the CPU optimizer then starts on the layers after them as the
+    forward starts), or null (auto: the solved plan chooses; other policies: 0)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "plan")
@@ -356,6 +361,13 @@ class Config:
             self.optimizer.lr = 2e-3 if self.model.source == "builtin:tiny" else 1e-5
         if self.eval.model is None:
             self.eval.model = self.training.output_dir
+        if self.plan.device_layers is not None and self.plan.device_layers < 0:
+            raise ConfigError(f"plan.device_layers must be >= 0 or null (auto), got {self.plan.device_layers}")
+        if self.plan.device_layers and self.plan.const_update == "host":
+            raise ConfigError(
+                f"plan.device_layers={self.plan.device_layers} steps layers on the GPU beside the embedding and head; "
+                "set plan.const_update=device (or auto), or plan.device_layers=0"
+            )
         if self.plan.const_update == "device" and self.optimizer.kind != "hybrid8bit":
             raise ConfigError(
                 f"plan.const_update=device steps the embedding and head on the GPU, which optimizer.kind="

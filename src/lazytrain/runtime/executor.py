@@ -27,10 +27,11 @@ layers' masks keep attention within each sample (``ModelAdapter.layer_masks``) a
 the positions, which restart per sample; the loss is the same sum over target tokens divided by
 the same count, so each sample's contribution is what it is unpacked.
 
-With ``plan.const_update == "device"`` the resident groups (embedding, final norm + head) are
-stepped on the GPU (`runtime.update`): their gradients stay there (``device_grads``, the
-head's accumulated straight into its flat buffer) instead of going to the host, and the step
-writes their resident weights, which are then never copied in again.
+With ``plan.const_update == "device"`` the resident groups (embedding, final norm + head, and
+the plan's first ``device_layers`` decoder layers, which are then resident too and not
+streamed) are stepped on the GPU (`runtime.update`): their gradients stay there
+(``device_grads``, the head's accumulated straight into its flat buffer) instead of going to
+the host, and the step writes their resident weights, which are then never copied in again.
 
 The LM head and cross-entropy run on chunks of the target tokens only (prompt and padding
 positions never reach the head), with backward per chunk, so the full logits never exist.
@@ -198,15 +199,16 @@ class Executor:
             trace=self.trace,
         )
         self.activations = ActivationStore(self.streams, device, self.trace, nvme, fetch_allocation)
-        # Resident groups: the embedding (group 0) and the final norm + head (last group).
+        # Resident groups: the embedding (group 0), the final norm + head (last group) and the
+        # plan's device layers (groups 1 .. device_layers), which are not streamed
         self.resident = {
-            0: torch.empty(store.weights[0].numel(), dtype=self.dtype, device=device),
-            self.num_groups - 1: torch.empty(store.weights[-1].numel(), dtype=self.dtype, device=device),
+            g: torch.empty(store.weights[g].numel(), dtype=self.dtype, device=device)
+            for g in (0, *range(1, 1 + plan.device_layers), self.num_groups - 1)
         }
         self._resident_version = {g: -1 for g in self.resident}
         self.device_groups = frozenset(self.resident) if plan.const_update == "device" else frozenset()
-        """Groups stepped on the GPU (`Plan.const_update`): their resident weights are the ones
-        the optimizer writes."""
+        """Groups stepped on the GPU (`Plan.const_update`, `Plan.device_layers`): their resident
+        weights are the ones the optimizer writes."""
         self.device_grads: dict[int, torch.Tensor] = {}
         """The last step's flat gradients of ``device_groups``, until the optimizer takes them."""
         self.weight_version = [0] * self.num_groups
@@ -257,11 +259,22 @@ class Executor:
         return self.resident[group]
 
     def _schedule(self) -> list[int]:
+        """The streamed layers' uses in order (the device layers are resident, not streamed)."""
         forward = list(range(self.adapter.num_layers))
         backward = []
         for start, end in reversed(self.plan.segments()):
             backward.extend(range(start, end))
-        return forward + backward
+        return [i for i in forward + backward if i >= self.plan.device_layers]
+
+    def _acquire(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s flat weights on the GPU: its resident copy, or a streamed slot."""
+        if layer < self.plan.device_layers:
+            return self._resident_weights(layer + 1)
+        return self.weights.acquire(layer)
+
+    def _release(self, layer: int) -> None:
+        if layer >= self.plan.device_layers:
+            self.weights.release(layer)
 
     # -- saved-tensor hooks for "keep" layers --------------------------------------------
 
@@ -576,7 +589,7 @@ class Executor:
         saved: list = [None] * L
         for i in range(L):
             lp = plan.layers[i]
-            slot = self.weights.acquire(i)
+            slot = self._acquire(i)
             span = self.trace.begin()
             layer_input = x
             if lp.mode == "keep":
@@ -600,7 +613,7 @@ class Executor:
                 self._free_offloaded_input(layer_input, saved[i - 1] if i and plan.layers[i - 1].mode == "keep" else None)
             del layer_input
             self.trace.end("compute", span)
-            self.weights.release(i)
+            self._release(i)
             self._stage_done(f"fwd {i}")
 
         # final norm + chunked LM head + loss, backward per chunk
@@ -642,7 +655,7 @@ class Executor:
                     for handle in saved[first][3] if keep else [saved[first]]:
                         self.activations.prefetch(handle)
             if plan.layers[start].mode == "keep":
-                slot = self.weights.acquire(start)
+                slot = self._acquire(start)
                 x_in, out, leaves, handles = saved[start]
                 self._bwd_slot[start] = slot
                 names = list(leaves)
@@ -655,10 +668,10 @@ class Executor:
                 saved[start] = None
                 g = grads[0]
                 self._emit_grads(start + 1, dict(zip(names, grads[1:])))
-                self.weights.release(start)
+                self._release(start)
                 self._stage_done(f"bwd {start}")
                 continue
-            slots = [self.weights.acquire(j) for j in range(start, end)]
+            slots = [self._acquire(j) for j in range(start, end)]
             handle = saved[start]
             inputs = [self.activations.get(handle)]
             span = self.trace.begin()
@@ -679,7 +692,7 @@ class Executor:
                 g = grads[0]
                 inputs[j - start] = None
                 self._emit_grads(j + 1, dict(zip(leaves, grads[1:])))
-                self.weights.release(j)
+                self._release(j)
                 del out, x_in
                 self._stage_done(f"bwd {j}")
             self.activations.free(handle)
