@@ -153,6 +153,7 @@ class SkippedUpdate(HostOptimizer):
     def __init__(self, like: HostOptimizer):
         super().__init__(like.masters, like.decay_numel, like.config)
         self._device: set[int] = set()
+        self.device_step = like.device_step
 
     @property
     def device_groups(self) -> frozenset[int]:

@@ -91,11 +91,10 @@ from lazytrain.runtime.profiler import CONSTANTS, measure_constants
 GiB = 2**30
 
 
-def options(args, const_update: str = "auto") -> PolicyOptions:
-    device_layers = None if args.device_layers == "auto" else int(args.device_layers)
+def options(args, const_update: str = "auto", device_layers: str = "0") -> PolicyOptions:
     return PolicyOptions(megatrain_every=args.every, head_chunk_tokens=args.head_chunk, tiers=tuple(args.tiers),
                          recompute=tuple(args.recompute), const_update=const_update,
-                         device_layers=device_layers if const_update != "host" else 0)
+                         device_layers=None if device_layers == "auto" else int(device_layers))
 
 
 MAX_TRIES = 8
@@ -347,10 +346,10 @@ def main() -> None:
     parser.add_argument("--const-update", nargs="+", choices=["auto", "host", "device"], default=["auto"],
                         help="where the embedding and head take their optimizer step (plan.const_update); "
                              "several: each run once per choice")
-    parser.add_argument("--device-layers", default="0",
+    parser.add_argument("--device-layers", nargs="+", default=["0"],
                         help="first decoder layers resident on the GPU and stepped there with the embedding and "
-                             "head (plan.device_layers): a number, or auto (the MILP chooses); runs with "
-                             "--const-update host take 0")
+                             "head (plan.device_layers): numbers, or auto (the MILP chooses); several: each "
+                             "run once per value (runs with --const-update host take 0)")
     parser.add_argument("--costs", nargs="+", default=[], metavar="[KERNELS=]FILE",
                         help="use this costs.json instead of profiling (KERNELS=FILE: for that kernel study only)")
     parser.add_argument("--copy-check", action="store_true",
@@ -535,8 +534,8 @@ def study(session, args, kernels: str) -> None:
         save()
         return True
 
-    def plan_for(policy: str, const_update: str, table: CostTable) -> Plan:
-        return policy_plan(policy, table, options(args, const_update))
+    def plan_for(policy: str, const_update: str, device_layers: str, table: CostTable) -> Plan:
+        return policy_plan(policy, table, options(args, const_update, device_layers))
 
     def run_for(policy: str, suffix: str, host_gib: str, update: str, table: CostTable, plan: Plan,
                 replans: int) -> dict | None:
@@ -562,11 +561,11 @@ def study(session, args, kernels: str) -> None:
         for update in args.update:
             # skipped: planned as if the update were free, which it then is
             table = run_costs if update == "cpu" else dataclasses.replace(run_costs, optimizer_ns_per_param=0.0)
-            for const_update in args.const_update:
+            for const_update, device_layers in [(c, k) for c in args.const_update
+                                                for k in (["0"] if c == "host" else args.device_layers)]:
                 run_suffix = (suffix + ("" if update == "cpu" else "_update-skipped")
                               + ("" if args.const_update == ["auto"] else f"_const-{const_update}")
-                              + ("" if args.device_layers == "0" or const_update == "host"
-                                 else f"_dl{args.device_layers}"))
+                              + ("" if args.device_layers == ["0"] or const_update == "host" else f"_dl{device_layers}"))
                 batch = args.batch
                 if size == "max":
                     t0 = time.perf_counter()
@@ -574,7 +573,7 @@ def study(session, args, kernels: str) -> None:
                                                 args.max_batch or args.batch)
                     print(f"{policy}{run_suffix}: largest batch the simulator fits: {batch} (searched in "
                           f"{time.perf_counter() - t0:.0f} s)", flush=True)
-                tries(policy, batch, table, args.seq, functools.partial(plan_for, policy, const_update),
+                tries(policy, batch, table, args.seq, functools.partial(plan_for, policy, const_update, device_layers),
                       functools.partial(run_for, policy, run_suffix, host_gib, update), walk_down=size == "max")
 
     check_copies("after_runs")
@@ -621,7 +620,7 @@ def markdown(records: list[dict], args) -> str:
         + (f" --fetch-allocation {args.fetch_allocation}" if args.fetch_allocation != "compute" else "")
         + (f" --update {' '.join(args.update)}" if args.update != ["cpu"] else "")
         + (f" --const-update {' '.join(args.const_update)}" if args.const_update != ["auto"] else "")
-        + (f" --device-layers {args.device_layers}" if args.device_layers != "0" else "")
+        + (f" --device-layers {' '.join(args.device_layers)}" if args.device_layers != ["0"] else "")
         + (f" --costs {' '.join(args.costs)}" if args.costs else "")
         + (f" --max-batch {args.max_batch}" if args.max_batch else "")
         + (f" --kernels {' '.join(args.kernels)}" if args.kernels != ["auto"] else "")

@@ -124,6 +124,10 @@ def test_an_optimizer_without_a_device_step_says_so(tmp_path):
     optimizer = FusedAdamW(store.masters, [lay.decay_numel for lay in adapter.layouts], OPT)
     with pytest.raises(ValueError, match="CPU only.*hybrid8bit"):
         optimizer.to_device(0, store.weights[0].clone())
+    # a plan (e.g. a plan file) that steps groups on the GPU is refused before any step
+    plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 2, 8), const_update="device")
+    with pytest.raises(ValueError, match="FusedAdamW optimizer cannot.*hybrid8bit"):
+        HostUpdater(Executor(adapter, store, plan, CPU), optimizer)
 
 
 def test_to_device_checks_its_weights():
@@ -131,6 +135,8 @@ def test_to_device_checks_its_weights():
     optimizer = Hybrid8bitAdamW([master], [5000], OPT, kernel="torch")
     with pytest.raises(ValueError, match="5000 contiguous elements"):
         optimizer.to_device(0, torch.zeros(10, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        optimizer.to_device(0, torch.zeros(10000, dtype=torch.bfloat16)[::2])
     with pytest.raises(ValueError, match="bf16"):
         optimizer.to_device(0, torch.zeros(5000))
     optimizer.to_device(0, master.weight.clone())
@@ -177,7 +183,7 @@ def test_a_device_step_that_cannot_be_compiled_runs_eagerly(monkeypatch):
 
     def broken(fn):
         def run(*args):
-            raise RuntimeError("no backend")
+            raise torch._dynamo.exc.BackendCompilerFailed(fn, RuntimeError("no backend"), None)
         return run
 
     monkeypatch.setattr(hybrid8bit, "_compiled_piece", None)
@@ -246,3 +252,24 @@ def test_a_plan_with_device_layers_needs_the_device_update():
         plan.check(4)
     with pytest.raises(ValueError, match=">= 0"):
         Plan(policy="x", batch_size=1, seq_len=1, layers=[], device_layers=-1)
+
+
+def test_loading_state_drops_the_device_copies_without_writing_them_back():
+    """A resume with groups on a device: the restored masters must survive (the device copies
+    are dropped, not copied back over them), and the loaded state is the host's."""
+    n = 5000
+    master = SplitMaster.of(torch.randn(n))
+    optimizer = Hybrid8bitAdamW([master], [n], OPT, kernel="torch")
+    optimizer.step_group(0, torch.randn(n).bfloat16(), 1.0, 1e-3, None)
+    saved = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in optimizer.state_dict().items()}
+    saved["groups"] = [{k: t.clone() for k, t in g.items()} for g in saved["groups"]]
+    optimizer.to_device(0, master.weight.clone())
+    optimizer.step_group(0, torch.randn(n).bfloat16(), 1.0, 1e-3, None)  # moves the device copy on
+    restored = torch.randn(n)
+    master.assign(restored)  # what the checkpoint restores into the store, before the state
+    optimizer.load_state_dict(saved)
+    assert optimizer.device_groups == frozenset()
+    assert torch.equal(master.fp32(), restored)
+    assert optimizer.steps == [1]
+    for name, t in optimizer.states[0].tensors().items():
+        assert torch.equal(t, saved["groups"][0][name]), name

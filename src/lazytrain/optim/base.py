@@ -89,6 +89,9 @@ class HostOptimizer(ABC):
     ) -> None:
         """One AdamW step of ``group`` with gradient ``grad * clip_coef`` at learning rate ``lr``."""
 
+    device_step = False
+    """Whether `to_device` can move a group to a GPU and step it there."""
+
     @property
     def device_groups(self) -> frozenset[int]:
         """Groups stepped on a device (`to_device`) until `to_host`."""

@@ -42,8 +42,9 @@ A group may be stepped on a device instead (`Hybrid8bitAdamW.to_device`: the emb
 the final norm + head, whose weights the executor keeps on the GPU): its remainder (or fp32
 master) and state are copied there, and the torch path runs there on the device's gradient,
 in pieces of ``DEVICE_CHUNK`` elements, writing the executor's copy of the weights; `to_host`
-copies them back. The same float32 math as on the host's torch path, so a device step equals
-it (the C++ kernel's differs by about an ulp, as above).
+copies them back. The same float32 math as the host's torch path, compiled: Triton fuses
+multiply-adds, so, like the C++ kernel, it differs from that path by about an ulp (a value on a
+code's midpoint may take the neighbouring code); run eagerly it equals it bit for bit.
 
 Steps of different groups may run concurrently from several threads (each group's state is
 its own and the kernel holds no GIL); one group must not be stepped by two threads at once.
@@ -346,6 +347,16 @@ def _device_piece(grad: torch.Tensor, weight: torch.Tensor, remainder: torch.Ten
 _compiled_piece = None
 
 
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What torch.compile raises when it cannot compile (the step then runs eagerly); any other
+    error (out of memory, a fault in the compiled kernels) propagates."""
+    import torch._dynamo.exc as dynamo_exc
+    import torch._inductor.exc as inductor_exc
+
+    return tuple(c for c in (dynamo_exc.BackendCompilerFailed, getattr(inductor_exc, "InductorError", None),
+                             getattr(dynamo_exc, "InternalTorchDynamoError", None)) if c is not None)
+
+
 def device_step_8bit(
     grad: torch.Tensor,
     master: torch.Tensor | SplitMaster,
@@ -380,7 +391,7 @@ def device_step_8bit(
         )
         try:
             _compiled_piece(*args)
-        except Exception as error:  # compiling failed (no Triton, no compiler): before anything ran
+        except _compile_errors() as error:  # compiling failed (no Triton, no compiler): before anything ran
             if _compiled_piece is _device_piece:
                 raise
             warnings.warn(f"lazytrain: the GPU optimizer step could not be compiled ({type(error).__name__}: "
@@ -407,6 +418,8 @@ class Hybrid8bitAdamW(HostOptimizer):
     the step and the element's index in its group: the same draw for a shard as for the whole
     group, and again after a resume).
     """
+
+    device_step = True
 
     def __init__(
         self,
@@ -470,9 +483,12 @@ class Hybrid8bitAdamW(HostOptimizer):
         if group in self._home:
             raise ValueError(f"group {group} is on {self._device_weight[group].device} already; to_host first")
         master, state = self.masters[group], self.states[group]
-        if weight.numel() != master.numel() or not weight.is_contiguous():
+        if weight.numel() != master.numel():
             raise ValueError(f"group {group}: the device weights must be {master.numel()} contiguous "
                              f"elements, got {weight.numel()}")
+        if not weight.is_contiguous():
+            raise ValueError(f"group {group}: the device weights must be contiguous (a flat buffer), got "
+                             f"strides {weight.stride()}")
         device = weight.device
         if isinstance(master, SplitMaster):
             if weight.dtype != torch.bfloat16:
@@ -498,6 +514,11 @@ class Hybrid8bitAdamW(HostOptimizer):
                 master.copy_(on)
             for name, t in state.tensors().items():
                 t.copy_(on_state.tensors()[name])
+            self.masters[group], self.states[group] = master, state
+            del self._home[group], self._device_weight[group]
+
+    def _drop_device(self) -> None:
+        for group, (master, state) in list(self._home.items()):
             self.masters[group], self.states[group] = master, state
             del self._home[group], self._device_weight[group]
 
@@ -584,7 +605,10 @@ class Hybrid8bitAdamW(HostOptimizer):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.to_host()  # loaded into the host tensors; a group goes to its device again when stepped there
+        # loaded into the host tensors, which the store's masters (restored first) are for the
+        # masters: the device copies are dropped, not copied back over them; a group goes to its
+        # device again when it is next stepped there
+        self._drop_device()
         if state.get("kind") != "hybrid8bit":
             raise ValueError(
                 f"optimizer state is of kind {state.get('kind')!r}, this optimizer is "

@@ -39,6 +39,12 @@ class HostUpdater:
             event.set()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        if executor.device_groups and not optimizer.device_step:
+            raise ValueError(
+                f"the plan steps groups {sorted(executor.device_groups)} (the embedding, head and device layers) on "
+                f"the GPU, which the {type(optimizer).__name__} optimizer cannot (its step is CPU-only): use "
+                "optimizer.kind=hybrid8bit, or a plan with const_update=host"
+            )
         self.last_step_seconds = 0.0
         self.wait_seconds = 0.0
         executor.before_load = self.wait_group
@@ -87,10 +93,10 @@ class HostUpdater:
         (before saving, evaluating or exiting: the host store and optimizer state are then the
         whole state)."""
         self._join()
-        on_device = self.optimizer.device_groups
         self.optimizer.to_host()  # on the compute stream, after the steps queued there
-        for group in on_device:
+        for group in self.executor.device_groups:
             self.executor.store.sync_weights_from_masters(group)  # an fp32 master's streamed weights
+        self.executor.device_grads.clear()  # a skipped last step's: not held through what follows
 
     def _run(self, clip_coef: float, lr: float) -> None:
         t0 = time.perf_counter()
