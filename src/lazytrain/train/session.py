@@ -76,15 +76,16 @@ class Session:
 
     def policy_options(self) -> PolicyOptions:
         pc = self.config.plan
-        if pc.const_update == "device" and self.parallel is not None:
-            raise ConfigError("plan.const_update=device steps the embedding and head on one GPU; a data-parallel "
-                              "run shards them over its ranks' CPU optimizers: set plan.const_update=auto or host")
+        if self.parallel is not None and (pc.const_update == "device" or pc.device_layers):
+            raise ConfigError("plan.const_update=device and plan.device_layers step the embedding, head and first "
+                              "layers on one GPU; a data-parallel run shards them over its ranks' CPU optimizers: "
+                              "set plan.const_update=auto or host and plan.device_layers=0")
         return PolicyOptions(
             megatrain_every=pc.megatrain_every, checkpoint_tier=pc.checkpoint_tier,
             head_chunk_tokens=pc.head_chunk_tokens, weight_prefetch=pc.weight_prefetch,
             tiers=("gpu", "host", "nvme") if self.nvme is not None else ("gpu", "host"),
             optimizer_overlap=pc.overlap_optimizer, recompute=tuple(pc.recompute_blocks),
-            const_update=pc.const_update,
+            const_update=pc.const_update, device_layers=0 if self.parallel is not None else pc.device_layers,
         )
 
     def host_memory(self, activations: int = 0, costs: CostTable | None = None) -> budget.HostBudget:
