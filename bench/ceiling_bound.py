@@ -26,6 +26,9 @@ with the next forward) and simulates the plan, for each scenario:
   and their master remainders and states held on the card (``--device-update-bytes``: bytes per
   parameter taken from the card); not counted there: their gradients held on the card until
   the update (2 B per parameter, 1.09 GB for the 7B head) and the update's temporaries.
+- ``embedding, head and first layers on the GPU (auto k)``: with ``const_update_ms`` only, the
+  device plan with the planner choosing how many of the first decoder layers are resident and
+  stepped on the card too (`Plan.device_layers`; each number tried in the record's notes).
 
 Compute-only (the issue-19 denominator) is taken from the table as each layer's forward +
 backward plus the head and the embedding (``bench/plan_bench.py`` measures it with the weights
@@ -59,6 +62,8 @@ def compute_only_s(costs: CostTable) -> float:
     layers = sum(layer.forward_ms + layer.backward_ms for layer in costs.layers)
     return (layers + costs.head_ms + costs.embed_forward_ms + costs.embed_backward_ms) * 1e-3
 
+
+RESIDENT_LAYERS = "embedding, head and first layers on the GPU (auto k)"
 
 DEVICE_UPDATE_BYTES = 4.0625
 """Card bytes per parameter whose update runs on the GPU: the split master's 16-bit remainder (the
@@ -95,10 +100,11 @@ def scenarios(costs: CostTable, speedups: list[float], extra_gb: list[float], sl
 
 
 def row(name: str, costs: CostTable, table: str, time_limit: float, profiled_plan: Plan | None = None,
-        const_update: str = "host") -> dict:
-    """The scenario's solved plan (the embedding and head stepped where ``const_update`` says),
-    simulated; with ``profiled_plan`` (the as-profiled row's plan) also that plan's step under this
-    scenario's costs, not re-solved (timing only: on a smaller card it may not fit)."""
+        const_update: str = "host", device_layers: int | None = 0) -> dict:
+    """The scenario's solved plan (the embedding and head stepped where ``const_update`` says,
+    with ``device_layers`` resident layers: `solve_plan`'s), simulated; with ``profiled_plan`` (the
+    as-profiled row's plan) also that plan's step under this scenario's costs, not re-solved
+    (timing only: on a smaller card it may not fit)."""
     floor = compute_only_s(costs)
     record = {"name": name, "table": table, "batch_size": costs.batch_size, "seq_len": costs.seq_len,
               "device": costs.device, "optimizer_ns_per_param": costs.optimizer_ns_per_param,
@@ -106,7 +112,7 @@ def row(name: str, costs: CostTable, table: str, time_limit: float, profiled_pla
               "compute_only_s": floor}
     try:
         plan = solve_plan(costs, optimizer_overlap=True, head_chunk_tokens=costs.head_chunk_tokens or 4096,
-                          time_limit_s=time_limit, const_update=const_update)
+                          time_limit_s=time_limit, const_update=const_update, device_layers=device_layers)
     except PlanInfeasible as err:
         return {**record, "status": f"no plan: {err}"}
     sim = simulate(plan, costs, optimizer_overlap=True)
@@ -120,7 +126,8 @@ def row(name: str, costs: CostTable, table: str, time_limit: float, profiled_pla
     return {**record, "status": "ok", **metrics, "modes": modes, "plan": plan.to_dict(),
             "recompute_s": metrics["predicted_gpu_compute_s"] - floor,
             "step_over_compute_only": metrics["predicted_step_time_s"] / floor,
-            "milp_status": plan.notes["milp"]["status"]}
+            "milp_status": plan.notes["milp"]["status"], "device_layers": plan.device_layers,
+            "device_layers_tried": plan.notes.get("device_layers")}
 
 
 def markdown(records: list[dict], table: str, options: str = "") -> str:
@@ -148,6 +155,12 @@ def markdown(records: list[dict], table: str, options: str = "") -> str:
               "GPU compute less compute-only (recompute, and compute slowed by copies in flight). \"the profiled "
               "plan\": the as-profiled row's plan under the scenario's costs, not re-solved (what a run of that "
               "plan would take if only the resource changed; timing only)."]
+    resident = [r for r in records if r["name"] == RESIDENT_LAYERS and r["status"] == "ok"]
+    if resident:
+        tried = ", ".join(f"{k}: {v:.3f} s" if v is not None else f"{k}: no plan"
+                          for k, v in resident[0]["device_layers_tried"].items())
+        lines.append(f"\n\"{RESIDENT_LAYERS}\": the planner kept layers 0..{resident[0]['device_layers'] - 1} "
+                     f"resident (device_layers={resident[0]['device_layers']}; predicted step by number: {tried}).")
     if any(r["const_update"] == "device" for r in records):
         lines.append("\n\"embedding + head updated on the GPU\": the plan's const_update=device with the table's "
                      "const_update_ms and const_update_bytes; every other row steps them on the host.")
@@ -189,6 +202,8 @@ def main() -> None:
         first["profiled_plan_step_s"] = first["predicted_step_time_s"]
     records = [first] + [row(name, table, args.table, args.time_limit, profiled, const_update)
                          for name, table, const_update in named[1:]]
+    if costs.const_update_ms is not None:
+        records.append(row(RESIDENT_LAYERS, costs, args.table, args.time_limit, profiled, "device", None))
     for r in records:
         r.pop("plan", None)  # the layer modes say enough; whole plans would bloat the record file
         if r["status"] == "ok":

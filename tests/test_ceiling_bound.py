@@ -95,3 +95,13 @@ def test_a_table_with_the_device_steps_time_plans_the_gpu_scenario_with_const_up
     assert profiled["const_update"] == "host" and Plan.from_dict(profiled["plan"]).const_update == "host"
     # the update is on the critical path here (0.5 ns/param): off the CPU, the step is shorter
     assert on_gpu["predicted_step_time_s"] < profiled["predicted_step_time_s"]
+
+
+def test_the_resident_layers_row_lets_the_planner_choose_how_many():
+    table = dataclasses.replace(random_cost_table(4, 5, options=False, const_update=True), optimizer_ns_per_param=0.5)
+    device = row("embedding + head updated on the GPU", table, "t.json", 10.0, const_update="device")
+    resident = row("resident", table, "t.json", 10.0, const_update="device", device_layers=None)
+    assert device["device_layers"] == 0 and set(device["device_layers_tried"]) == {"0"}
+    assert resident["device_layers_tried"]["0"] == pytest.approx(device["predicted_step_time_s"], rel=1e-3)
+    assert resident["predicted_step_time_s"] <= device["predicted_step_time_s"] * (1 + 1e-3)
+    assert str(resident["device_layers"]) in resident["device_layers_tried"]

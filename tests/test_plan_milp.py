@@ -26,7 +26,9 @@ def constrained_table(seed: int, num_layers: int, squeeze: float, uniform: bool)
     table = random_cost_table(seed, num_layers, uniform=uniform)
     least = min_gpu_bytes(table)
     keep = simulate(keep_all_plan(num_layers, table.batch_size, table.seq_len), table)
-    table.gpu_bytes = int(least + squeeze * max(keep.peak_gpu_bytes - least, 0)) + 1
+    # + 4096: beyond the MILP's safety margin on memory rows (_MARGIN_GB), so that at squeeze 1
+    # keeping everything fits the MILP as it does the simulator
+    table.gpu_bytes = int(least + squeeze * max(keep.peak_gpu_bytes - least, 0)) + 4096
     return table
 
 

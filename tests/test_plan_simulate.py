@@ -56,11 +56,12 @@ def random_plan(seed: int, num_layers: int, batch: int, seq: int, milp_only: boo
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(1, 10), overlap=st.booleans(),
-       const_update=st.sampled_from(["host", "device"]))
-def test_simulator_matches_milp_model(seed, num_layers, overlap, const_update):
+       const_update=st.sampled_from(["host", "device"]), device_layers=st.integers(0, 10))
+def test_simulator_matches_milp_model(seed, num_layers, overlap, const_update, device_layers):
     table = random_cost_table(seed, num_layers, const_update=True)
     plan = random_plan(seed, num_layers, table.batch_size, table.seq_len, milp_only=True, table=table)
     plan.const_update = const_update
+    plan.device_layers = min(device_layers, num_layers) if const_update == "device" else 0
     sim = simulate(plan, table, optimizer_overlap=overlap)
     step_s, peak_gpu = milp_evaluate(plan, table, optimizer_overlap=overlap)
     # Without overlap the two model the same stages exactly; with it the MILP ignores how a

@@ -524,6 +524,30 @@ class CostTable:
                 "or use const_update=host"
             )
 
+    def device_update_ms(self, device_layers: int = 0) -> float:
+        """The GPU step of the embedding and head and of the first ``device_layers`` decoder layers
+        (`Plan.device_layers`): elementwise, so ``const_update_ms`` scaled by parameters."""
+        self.check_const_update("device")
+        return self.const_update_ms * (1 + self._resident_share(device_layers))
+
+    def device_resident_bytes(self, device_layers: int = 0) -> float:
+        """GPU bytes the first ``device_layers`` decoder layers hold through the step when they are
+        resident and stepped there: their weights, master remainders and optimizer states
+        (``const_update_bytes`` scaled by parameters); their gradients come on top from their
+        backward on."""
+        weights = sum(lc.weight_bytes for lc in self.layers[:device_layers])
+        return weights + self.const_update_bytes * self._resident_share(device_layers)
+
+    def _resident_share(self, device_layers: int) -> float:
+        if not device_layers:
+            return 0.0
+        if not 0 <= device_layers <= self.num_layers:
+            raise ValueError(f"device_layers must be in 0..{self.num_layers} (the table's layers), got {device_layers}")
+        if self.const_params <= 0:
+            raise CostTableMismatch("device_layers scales the GPU step of the embedding and head by parameters, "
+                                    "but the table has no const_params; profile again")
+        return sum(lc.params for lc in self.layers[:device_layers]) / self.const_params
+
     def check_attention(self, attention: str, source: str = "the cost table") -> None:
         """Raise `CostTableMismatch` unless this table was profiled with ``attention``."""
         if attention != self.attention:

@@ -50,8 +50,14 @@ The embedding and the final norm + head take their optimizer step on the host (t
 gradients copied out in the embedding's backward stage, their new weights in before the
 embedding and the head) or, ``const_update="device"``, on the GPU: no copies, and
 ``const_update_ms`` of compute in the embedding's stage (with ``optimizer_overlap``) or after
-the CPU step (without), with ``const_update_bytes`` more GPU memory in every stage. `solve_plan`
-solves either or both and keeps the faster.
+the CPU step (without), with ``const_update_bytes`` more GPU memory in every stage. With the
+device step the first ``device_layers`` decoder layers may be resident and stepped there too: a
+constant of the model (their weights copied neither way and held with their states in every
+stage, their gradients from their backward on, no CPU time, a longer GPU step). `solve_plan`
+solves either or both and keeps the faster; to choose the number of resident layers it solves
+a few (`DEVICE_LAYER_CANDIDATES`) and bisects around the best. (In the model, residency is
+linear in prefix binaries r_0 >= r_1 >= ...; only a recompute segment's or a kept layer's weight
+copy, a product with r, would need extra rows, and the per-stage hull rows then no longer hold.)
 
 The simulator and this model agree exactly (up to solver tolerances) on plans this model can
 express: prefetch distances 1, no host/NVMe tier on the last layer, no NVMe tier on the last
@@ -242,18 +248,22 @@ def _build(
     overlap: bool,
     max_segment: int,
     device: bool = False,
+    device_layers: int = 0,
     fixed: Plan | None = None,
     memory: bool = True,
     minimize_gpu: bool = False,
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
 ) -> _Built:
     """The MILP, in ms and GB. ``device``: the embedding and head stepped on the GPU
-    (``const_update="device"``). ``fixed`` pins every decision to that plan's (evaluation)."""
+    (``const_update="device"``), with the first ``device_layers`` decoder layers resident there.
+    ``fixed`` pins every decision to that plan's (evaluation)."""
     c = costs
     L = c.num_layers
     m = _Model()
     lay = c.layers
-    w = [lc.weight_bytes / GB for lc in lay]
+    # weights as streamed: a resident layer's are on the GPU all along (in the fixed part)
+    w = [0.0 if i < device_layers else lc.weight_bytes / GB for i, lc in enumerate(lay)]
+    resident_grads = [lc.weight_bytes / GB * c.grad_share if i < device_layers else 0.0 for i, lc in enumerate(lay)]
     x = [lc.input_bytes / GB for lc in lay]
     a = [lc.saved_bytes / GB for lc in lay]
     wf = [lc.forward_work_bytes / GB for lc in lay]
@@ -453,7 +463,7 @@ def _build(
 
     # stepped on the GPU with the overlap, the embedding and head go ahead of the embedding forward
     # (the stage's copies start with them: the executor does not wait for the GPU step)
-    device_ms = c.const_update_ms if device else 0.0
+    device_ms = c.device_update_ms(device_layers) if device else 0.0
     t_embed = stage(c.embed_forward_ms + (device_ms if overlap else 0.0), w[0], 0.0)
     t_fwd = []
     for i in range(L):
@@ -507,6 +517,7 @@ def _build(
         # The previous step's CPU update runs first: the embedding, then layer 0, 1, ..., then
         # the final norm + head (`CostTable.const_split`; stepped on the GPU, the layers only);
         # layer j's weights are copied only after its update, the head's before the head runs.
+        # Resident layers take no CPU time, and their forward waits for nothing.
         ns = c.optimizer_ns_per_param * 1e-6
         (first_params, first_bytes), (head_params, head_bytes) = (
             ((0, 0.0), (0, 0.0)) if device else c.const_split()
@@ -516,14 +527,15 @@ def _build(
         m.objective_const = start
         elapsed = t_embed
         for j in range(L):
-            opt_done += ns * lay[j].params
-            m.ge(elapsed, opt_done + w[j] * ch - start)
+            if j >= device_layers:
+                opt_done += ns * lay[j].params
+                m.ge(elapsed, opt_done + w[j] * ch - start)
             elapsed = elapsed + t_fwd[j]
         if head_params:
             m.ge(elapsed, opt_done + ns * head_params + head_bytes / GB * ch - start)
     elif device:
         # the CPU steps the layers, then the GPU the embedding and head (`HostUpdater.start`)
-        m.objective_const = c.optimizer_ns_per_param * sum(lc.params for lc in lay) * 1e-6 + device_ms
+        m.objective_const = c.optimizer_ns_per_param * sum(lc.params for lc in lay[device_layers:]) * 1e-6 + device_ms
     else:
         m.objective_const = c.optimizer_ms + c.const_weight_bytes / GB * ch
 
@@ -535,10 +547,10 @@ def _build(
             cap: _Expr | float = gpu_var
         else:
             cap = (c.gpu_bytes if gpu_bytes is None else gpu_bytes) / GB - _MARGIN_GB
-        device_gb = c.const_update_bytes / GB if device else 0.0
+        device_gb = (c.const_update_bytes + c.device_resident_bytes(device_layers)) / GB if device else 0.0
         fixed_gb = c.step_fixed_bytes / GB + device_gb
         forward_fixed_gb = c.forward_fixed_bytes / GB + device_gb
-        grads = c.grad_buffers * max(w)
+        grads = c.grad_buffers * max(lc.weight_bytes for lc in lay) / GB
         # GPU-kept bytes of layers < i, as running-sum columns (keeps the matrix sparse).
         kept_before = [_Expr()]
         for i in range(L):
@@ -549,7 +561,8 @@ def _build(
         # before the head: no gradients of the embedding and head; an offloaded tensor's GPU
         # copy is freed in its own stage
         # the embedding's output; stepped on the GPU, before it the update with their gradients
-        m.le(forward_fixed_gb + w[0] + max(x[0], c.const_grad_bytes / GB if device else 0.0), cap)
+        held_grads = c.const_grad_bytes / GB + sum(resident_grads) if device else 0.0
+        m.le(forward_fixed_gb + w[0] + max(x[0], held_grads), cap)
         for i in range(L):
             current = x[i] + saved(i, "fo") - (f[i] + o[i]) * x[i]
             m.le(
@@ -595,6 +608,8 @@ def _build(
             # a kept layer's backward holds its option's saved bytes and working set
             kept_work = by_option(i, "fo", lambda r: (r.saved_bytes + r.backward_work_bytes) / GB)
             kept_work = kept_work - (f[i] + o[i]) * (a[i] + wb[i])
+            # resident layers' gradients, from their backward on
+            grads_i = grads + sum(resident_grads[i:])
             m.le(
                 fixed_gb
                 + kept_before[i]
@@ -603,7 +618,7 @@ def _build(
                 + wb[i]
                 + kept_work
                 + weights
-                + grads
+                + grads_i
                 + prefetch[i],
                 cap,
             )
@@ -617,8 +632,8 @@ def _build(
                     + held[u] * x[u[0]]
                     for u in rebuilds
                 )
-                m.le(fixed_gb + kept_before[i] + peak + grads, cap)
-        m.le(fixed_gb + grads + c.embed_backward_work_bytes / GB, cap)
+                m.le(fixed_gb + kept_before[i] + peak + grads_i, cap)
+        m.le(fixed_gb + grads + sum(resident_grads) + c.embed_backward_work_bytes / GB, cap)
         m.le(
             total(saved(i, "o") + p[i] * x[i] for i in range(L)),
             max(c.host_bytes / GB - _MARGIN_GB, 0.0),
@@ -680,6 +695,26 @@ def _const_update_choices(costs: CostTable, const_update: str | None) -> tuple[s
     return (const_update,)
 
 
+DEVICE_LAYER_CANDIDATES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+"""The first numbers of resident layers `solve_plan` tries with ``device_layers=None``; it then
+bisects between the best and its neighbours."""
+
+
+def _check_device_layers(costs: CostTable, const_update: str | None, device_layers: int | None) -> None:
+    if device_layers is None or device_layers == 0:
+        return
+    if not 0 < device_layers <= costs.num_layers:
+        raise ValueError(
+            f"device_layers={device_layers} is not in 0..{costs.num_layers} (the table's layers), or None to choose"
+        )
+    if const_update == "host":
+        raise ValueError(
+            f"device_layers={device_layers} steps layers on the GPU beside the embedding and head: it needs "
+            "const_update='device' (or None), got 'host'"
+        )
+    costs.check_const_update("device")
+
+
 def solve_plan(
     costs: CostTable,
     *,
@@ -692,6 +727,7 @@ def solve_plan(
     mip_rel_gap: float = 1e-4,
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
     const_update: str | None = None,
+    device_layers: int | None = 0,
 ) -> Plan:
     """The plan with the least predicted step time at ``costs``' batch shape.
 
@@ -702,13 +738,22 @@ def solve_plan(
     head take their optimizer step (`Plan.const_update`): ``host``, ``device``, or None: each
     the table allows (device only with its ``const_update_ms``) is solved and the faster plan
     kept (the host on a tie); ``notes["const_update"]`` holds each one's predicted step (None:
-    no plan fits). The plan is optimal within ``mip_rel_gap`` (relative), or the best found in
-    ``time_limit_s`` per solve (``notes["milp"]["status"] == "time limit"``, with its gap).
-    Raises `PlanInfeasible` when no plan fits.
+    no plan fits). ``device_layers`` is how many of the first decoder layers the device plan
+    keeps resident and steps on the GPU (`Plan.device_layers`; the host plan has none): a
+    number, or None to try `DEVICE_LAYER_CANDIDATES` (up to the first that does not fit; memory
+    only grows with them) and bisect around the best, each one's predicted step in
+    ``notes["device_layers"]``. The plan is optimal within ``mip_rel_gap`` (relative), or the
+    best found in ``time_limit_s`` per solve (``notes["milp"]["status"] == "time limit"``, with
+    its gap). Raises `PlanInfeasible` when no plan fits.
     """
     start = time.perf_counter()
-    solved = {}
-    for choice in _const_update_choices(costs, const_update):
+    choices = _const_update_choices(costs, const_update)
+    _check_device_layers(costs, const_update, device_layers)
+    solved: dict[tuple[str, int], tuple[_Built, object]] = {}
+
+    def objective(choice: str, k: int) -> float | None:
+        """Solve with the embedding and head stepped at ``choice`` and ``k`` resident layers:
+        the predicted step in ms, None if no plan fits."""
         built = _build(
             costs,
             gpu_bytes=gpu_bytes,
@@ -716,34 +761,54 @@ def solve_plan(
             overlap=optimizer_overlap,
             max_segment=max_segment,
             device=choice == "device",
+            device_layers=k,
             recompute=recompute,
         )
         res = built.model.solve(time_limit_s, mip_rel_gap)
         if res.x is None and res.status != 2:
             raise RuntimeError(f"MILP solver failed: {res.message}")
-        solved[choice] = (built, res)
+        solved[choice, k] = (built, res)
+        return None if res.x is None else float(res.fun) + built.model.objective_const
+
+    objective_ms: dict[tuple[str, int], float | None] = {}
+    for choice in choices:
+        if choice == "host" or device_layers is not None:
+            k = 0 if choice == "host" else device_layers
+            objective_ms[choice, k] = objective(choice, k)
+        else:
+            objective_ms.update(_search_device_layers(costs.num_layers, lambda k: objective("device", k)))
     elapsed = time.perf_counter() - start
-    objective_ms = {
-        choice: float(res.fun) + built.model.objective_const
-        for choice, (built, res) in solved.items()
-        if res.x is not None
-    }
-    if not objective_ms:
+    fits = {key: ms for key, ms in objective_ms.items() if ms is not None}
+    if not fits:
         raise PlanInfeasible(
-            _infeasible_message(costs, gpu_bytes, tiers, max_segment, recompute, const_update)
+            _infeasible_message(costs, gpu_bytes, tiers, max_segment, recompute, const_update, device_layers)
         )
-    choice = min(objective_ms, key=objective_ms.__getitem__)
-    built, res = solved[choice]
+    # the fewest resident layers on a tie
+    best = {choice: min((key for key in fits if key[0] == choice), key=lambda key: (fits[key], key[1]), default=None)
+            for choice in choices}
+    choice, k = min((key for key in best.values() if key is not None), key=fits.__getitem__)
+    built, res = solved[choice, k]
     layers = _decode(built, res.x, costs.num_layers)
     stats = SolveStats(
         status={0: "optimal", 1: "time limit"}.get(res.status, f"status {res.status}"),
         solve_time_s=elapsed,
-        objective_s=objective_ms[choice] * 1e-3,
+        objective_s=fits[choice, k] * 1e-3,
         mip_gap=float(getattr(res, "mip_gap", 0.0) or 0.0),
         num_binaries=built.num_binaries,
         num_rows=len(built.model.rows),
         num_columns=len(built.model.lb),
     )
+    notes = {
+        "optimizer_overlap": optimizer_overlap,
+        "milp": {key: getattr(stats, key) for key in SolveStats.__slots__},
+        "const_update": {c: None if best[c] is None else fits[best[c]] * 1e-3 for c in choices},
+    }
+    if "device" in choices:
+        # str keys: the plan file is JSON
+        notes["device_layers"] = {
+            str(n): None if ms is None else ms * 1e-3
+            for (c, n), ms in sorted(objective_ms.items()) if c == "device"
+        }
     return Plan(
         policy="solved",
         batch_size=costs.batch_size,
@@ -752,13 +817,41 @@ def solve_plan(
         head_chunk_tokens=head_chunk_tokens,
         weight_prefetch=1,
         const_update=choice,
-        predicted_step_time_s=objective_ms[choice] * 1e-3,
-        notes={
-            "optimizer_overlap": optimizer_overlap,
-            "milp": {k: getattr(stats, k) for k in SolveStats.__slots__},
-            "const_update": {k: objective_ms[k] * 1e-3 if k in objective_ms else None for k in solved},
-        },
+        device_layers=k,
+        predicted_step_time_s=fits[choice, k] * 1e-3,
+        notes=notes,
     )
+
+
+def _search_device_layers(num_layers: int, objective) -> dict[tuple[str, int], float | None]:
+    """``objective(k)`` (ms, None: does not fit) at `DEVICE_LAYER_CANDIDATES` and ``num_layers``
+    up to the first k that does not fit or the second in a row slower than the one before, then
+    at midpoints between the best and its neighbours until they are adjacent: a search for the
+    least of a step time taken as unimodal in k (more resident layers: less CPU time before the
+    forward, more GPU time and memory)."""
+    tried: dict[int, float | None] = {}
+    rises = 0
+    for k in sorted({n for n in DEVICE_LAYER_CANDIDATES if n < num_layers} | {num_layers}):
+        tried[k] = objective(k)
+        if tried[k] is None:
+            break
+        previous = [v for n, v in tried.items() if n < k]
+        rises = rises + 1 if previous and tried[k] > previous[-1] else 0
+        if rises == 2:
+            break
+    while True:
+        fits = {k: v for k, v in tried.items() if v is not None}
+        if not fits:
+            break
+        best = min(fits, key=fits.__getitem__)
+        lower = max((k for k in tried if k < best), default=best)
+        upper = min((k for k in tried if k > best), default=best)
+        mids = {m for m in ((lower + best) // 2, (best + upper) // 2) if m not in tried}
+        if not mids:
+            break
+        for m in sorted(mids):
+            tried[m] = objective(m)
+    return {("device", k): v for k, v in tried.items()}
 
 
 def milp_evaluate(
@@ -781,6 +874,7 @@ def milp_evaluate(
         "overlap": optimizer_overlap,
         "max_segment": 0,
         "device": plan.const_update == "device",
+        "device_layers": plan.device_layers,
         "fixed": plan,
     }
     timed = _build(unbounded, memory=False, **kw)
@@ -828,6 +922,7 @@ def _infeasible_message(
     max_segment: int,
     recompute: tuple[str, ...],
     const_update: str | None,
+    device_layers: int | None = 0,
 ) -> str:
     budget = costs.gpu_bytes if gpu_bytes is None else gpu_bytes
     need = min_gpu_bytes(costs, tiers=tiers, max_segment=max_segment, recompute=recompute,
@@ -836,6 +931,9 @@ def _infeasible_message(
     if const_update == "device":
         device = (f", or step the embedding and head on the host (const_update=host: their GPU step "
                   f"holds {costs.const_update_bytes / GiB:.2f} GiB)")
+    if device_layers:
+        device += (f", or keep fewer layers resident on the GPU (device_layers={device_layers} hold "
+                   f"{costs.device_resident_bytes(device_layers) / GiB:.2f} GiB and their gradients)")
     return (
         f"GPU memory: no plan fits batch {costs.batch_size} x seq {costs.seq_len} in "
         f"{budget / GiB:.2f} GiB; the cheapest plan needs {need / GiB:.2f} GiB (with "

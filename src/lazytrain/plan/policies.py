@@ -42,11 +42,22 @@ class PolicyOptions:
     const_update: str = "host"
     """Where the embedding and head take their optimizer step (`Plan.const_update`): host,
     device, or auto (the solved plan the faster of them by the MILP; a baseline, host)."""
+    device_layers: int | None = 0
+    """With the embedding and head stepped on the GPU, how many of the first decoder layers are
+    resident and stepped there too (`Plan.device_layers`); None: the solved plan chooses (a
+    baseline, none)."""
 
     def __post_init__(self) -> None:
         if self.const_update not in ("auto", *CONST_UPDATES):
             raise ValueError(
                 f"const_update {self.const_update!r} is not one of auto, {', '.join(CONST_UPDATES)}"
+            )
+        if self.device_layers is not None and self.device_layers < 0:
+            raise ValueError(f"device_layers must be >= 0, or None to choose; got {self.device_layers}")
+        if self.device_layers and self.const_update == "host":
+            raise ValueError(
+                f"device_layers={self.device_layers} steps layers on the GPU beside the embedding and head: "
+                "set const_update=device (or auto), or device_layers=0"
             )
 
 
@@ -70,6 +81,7 @@ def baseline_plan(name: str, num_layers: int, batch_size: int, seq_len: int,
         )
     plan.weight_prefetch = o.weight_prefetch
     plan.const_update = "host" if o.const_update == "auto" else o.const_update
+    plan.device_layers = (o.device_layers or 0) if plan.const_update == "device" else 0
     return plan
 
 
@@ -86,7 +98,8 @@ def policy_plan(name: str, costs: CostTable, options: PolicyOptions | None = Non
 
     plan = solve_plan(costs, gpu_bytes=gpu_bytes, tiers=o.tiers, optimizer_overlap=o.optimizer_overlap,
                       head_chunk_tokens=o.head_chunk_tokens, recompute=o.recompute,
-                      const_update=None if o.const_update == "auto" else o.const_update)
+                      const_update=None if o.const_update == "auto" else o.const_update,
+                      device_layers=o.device_layers)
     plan.weight_prefetch = o.weight_prefetch
     return plan
 

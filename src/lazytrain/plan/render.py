@@ -59,6 +59,7 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
             f"plan {plan.policy!r}: batch {plan.batch_size} x seq {plan.seq_len} "
             f"({tokens} tokens), {plan.num_layers} layers, weight prefetch {plan.weight_prefetch}, "
             f"embedding + head stepped on the {plan.const_update}"
+            + (f" with layers 0..{plan.device_layers - 1} (resident)" if plan.device_layers else "")
         ),
         f"step {sim.step_time_s:.4f} s simulated"
         + (

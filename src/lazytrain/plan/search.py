@@ -72,12 +72,14 @@ def search_batch(
     mip_rel_gap: float = 1e-4,
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
     const_update: str | None = None,
+    device_layers: int | None = 0,
 ) -> SearchResult:
     """Pick the batch size (and its plan) for ``seq_len``.
 
     ``goal="throughput"`` maximises predicted tokens/s; ``goal="max_batch"`` takes the
     largest batch that fits ``gpu_bytes`` (default: the table's GPU memory). ``const_update``
-    is `solve_plan`'s (None: at each batch the faster of host and device). Raises
+    and ``device_layers`` are `solve_plan`'s (None: at each batch the faster of host and device,
+    the number of resident layers chosen; the largest batch is found with none). Raises
     `PlanInfeasible` when not even the smallest candidate fits.
     """
     if goal not in GOALS:
@@ -96,6 +98,7 @@ def search_batch(
         "mip_rel_gap": mip_rel_gap,
         "recompute": recompute,
         "const_update": const_update,
+        "device_layers": device_layers,
     }
     tried: list[dict] = []
 
@@ -137,6 +140,7 @@ def search_batch(
                 "tokens_per_s": sim.tokens_per_s,
                 "solve_time_s": plan.notes["milp"]["solve_time_s"],
                 "const_update": plan.const_update,
+                "device_layers": plan.device_layers,
             }
         )
         if best is None or sim.tokens_per_s > best.sim.tokens_per_s:

@@ -31,16 +31,24 @@ Executor rules the dependencies encode (a stage "waits" = its compute does not s
   their gradients and weights cross PCIe neither way. With the overlap the step runs ahead of
   the embedding while the CPU steps the layers (the embedding stage is reached at the start of
   the step: what it issues does not wait for the GPU step); without, after the CPU step.
+- ``plan.device_layers`` (k): decoder layers 0..k-1 are resident on the GPU and stepped there
+  too, in the same op (``const_update_ms`` scaled by their parameters over ``const_params``):
+  their weights are never copied in, their gradients never out, and they take no CPU time, so
+  the overlapped CPU update starts on layer k as the step starts. Layer k's weights are copied
+  ``weight_prefetch`` stages ahead like any streamed layer's (the MILP's stage structure), not
+  at the step's start, where the executor's weight stream may begin them.
 
 With every prefetch distance 1 each stage waits for everything the previous stage issued, so
 the step time is a sum of per-stage maxima; that is what the MILP (``milp.py``) optimises.
 
 GPU memory is counted per stage: the fixed part (before the head without the embedding's and
 the head's gradients; with the device update also its master remainders and states,
-``const_update_bytes``), every buffer live in that stage and the largest transient phase of the
-stage (a layer's working set; in a segment's first backward stage also each re-forward of the
-segment rebuild; stepped on the device, the embedding's and head's gradients, held from the
-previous step's backward to their update in the embedding stage).
+``const_update_bytes``; the resident layers' weights, master remainders and states), every
+buffer live in that stage (a resident layer's gradient from its backward to the end of the step)
+and the largest transient phase of the stage (a layer's working set; in a segment's first
+backward stage also each re-forward of the segment rebuild; stepped on the device, the
+embedding's, head's and resident layers' gradients, held from the previous step's backward to
+their update in the embedding stage).
 """
 
 from __future__ import annotations
@@ -175,6 +183,8 @@ class _StepModel:
     def __init__(self, plan: Plan, costs: CostTable, overlap: bool) -> None:
         self.plan, self.costs, self.overlap = plan, costs, overlap
         self.device = plan.const_update == "device"
+        self.resident = range(plan.device_layers)
+        """Decoder layers resident on the GPU and stepped there (`Plan.device_layers`)."""
         self.st = _Stages(costs.num_layers)
         self.compute: dict[int, _Op] = {}
         self.const_update: _Op | None = None
@@ -233,16 +243,17 @@ class _StepModel:
         opt_ops: list[_Op | None] = [None] * L
         self.cpu_ops = []
         if self.device:
-            self.const_update = _Op(stream="compute", work=c.const_update_ms, label="const update", issue=None)
+            self.const_update = _Op(stream="compute", work=c.device_update_ms(len(self.resident)),
+                                    label="const update", issue=None)
+        streamed = range(len(self.resident), L)
         if self.overlap:
             # the executor's order (`HostUpdater`): embedding, layers, final norm + head (the
             # layers only where those two are stepped on the GPU)
             ns = c.optimizer_ns_per_param * 1e-6
-            opt_ops = [
-                _Op(stream="cpu", work=ns * layers[j].params, label=f"optim {j}", issue=None, key=(-1, 0, j, -1))
-                for j in range(L)
-            ]
-            self.cpu_ops = list(opt_ops)
+            for j in streamed:
+                opt_ops[j] = _Op(stream="cpu", work=ns * layers[j].params, label=f"optim {j}", issue=None,
+                                 key=(-1, 0, j, -1))
+            self.cpu_ops = [opt_ops[j] for j in streamed]
             if self.device:
                 # the GPU step is queued ahead of the embedding forward; the executor goes on at
                 # once (layer 0's weights wait for its CPU step, not for the GPU)
@@ -253,12 +264,13 @@ class _StepModel:
         # Forward weights: slot for layer j is free once layer j-k-1 is done, i.e. when the
         # compute of stage fwd(j)-k starts.
         for j in range(L):
-            issue = max(st.embed, st.fwd(j) - k)
-            op = self._copy(
-                "h2d", layers[j].weight_bytes, f"w {j}", issue, order=st.fwd(j), after=(opt_ops[j],)
-            )
-            self._wait(st.fwd(j), op)
-            self.gpu.append((layers[j].weight_bytes, issue, st.fwd(j)))
+            if j in streamed:
+                issue = max(st.embed, st.fwd(j) - k)
+                op = self._copy(
+                    "h2d", layers[j].weight_bytes, f"w {j}", issue, order=st.fwd(j), after=(opt_ops[j],)
+                )
+                self._wait(st.fwd(j), op)
+                self.gpu.append((layers[j].weight_bytes, issue, st.fwd(j)))
             lp = plan.layers[j]
             # a kept layer's forward runs under autograd: its own transient beyond what it saves
             work = (layers[j].kept(lp.recompute).forward_work_bytes if lp.mode == "keep"
@@ -274,26 +286,28 @@ class _StepModel:
 
         w_max = max(lc.weight_bytes for lc in layers)
         self.gpu.append((c.grad_buffers * w_max, st.bwd(L - 1), st.embed_bwd))
-        for j in range(L):
+        for j in streamed:
             issue = st.bwd(j) + 1
             op = self._copy("d2h", layers[j].weight_bytes * c.grad_share, f"grad {j}", issue)
             self._wait(issue + 1, op)
+        for j in self.resident:
+            self.gpu.append((layers[j].weight_bytes * c.grad_share, st.bwd(j), st.embed_bwd))
         if not self.device:
             self._wait(
                 st.embed_bwd + 1,
                 self._copy("d2h", c.const_grad_bytes * c.grad_share, "grad embed/head", st.embed_bwd),
             )
         else:
-            # their gradients wait on the GPU for the next step's update, which runs before the
-            # embedding's output exists
-            self.phases[st.embed].append(c.const_grad_bytes)
+            # their gradients (and the resident layers') wait on the GPU for the next step's
+            # update, which runs before the embedding's output exists
+            self.phases[st.embed].append(c.const_grad_bytes + self._resident_grad_bytes())
 
         for stage, ms in compute_ms.items():
             self.compute[stage] = _Op(
                 stream="compute", work=ms, label=self.st.names()[stage], issue=None, key=(stage,)
             )
         if not self.overlap:
-            cpu_params = sum(lc.params for lc in layers) + (0 if self.device else c.const_params)
+            cpu_params = sum(layers[j].params for j in streamed) + (0 if self.device else c.const_params)
             optimizer = _Op(
                 stream="cpu",
                 work=c.optimizer_ns_per_param * cpu_params * 1e-6,
@@ -314,6 +328,9 @@ class _StepModel:
                 )
                 if upload is not None:
                     upload.key = (st.optimizer, 0, 0, 0)
+
+    def _resident_grad_bytes(self) -> float:
+        return sum(self.costs.layers[j].weight_bytes for j in self.resident) * self.costs.grad_share
 
     def _host_const_update(self, ns: float) -> None:
         """The overlapped CPU step of the embedding (before the layers') and of the final norm +
@@ -375,7 +392,7 @@ class _StepModel:
                 self.gpu.append((layers[j].input_bytes, first + 1, st.bwd(j) - 1))
 
         issue_w = max(st.head, first - plan.weight_prefetch)
-        for j in range(start, end):
+        for j in range(max(start, len(self.resident)), end):
             op = self._copy("h2d", layers[j].weight_bytes, f"w {j} bwd", issue_w, order=first)
             self._wait(first, op)
             self.gpu.append((layers[j].weight_bytes, issue_w, st.bwd(j)))
@@ -562,7 +579,8 @@ class _StepModel:
         # the embedding's and the head's gradients exist from the head on
         fixed = [c.forward_fixed_bytes if s <= self.st.head else c.step_fixed_bytes for s in range(n)]
         if self.device:
-            fixed = [f + c.const_update_bytes for f in fixed]
+            resident = c.device_resident_bytes(len(self.resident))
+            fixed = [f + c.const_update_bytes + resident for f in fixed]
         gpu = [fixed[s] + max(self.phases.get(s, [0])) for s in range(n)]
         host, nvme = [0] * n, [0] * n
         for buffers, out in ((self.gpu, gpu), (self.host, host), (self.nvme, nvme)):
