@@ -273,3 +273,21 @@ def test_loading_state_drops_the_device_copies_without_writing_them_back():
     assert optimizer.steps == [1]
     for name, t in optimizer.states[0].tensors().items():
         assert torch.equal(t, saved["groups"][0][name]), name
+
+
+def test_the_device_layers_forward_is_queued_before_the_first_streamed_layer_waits(tmp_path):
+    """Layer k's weights wait for its CPU update (`before_load`); the embedding and the device
+    layers' forwards must be queued before that wait, so the GPU runs them meanwhile."""
+    make_hf_model("qwen2", seed=1, layers=4).save_pretrained(tmp_path)
+    adapter = ModelAdapter(load_hf_config(tmp_path), CPU, torch.float32)
+    store = HostStore(adapter.layouts, torch.float32, pin=False)
+    load_safetensors(adapter, store, tmp_path)
+    plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 2, 8, every=2), const_update="device",
+                               device_layers=2)
+    events = []
+    executor = Executor(adapter, store, plan, CPU, before_load=lambda group: events.append(("load", group)))
+    forward = adapter.layer_forward
+    adapter.layer_forward = lambda i, *a, **k: (events.append(("forward", i)), forward(i, *a, **k))[1]
+    executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False))
+    first_load = events.index(("load", 3))  # group 3: layer 2, the first streamed one
+    assert ("forward", 0) in events[:first_load] and ("forward", 1) in events[:first_load]

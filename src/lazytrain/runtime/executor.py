@@ -579,7 +579,9 @@ class Executor:
 
         # forward: embedding
         embed_leaf = layouts[0].leaves(self._resident_weights(0))
-        self.weights.begin(self._schedule())
+        # with device layers, the first streamed layer's copy (which waits for its CPU update)
+        # starts at its acquire, after the embedding's and the device layers' forwards are queued
+        self.weights.begin(self._schedule(), prefetch=not plan.device_layers)
         embed_w = embed_leaf["embed_tokens.weight"]
         with torch.no_grad():
             x = adapter.embed(embed_w, ids)

@@ -58,7 +58,9 @@ class WeightStreamer:
             self.layer_of[s] = None
             self.state[s] = "empty"
 
-    def begin(self, schedule: list[int]) -> None:
+    def begin(self, schedule: list[int], prefetch: bool = True) -> None:
+        """Start a step's schedule; ``prefetch=False`` copies nothing until the first `acquire`
+        (whose layer's weights may wait for the optimizer: `before_load`)."""
         if any(state in ("pending", "acquired") for state in self.state):
             # an abandoned step (an exception mid-step): wait for its copies, forget the slots
             if self.streams.cuda:
@@ -68,7 +70,8 @@ class WeightStreamer:
         self.schedule = schedule
         self.cursor = 0
         self.h2d_bytes = 0
-        self._prefetch()
+        if prefetch:
+            self._prefetch()
 
     def _slot_of(self, layer: int) -> int | None:
         for s, owner in enumerate(self.layer_of):
