@@ -57,6 +57,15 @@ def _run(folder, const_update: str, dtype: torch.dtype, split: bool, device=CPU,
     return losses, store, optimizer.state_dict()
 
 
+def _tiny(folder, layers: int) -> tuple[ModelAdapter, HostStore]:
+    """A tiny fp32 Qwen2 saved in ``folder`` and loaded into a host store."""
+    make_hf_model("qwen2", seed=1, layers=layers).save_pretrained(folder)
+    adapter = ModelAdapter(load_hf_config(folder), CPU, torch.float32)
+    store = HostStore(adapter.layouts, torch.float32, pin=False)
+    load_safetensors(adapter, store, folder)
+    return adapter, store
+
+
 def _assert_same(a, b):
     (losses_a, store_a, state_a), (losses_b, store_b, state_b) = a, b
     assert losses_a == losses_b
@@ -89,10 +98,7 @@ def test_device_groups_train_as_on_the_host(tmp_path, family, dtype, split):
 def test_device_steps_keep_the_gradients_and_weights_off_the_host(tmp_path):
     """The executor keeps the device groups' gradients (the head's accumulated in its flat
     buffer) and the optimizer writes the resident weights: the host buffers are not touched."""
-    make_hf_model("qwen2", seed=1, layers=2).save_pretrained(tmp_path)
-    adapter = ModelAdapter(load_hf_config(tmp_path), CPU, torch.float32)
-    store = HostStore(adapter.layouts, torch.float32, pin=False)
-    load_safetensors(adapter, store, tmp_path)
+    adapter, store = _tiny(tmp_path, 2)
     plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 2, 8), const_update="device")
     executor = Executor(adapter, store, plan, CPU)
     final = len(store.masters) - 1
@@ -208,10 +214,7 @@ def test_a_device_step_that_cannot_be_compiled_runs_eagerly(monkeypatch):
 def test_a_skipped_steps_device_gradients_are_not_held_into_the_next(tmp_path):
     """A step whose update is skipped (non-finite loss) leaves its device gradients unstepped;
     the next step lets go of them before it runs, as the planner assumes."""
-    make_hf_model("qwen2", seed=1, layers=2).save_pretrained(tmp_path)
-    adapter = ModelAdapter(load_hf_config(tmp_path), CPU, torch.float32)
-    store = HostStore(adapter.layouts, torch.float32, pin=False)
-    load_safetensors(adapter, store, tmp_path)
+    adapter, store = _tiny(tmp_path, 2)
     plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 2, 8), const_update="device")
     executor = Executor(adapter, store, plan, CPU)
     executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False))
@@ -224,10 +227,7 @@ def test_a_skipped_steps_device_gradients_are_not_held_into_the_next(tmp_path):
 
 
 def test_device_layers_are_not_streamed(tmp_path):
-    make_hf_model("qwen2", seed=1, layers=4).save_pretrained(tmp_path)
-    adapter = ModelAdapter(load_hf_config(tmp_path), CPU, torch.float32)
-    store = HostStore(adapter.layouts, torch.float32, pin=False)
-    load_safetensors(adapter, store, tmp_path)
+    adapter, store = _tiny(tmp_path, 4)
     streamed = {}
     for k in (0, 2):
         plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 2, 8, every=2), const_update="device",
@@ -278,10 +278,7 @@ def test_loading_state_drops_the_device_copies_without_writing_them_back():
 def test_the_device_layers_forward_is_queued_before_the_first_streamed_layer_waits(tmp_path):
     """Layer k's weights wait for its CPU update (`before_load`); the embedding and the device
     layers' forwards must be queued before that wait, so the GPU runs them meanwhile."""
-    make_hf_model("qwen2", seed=1, layers=4).save_pretrained(tmp_path)
-    adapter = ModelAdapter(load_hf_config(tmp_path), CPU, torch.float32)
-    store = HostStore(adapter.layouts, torch.float32, pin=False)
-    load_safetensors(adapter, store, tmp_path)
+    adapter, store = _tiny(tmp_path, 4)
     plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 2, 8, every=2), const_update="device",
                                device_layers=2)
     events = []
