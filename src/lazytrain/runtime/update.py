@@ -7,10 +7,11 @@ optimizer. Groups are stepped in the order the next forward needs them: embeddin
 the next forward waits only for the group it is about to load (``wait_group``), so the CPU
 step hides behind the GPU forward.
 
-Groups the plan steps on the GPU (``executor.device_groups``, `Plan.const_update`: the
-embedding and the final norm + head) are stepped from the calling thread on the GPU's compute
-stream, after the worker has started on the layers: the GPU work (tens of ms) goes ahead of
-the next forward, which waits for the first layer's CPU step anyway. The optimizer holds their
+Groups the plan steps on the GPU (``executor.device_groups``: the embedding and the final
+norm + head with `Plan.const_update`, and the first `Plan.device_layers` layers) are stepped
+from the calling thread on the GPU's compute stream, after the worker has started on the
+other layers: the GPU work (tens of ms) goes ahead of the next forward, which meanwhile runs
+the device layers and then waits for the first streamed layer's CPU step. The optimizer holds their
 master remainder and state on the GPU from the first such step until `finish`, which copies
 them back to the host (what checkpoints, exports and evaluation read).
 
