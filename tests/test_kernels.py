@@ -231,3 +231,28 @@ def test_packed_rows_through_fla_match_fla_on_each_segment_on_cuda():
     alone = torch.cat([conv(rows[:, :, a:b].contiguous(), weight, None, activation="silu")
                        for a, b in pairwise(cu.tolist())], 2)
     torch.testing.assert_close(packed, alone.view(96, batch, length).transpose(0, 1), rtol=2e-2, atol=2e-2)
+
+
+def test_plain_function_sees_through_transformers_wrappers():
+    """functools.wraps layers, and the `Func` module transformers 5.2x's hub-kernel decorator
+    makes of a function (its forward closes over the function as ``func``)."""
+    import functools
+
+    import torch
+
+    from lazytrain.model.hf_wrappers import plain_function
+
+    def rule(q, k, cos, sin, unsqueeze_dim=1):
+        return q
+
+    def as_func_module(func):
+        class Func(torch.nn.Module):
+            def forward(self, *args, **kwargs):
+                return func(*args, **kwargs)
+
+        return Func()
+
+    wrapped = functools.wraps(rule)(lambda *a, **k: rule(*a, **k))
+    for fn in (rule, wrapped, as_func_module(rule), as_func_module(wrapped)):
+        assert plain_function(fn) is rule
+    assert isinstance(plain_function(torch.nn.Linear(1, 1)), torch.nn.Linear)  # no func: itself

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.model.hf_wrappers import plain_function
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +273,7 @@ def select_linear_attention_kernels(device: torch.device, prefer: str = "auto") 
 
     if not _TORCH_PATH:
         # the references under transformers' own wrappers (which pick fla when installed)
-        _TORCH_PATH.update({name: inspect.unwrap(getattr(hf, name)) for name in _DELTA_RULE + _CONV})
+        _TORCH_PATH.update({name: plain_function(getattr(hf, name)) for name in _DELTA_RULE + _CONV})
     fast = device.type == "cuda" and prefer == "auto"
     delta = _fla() if fast else None
     if delta and str(device) not in _PROBED:  # once per device: a probe compiles fla's kernels

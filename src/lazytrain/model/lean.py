@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lazytrain.model.hf_wrappers import plain_function
 from lazytrain.model.pointwise import EAGER, Pointwise
 
 SWIGLU_MLPS = frozenset({"Qwen2MLP", "Qwen3MLP", "LlamaMLP", "Qwen3_5MLP", "Qwen3_5TextMLP"})
@@ -175,12 +176,12 @@ def _bind_rotary(module) -> bool:
     (nothing bound) where the function takes other parameters than `ROTARY_PARAMETERS`."""
     if hasattr(module, "_lazytrain_hf_rotary"):
         return True
-    hf = module.apply_rotary_pos_emb
-    if tuple(inspect.signature(hf).parameters) != ROTARY_PARAMETERS:
+    hf = module.apply_rotary_pos_emb  # called as it is outside a lean attention (a `Func` module too)
+    if tuple(inspect.signature(plain_function(hf)).parameters) != ROTARY_PARAMETERS:
         return False
     module._lazytrain_hf_rotary = hf
 
-    @functools.wraps(hf)
+    @functools.wraps(plain_function(hf))
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         ops = _ROTARY_OPS.get()
         if ops is None or cos.requires_grad or sin.requires_grad:  # LeanRotary gives cos, sin no gradient
