@@ -65,20 +65,18 @@ from lazytrain.optim.base import AdamWConfig, HostOptimizer
 from lazytrain.optim.kernel import kernel_choice, load_kernel
 from lazytrain.optim.quant import (
     BLOCK,
-    MASK32,
     QuantTables,
-    _mul32,
     dequantize_blockwise,
-    fmix32,
     num_blocks,
     quantize_blockwise,
     rounding_key,
     rounding_uniforms,
     signed_tables,
     tables_on,
+    uniforms_at,
     unsigned_tables,
 )
-from lazytrain.optim.split import SplitMaster
+from lazytrain.optim.split import SplitMaster, joined, split_halves
 
 MIN_8BIT_NUMEL = 4096
 """Groups with fewer elements keep fp32 m and v."""
@@ -310,13 +308,7 @@ def _device_piece(grad: torch.Tensor, weight: torch.Tensor, remainder: torch.Ten
     clip, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_bc2_sqrt, decay = scalars.unbind()
     n = grad.numel()
     local = torch.arange(n, device=device)
-    index = local + ints[0]
-    if remainder is not None:
-        high = (weight.view(torch.int16).to(torch.int64) & 0xFFFF) << 16
-        bits = (high + remainder.to(torch.int64)) & 0xFFFFFFFF
-        master = (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
-    else:
-        master = weight
+    master = weight if remainder is None else joined(weight, remainder)
     m = dequantize_blockwise(m_codes, m_absmax, mt)
     root = dequantize_blockwise(v_codes, v_absmax, vt)
     g = grad.float() * clip
@@ -324,20 +316,15 @@ def _device_piece(grad: torch.Tensor, weight: torch.Tensor, remainder: torch.Ten
     v = beta2 * (root * root) + one_minus_beta2 * (g * g)
     denom = v.sqrt() * inv_bc2_sqrt + eps
     new = master * torch.where(local < ints[1], decay, 1.0) - step_size * (m / denom)
-    uniforms = None
-    if stochastic:
-        block_key = fmix32(ints[2] ^ _mul32(index >> 32, 0x27D4EB2F))
-        uniforms = (fmix32((index & MASK32) ^ block_key) >> 8).to(torch.float32) * 2.0**-24
+    uniforms = uniforms_at(ints[2], local + ints[0]) if stochastic else None
     for codes, absmax, x, tables, u in ((m_codes, m_absmax, m, mt, None), (v_codes, v_absmax, v.sqrt(), vt, uniforms)):
         new_codes, new_absmax = quantize_blockwise(x, tables, uniforms=u)
         codes.copy_(new_codes)
         absmax.copy_(new_absmax)
     if remainder is not None:
-        bits = new.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-        high = ((bits + 0x8000) >> 16) & 0xFFFF
-        low = bits & 0xFFFF
-        weight.view(torch.int16).copy_((high - ((high >> 15) << 16)).to(torch.int16))
-        remainder.copy_((low - ((low >> 15) << 16)).to(torch.int16))
+        high, low = split_halves(new)
+        weight.view(torch.int16).copy_(high)
+        remainder.copy_(low)
     else:
         weight.copy_(new)
         if weight_out is not None:
@@ -505,7 +492,7 @@ class Hybrid8bitAdamW(HostOptimizer):
         """Copy each device group's master (a split master's two halves: the weight half into
         the host store's weights) and state back to its host tensors; the groups are stepped on
         the host from then on."""
-        for group, (master, state) in list(self._home.items()):
+        for group, (master, state) in self._home.items():
             on, on_state = self.masters[group], self.states[group]
             if isinstance(master, SplitMaster):
                 master.weight.copy_(on.weight)
@@ -514,13 +501,14 @@ class Hybrid8bitAdamW(HostOptimizer):
                 master.copy_(on)
             for name, t in state.tensors().items():
                 t.copy_(on_state.tensors()[name])
-            self.masters[group], self.states[group] = master, state
-            del self._home[group], self._device_weight[group]
+        self._drop_device()
 
     def _drop_device(self) -> None:
-        for group, (master, state) in list(self._home.items()):
+        """Step every device group on the host again, from its host tensors as they are."""
+        for group, (master, state) in self._home.items():
             self.masters[group], self.states[group] = master, state
-            del self._home[group], self._device_weight[group]
+        self._home.clear()
+        self._device_weight.clear()
 
     @property
     def backend(self) -> str:

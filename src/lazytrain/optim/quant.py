@@ -342,7 +342,12 @@ def rounding_uniforms(key: int, first: int, count: int, device: torch.device | N
     """float32 uniforms in [0, 1) (24 bits) for the elements ``first .. first + count - 1`` of a
     group: a hash of the key and the element's index, so the draw of an element is the same
     whoever computes it (the kernel, this path, a data-parallel rank holding a shard)."""
-    index = torch.arange(first, first + count, dtype=torch.int64, device=device)
+    return uniforms_at(key, torch.arange(first, first + count, dtype=torch.int64, device=device))
+
+
+def uniforms_at(key: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`rounding_uniforms` of the elements at int64 ``index`` (``key``: an int, or an int64 tensor
+    where the key must not be a constant, as in a compiled step)."""
     block_key = fmix32(key ^ _mul32(index >> 32, 0x27D4EB2F))
     bits = fmix32((index & MASK32) ^ block_key)
     return (bits >> 8).to(torch.float32) * 2.0**-24

@@ -40,15 +40,29 @@ def _to_int16(x: torch.Tensor) -> torch.Tensor:
     return (x - ((x >> 15) << 16)).to(torch.int16)
 
 
+def split_halves(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``master``'s two halves with torch ops: (the weight's bf16 bits as int16, the int16
+    remainder)."""
+    bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return _to_int16(((bits + 0x8000) >> 16) & _LOW), _to_int16(bits & _LOW)
+
+
+def joined(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 masters of bf16 ``weight`` and int16 ``remainder`` with torch ops (a new tensor)."""
+    high = (weight.view(torch.int16).to(torch.int64) & _LOW) << 16
+    bits = (high + remainder.to(torch.int64)) & 0xFFFFFFFF
+    return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
+
+
 def split_into(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor) -> None:
     """Write fp32 ``master``'s two halves into bf16 ``weight`` and int16 ``remainder``."""
     kernel = _kernel() if master.device.type == "cpu" else None
     if kernel is not None:
         kernel.split_master(master, weight, remainder)
         return
-    bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    weight.view(torch.int16).copy_(_to_int16(((bits + 0x8000) >> 16) & _LOW))
-    remainder.copy_(_to_int16(bits & _LOW))
+    high, low = split_halves(master)
+    weight.view(torch.int16).copy_(high)
+    remainder.copy_(low)
 
 
 def join_into(weight: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -57,10 +71,7 @@ def join_into(weight: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor) 
     if kernel is not None:
         kernel.join_master(weight, remainder, out)
         return out
-    high = (weight.view(torch.int16).to(torch.int64) & _LOW) << 16
-    bits = (high + remainder.to(torch.int64)) & 0xFFFFFFFF
-    out.view(torch.int32).copy_((bits - ((bits >> 31) << 32)).to(torch.int32))
-    return out
+    return out.copy_(joined(weight, remainder))
 
 
 def _kernel():

@@ -306,44 +306,43 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
             "copy_slowdown": max(1.0, under_copies / alone)}
 
 
+def _scratch_layer_group(optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer],
+                         store: HostStore, adapter: ModelAdapter) -> tuple[HostOptimizer, torch.Tensor | SplitMaster]:
+    """A scratch optimizer of the run's kind over a copy of the first layer's group (the real
+    state is untouched; a whole group, whatever part of it this rank's masters hold), and that
+    master (split where the run's are: a split master times the split path)."""
+    master = store.weights[1].float()
+    if isinstance(store.masters[1], SplitMaster):
+        master = SplitMaster.of(master)
+    return optimizer_factory([master], [adapter.layouts[1].decay_numel]), master
+
+
 def _optimizer_ns_per_param(optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer],
                             store: HostStore, adapter: ModelAdapter, repeats: int) -> tuple[float, str]:
-    """One layer group stepped by a scratch optimizer of the same kind (the real state is
-    untouched; a whole group, whatever part of it this rank's masters hold): (ns per
-    parameter, what was timed: `describe`)."""
-    layout = adapter.layouts[1]
-    master = store.weights[1].float()  # the whole group, whatever part of it this rank's masters hold
-    if isinstance(store.masters[1], SplitMaster):  # a split master times the split path
-        master = SplitMaster.of(master)
-    scratch = optimizer_factory([master], [layout.decay_numel])
+    """One layer group stepped on the CPU: (ns per parameter, what was timed: `describe`)."""
+    scratch, master = _scratch_layer_group(optimizer_factory, store, adapter)
     grad = torch.randn(master.numel()).to(store.dtype)
     out = master.weight if isinstance(master, SplitMaster) else torch.empty(master.numel(), dtype=store.dtype)
     ms = time_ms(torch.device("cpu"), lambda: scratch.step_group(0, grad, 0.5, 1e-5, out), repeats)
     return ms * 1e6 / master.numel(), describe(scratch)
 
 
-def const_update_costs(optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer], store: HostStore,
-                  adapter: ModelAdapter, device: torch.device, repeats: int) -> tuple[float | None, int]:
+def const_update_costs(optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer],
+                       store: HostStore, adapter: ModelAdapter, device: torch.device,
+                       repeats: int) -> tuple[float | None, int]:
     """The resident groups' optimizer step on ``device`` (`Plan.const_update="device"`): (ms for
     the embedding and final group together, GPU bytes their masters and states take there),
     timed on a scratch group the size of a decoder layer (the step is elementwise: its time is
     linear in the elements) with states of the embedding's kind; (None, 0) where the optimizer
     has no device step."""
-    master = store.weights[1].float()
-    if isinstance(store.masters[1], SplitMaster):
-        master = SplitMaster.of(master)
-    scratch = optimizer_factory([master], [adapter.layouts[1].decay_numel])
+    scratch, master = _scratch_layer_group(optimizer_factory, store, adapter)
     if not scratch.device_step:
         return None, 0
-    weight = store.weights[1].to(device, copy=True)
-    scratch.to_device(0, weight)
+    scratch.to_device(0, store.weights[1].to(device, copy=True))
     grad = torch.randn(master.numel(), device=device).to(store.dtype)
     ms = time_ms(device, lambda: scratch.step_group(0, grad, 0.5, 1e-5, None), repeats)
-    state = scratch.states[0].tensors().values()
-    held = sum(t.numel() * t.element_size() for t in state)
-    held += master.remainder.numel() * 2 if isinstance(master, SplitMaster) else master.numel() * 4
-    const_params = adapter.layouts[0].numel + adapter.final_layout.numel
-    scale = const_params / master.numel()
+    held = scratch.state_bytes() + master.numel() * (2 if isinstance(master, SplitMaster) else 4)
+    scale = (adapter.layouts[0].numel + adapter.final_layout.numel) / master.numel()
     return ms * scale, round(held * scale)
 
 
