@@ -350,6 +350,9 @@ def main() -> None:
                         help="first decoder layers resident on the GPU and stepped there with the embedding and "
                              "head (plan.device_layers): numbers, or auto (the MILP chooses); several: each "
                              "run once per value (runs with --const-update host take 0)")
+    parser.add_argument("--optimizer-threads", nargs="+", type=int, default=[],
+                        help="torch intra-op threads (the CPU optimizer's team) for the runs: several: each run "
+                             "once per value (default: torch's, one per core)")
     parser.add_argument("--costs", nargs="+", default=[], metavar="[KERNELS=]FILE",
                         help="use this costs.json instead of profiling (KERNELS=FILE: for that kernel study only)")
     parser.add_argument("--copy-check", action="store_true",
@@ -517,6 +520,7 @@ def study(session, args, kernels: str) -> None:
         record["per_layer_type"] = per_type(plan, table, record["compute_only_layer_ms_by_type"])
         record["gpu_mem_cap_gb"] = cap_gb
         record["update"] = update
+        record["cpu_threads"] = torch.get_num_threads()
         host = session.host_memory(int(record["predicted_act_host_gb"] * 1e9), table)
         limit = host.limit if host_limit_gib is None else int(host_limit_gib * GiB)
         record["host_budget_gb"] = {**{k: v / 1e9 for k, v in host.components().items()},
@@ -561,11 +565,15 @@ def study(session, args, kernels: str) -> None:
         for update in args.update:
             # skipped: planned as if the update were free, which it then is
             table = run_costs if update == "cpu" else dataclasses.replace(run_costs, optimizer_ns_per_param=0.0)
-            for const_update, device_layers in [(c, k) for c in args.const_update
-                                                for k in (["0"] if c == "host" else args.device_layers)]:
+            for const_update, device_layers, threads in [
+                    (c, k, t) for c in args.const_update for k in (["0"] if c == "host" else args.device_layers)
+                    for t in args.optimizer_threads or [None]]:
+                if threads is not None:
+                    torch.set_num_threads(threads)  # a new updater thread takes it up too
                 run_suffix = (suffix + ("" if update == "cpu" else "_update-skipped")
                               + ("" if args.const_update == ["auto"] else f"_const-{const_update}")
-                              + ("" if args.device_layers == ["0"] or const_update == "host" else f"_dl{device_layers}"))
+                              + ("" if args.device_layers == ["0"] or const_update == "host" else f"_dl{device_layers}")
+                              + ("" if threads is None else f"_t{threads}"))
                 batch = args.batch
                 if size == "max":
                     t0 = time.perf_counter()
@@ -621,6 +629,7 @@ def markdown(records: list[dict], args) -> str:
         + (f" --update {' '.join(args.update)}" if args.update != ["cpu"] else "")
         + (f" --const-update {' '.join(args.const_update)}" if args.const_update != ["auto"] else "")
         + (f" --device-layers {' '.join(args.device_layers)}" if args.device_layers != ["0"] else "")
+        + (f" --optimizer-threads {' '.join(map(str, args.optimizer_threads))}" if args.optimizer_threads else "")
         + (f" --costs {' '.join(args.costs)}" if args.costs else "")
         + (f" --max-batch {args.max_batch}" if args.max_batch else "")
         + (f" --kernels {' '.join(args.kernels)}" if args.kernels != ["auto"] else "")
