@@ -260,11 +260,13 @@ class PlanConfig:
     and optimizer states then live there, ~4 B per parameter of those groups, and neither their
     gradients nor their weights cross PCIe; optimizer.kind=hybrid8bit, one process), or auto
     (the solved plan takes whichever the planner predicts faster; other policies: host)."""
-    device_layers: int | None = 0
+    device_layers: int | None = None
     """With the embedding and head stepped on the GPU: how many of the first decoder layers are
     resident there too (not streamed) and stepped there (~3.5 B per parameter of those layers on
     the card beside their weights; the CPU optimizer then starts on the layers after them as the
-    forward starts), or null (auto: the solved plan chooses; other policies: 0)."""
+    forward starts), or null (auto, the default: the solved plan chooses, solving the MILP for
+    several numbers, ~30 s at 28 layers; other policies: 0). On the H200 at 7B, batch 64, the
+    planner's choice (4) measured 2-5% faster than 0 in two processes."""
 
     def __post_init__(self) -> None:
         check_fields(self, "plan")
