@@ -31,6 +31,7 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.model.loading import save_hf
 from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.policies import policy_plan
+from lazytrain.plan.render import format_plan_table
 from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
 from lazytrain.plan.simulate import simulate
 from lazytrain.runtime.device import oom_need_bytes, release_failed_step
@@ -106,10 +107,12 @@ class Trainer:
         """Executor and CPU updater for ``self.plan``, with the planner's prediction for it."""
         cfg, session = self.config, self.session
         # what the planner predicts for this plan, logged beside the measured figures each step
-        self.predicted = (
-            simulate(self.plan, self.costs, optimizer_overlap=cfg.plan.overlap_optimizer).metrics()
-            if self.costs is not None else {"predicted_step_time_s": self.plan.predicted_step_time_s}
-        )
+        if self.costs is not None:
+            sim = simulate(self.plan, self.costs, optimizer_overlap=cfg.plan.overlap_optimizer)
+            self.predicted = sim.metrics()
+            log.info("%s", format_plan_table(self.plan, sim, self.costs))
+        else:
+            self.predicted = {"predicted_step_time_s": self.plan.predicted_step_time_s}
         host = session.host_memory(int(self.predicted.get("predicted_act_host_gb", 0.0) * 1e9), self.costs)
         log.info("host memory with the plan's activations:\n%s", host.table())
         self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=session.nvme,
