@@ -195,3 +195,24 @@ def test_the_batch_search_and_the_policies_pass_the_number_on():
     for options in (PolicyOptions(const_update="device", device_layers=None),
                     PolicyOptions(const_update="auto", device_layers=2)):
         assert baseline_plan("keep_all", L, b, s, options).device_layers == 0
+
+
+def test_the_search_for_k_stops_where_the_neighbours_are_within_the_tolerance():
+    from lazytrain.plan.milp import DEVICE_LAYER_TOLERANCE, _search_device_layers
+
+    def search(objective, layers=40):
+        calls = []
+        found = _search_device_layers(layers, lambda k: calls.append(k) or objective(k))
+        fits = {k: v for (_, k), v in found.items() if v is not None}
+        return min(fits, key=fits.__getitem__), calls
+
+    # a sharp minimum at 5: bisected down to it
+    best, calls = search(lambda k: 100.0 + abs(k - 5.4) * 10)
+    assert best == 5 and calls == [0, 1, 2, 4, 8, 12, 3, 6, 5, 7]
+    # a flat bottom (the 7B table's shape): 2 and 8 are within the tolerance of 4, nothing between
+    flat = {0: 101.8, 1: 100.8, 2: 100.4, 4: 100.0, 8: 100.0 * (1 + DEVICE_LAYER_TOLERANCE / 2), 12: 102.0}
+    best, calls = search(lambda k: flat.get(k, 100.0))
+    assert best == 4 and calls == [0, 1, 2, 4, 8, 12]
+    # a neighbour that does not fit is bisected toward whatever its distance
+    best, calls = search(lambda k: None if k > 9 else 100.0 - k * 0.01)
+    assert best == 9 and calls[:6] == [0, 1, 2, 4, 8, 12] and 10 in calls and 9 in calls
