@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -14,7 +15,7 @@ COMMON = ["training.batch_size=4", "data.max_seq_len=96", "data.builtin_train_si
           "data.heldout_size=2", "training.progress=false"]
 
 
-def test_profile_then_plan_then_train_with_the_solved_plan(tmp_path, capsys):
+def test_profile_then_plan_then_train_with_the_solved_plan(tmp_path, capsys, caplog):
     out = f"training.output_dir={tmp_path}"
     assert main(["profile", out, *COMMON]) == 0
     assert "seq 96, causal attention:" in capsys.readouterr().err  # what was profiled, said
@@ -35,8 +36,10 @@ def test_profile_then_plan_then_train_with_the_solved_plan(tmp_path, capsys):
     plan = Plan.load(tmp_path / "plan.json")
     assert plan.policy == "solved" and plan.predicted_step_time_s > 0 and plan.num_layers == 2
 
-    assert main(["train", out, "plan.policy=solved", f"plan.costs={tmp_path / 'costs.json'}",
-                 "training.steps=2", *COMMON]) == 0
+    with caplog.at_level(logging.INFO, logger="lazytrain"):
+        assert main(["train", out, "plan.policy=solved", f"plan.costs={tmp_path / 'costs.json'}",
+                     "training.steps=2", *COMMON]) == 0
+    assert "plan:\nplan 'solved': batch 4 x seq 96" in caplog.text  # the run says what it runs
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert len(steps) == 2 and all(r["predicted_step_time_s"] > 0 for r in steps)

@@ -110,7 +110,7 @@ class Trainer:
         if self.costs is not None:
             sim = simulate(self.plan, self.costs, optimizer_overlap=cfg.plan.overlap_optimizer)
             self.predicted = sim.metrics()
-            log.info("%s", format_plan_table(self.plan, sim, self.costs))
+            log.info("plan:\n%s", format_plan_table(self.plan, sim, self.costs))
         else:
             self.predicted = {"predicted_step_time_s": self.plan.predicted_step_time_s}
         host = session.host_memory(int(self.predicted.get("predicted_act_host_gb", 0.0) * 1e9), self.costs)
