@@ -216,3 +216,32 @@ def test_the_search_for_k_stops_where_the_neighbours_are_within_the_tolerance():
     # a neighbour that does not fit is bisected toward whatever its distance
     best, calls = search(lambda k: None if k > 9 else 100.0 - k * 0.01)
     assert best == 9 and calls[:6] == [0, 1, 2, 4, 8, 12] and 10 in calls and 9 in calls
+
+
+def test_recalibrate_re_solves_on_the_measured_update_rate():
+    from lazytrain.plan.policies import RECALIBRATE_TOLERANCE, recalibrate
+
+    options = PolicyOptions(const_update="auto", device_layers=None)
+    table = cpu_bound_table()
+    # room for a few resident layers, which then push activations off the card
+    roomy = replace(table, gpu_bytes=min_gpu_bytes(table, const_update="device")
+                    + int(3.5 * table.device_resident_bytes(1)))
+    fast = replace(roomy, optimizer_ns_per_param=0.001)  # the profile: the update almost free
+    plan = policy_plan("solved", fast, options)
+    assert plan.device_layers == 0
+    # the run measured 1 ns/param: the CPU update paces the forward, resident layers win
+    found = recalibrate(plan, fast, 1.0, options)
+    assert found.changed and found.plan.device_layers > 0
+    assert found.costs == replace(fast, optimizer_ns_per_param=1.0)
+    assert found.resolved_s < found.current_s == simulate(plan, found.costs, optimizer_overlap=True).step_time_s
+    # within the tolerance, or not a solved plan: nothing to do
+    assert recalibrate(plan, fast, 0.001 * (1 + RECALIBRATE_TOLERANCE / 2), options) is None
+    megatrain = policy_plan("megatrain", fast, options)
+    assert recalibrate(megatrain, fast, 1.0, options) is None
+    # a rate the plan already suits: the table is corrected, the plan kept
+    plan = found.plan
+    kept = recalibrate(plan, found.costs, 1.2, options)
+    assert not kept.changed and kept.plan is plan and kept.costs.optimizer_ns_per_param == 1.2
+    assert kept.resolved_s >= kept.current_s * 0.99
+    with pytest.raises(ValueError, match="must be > 0"):
+        recalibrate(plan, fast, 0.0, options)

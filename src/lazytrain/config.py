@@ -268,10 +268,19 @@ class PlanConfig:
     several numbers, 30-50 s for 28-64 layers on 2 cores; other policies: 0). On the H200 at 7B,
     batch 64, the planner's choice (4) measured 2-5% faster than 0 in two processes."""
 
+    recalibrate_after: int = 4
+    """A solved plan is re-solved once after this many steps with the CPU update rate measured
+    in them (the median over the steps' updates after the first), when the cost table's is more
+    than 15% off: profiled alone, the update ran 1.0-1.5x slower inside the step on the H200,
+    beside the PCIe copies. The re-solved plan is taken when the planner predicts it at least 1%
+    faster on the corrected table (one process only). 0: never."""
+
     def __post_init__(self) -> None:
         check_fields(self, "plan")
         if self.megatrain_every < 1 or self.head_chunk_tokens < 1 or self.weight_prefetch < 1:
             raise ConfigError("plan.megatrain_every, head_chunk_tokens, weight_prefetch must be >= 1")
+        if self.recalibrate_after < 0:
+            raise ConfigError(f"plan.recalibrate_after must be >= 0 (0: never), got {self.recalibrate_after}")
         options = [r for r in RECOMPUTE if r != "none"]
         unknown = sorted(set(self.recompute_blocks) - set(options))
         if unknown:

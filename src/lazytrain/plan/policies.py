@@ -11,7 +11,7 @@ checkpointed on that tier; ``checkpoint_all`` is ``checkpoint_`` + ``tier``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable
 from lazytrain.plan.plan import (
@@ -110,3 +110,51 @@ def comparison_plans(num_layers: int, batch_size: int, seq_len: int,
     o = options or PolicyOptions()
     names = [n for n in BASELINE_POLICIES if n != "checkpoint_nvme" or "nvme" in o.tiers]
     return [baseline_plan(n, num_layers, batch_size, seq_len, o) for n in names]
+
+
+RECALIBRATE_TOLERANCE = 0.15
+"""`recalibrate` leaves a table whose CPU update rate is within this fraction of the measured one."""
+
+RECALIBRATE_GAIN = 0.01
+"""... and keeps the current plan unless the re-solved one is predicted this much faster."""
+
+
+@dataclass(frozen=True, slots=True)
+class Recalibration:
+    """What `recalibrate` found: the table with the measured CPU update rate, the plan to run on
+    it (``plan`` is the current one when the re-solved one is not predicted faster) and both
+    plans' predicted step times (s) on that table."""
+
+    costs: CostTable
+    plan: Plan
+    changed: bool
+    current_s: float
+    resolved_s: float
+
+
+def recalibrate(plan: Plan, costs: CostTable, measured_ns_per_param: float,
+                options: PolicyOptions | None = None) -> Recalibration | None:
+    """A solved ``plan`` re-solved with the CPU update rate a run measured (ns per parameter of
+    the groups the CPU steps), or None when there is nothing to correct: not a solved plan, or
+    the table's rate within `RECALIBRATE_TOLERANCE` of the measured one.
+
+    The profile times the update alone; inside a step it shares the host's memory bus with the
+    PCIe copies and ran 1.0-1.5x slower on the H200 (README), which moves the best plan (how
+    many layers the GPU steps, what is offloaded to the host). The table's GPU budget stays as
+    it is (a budget lowered after an out-of-memory stays lowered)."""
+    from lazytrain.plan.simulate import simulate
+
+    if plan.policy != "solved":
+        return None
+    if not measured_ns_per_param > 0:
+        raise ValueError(f"measured_ns_per_param must be > 0, got {measured_ns_per_param}")
+    if abs(measured_ns_per_param / costs.optimizer_ns_per_param - 1) <= RECALIBRATE_TOLERANCE:
+        return None
+    o = options or PolicyOptions()
+    corrected = replace(costs, optimizer_ns_per_param=measured_ns_per_param)
+    current_s = simulate(plan, corrected, optimizer_overlap=o.optimizer_overlap).step_time_s
+    resolved = policy_plan("solved", corrected, o)
+    resolved_s = simulate(resolved, corrected, optimizer_overlap=o.optimizer_overlap).step_time_s
+    changed = resolved_s < current_s * (1 - RECALIBRATE_GAIN)
+    return Recalibration(costs=corrected, plan=resolved if changed else plan, changed=changed,
+                         current_s=current_s, resolved_s=resolved_s)

@@ -30,7 +30,7 @@ from lazytrain.data.pipeline import heldout_samples, resolve_template, training_
 from lazytrain.errors import LazyTrainError
 from lazytrain.model.loading import save_hf
 from lazytrain.plan.milp import PlanInfeasible
-from lazytrain.plan.policies import policy_plan
+from lazytrain.plan.policies import policy_plan, recalibrate
 from lazytrain.plan.render import format_plan_table
 from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
 from lazytrain.plan.simulate import simulate
@@ -87,6 +87,8 @@ class Trainer:
             pad_to_multiple_of=8 if self.device.type == "cuda" else 1,
         )
         self.plan, self.costs = session.plan()
+        self._update_seconds: list[float] = []  # the CPU updates of this process's steps, in order
+        self._recalibrated = False
         self._start_plan()
         self.checkpoint_bytes = self.checkpointer.size_bytes(self.store.masters, self.optimizer.state_dict())
         if resume_from is None and tc.overwrite and self.is_main:
@@ -120,6 +122,44 @@ class Trainer:
         self.executor.trace.enabled = self.device.type == "cuda"
         self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
 
+    def _drop_executor(self) -> None:
+        """Finish the CPU update and let go of the executor (before another plan starts)."""
+        self.updater.finish()
+        self.executor.abandon()  # its buffers go even if something (a failed graph) still refers to it
+        del self.executor, self.updater
+
+    def _recalibrate(self) -> None:
+        """Re-solve the plan once with the CPU update rate this process's steps measured
+        (`policies.recalibrate`); switch to the new plan when it is predicted faster."""
+        seconds = sorted(self._update_seconds[1:])  # the first update also warms up
+        on_cpu = [g for g in range(self.executor.num_groups) if g not in self.executor.device_groups]
+        params = sum(self.store.weights[g].numel() for g in on_cpu)
+        if not seconds or not params:
+            return
+        measured = seconds[len(seconds) // 2] * 1e9 / params
+        profiled = self.costs.optimizer_ns_per_param
+        started = time.perf_counter()
+        found = recalibrate(self.plan, self.costs, measured, self.session.policy_options())
+        if found is None:
+            return
+        self.costs = found.costs
+        self._write({"step": self.step, "update_ns_per_param_measured": measured,
+                     "update_ns_per_param_profiled": profiled, "replanned": found.changed,
+                     "predicted_step_s_current_plan": found.current_s, "predicted_step_s_resolved_plan": found.resolved_s})
+        log.info(
+            "the CPU update ran at %.3f ns/param in steps 2-%d against %.3f profiled; on that rate the current "
+            "plan is predicted at %.3f s and the plan re-solved for it at %.3f s (solved in %.0f s): %s",
+            measured, len(self._update_seconds), profiled, found.current_s, found.resolved_s,
+            time.perf_counter() - started, "switching to it" if found.changed else "keeping the current one",
+        )
+        if found.changed:
+            self._drop_executor()
+            self.plan = found.plan
+            self._start_plan()
+        else:
+            self.predicted = simulate(self.plan, self.costs,
+                                      optimizer_overlap=self.config.plan.overlap_optimizer).metrics()
+
     def _replan_after_oom(self, error: torch.OutOfMemoryError) -> None:
         """Re-solve the plan with less GPU memory after a step ran out of it, or raise.
 
@@ -145,9 +185,7 @@ class Trainer:
         seen = oom_need_bytes(error, self.device)
         budget = self.costs.gpu_bytes
         lower = gpu_budget_after_oom(budget, predicted, seen)
-        self.updater.finish()
-        self.executor.abandon()  # its buffers go even if the failed graph still refers to it
-        del self.executor, self.updater
+        self._drop_executor()
         release_failed_step(error)  # the failed step's frames hold the old executor's GPU memory
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -243,11 +281,13 @@ class Trainer:
             if tc.max_grad_norm > 0:
                 clip = min(1.0, tc.max_grad_norm / (stats.grad_norm + 1e-6))
             self.updater.start(clip, lr)
+            if self.updater.last_step_seconds > 0:  # the last finished update (the step before's, overlapped)
+                self._update_seconds.append(self.updater.last_step_seconds)
         self.step += 1
         now = time.perf_counter()
         step_time, self._step_start = now - self._step_start, now
         seq = int(batch.input_ids.shape[1])
-        return {
+        record = {
             "step": self.step, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": lr, "skipped": skipped,
             "tokens": stats.num_tokens, "target_tokens": stats.num_target_tokens, "seq_len": seq,
             "batch_size": int(batch.input_ids.shape[0]) * (self.parallel.world_size if self.parallel else 1),
@@ -255,6 +295,13 @@ class Trainer:
             **self.predicted,
             "optimizer_wait_s": waited,
         }
+        after = self.config.plan.recalibrate_after
+        if (after and len(self._update_seconds) >= after and not self._recalibrated and self.costs is not None
+                and self.parallel is None and self.config.plan.file is None):
+            self._recalibrated = True
+            self._recalibrate()
+            self._step_start = time.perf_counter()  # the re-solve is not the next step's time
+        return record
 
     def _on_skip(self, record: dict) -> None:
         if self.skips.diverged:  # stop cleanly: the last checkpoint stays the last good state

@@ -1,0 +1,93 @@
+"""The solved plan re-solved once on the CPU update rate the first steps measured
+(`plan.recalibrate_after`, `policies.recalibrate`): the trainer's side, on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+from test_oom_replan import _losses, _trainer, fixed_costs  # noqa: F401 (a fixture)
+
+from lazytrain.plan.plan import megatrain_plan
+from lazytrain.plan.policies import Recalibration
+from lazytrain.plan.simulate import simulate
+from lazytrain.train import trainer as trainer_module
+
+
+def _records(folder):
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_measured_rate_is_recorded_and_a_faster_plan_taken_without_changing_the_training(
+        tmp_path, monkeypatch, caplog, fixed_costs):  # noqa: F811
+    expected = _losses(_trainer(tmp_path / "plain", "plan.policy=solved", "plan.recalibrate_after=0",
+                                fixed_costs), 6)
+    seen = []
+
+    def recalibrate(plan, costs, measured, options):
+        seen.append((plan, costs, measured))
+        other = megatrain_plan(plan.num_layers, plan.batch_size, plan.seq_len, every=2)
+        other.policy = "solved"
+        seen.append(other)
+        return Recalibration(costs=dataclasses.replace(costs, optimizer_ns_per_param=measured), plan=other,
+                             changed=True, current_s=2.0, resolved_s=1.0)
+
+    monkeypatch.setattr(trainer_module, "recalibrate", recalibrate)
+    trainer = _trainer(tmp_path / "re", "plan.policy=solved", "plan.recalibrate_after=3", fixed_costs)
+    first = trainer.executor
+    with caplog.at_level(logging.INFO, logger="lazytrain"):
+        losses = _losses(trainer, 6)
+    assert losses == pytest.approx(expected, rel=1e-6, abs=0)
+    # once, after the step whose start saw the third finished update, on updates 2 and 3 (the
+    # fourth is finished by the switch, the new updater's first is the fifth)
+    (plan, costs, measured), other = seen
+    assert len(trainer._update_seconds) == 4 and plan.layers != trainer.plan.layers
+    params = sum(w.numel() for w in trainer.store.weights)
+    median = sorted(trainer._update_seconds[1:3])[1]
+    assert measured == pytest.approx(median * 1e9 / params)
+    assert trainer.executor is not first and trainer.plan is other and trainer.executor.plan is other
+    assert trainer.costs.optimizer_ns_per_param == measured
+    assert "switching to it" in caplog.text and f"{measured:.3f} ns/param in steps 2-3" in caplog.text
+    trainer._close()
+    record, = [r for r in _records(tmp_path / "re") if "replanned" in r]
+    assert record["replanned"] and record["update_ns_per_param_measured"] == pytest.approx(measured)
+    assert record["update_ns_per_param_profiled"] == costs.optimizer_ns_per_param
+
+
+def test_no_recalibration_when_the_rate_is_right_or_it_is_off(tmp_path, monkeypatch, fixed_costs):  # noqa: F811
+    calls = []
+    monkeypatch.setattr(trainer_module, "recalibrate", lambda *a: calls.append(a))
+    for after in (0, 3):
+        trainer = _trainer(tmp_path / str(after), "plan.policy=solved", f"plan.recalibrate_after={after}",
+                           fixed_costs)
+        first = trainer.executor
+        _losses(trainer, 5)
+        assert trainer.executor is first
+    assert len(calls) == 1  # recalibrate returned None: the plan and table stay
+    megatrain = _trainer(tmp_path / "m", "plan.policy=megatrain", "plan.recalibrate_after=2")
+    _losses(megatrain, 4)
+    assert megatrain.costs is None and len(calls) == 1  # a baseline has no table to correct
+
+
+def test_a_table_far_off_the_measured_rate_is_corrected_and_training_goes_on(tmp_path, fixed_costs):  # noqa: F811
+    from lazytrain.plan.costs import CostTable
+
+    path = fixed_costs.partition("=")[2]
+    table = CostTable.load(path)
+    off = tmp_path / "off.json"
+    dataclasses.replace(table, optimizer_ns_per_param=table.optimizer_ns_per_param * 1e-4).save(off)
+    expected = _losses(_trainer(tmp_path / "plain", "plan.policy=solved", "plan.recalibrate_after=0",
+                                f"plan.costs={off}"), 5)
+    trainer = _trainer(tmp_path / "re", "plan.policy=solved", "plan.recalibrate_after=2", f"plan.costs={off}")
+    assert _losses(trainer, 5) == pytest.approx(expected, rel=1e-6, abs=0)
+    trainer._close()
+    record, = [r for r in _records(tmp_path / "re") if "replanned" in r]
+    assert record["step"] == 3 and record["update_ns_per_param_profiled"] == pytest.approx(
+        table.optimizer_ns_per_param * 1e-4)
+    assert trainer.costs.optimizer_ns_per_param == record["update_ns_per_param_measured"] > 0
+    # the step records after it carry the prediction on the corrected table
+    predicted = simulate(trainer.plan, trainer.costs, optimizer_overlap=True).step_time_s
+    assert trainer.predicted["predicted_step_time_s"] == pytest.approx(predicted)
+    assert predicted != pytest.approx(simulate(trainer.plan, table, optimizer_overlap=True).step_time_s)
