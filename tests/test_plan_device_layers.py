@@ -245,3 +245,19 @@ def test_recalibrate_re_solves_on_the_measured_update_rate():
     assert kept.resolved_s >= kept.current_s * 0.99
     with pytest.raises(ValueError, match="must be > 0"):
         recalibrate(plan, fast, 0.0, options)
+
+
+def test_a_re_solve_that_finds_nothing_keeps_the_running_plan(monkeypatch):
+    from lazytrain.plan import milp
+    from lazytrain.plan.policies import recalibrate
+
+    table = cpu_bound_table()
+    plan = policy_plan("solved", table)
+
+    def nothing(*args, **kwargs):
+        raise PlanInfeasible("no solution within the time limit")
+
+    monkeypatch.setattr(milp, "solve_plan", nothing)
+    found = recalibrate(plan, table, 2.0)
+    assert not found.changed and found.plan is plan and found.resolved_s == float("inf")
+    assert found.costs.optimizer_ns_per_param == 2.0

@@ -153,7 +153,13 @@ def recalibrate(plan: Plan, costs: CostTable, measured_ns_per_param: float,
     o = options or PolicyOptions()
     corrected = replace(costs, optimizer_ns_per_param=measured_ns_per_param)
     current_s = simulate(plan, corrected, optimizer_overlap=o.optimizer_overlap).step_time_s
-    resolved = policy_plan("solved", corrected, o)
+    from lazytrain.plan.milp import PlanInfeasible
+
+    try:
+        resolved = policy_plan("solved", corrected, o)
+    except PlanInfeasible:  # no solution within the solver's time limit: the running plan stays
+        return Recalibration(costs=corrected, plan=plan, changed=False, current_s=current_s,
+                             resolved_s=float("inf"))
     resolved_s = simulate(resolved, corrected, optimizer_overlap=o.optimizer_overlap).step_time_s
     changed = resolved_s < current_s * (1 - RECALIBRATE_GAIN)
     return Recalibration(costs=corrected, plan=resolved if changed else plan, changed=changed,
