@@ -551,3 +551,16 @@ def test_optim_bench_records_one_row_per_thread_count_with_the_host_copy_bandwid
     assert [r["threads"] for r in records] == [1, 2]
     assert all(r["host_copy_gbps"] > 0 and r["ns_per_param_8bit"] > 0 for r in records)
     assert "host copy GB/s" in path.with_suffix(".md").read_text()
+
+
+def test_device_layers_search_times_the_search_with_and_without_the_tolerance(tmp_path):
+    subprocess.run([sys.executable, "-m", "bench.device_layers_search", "--layers", "8", "--tolerances", "0", "0.005",
+                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    (path,) = tmp_path.glob("device_layers_search_*.json")
+    exact, tolerant = json.loads(path.read_text())
+    assert (exact["tolerance"], tolerant["tolerance"]) == (0.0, 0.005) and exact["num_layers"] == 8
+    for r in (exact, tolerant):
+        assert r["solve_time_s"] > 0 and r["solves"] == len(r["tried"]) + 1
+        assert r["predicted_step_time_s"] == pytest.approx(min(v for v in r["tried"].values() if v is not None))
+    assert set(tolerant["tried"]) <= set(exact["tried"])  # the tolerance only leaves out
+    assert path.with_suffix(".md").read_text().count("| 8 |") == 2

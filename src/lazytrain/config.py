@@ -265,7 +265,7 @@ class PlanConfig:
     resident there too (not streamed) and stepped there (~3.5 B per parameter of those layers on
     the card beside their weights; the CPU optimizer then starts on the layers after them as the
     forward starts), or null (auto, the default: the solved plan chooses, solving the MILP for
-    several numbers, 30-50 s for 28-64 layers on 2 cores; other policies: 0). On the H200 at 7B,
+    several numbers, 38-47 s for 28-64 layers on 2 cores; other policies: 0). On the H200 at 7B,
     batch 64, the planner's choice (4) measured 2-5% faster than 0 in two processes."""
 
     recalibrate_after: int = 4

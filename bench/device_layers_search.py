@@ -1,0 +1,102 @@
+"""Time the planner's search for the number of GPU-resident layers (``plan.device_layers: null``).
+
+A measured cost table's layer repeated to each ``--layers`` count (the 7B H200 table by default:
+its layers are alike), solved with ``device_layers=None`` for each ``--tolerances`` value of
+`milp.DEVICE_LAYER_TOLERANCE` (0: bisect until the neighbours are adjacent). Records: wall time,
+the k chosen, each k tried with its predicted step. Writes
+``bench/results/device_layers_search_<cpu>_<date>.json`` and a Markdown report beside it.
+
+    python -m bench.device_layers_search [--costs FILE] [--layers 28 48 64] [--tolerances 0 0.005]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+
+import scipy
+import torch
+
+from bench.common import cpu_run_device, device_tag, today, write_results
+from lazytrain.plan import milp
+from lazytrain.plan.costs import CostTable
+
+DEFAULT_COSTS = "bench/results/costs_qwen2.5-7b_h200_2026-12-04_s1024_b64_lean_up_const.json"
+
+
+def repeated(costs: CostTable, num_layers: int) -> CostTable:
+    """``costs`` with its first layer ``num_layers`` times (the GPU, host and head unchanged)."""
+    types = [costs.layer_types[0]] * num_layers if costs.layer_types else costs.layer_types
+    return dataclasses.replace(costs, layers=[costs.layers[0]] * num_layers, layer_types=types)
+
+
+def search(costs: CostTable, tolerance: float) -> dict:
+    saved = milp.DEVICE_LAYER_TOLERANCE
+    milp.DEVICE_LAYER_TOLERANCE = tolerance
+    try:
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        plan = milp.solve_plan(costs, optimizer_overlap=True, device_layers=None)
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    finally:
+        milp.DEVICE_LAYER_TOLERANCE = saved
+    tried = {int(k): v for k, v in plan.notes["device_layers"].items()}
+    return {"solve_time_s": wall, "solve_cpu_s": cpu, "const_update": plan.const_update,
+            "device_layers": plan.device_layers, "predicted_step_time_s": plan.predicted_step_time_s,
+            "solves": len(tried) + len(plan.notes.get("const_update", {})) - 1,
+            "tried": dict(sorted(tried.items()))}
+
+
+def markdown(records: list[dict], args) -> str:
+    head = records[0]
+    lines = [
+        f"# The search for GPU-resident layers: {os.path.basename(args.costs)}",
+        "",
+        (f"{head['date']}, {head['device']}, torch {head['torch']}, scipy {head['scipy']}. The table's layer "
+         f"repeated to each count, `solve_plan(device_layers=None, optimizer_overlap=True)` (host and device "
+         f"solved), each MILP solve limited to 10 s. Command: `python -m bench.device_layers_search --costs "
+         f"{args.costs} --layers {' '.join(map(str, args.layers))} --tolerances "
+         f"{' '.join(map(str, args.tolerances))}`"),
+        "",
+        "| layers | tolerance | wall s | solves | k | predicted step s | k tried: predicted s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in records:
+        tried = ", ".join(f"{k}: {v:.3f}" if v is not None else f"{k}: -" for k, v in r["tried"].items())
+        lines.append(f"| {r['num_layers']} | {r['tolerance']:g} | {r['solve_time_s']:.1f} | {r['solves']} | "
+                     f"{r['device_layers']} | {r['predicted_step_time_s']:.3f} | {tried} |")
+    lines += ["", ("Predictions on a table whose GPU memory, host and head are the 7B's at every count: a "
+                   "planner-time study, not a model of larger models."), ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--costs", default=DEFAULT_COSTS)
+    parser.add_argument("--layers", type=int, nargs="+", default=[28, 48, 64])
+    parser.add_argument("--tolerances", type=float, nargs="+", default=[0.0, milp.DEVICE_LAYER_TOLERANCE])
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    if any(n < 1 for n in args.layers) or any(t < 0 for t in args.tolerances):
+        raise SystemExit(f"--layers must be >= 1 and --tolerances >= 0, got {args.layers} and {args.tolerances}")
+    table = CostTable.load(args.costs)
+    records = []
+    for num_layers in args.layers:
+        for tolerance in args.tolerances:
+            found = search(repeated(table, num_layers), tolerance)
+            record = {"name": f"device_layers_search_L{num_layers}_tol{tolerance:g}", "date": today(),
+                      "device": cpu_run_device(), "torch": torch.__version__, "scipy": scipy.__version__,
+                      "costs": args.costs, "model": f"{os.path.basename(args.costs)} layer x {num_layers}",
+                      "num_layers": num_layers, "batch_size": table.batch_size, "seq_len": table.seq_len,
+                      "policy": "solved", "tolerance": tolerance, **found}
+            print(f"{record['name']}: k={found['device_layers']} in {found['solve_time_s']:.1f} s "
+                  f"({found['solves']} solves)", flush=True)
+            records.append(record)
+    path = write_results(records, f"device_layers_search_{device_tag('cpu ' + records[0]['device'])}_{today()}",
+                         markdown(records, args), args.out)
+    print(f"wrote {path} and .md")
+
+
+if __name__ == "__main__":
+    main()
