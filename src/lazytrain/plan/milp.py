@@ -702,7 +702,7 @@ bisects between the best and its neighbours."""
 DEVICE_LAYER_TOLERANCE = 0.005
 """The search does not bisect toward a neighbour predicted within this fraction of the best: near
 the optimum the step changes by tenths of a percent per layer (7B on the H200: 5.276-5.301 s for
-2-6 layers), far below the planner's error (steps measured 4-16% over their prediction), and each
+2-6 layers), far below the planner's error (steps measured 3-19% over their prediction), and each
 MILP solve takes seconds (`bench/device_layers_search.py`: 41 -> 38 s at 28 layers, 65 -> 47 s at
 48, 68 -> 47 s at 64, on 2 cores)."""
 
