@@ -271,7 +271,7 @@ class PlanConfig:
     recalibrate_after: int = 4
     """A solved plan is re-solved once after this many steps with the CPU update rate measured
     in them (the median over the steps' updates after the first), when the cost table's is more
-    than 15% off: profiled alone, the update ran 1.0-1.5x slower inside the step on the H200,
+    than 15% off: profiled alone, the update ran up to 1.5x slower inside the step on the H200,
     beside the PCIe copies. The re-solved plan is taken when the planner predicts it at least 1%
     faster on the corrected table (one process only). 0: never."""
 

@@ -139,7 +139,7 @@ def recalibrate(plan: Plan, costs: CostTable, measured_ns_per_param: float,
     the table's rate within `RECALIBRATE_TOLERANCE` of the measured one.
 
     The profile times the update alone; inside a step it shares the host's memory bus with the
-    PCIe copies and ran 1.0-1.5x slower on the H200 (README), which moves the best plan (how
+    PCIe copies and ran up to 1.5x slower on the H200 (README), which moves the best plan (how
     many layers the GPU steps, what is offloaded to the host). The table's GPU budget stays as
     it is (a budget lowered after an out-of-memory stays lowered)."""
     from lazytrain.plan.simulate import simulate
