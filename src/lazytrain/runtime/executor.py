@@ -455,8 +455,9 @@ class Executor:
         with backward per chunk: the full logits never exist.
 
         Returns the gradient of the last hidden states, of the norm weight and of the head
-        weight (accumulated in ``head_grad`` where given, zeroed here), and the loss (sum over target tokens / ``loss_denominator``, by default
-        ``num_targets``: the mean) as a device scalar.
+        weight (accumulated in ``head_grad`` where given, zeroed here), and the loss (sum over
+        target tokens / ``loss_denominator``, by default ``num_targets``: the mean) as a device
+        scalar.
         """
         denominator = loss_denominator or num_targets
         adapter = self.adapter

@@ -145,7 +145,8 @@ class Trainer:
         self.costs = found.costs
         self._write({"step": self.step, "update_ns_per_param_measured": measured,
                      "update_ns_per_param_profiled": profiled, "replanned": found.changed,
-                     "predicted_step_s_current_plan": found.current_s, "predicted_step_s_resolved_plan": found.resolved_s})
+                     "predicted_step_s_current_plan": found.current_s,
+                     "predicted_step_s_resolved_plan": found.resolved_s})
         log.info(
             "the CPU update ran at %.3f ns/param in steps 2-%d against %.3f profiled; on that rate the current "
             "plan is predicted at %.3f s and the plan re-solved for it at %.3f s (solved in %.0f s): %s",
