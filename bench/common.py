@@ -165,6 +165,15 @@ class SkippedUpdate(HostOptimizer):
     def to_host(self) -> None:
         self._device.clear()
 
+    def streamed_bytes(self, group: int) -> int:
+        return 0
+
+    def stream_in(self, group: int, weight: torch.Tensor, scratch: torch.Tensor) -> None:
+        self._device.add(group)
+
+    def stream_out(self, group: int) -> None:
+        self._device.discard(group)
+
     def step_group(self, group: int, grad: torch.Tensor, clip_coef: float, lr: float,
                    weight_out: torch.Tensor | None) -> None:
         self.steps[group] += 1

@@ -91,10 +91,11 @@ from lazytrain.runtime.profiler import CONSTANTS, measure_constants
 GiB = 2**30
 
 
-def options(args, const_update: str = "auto", device_layers: str = "0") -> PolicyOptions:
+def options(args, const_update: str = "auto", device_layers: str = "0", device_steps: str = "0") -> PolicyOptions:
     return PolicyOptions(megatrain_every=args.every, head_chunk_tokens=args.head_chunk, tiers=tuple(args.tiers),
                          recompute=tuple(args.recompute), const_update=const_update,
-                         device_layers=None if device_layers == "auto" else int(device_layers))
+                         device_layers=None if device_layers == "auto" else int(device_layers),
+                         device_steps=None if device_steps == "auto" else int(device_steps))
 
 
 MAX_TRIES = 8
@@ -350,6 +351,11 @@ def main() -> None:
                         help="first decoder layers resident on the GPU and stepped there with the embedding and "
                              "head (plan.device_layers): numbers, or auto (the MILP chooses); several: each "
                              "run once per value (runs with --const-update host take 0)")
+    parser.add_argument("--device-steps", nargs="+", default=["0"],
+                        help="streamed decoder layers after the resident ones stepped on the GPU, their states "
+                             "copied in and out (plan.device_steps): numbers, or auto (the fewest that hide the "
+                             "CPU update at the table's rate); several: each run once per value, crossed with "
+                             "--device-layers (runs with --const-update host take 0)")
     parser.add_argument("--optimizer-threads", nargs="+", type=int, default=[],
                         help="torch intra-op threads (the CPU optimizer's team) for the runs: several: each run "
                              "once per value (default: torch's, one per core)")
@@ -538,8 +544,8 @@ def study(session, args, kernels: str) -> None:
         save()
         return True
 
-    def plan_for(policy: str, const_update: str, device_layers: str, table: CostTable) -> Plan:
-        return policy_plan(policy, table, options(args, const_update, device_layers))
+    def plan_for(policy: str, const_update: str, device_layers: str, device_steps: str, table: CostTable) -> Plan:
+        return policy_plan(policy, table, options(args, const_update, device_layers, device_steps))
 
     def run_for(policy: str, suffix: str, host_gib: str, update: str, table: CostTable, plan: Plan,
                 replans: int) -> dict | None:
@@ -565,14 +571,16 @@ def study(session, args, kernels: str) -> None:
         for update in args.update:
             # skipped: planned as if the update were free, which it then is
             table = run_costs if update == "cpu" else dataclasses.replace(run_costs, optimizer_ns_per_param=0.0)
-            for const_update, device_layers, threads in [
-                    (c, k, t) for c in args.const_update for k in (["0"] if c == "host" else args.device_layers)
+            for const_update, device_layers, device_steps, threads in [
+                    (c, k, s, t) for c in args.const_update for k in (["0"] if c == "host" else args.device_layers)
+                    for s in (["0"] if c == "host" else args.device_steps)
                     for t in args.optimizer_threads or [None]]:
                 if threads is not None:
                     torch.set_num_threads(threads)  # a new updater thread takes it up too
                 run_suffix = (suffix + ("" if update == "cpu" else "_update-skipped")
                               + ("" if args.const_update == ["auto"] else f"_const-{const_update}")
                               + ("" if args.device_layers == ["0"] or const_update == "host" else f"_dl{device_layers}")
+                              + ("" if args.device_steps == ["0"] or const_update == "host" else f"_ds{device_steps}")
                               + ("" if threads is None else f"_t{threads}"))
                 batch = args.batch
                 if size == "max":
@@ -581,7 +589,8 @@ def study(session, args, kernels: str) -> None:
                                                 args.max_batch or args.batch)
                     print(f"{policy}{run_suffix}: largest batch the simulator fits: {batch} (searched in "
                           f"{time.perf_counter() - t0:.0f} s)", flush=True)
-                tries(policy, batch, table, args.seq, functools.partial(plan_for, policy, const_update, device_layers),
+                tries(policy, batch, table, args.seq, functools.partial(plan_for, policy, const_update, device_layers,
+                                                                      device_steps),
                       functools.partial(run_for, policy, run_suffix, host_gib, update), walk_down=size == "max")
 
     check_copies("after_runs")
@@ -629,6 +638,7 @@ def markdown(records: list[dict], args) -> str:
         + (f" --update {' '.join(args.update)}" if args.update != ["cpu"] else "")
         + (f" --const-update {' '.join(args.const_update)}" if args.const_update != ["auto"] else "")
         + (f" --device-layers {' '.join(args.device_layers)}" if args.device_layers != ["0"] else "")
+        + (f" --device-steps {' '.join(args.device_steps)}" if args.device_steps != ["0"] else "")
         + (f" --optimizer-threads {' '.join(map(str, args.optimizer_threads))}" if args.optimizer_threads else "")
         + (f" --costs {' '.join(args.costs)}" if args.costs else "")
         + (f" --max-batch {args.max_batch}" if args.max_batch else "")

@@ -48,10 +48,13 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
     again = tmp_path / "again"
     subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
                     "--seq", "32", "--runs", "megatrain", "--split-master", "off", "--warmup", "0", "--steps", "1",
-                    "--costs", str(costs_file), "--host-limit-gb", "0.5", "--out", str(again)], cwd=ROOT, check=True,
-                   capture_output=True,
+                    "--costs", str(costs_file), "--host-limit-gb", "0.5", "--const-update", "device",
+                    "--device-steps", "0", "1", "--out", str(again)], cwd=ROOT, check=True, capture_output=True,
                    timeout=300)
     (records,) = [json.loads(p.read_text()) for p in again.glob("plan_tiny_*.json")]
+    # a run per number of streamed layers stepped on the GPU
+    runs = {r["name"]: r["plan"]["device_steps"] for r in records if "tokens_per_s" in r}
+    assert runs == {"tiny_megatrain_b2_s32_const-device_ds0": 0, "tiny_megatrain_b2_s32_const-device_ds1": 1}
     (costs,) = [r["costs"] for r in records if r["name"] == "costs"]
     assert "predates embed_backward_work_bytes, head_token_bytes" in costs["notes"]["constants"]
     assert costs["layers"] == old["layers"]

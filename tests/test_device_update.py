@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 
 import pytest
 import torch
@@ -27,15 +28,16 @@ STEPS = 6
 
 
 def _run(folder, const_update: str, dtype: torch.dtype, split: bool, device=CPU, poison: bool = False,
-         rounding: str = "stochastic", device_layers: int = 0):
+         rounding: str = "stochastic", device_layers: int = 0, device_steps: int = 0):
     """Train STEPS steps; returns (losses, store, optimizer state). ``poison``: after the first
     update, the host copies of the device groups' gradients and weights are overwritten with
-    NaN, so any step that still read them would show it (a streamed device layer, too)."""
+    NaN, so any step that still read them would show it (a streamed device layer, too), and so
+    are the host gradients of the streamed layers stepped on the device."""
     adapter = ModelAdapter(load_hf_config(folder), device, dtype)
     store = HostStore(adapter.layouts, dtype, pin=False, split_master=split)
     load_safetensors(adapter, store, folder)
     plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 3, 12, every=2), const_update=const_update,
-                               device_layers=device_layers)
+                               device_layers=device_layers, device_steps=device_steps)
     executor = Executor(adapter, store, plan, device)
     optimizer = Hybrid8bitAdamW(store.masters, [lay.decay_numel for lay in adapter.layouts], OPT, kernel="torch",
                                 rounding=rounding, seed=3)
@@ -48,8 +50,10 @@ def _run(folder, const_update: str, dtype: torch.dtype, split: bool, device=CPU,
         losses.append(stats.loss)
         updater.start(min(1.0, 0.5 / (stats.grad_norm + 1e-6)), OPT.lr * (1 - step / STEPS))
         if poison and step == 0:
-            for g in executor.device_groups:
+            updater._join()  # the streamed steps' copies out
+            for g in executor.device_groups | executor.streamed_steps:
                 store.grads[g].fill_(float("nan"))
+            for g in executor.device_groups:
                 store.weights[g].fill_(float("nan"))
         if step == 2:  # a checkpoint mid-run: the device groups come home, then go back
             updater.finish()
@@ -90,6 +94,11 @@ def test_device_groups_train_as_on_the_host(tmp_path, family, dtype, split):
     # one across their end: every=2 checkpoints layers 0 and 2)
     for device_layers in (1, 3):
         _assert_same(host, _run(tmp_path, "device", dtype, split, poison=True, device_layers=device_layers))
+    # streamed layers stepped there too, with their states copied in and out: after none, one
+    # or three resident ones, and up to the last layer
+    for device_layers, device_steps in ((0, 2), (1, 1), (1, 3)):
+        _assert_same(host, _run(tmp_path, "device", dtype, split, poison=True, device_layers=device_layers,
+                                device_steps=device_steps))
     # and they trained: the embedding moved
     fresh = HostStore(ModelAdapter(load_hf_config(tmp_path), CPU, dtype).layouts, dtype, pin=False, split_master=split)
     load_safetensors(ModelAdapter(load_hf_config(tmp_path), CPU, dtype), fresh, tmp_path)
@@ -292,10 +301,12 @@ def test_the_device_layers_forward_is_queued_before_the_first_streamed_layer_wai
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_device_groups_and_layers_train_on_the_gpu_as_on_the_host(tmp_path):
+@pytest.mark.parametrize("device_layers,device_steps", [(2, 0), (1, 2)], ids=["resident", "streamed"])
+def test_device_groups_and_layers_train_on_the_gpu_as_on_the_host(tmp_path, device_layers, device_steps):
     """The executor on CUDA with bf16 split masters: the embedding, head and the first two layers
-    stepped on the card (compiled step; their host copies poisoned) against every group stepped by
-    the CPU. Not bit for bit: the GPU fuses multiply-adds (a few codes one apart, see above), and
+    stepped on the card (resident; or layer 0 resident and layers 1-2 streamed with their states
+    copied in and out on their own streams; compiled step; host copies poisoned) against every
+    group stepped by the CPU. Not bit for bit: the GPU fuses multiply-adds (a few codes one apart, see above), and
     bf16 weights one ulp apart change the next gradients, whose small entries Adam's normalisation
     then moves by up to the lr. So: losses to bf16 precision, and each group's total update within
     a few % of its size."""
@@ -306,7 +317,7 @@ def test_device_groups_and_layers_train_on_the_gpu_as_on_the_host(tmp_path):
     load_safetensors(adapter, start, tmp_path)
     host = _run(tmp_path, "host", torch.bfloat16, True, device=cuda, rounding="nearest")
     dev = _run(tmp_path, "device", torch.bfloat16, True, device=cuda, rounding="nearest", poison=True,
-               device_layers=2)
+               device_layers=device_layers, device_steps=device_steps)
     (losses_h, store_h, _), (losses_d, store_d, _) = host, dev
     assert all(map(math.isfinite, losses_d))
     torch.testing.assert_close(torch.tensor(losses_d), torch.tensor(losses_h), rtol=1e-2, atol=0)
@@ -315,3 +326,57 @@ def test_device_groups_and_layers_train_on_the_gpu_as_on_the_host(tmp_path):
         update_d = store_d.master_fp32(g) - start.master_fp32(g)
         assert float(update_h.norm()) > 0, f"group {g}"
         assert float((update_d - update_h).norm()) <= 0.05 * float(update_h.norm()), f"group {g}"
+
+
+def test_streamed_steps_keep_their_gradients_off_the_host_and_write_the_host_weights(tmp_path):
+    """`Plan.device_steps`: the streamed layers' gradients stay with the executor, the updater
+    steps them through a scratch slot (the CPU worker never does) and writes the new weights,
+    master and state into the host tensors, where the next forward streams them from."""
+    adapter, store = _tiny(tmp_path, 3)
+    plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 2, 8), const_update="device", device_steps=2)
+    executor = Executor(adapter, store, plan, CPU)
+    assert executor.streamed_steps == {1, 2} and executor.device_groups == {0, 4}
+    for g in (1, 2):
+        store.grads[g].fill_(float("nan"))
+    executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False))
+    assert set(executor.device_grads) == {0, 1, 2, 4}
+    assert all(bool(store.grads[g].isnan().all()) for g in (1, 2))
+    optimizer = Hybrid8bitAdamW(store.masters, [lay.decay_numel for lay in adapter.layouts], OPT, kernel="torch")
+    stepped = []
+    real = optimizer.step_group
+    optimizer.step_group = lambda g, *a: (stepped.append((g, threading.current_thread().name)), real(g, *a))[1]
+    updater = HostUpdater(executor, optimizer)
+    before = [store.weights[g].clone() for g in (1, 2, 3)]
+    updater.start(1.0, 1e-3)
+    updater.finish()
+    main = threading.current_thread().name
+    assert {g for g, thread in stepped if thread == main} == {0, 1, 2, 4}  # the GPU's: queued by the caller
+    assert {g for g, thread in stepped if thread != main} == {3}  # the CPU worker's
+    assert not executor.device_grads and optimizer.device_groups == frozenset()
+    assert all(not torch.equal(store.weights[g], b) for g, b in zip((1, 2, 3), before))
+    assert optimizer.steps[1] == optimizer.steps[2] == 1
+    assert len(updater._scratch) == 2
+
+
+def test_stream_in_and_out_round_trip_and_check_their_buffers():
+    n = 3000
+    master = SplitMaster.of(torch.randn(n))
+    optimizer = Hybrid8bitAdamW([master], [n], OPT, kernel="torch")
+    optimizer.step_group(0, torch.randn(n).bfloat16(), 1.0, 1e-3, None)
+    reference = Hybrid8bitAdamW([master.clone()], [n], OPT, kernel="torch")
+    reference.load_state_dict(optimizer.state_dict())
+    scratch = torch.empty(optimizer.streamed_bytes(0), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="uint8 of >="):
+        optimizer.stream_in(0, master.weight.clone(), scratch[:-1])
+    with pytest.raises(ValueError, match="3000 contiguous"):
+        optimizer.stream_in(0, master.weight[:10].clone(), scratch)
+    grad = torch.randn(n).bfloat16()
+    optimizer.stream_in(0, master.weight.clone(), scratch)
+    assert optimizer.device_groups == {0}
+    optimizer.step_group(0, grad, 0.7, 1e-3, None)
+    optimizer.stream_out(0)
+    reference.step_group(0, grad, 0.7, 1e-3, None)
+    assert optimizer.device_groups == frozenset()
+    assert torch.equal(master.fp32(), reference.masters[0].fp32())
+    for name, t in optimizer.states[0].tensors().items():
+        assert torch.equal(t, reference.states[0].tensors()[name]), name

@@ -167,12 +167,12 @@ def test_resume_continues_exactly(tmp_path):
         assert torch.equal(pa, pb), name
 
 
-@pytest.mark.parametrize("device_layers", [0, 1])
+@pytest.mark.parametrize("device_layers,device_steps", [(0, 0), (1, 0), (0, 1)])
 def test_the_embedding_and_head_stepped_on_the_device_train_and_resume_as_on_the_host(tmp_path, monkeypatch,
-                                                                                     device_layers):
-    """plan.const_update=device (and the first layer with them) through the trainer: with a
-    checkpoint every 2 steps and a resume at step 3, the same losses and exported weights as the
-    CPU optimizer stepping them."""
+                                                                                     device_layers, device_steps):
+    """plan.const_update=device (and the first layer with them, resident or streamed) through the
+    trainer: with a checkpoint every 2 steps and a resume at step 3, the same losses and exported
+    weights as the CPU optimizer stepping them."""
     monkeypatch.setenv("LAZYTRAIN_OPTIM_KERNEL", "torch")  # the device path's math on both sides
     common = ["training.batch_size=4", "training.progress=false", "data.builtin_train_size=64",
               "data.heldout_size=2", "optimizer.kind=hybrid8bit", "training.save_every=2"]
@@ -184,7 +184,12 @@ def test_the_embedding_and_head_stepped_on_the_device_train_and_resume_as_on_the
                         lambda self, group, weight: (placed.append(group), to_device(self, group, weight)))
     main(["train", "training.steps=6", f"training.output_dir={tmp_path / 'a'}", "plan.const_update=host", *common])
     assert placed == []
-    device = [*common, "plan.const_update=device", f"plan.device_layers={device_layers}"]
+    device = [*common, "plan.const_update=device", f"plan.device_layers={device_layers}",
+              f"plan.device_steps={device_steps}"]
+    streamed = []
+    stream_in = Hybrid8bitAdamW.stream_in
+    monkeypatch.setattr(Hybrid8bitAdamW, "stream_in", lambda self, group, weight, scratch: (
+        streamed.append(group), stream_in(self, group, weight, scratch)))
     main(["train", "training.steps=3", f"training.output_dir={tmp_path / 'b'}", *device])
     main(["train", "training.steps=6", f"training.output_dir={tmp_path / 'b'}", "training.resume=true", *device])
 
@@ -195,6 +200,7 @@ def test_the_embedding_and_head_stepped_on_the_device_train_and_resume_as_on_the
     # groups 0 and 3 (the built-in model has 2 layers), placed at the first update and again after
     # each checkpoint brought them home: steps 1 and 3 (saved at 2), resumed: 4 and 5 (saved at 4)
     assert placed == ([0, 1, 3] if device_layers else [0, 3]) * 4
+    assert streamed == [1] * 6 * device_steps  # at every update, each step's (3 per run)
     assert losses("b") == losses("a")
     a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a")
     b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b")

@@ -267,6 +267,14 @@ class PlanConfig:
     forward starts), or null (auto, the default: the solved plan chooses, solving the MILP for
     several numbers, 38-47 s for 28-64 layers on 2 cores; other policies: 0). On the H200 at 7B,
     batch 64, the planner's choice (4) measured 2-5% faster than 0 in two processes."""
+    device_steps: int | None = 0
+    """With the embedding and head stepped on the GPU: how many streamed decoder layers after
+    the resident ones are stepped there too, their master remainders and optimizer states
+    copied in from pinned host memory and back at each update (~4 B per parameter each way
+    over PCIe, two layers' worth of scratch on the card, their gradients held there from their
+    backward), which takes them off the CPU without holding them on the card; or null: the
+    solved plan takes the fewest that keep the overlapped CPU update ahead of the forward at
+    the cost table's rate (other policies: 0)."""
 
     recalibrate_after: int = 4
     """A solved plan is re-solved once after this many steps with the CPU update rate measured
@@ -378,6 +386,13 @@ class Config:
             raise ConfigError(
                 f"plan.device_layers={self.plan.device_layers} steps layers on the GPU beside the embedding and head; "
                 "set plan.const_update=device (or auto), or plan.device_layers=0"
+            )
+        if self.plan.device_steps is not None and self.plan.device_steps < 0:
+            raise ConfigError(f"plan.device_steps must be >= 0 or null (auto), got {self.plan.device_steps}")
+        if self.plan.device_steps and self.plan.const_update == "host":
+            raise ConfigError(
+                f"plan.device_steps={self.plan.device_steps} steps streamed layers on the GPU beside the embedding "
+                "and head; set plan.const_update=device (or auto), or plan.device_steps=0"
             )
         if self.plan.const_update == "device" and self.optimizer.kind != "hybrid8bit":
             raise ConfigError(

@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -291,11 +292,32 @@ class HostStore:
         else:
             self.masters = [torch.empty(n, dtype=torch.float32) for n in sizes]
         self.num_params = total
+        self._pin = pin
+        self._pinned_masters: set[int] = set()
         self.carried: dict[str, torch.Tensor] = {}
         self.build_seconds: dict[str, float] = {}
         """Seconds the build took per phase (`model.build.build_model` and the session fill it)."""
         """Checkpoint tensors outside the trained model (a vision tower), by HF name: loaded
         and saved unchanged, never streamed or stepped."""
+
+    def pin_masters(self, groups: Iterable[int]) -> None:
+        """Page-lock the masters of ``groups`` in place (split masters: the whole remainder
+        arena, once), for a GPU step that copies them in and out asynchronously
+        (`Plan.device_steps`); nothing without CUDA or with ``pin=False``."""
+        if not self._pin:
+            return
+        for group in groups:
+            if group in self._pinned_masters:
+                continue
+            if self.split_master:
+                if pin_in_place(self._remainder_arena):
+                    self.pinned_bytes += self._remainder_arena.numel() * self._remainder_arena.element_size()
+                self._pinned_masters.update(range(len(self.masters)))
+                return
+            master = self.masters[group]
+            if pin_in_place(master):
+                self.pinned_bytes += master.numel() * master.element_size()
+            self._pinned_masters.add(group)
 
     @property
     def pinned(self) -> bool:

@@ -108,6 +108,18 @@ class HostOptimizer(ABC):
     def to_host(self) -> None:
         """Bring every group stepped on a device back to its host tensors (none here)."""
 
+    def streamed_bytes(self, group: int) -> int:
+        """Device bytes `stream_in` needs for ``group`` (an optimizer with a device step: see
+        `Hybrid8bitAdamW.streamed_bytes`)."""
+        raise ValueError(f"the {type(self).__name__} optimizer steps on the CPU only: it streams nothing to a GPU")
+
+    def stream_in(self, group: int, weight: torch.Tensor, scratch: torch.Tensor) -> None:
+        """`to_device` for one step, into ``scratch`` (see `Hybrid8bitAdamW.stream_in`)."""
+        self.to_device(group, weight)  # raises: CPU only
+
+    def stream_out(self, group: int) -> None:
+        """Bring ``group`` back from `stream_in` without waiting (see `Hybrid8bitAdamW.stream_out`)."""
+
     @abstractmethod
     def state_dict(self) -> dict:
         """Everything needed to resume (not the masters, which the host store saves)."""

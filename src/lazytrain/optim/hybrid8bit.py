@@ -191,6 +191,14 @@ class Fp32State:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
 
+_ALIGN = 512
+"""Byte alignment of each tensor `Hybrid8bitAdamW.stream_in` carves from its scratch buffer."""
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 TORCH_CHUNK = 256 * BLOCK
 """Elements per piece of the pure-torch path on the CPU: its temporaries then stay in cache."""
 DEVICE_CHUNK = 1 << 23
@@ -334,6 +342,14 @@ def _device_piece(grad: torch.Tensor, weight: torch.Tensor, remainder: torch.Ten
 _compiled_piece = None
 
 
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A few numbers copied to ``device`` without waiting: from pinned memory on CUDA, as a copy
+    from pageable memory may wait for the stream (a streamed step's stream waits for its
+    layer's bytes: the calling thread, which goes on to queue the forward, would wait too)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def _compile_errors() -> tuple[type[BaseException], ...]:
     """What torch.compile raises when it cannot compile (the step then runs eagerly); any other
     error (out of memory, a fault in the compiled kernels) propagates."""
@@ -361,15 +377,14 @@ def device_step_8bit(
         _compiled_piece = torch.compile(_device_piece)
     device = grad.device
     split = isinstance(master, SplitMaster)
-    scalars = torch.tensor([s.clip, s.beta1, 1.0 - s.beta1, s.beta2, 1.0 - s.beta2, s.eps, s.step_size,
-                            s.inv_bc2_sqrt, s.decay],
-                           dtype=torch.float32).to(device, non_blocking=True)
+    scalars = _on_device([s.clip, s.beta1, 1.0 - s.beta1, s.beta2, 1.0 - s.beta2, s.eps, s.step_size,
+                          s.inv_bc2_sqrt, s.decay], torch.float32, device)
     key, first = rounding if rounding is not None else (0, 0)
     n = master.numel()
     for lo in range(0, n, DEVICE_CHUNK):
         hi = min(n, lo + DEVICE_CHUNK)
         blocks = slice(lo // BLOCK, num_blocks(hi))
-        ints = torch.tensor([first + lo, s.decay_numel - lo, key], dtype=torch.int64).to(device, non_blocking=True)
+        ints = _on_device([first + lo, s.decay_numel - lo, key], torch.int64, device)
         args = (
             grad[lo:hi], (master.weight if split else master)[lo:hi], master.remainder[lo:hi] if split else None,
             state.m_codes[lo:hi], state.m_absmax[blocks], state.v_codes[lo:hi], state.v_absmax[blocks],
@@ -502,6 +517,65 @@ class Hybrid8bitAdamW(HostOptimizer):
             for name, t in state.tensors().items():
                 t.copy_(on_state.tensors()[name])
         self._drop_device()
+
+    def streamed_bytes(self, group: int) -> int:
+        """Device bytes `stream_in` carves for ``group``: its master remainder (or fp32 master)
+        and optimizer state, each aligned to `_ALIGN`."""
+        return sum(_aligned(t.numel() * t.element_size()) for t in self._streamed_host(group).values())
+
+    def _streamed_host(self, group: int) -> dict[str, torch.Tensor]:
+        master = self.masters[group]
+        return {"master": master.remainder if isinstance(master, SplitMaster) else master,
+                **self.states[group].tensors()}
+
+    def stream_in(self, group: int, weight: torch.Tensor, scratch: torch.Tensor) -> None:
+        """`to_device` for one step (`Plan.device_steps`): ``group``'s master remainder (or fp32
+        master) and state copied into views of ``scratch`` (a flat uint8 buffer of at least
+        `streamed_bytes` on the GPU) on the current stream, without waiting (its state tensors
+        are moved to pinned memory first, once; the master's pinning is the host store's,
+        `HostStore.pin_masters`). ``weight``: as for `to_device` (for a split master, its bf16
+        half holding the current weights). `stream_out` brings the group back."""
+        if group in self._home:
+            raise ValueError(f"group {group} is on {self._device_weight[group].device} already; to_host first")
+        master, state = self.masters[group], self.states[group]
+        if weight.numel() != master.numel() or not weight.is_contiguous():
+            raise ValueError(f"group {group}: the device weights must be {master.numel()} contiguous elements, "
+                             f"got {weight.numel()}")
+        if scratch.dtype != torch.uint8 or scratch.numel() < self.streamed_bytes(group):
+            raise ValueError(f"group {group}: the scratch buffer must be uint8 of >= {self.streamed_bytes(group)} "
+                             f"bytes, got {scratch.dtype} of {scratch.numel()}")
+        if scratch.device.type == "cuda":
+            for name, t in state.tensors().items():
+                if not t.is_pinned():
+                    setattr(state, name, t.pin_memory())  # the field of that name
+        host = self._streamed_host(group)
+        on, at = {}, 0
+        for name, t in host.items():
+            nbytes = t.numel() * t.element_size()
+            on[name] = scratch[at : at + nbytes].view(t.dtype).view(t.shape)
+            on[name].copy_(t, non_blocking=True)
+            at += _aligned(nbytes)
+        self._home[group] = (master, state)
+        self.masters[group] = (SplitMaster(weight.view(-1), on["master"]) if isinstance(master, SplitMaster)
+                               else on["master"])
+        self.states[group] = type(state)(**{name: on[name] for name in state.tensors()})
+        self._device_weight[group] = weight.view(-1)
+
+    def stream_out(self, group: int) -> None:
+        """`to_host` for ``group`` alone, its copies queued on the current stream without waiting:
+        the host tensors hold the step once the stream has run them. A split master's weight
+        half goes to the host store's weights (an fp32 master's bf16 weights are the caller's)."""
+        master, state = self._home.pop(group)
+        on, on_state = self.masters[group], self.states[group]
+        if isinstance(master, SplitMaster):
+            master.weight.copy_(on.weight, non_blocking=True)
+            master.remainder.copy_(on.remainder, non_blocking=True)
+        else:
+            master.copy_(on, non_blocking=True)
+        for name, t in state.tensors().items():
+            t.copy_(on_state.tensors()[name], non_blocking=True)
+        self.masters[group], self.states[group] = master, state
+        del self._device_weight[group]
 
     def _drop_device(self) -> None:
         """Step every device group on the host again, from its host tensors as they are."""

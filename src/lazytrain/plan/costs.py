@@ -538,6 +538,24 @@ class CostTable:
         weights = sum(lc.weight_bytes for lc in self.layers[:device_layers])
         return weights + self.const_update_bytes * self._resident_share(device_layers)
 
+    def streamed_step_ms(self, layer: int) -> float:
+        """The GPU step of streamed layer ``layer`` (`Plan.device_steps`): ``const_update_ms``
+        scaled by its parameters, as for a resident layer."""
+        self.check_const_update("device")
+        return self.const_update_ms * self._layer_share(layer)
+
+    def streamed_step_bytes(self, layer: int) -> float:
+        """Bytes streamed layer ``layer``'s GPU step (`Plan.device_steps`) copies in, and again
+        out: its weights (the split master's bf16 half) and its master remainder and optimizer
+        state (``const_update_bytes`` scaled by parameters)."""
+        return self.layers[layer].weight_bytes + self.const_update_bytes * self._layer_share(layer)
+
+    def _layer_share(self, layer: int) -> float:
+        if self.const_params <= 0:
+            raise CostTableMismatch("device_steps scales the GPU step of the embedding and head by parameters, "
+                                    "but the table has no const_params; profile again")
+        return self.layers[layer].params / self.const_params
+
     def _resident_share(self, device_layers: int) -> float:
         if not device_layers:
             return 0.0

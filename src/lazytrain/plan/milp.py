@@ -80,6 +80,7 @@ from scipy.sparse import coo_matrix
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable
 from lazytrain.plan.plan import CONST_UPDATES, LayerPlan, Plan
+from lazytrain.plan.simulate import STREAMED_STEP_SLOTS
 
 MODE_LAYER = {
     "f": ("keep", "gpu"),
@@ -249,13 +250,15 @@ def _build(
     max_segment: int,
     device: bool = False,
     device_layers: int = 0,
+    device_steps: int = 0,
     fixed: Plan | None = None,
     memory: bool = True,
     minimize_gpu: bool = False,
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
 ) -> _Built:
     """The MILP, in ms and GB. ``device``: the embedding and head stepped on the GPU
-    (``const_update="device"``), with the first ``device_layers`` decoder layers resident there.
+    (``const_update="device"``), with the first ``device_layers`` decoder layers resident there
+    and the next ``device_steps`` streamed but stepped there (`Plan.device_steps`).
     ``fixed`` pins every decision to that plan's (evaluation)."""
     c = costs
     L = c.num_layers
@@ -263,7 +266,11 @@ def _build(
     lay = c.layers
     # weights as streamed: a resident layer's are on the GPU all along (in the fixed part)
     w = [0.0 if i < device_layers else lc.weight_bytes / GB for i, lc in enumerate(lay)]
-    resident_grads = [lc.weight_bytes / GB * c.grad_share if i < device_layers else 0.0 for i, lc in enumerate(lay)]
+    on_gpu = device_layers + device_steps  # layers below it are stepped on the GPU
+    # gradients held on the GPU from their backward to their step
+    resident_grads = [lc.weight_bytes / GB * c.grad_share if i < on_gpu else 0.0 for i, lc in enumerate(lay)]
+    # gradients copied out to the host
+    gout = [0.0 if i < on_gpu else lc.weight_bytes / GB * c.grad_share for i, lc in enumerate(lay)]
     x = [lc.input_bytes / GB for lc in lay]
     a = [lc.saved_bytes / GB for lc in lay]
     wf = [lc.forward_work_bytes / GB for lc in lay]
@@ -493,7 +500,7 @@ def _build(
         bw, rc = lay[i].backward_ms, lay[i].recompute_ms
         block_ms = by_option(i, "fo", lambda r: r.recompute_ms)
         compute = bw + rc * not_keep[i] + block_ms + rebuild_ms(i)
-        grad_out = w[i + 1] * c.grad_share if i + 1 < L else 0.0
+        grad_out = gout[i + 1] if i + 1 < L else 0.0
         nvme_ms = unit_nvme(i - 1) * cnr if i >= 2 else 0.0
         t = stage(compute, prefetch[i], grad_out, nvme_ms)
         if i > 0:
@@ -511,7 +518,7 @@ def _build(
                     base = compute - rc * not_keep[i] - block_ms + r * ind
                     hull(t, base, bw + r, unit_options(i), grad_out)
     const_grads = 0.0 if device else c.const_grad_bytes / GB  # stepped on the GPU: no copy out
-    stage(c.embed_backward_ms, 0.0, (w[0] + const_grads) * c.grad_share)
+    stage(c.embed_backward_ms, 0.0, gout[0] + const_grads * c.grad_share)
 
     if overlap:
         # The previous step's CPU update runs first: the embedding, then layer 0, 1, ..., then
@@ -526,16 +533,22 @@ def _build(
         start = opt_done + first_bytes / GB * ch
         m.objective_const = start
         elapsed = t_embed
+        streamed_done = _streamed_steps_done(c, device_layers, device_steps)
         for j in range(L):
-            if j >= device_layers:
+            if j >= on_gpu:
                 opt_done += ns * lay[j].params
                 m.ge(elapsed, opt_done + w[j] * ch - start)
+            elif j >= device_layers:
+                m.ge(elapsed, streamed_done[j - device_layers] + w[j] * ch - start)
             elapsed = elapsed + t_fwd[j]
         if head_params:
             m.ge(elapsed, opt_done + ns * head_params + head_bytes / GB * ch - start)
     elif device:
         # the CPU steps the layers, then the GPU the embedding and head (`HostUpdater.start`)
-        m.objective_const = c.optimizer_ns_per_param * sum(lc.params for lc in lay[device_layers:]) * 1e-6 + device_ms
+        streamed = _streamed_steps_done(c, device_layers, device_steps)
+        # the streamed steps on their own streams, beside the embedding's and head's
+        m.objective_const = (c.optimizer_ns_per_param * sum(lc.params for lc in lay[on_gpu:]) * 1e-6
+                             + max(device_ms, streamed[-1] if streamed else 0.0))
     else:
         m.objective_const = c.optimizer_ms + c.const_weight_bytes / GB * ch
 
@@ -550,6 +563,8 @@ def _build(
         device_gb = (c.const_update_bytes + c.device_resident_bytes(device_layers)) / GB if device else 0.0
         fixed_gb = c.step_fixed_bytes / GB + device_gb
         forward_fixed_gb = c.forward_fixed_bytes / GB + device_gb
+        # the streamed steps' scratch slots, until the last of them is stepped (in its forward)
+        scratch_gb = _streamed_scratch_bytes(c, device_layers, device_steps) / GB
         grads = c.grad_buffers * max(lc.weight_bytes for lc in lay) / GB
         # GPU-kept bytes of layers < i, as running-sum columns (keeps the matrix sparse).
         kept_before = [_Expr()]
@@ -562,11 +577,12 @@ def _build(
         # copy is freed in its own stage
         # the embedding's output; stepped on the GPU, before it the update with their gradients
         held_grads = c.const_grad_bytes / GB + sum(resident_grads) if device else 0.0
-        m.le(forward_fixed_gb + w[0] + max(x[0], held_grads), cap)
+        m.le(forward_fixed_gb + scratch_gb + w[0] + max(x[0], held_grads), cap)
         for i in range(L):
             current = x[i] + saved(i, "fo") - (f[i] + o[i]) * x[i]
             m.le(
                 forward_fixed_gb
+                + (scratch_gb if i < on_gpu else 0.0)
                 + w[i]
                 + (w[i + 1] if i + 1 < L else 0.0)
                 + kept_before[i]
@@ -642,6 +658,79 @@ def _build(
 
     return _Built(model=m, layer_modes=modes, variants=variants, segments=seg, gpu_var=gpu_var,
                   num_binaries=nbin)
+
+
+def _streamed_steps_done(c: CostTable, device_layers: int, device_steps: int) -> list[float]:
+    """When each streamed GPU step (`Plan.device_steps`) has its bytes back on the host, in ms
+    from the step's start, as the simulator runs them alone: copies in one after another, each
+    into a slot its layer but `STREAMED_STEP_SLOTS` before has left, stepped, copied out behind
+    it; a copy at its direction's rate, or the bidirectional one while the other runs too (the
+    step's other copies are not counted)."""
+    layers = list(range(device_layers, device_layers + device_steps))
+    nbytes = [c.streamed_step_bytes(j) / GB for j in layers]
+    left = {"in": list(nbytes), "step": [c.streamed_step_ms(j) for j in layers], "out": list(nbytes)}
+    done: list[float] = []
+    head = {"in": 0, "step": 0, "out": 0}
+    began = dict.fromkeys(head, False)
+    t = 0.0
+    while len(done) < len(layers):
+        n_in, n_step, n_out = head["in"], head["step"], head["out"]
+        ready = {
+            "in": n_in < len(layers) and (n_in < STREAMED_STEP_SLOTS or len(done) > n_in - STREAMED_STEP_SLOTS),
+            "step": n_step < n_in,
+            "out": n_out < n_step,
+        }
+        active = [k for k in head if ready[k]]
+        both = "in" in active and "out" in active
+        rate = {"in": (c.bidir_gbps if both else c.h2d_gbps) / 1e3, "out": (c.bidir_gbps if both else c.d2h_gbps) / 1e3,
+                "step": 1.0}
+        dt = min(left[k][head[k]] / rate[k] for k in active)
+        t += dt
+        for k in active:
+            left[k][head[k]] -= rate[k] * dt
+            if left[k][head[k]] <= 1e-12 * max(nbytes[head[k]], 1.0):
+                head[k] += 1
+                if k == "out":
+                    done.append(t)
+    return done
+
+
+def _streamed_scratch_bytes(c: CostTable, device_layers: int, device_steps: int) -> float:
+    """GPU bytes of the streamed steps' scratch slots (`simulate.STREAMED_STEP_SLOTS`)."""
+    if not device_steps:
+        return 0.0
+    largest = max(c.streamed_step_bytes(j) for j in range(device_layers, device_layers + device_steps))
+    return min(STREAMED_STEP_SLOTS, device_steps) * largest
+
+
+def hiding_device_steps(costs: CostTable, device_layers: int) -> int:
+    """How many streamed layers after the ``device_layers`` resident ones to step on the GPU
+    (`Plan.device_steps`): the fewest for which every layer's weights are ready when its forward
+    would start (every prefetch distance 1, no copy slowdown), a CPU-stepped layer's after the
+    overlapped CPU update at the table's rate, a GPU-stepped one's after its bytes are back;
+    where none is, the one with the least lateness."""
+    c, L = costs, costs.num_layers
+    ns = c.optimizer_ns_per_param * 1e-6
+    starts, t = [], c.embed_forward_ms + c.device_update_ms(device_layers)
+    for lc in c.layers:
+        starts.append(t)
+        t += lc.forward_ms
+
+    def upload_ms(j: int) -> float:
+        return c.layers[j].weight_bytes / GB * 1e3 / c.h2d_gbps
+
+    def lateness(s: int) -> float:
+        late = 0.0
+        for n, done in enumerate(_streamed_steps_done(c, device_layers, s)):
+            j = device_layers + n
+            late = max(late, done + upload_ms(j) - starts[j])
+        cpu = 0.0
+        for j in range(device_layers + s, L):
+            cpu += ns * c.layers[j].params
+            late = max(late, cpu + upload_ms(j) - starts[j])
+        return late
+
+    return min(range(L - device_layers + 1), key=lambda s: (lateness(s), s))
 
 
 def _value(e: _Expr, sol: np.ndarray) -> float:
@@ -722,6 +811,23 @@ def _check_device_layers(costs: CostTable, const_update: str | None, device_laye
     costs.check_const_update("device")
 
 
+def _check_device_steps(costs: CostTable, const_update: str | None, device_layers: int | None,
+                        device_steps: int | None) -> None:
+    if device_steps is None or device_steps == 0:
+        return
+    if device_steps < 0 or (device_layers or 0) + device_steps > costs.num_layers:
+        raise ValueError(
+            f"device_steps={device_steps} is not in 0..{costs.num_layers - (device_layers or 0)} (the table's "
+            f"{costs.num_layers} layers less device_layers={device_layers}), or None to choose"
+        )
+    if const_update == "host":
+        raise ValueError(
+            f"device_steps={device_steps} steps streamed layers on the GPU beside the embedding and head: it "
+            "needs const_update='device' (or None), got 'host'"
+        )
+    costs.check_const_update("device")
+
+
 def solve_plan(
     costs: CostTable,
     *,
@@ -735,6 +841,7 @@ def solve_plan(
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
     const_update: str | None = None,
     device_layers: int | None = 0,
+    device_steps: int | None = 0,
 ) -> Plan:
     """The plan with the least predicted step time at ``costs``' batch shape.
 
@@ -749,18 +856,30 @@ def solve_plan(
     keeps resident and steps on the GPU (`Plan.device_layers`; the host plan has none): a
     number, or None to try `DEVICE_LAYER_CANDIDATES` (up to the first that does not fit; memory
     only grows with them) and bisect around the best, each one's predicted step in
-    ``notes["device_layers"]``. The plan is optimal within ``mip_rel_gap`` (relative), or the
+    ``notes["device_layers"]``. ``device_steps`` is how many streamed layers after those the
+    device plan steps on the GPU (`Plan.device_steps`; at most the layers left): a number, or
+    None for `hiding_device_steps` of each number of resident layers (0 without
+    ``optimizer_overlap``). The plan is optimal within ``mip_rel_gap`` (relative), or the
     best found in ``time_limit_s`` per solve (``notes["milp"]["status"] == "time limit"``, with
     its gap). Raises `PlanInfeasible` when no plan fits.
     """
     start = time.perf_counter()
     choices = _const_update_choices(costs, const_update)
     _check_device_layers(costs, const_update, device_layers)
+    _check_device_steps(costs, const_update, device_layers, device_steps)
     solved: dict[tuple[str, int], tuple[_Built, object]] = {}
+    steps: dict[tuple[str, int], int] = {}
 
     def objective(choice: str, k: int) -> float | None:
-        """Solve with the embedding and head stepped at ``choice`` and ``k`` resident layers:
-        the predicted step in ms, None if no plan fits."""
+        """Solve with the embedding and head stepped at ``choice``, ``k`` resident layers and
+        the streamed steps for them: the predicted step in ms, None if no plan fits."""
+        if choice == "host":
+            s = 0
+        elif device_steps is None:
+            s = hiding_device_steps(costs, k) if optimizer_overlap else 0
+        else:
+            s = min(device_steps, costs.num_layers - k)
+        steps[choice, k] = s
         built = _build(
             costs,
             gpu_bytes=gpu_bytes,
@@ -769,6 +888,7 @@ def solve_plan(
             max_segment=max_segment,
             device=choice == "device",
             device_layers=k,
+            device_steps=s,
             recompute=recompute,
         )
         res = built.model.solve(time_limit_s, mip_rel_gap)
@@ -816,6 +936,7 @@ def solve_plan(
             str(n): None if ms is None else ms * 1e-3
             for (c, n), ms in sorted(objective_ms.items()) if c == "device"
         }
+        notes["device_steps"] = {str(n): s for (c, n), s in sorted(steps.items()) if c == "device"}
     return Plan(
         policy="solved",
         batch_size=costs.batch_size,
@@ -825,6 +946,7 @@ def solve_plan(
         weight_prefetch=1,
         const_update=choice,
         device_layers=k,
+        device_steps=steps[choice, k],
         predicted_step_time_s=fits[choice, k] * 1e-3,
         notes=notes,
     )
@@ -884,6 +1006,7 @@ def milp_evaluate(
         "max_segment": 0,
         "device": plan.const_update == "device",
         "device_layers": plan.device_layers,
+        "device_steps": plan.device_steps,
         "fixed": plan,
     }
     timed = _build(unbounded, memory=False, **kw)

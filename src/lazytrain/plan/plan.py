@@ -89,6 +89,13 @@ class Plan:
     """With ``const_update="device"``: the first ``device_layers`` decoder layers are resident on
     the GPU too (weights not streamed) and stepped there with the embedding and head, so the
     CPU optimizer starts on the layers after them as the forward starts on layer 0."""
+    device_steps: int = 0
+    """With ``const_update="device"``: the ``device_steps`` decoder layers after the device layers
+    (``device_layers .. device_layers + device_steps - 1``) are streamed like the rest but stepped
+    on the GPU: their gradients stay there through backward, and at the update their master
+    remainders and optimizer states are copied in from pinned host memory, stepped, and copied
+    back with the new weights (`runtime.update`). That takes them off the CPU, as resident
+    layers do, without holding their weights and states on the GPU through the step."""
     predicted_step_time_s: float | None = None
     notes: dict = field(default_factory=dict)
 
@@ -102,6 +109,13 @@ class Plan:
             raise ValueError(
                 f"plan device_layers={self.device_layers} steps layers on the GPU beside the embedding and head: "
                 f"it needs const_update='device', got {self.const_update!r}"
+            )
+        if self.device_steps < 0:
+            raise ValueError(f"plan device_steps must be >= 0, got {self.device_steps}")
+        if self.device_steps and self.const_update != "device":
+            raise ValueError(
+                f"plan device_steps={self.device_steps} steps streamed layers on the GPU beside the embedding and "
+                f"head: it needs const_update='device', got {self.const_update!r}"
             )
         if self.batch_size < 1 or self.seq_len < 1:
             raise ValueError(
@@ -143,6 +157,11 @@ class Plan:
             )
         if self.device_layers > num_layers:
             raise PlanError(f"plan device_layers={self.device_layers} exceeds the model's {num_layers} layers")
+        if self.device_layers + self.device_steps > num_layers:
+            raise PlanError(
+                f"plan device_layers={self.device_layers} + device_steps={self.device_steps} exceeds the model's "
+                f"{num_layers} layers"
+            )
         for i, lp in enumerate(self.layers):
             if lp.mode == "drop" and self.layers[i - 1].mode == "keep":
                 raise PlanError(

@@ -46,6 +46,11 @@ class PolicyOptions:
     """With the embedding and head stepped on the GPU, how many of the first decoder layers are
     resident and stepped there too (`Plan.device_layers`); None: the solved plan chooses (a
     baseline, none)."""
+    device_steps: int | None = 0
+    """With the embedding and head stepped on the GPU, how many streamed layers after the
+    resident ones are stepped there too, their states streamed (`Plan.device_steps`); None: the
+    solved plan takes the fewest that hide the CPU update (`milp.hiding_device_steps`; a
+    baseline, none)."""
 
     def __post_init__(self) -> None:
         if self.const_update not in ("auto", *CONST_UPDATES):
@@ -58,6 +63,13 @@ class PolicyOptions:
             raise ValueError(
                 f"device_layers={self.device_layers} steps layers on the GPU beside the embedding and head: "
                 "set const_update=device (or auto), or device_layers=0"
+            )
+        if self.device_steps is not None and self.device_steps < 0:
+            raise ValueError(f"device_steps must be >= 0, or None to choose; got {self.device_steps}")
+        if self.device_steps and self.const_update == "host":
+            raise ValueError(
+                f"device_steps={self.device_steps} steps streamed layers on the GPU beside the embedding and "
+                "head: set const_update=device (or auto), or device_steps=0"
             )
 
 
@@ -82,6 +94,7 @@ def baseline_plan(name: str, num_layers: int, batch_size: int, seq_len: int,
     plan.weight_prefetch = o.weight_prefetch
     plan.const_update = "host" if o.const_update == "auto" else o.const_update
     plan.device_layers = (o.device_layers or 0) if plan.const_update == "device" else 0
+    plan.device_steps = min(o.device_steps or 0, num_layers - plan.device_layers) if plan.const_update == "device" else 0
     return plan
 
 
@@ -99,7 +112,7 @@ def policy_plan(name: str, costs: CostTable, options: PolicyOptions | None = Non
     plan = solve_plan(costs, gpu_bytes=gpu_bytes, tiers=o.tiers, optimizer_overlap=o.optimizer_overlap,
                       head_chunk_tokens=o.head_chunk_tokens, recompute=o.recompute,
                       const_update=None if o.const_update == "auto" else o.const_update,
-                      device_layers=o.device_layers)
+                      device_layers=o.device_layers, device_steps=o.device_steps)
     plan.weight_prefetch = o.weight_prefetch
     return plan
 

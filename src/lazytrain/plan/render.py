@@ -60,6 +60,12 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
             f"({tokens} tokens), {plan.num_layers} layers, weight prefetch {plan.weight_prefetch}, "
             f"embedding + head stepped on the {plan.const_update}"
             + (f" with layers 0..{plan.device_layers - 1} (resident)" if plan.device_layers else "")
+            + (
+                f"; layers {plan.device_layers}..{plan.device_layers + plan.device_steps - 1} stepped on the GPU "
+                "(states streamed)"
+                if plan.device_steps
+                else ""
+            )
         ),
         f"step {sim.step_time_s:.4f} s simulated"
         + (

@@ -73,12 +73,13 @@ def search_batch(
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
     const_update: str | None = None,
     device_layers: int | None = 0,
+    device_steps: int | None = 0,
 ) -> SearchResult:
     """Pick the batch size (and its plan) for ``seq_len``.
 
     ``goal="throughput"`` maximises predicted tokens/s; ``goal="max_batch"`` takes the
-    largest batch that fits ``gpu_bytes`` (default: the table's GPU memory). ``const_update``
-    and ``device_layers`` are `solve_plan`'s (None: at each batch the faster of host and device,
+    largest batch that fits ``gpu_bytes`` (default: the table's GPU memory). ``const_update``,
+    ``device_layers`` and ``device_steps`` are `solve_plan`'s (None: at each batch the faster of host and device,
     the number of resident layers chosen; the largest batch is found with none). Raises
     `PlanInfeasible` when not even the smallest candidate fits.
     """
@@ -99,6 +100,7 @@ def search_batch(
         "recompute": recompute,
         "const_update": const_update,
         "device_layers": device_layers,
+        "device_steps": device_steps,
     }
     tried: list[dict] = []
 
@@ -141,6 +143,7 @@ def search_batch(
                 "solve_time_s": plan.notes["milp"]["solve_time_s"],
                 "const_update": plan.const_update,
                 "device_layers": plan.device_layers,
+                "device_steps": plan.device_steps,
             }
         )
         if best is None or sim.tokens_per_s > best.sim.tokens_per_s:

@@ -37,6 +37,13 @@ Executor rules the dependencies encode (a stage "waits" = its compute does not s
   the overlapped CPU update starts on layer k as the step starts. Layer k's weights are copied
   ``weight_prefetch`` stages ahead like any streamed layer's (the MILP's stage structure), not
   at the step's start, where the executor's weight stream may begin them.
+- ``plan.device_steps`` (s): layers k..k+s-1 are streamed but stepped on the GPU: their
+  gradients stay there from their backward, and at the step's start each one's weights, master
+  remainder and state (`CostTable.streamed_step_bytes`) go in on a second H2D stream, its step
+  runs on a GPU stream of its own (``streamed_step_ms``), and the same bytes come out on a
+  second D2H stream; two of them in flight at a time (the executor's two scratch slots). Layer
+  j's forward weights are copied after its bytes are out. Copies in one direction share its
+  bandwidth.
 
 With every prefetch distance 1 each stage waits for everything the previous stage issued, so
 the step time is a sum of per-stage maxima; that is what the MILP (``milp.py``) optimises.
@@ -61,7 +68,10 @@ from dataclasses import dataclass, field
 from lazytrain.plan.costs import CostTable
 from lazytrain.plan.plan import Plan
 
-STREAMS = ("compute", "h2d", "d2h", "nvme", "cpu")
+STREAMS = ("compute", "h2d", "d2h", "nvme", "cpu", "h2d_opt", "d2h_opt", "gpu_opt")
+_H2D, _D2H = ("h2d", "h2d_opt"), ("d2h", "d2h_opt")
+STREAMED_STEP_SLOTS = 2
+"""Streamed GPU steps (`Plan.device_steps`) in flight at once: the executor's scratch slots."""
 GiB = 2**30
 
 
@@ -101,11 +111,11 @@ class SimResult:
         return {
             "predicted_step_time_s": self.step_time_s,
             "predicted_gpu_compute_s": e["compute"],
-            "predicted_exposed_h2d_s": e["h2d"],
-            "predicted_exposed_d2h_s": e["d2h"],
-            # the executor's trace sees no NVMe or CPU stream: their waits are GPU idle
-            # without a copy
-            "predicted_gpu_idle_other_s": e["cpu"] + e["nvme"] + e["idle"],
+            "predicted_exposed_h2d_s": e["h2d"] + e["h2d_opt"],
+            "predicted_exposed_d2h_s": e["d2h"] + e["d2h_opt"],
+            # the executor's trace sees no NVMe, CPU or streamed-step stream: their waits are GPU
+            # idle without a copy
+            "predicted_gpu_idle_other_s": e["cpu"] + e["nvme"] + e["gpu_opt"] + e["idle"],
             "predicted_peak_gpu_gb": self.peak_gpu_bytes / 1e9,
             "predicted_act_host_gb": self.peak_host_bytes / 1e9,
             "predicted_act_nvme_gb": self.peak_nvme_bytes / 1e9,
@@ -185,6 +195,9 @@ class _StepModel:
         self.device = plan.const_update == "device"
         self.resident = range(plan.device_layers)
         """Decoder layers resident on the GPU and stepped there (`Plan.device_layers`)."""
+        self.dsteps = range(plan.device_layers, plan.device_layers + plan.device_steps)
+        """Streamed decoder layers stepped on the GPU (`Plan.device_steps`)."""
+        self.gpu_opt_ops: list[_Op] = []
         self.st = _Stages(costs.num_layers)
         self.compute: dict[int, _Op] = {}
         self.const_update: _Op | None = None
@@ -246,14 +259,18 @@ class _StepModel:
             self.const_update = _Op(stream="compute", work=c.device_update_ms(len(self.resident)),
                                     label="const update", issue=None)
         streamed = range(len(self.resident), L)
+        on_cpu = range(self.dsteps.stop, L)
+        stream_ins, stream_outs = self._streamed_steps()
         if self.overlap:
+            for j, out in zip(self.dsteps, stream_outs):
+                opt_ops[j] = out  # the forward's weights wait for the step's bytes out
             # the executor's order (`HostUpdater`): embedding, layers, final norm + head (the
             # layers only where those two are stepped on the GPU)
             ns = c.optimizer_ns_per_param * 1e-6
-            for j in streamed:
+            for j in on_cpu:
                 opt_ops[j] = _Op(stream="cpu", work=ns * layers[j].params, label=f"optim {j}", issue=None,
                                  key=(-1, 0, j, -1))
-            self.cpu_ops = [opt_ops[j] for j in streamed]
+            self.cpu_ops = [opt_ops[j] for j in on_cpu]
             if self.device:
                 # the GPU step is queued ahead of the embedding forward; the executor goes on at
                 # once (layer 0's weights wait for its CPU step, not for the GPU)
@@ -286,11 +303,11 @@ class _StepModel:
 
         w_max = max(lc.weight_bytes for lc in layers)
         self.gpu.append((c.grad_buffers * w_max, st.bwd(L - 1), st.embed_bwd))
-        for j in streamed:
+        for j in on_cpu:
             issue = st.bwd(j) + 1
             op = self._copy("d2h", layers[j].weight_bytes * c.grad_share, f"grad {j}", issue)
             self._wait(issue + 1, op)
-        for j in self.resident:
+        for j in (*self.resident, *self.dsteps):
             self.gpu.append((layers[j].weight_bytes * c.grad_share, st.bwd(j), st.embed_bwd))
         if not self.device:
             self._wait(
@@ -307,7 +324,7 @@ class _StepModel:
                 stream="compute", work=ms, label=self.st.names()[stage], issue=None, key=(stage,)
             )
         if not self.overlap:
-            cpu_params = sum(layers[j].params for j in streamed) + (0 if self.device else c.const_params)
+            cpu_params = sum(layers[j].params for j in on_cpu) + (0 if self.device else c.const_params)
             optimizer = _Op(
                 stream="cpu",
                 work=c.optimizer_ns_per_param * cpu_params * 1e-6,
@@ -319,6 +336,8 @@ class _StepModel:
                 op for op in self.transfers if op.stream == "d2h"
             ]
             self.cpu_ops = [optimizer]
+            for op in stream_ins:  # queued once the CPU step returns (`HostUpdater.start`)
+                op.after.append(optimizer)
             if self.device:
                 # queued on the compute stream once the CPU step returns (`HostUpdater.start`)
                 self.const_update.after = [optimizer]
@@ -330,7 +349,29 @@ class _StepModel:
                     upload.key = (st.optimizer, 0, 0, 0)
 
     def _resident_grad_bytes(self) -> float:
-        return sum(self.costs.layers[j].weight_bytes for j in self.resident) * self.costs.grad_share
+        """The resident and streamed-step layers' gradients, held on the GPU for their step."""
+        held = (*self.resident, *self.dsteps)
+        return sum(self.costs.layers[j].weight_bytes for j in held) * self.costs.grad_share
+
+    def _streamed_steps(self) -> tuple[list[_Op], list[_Op]]:
+        """In, step, out for each `Plan.device_steps` layer from the step's start, two at a time
+        (a slot is free once its previous layer's bytes are out): (copies in, copies out)."""
+        c, st = self.costs, self.st
+        ins, outs = [], []
+        for n, j in enumerate(self.dsteps):
+            nbytes = c.streamed_step_bytes(j)
+            slot_free = outs[n - STREAMED_STEP_SLOTS] if n >= STREAMED_STEP_SLOTS else None
+            up = self._copy("h2d_opt", nbytes, f"state {j} in", None, order=j, after=(slot_free,))
+            step = _Op(stream="gpu_opt", work=c.streamed_step_ms(j), label=f"step {j}", issue=None,
+                       key=(-1, 0, j, -1), after=[up])
+            self.gpu_opt_ops.append(step)
+            outs.append(self._copy("d2h_opt", nbytes, f"state {j} out", None, order=j, after=(step,)))
+            ins.append(up)
+        if self.dsteps:
+            slots = min(STREAMED_STEP_SLOTS, len(self.dsteps))
+            largest = max(c.streamed_step_bytes(j) for j in self.dsteps)
+            self.gpu.append((slots * largest, st.embed, st.fwd(self.dsteps.stop - 1)))
+        return ins, outs
 
     def _host_const_update(self, ns: float) -> None:
         """The overlapped CPU step of the embedding (before the layers') and of the final norm +
@@ -453,16 +494,17 @@ class _StepModel:
         """Work per millisecond of ``op`` given the other active ops."""
         c = self.costs
         if op.stream == "compute":
-            copying = "h2d" in active or "d2h" in active
+            copying = any(s in active for s in (*_H2D, *_D2H))
             return 1.0 / c.copy_slowdown if copying else 1.0
-        if op.stream == "cpu":
+        if op.stream in ("cpu", "gpu_opt"):
             return 1.0
         if op.stream == "nvme":
             return (c.nvme_write_gbps if op.nvme_write else c.nvme_read_gbps) * 1e6
-        both = "h2d" in active and "d2h" in active
-        if both:
-            return c.bidir_gbps * 1e6
-        return (c.h2d_gbps if op.stream == "h2d" else c.d2h_gbps) * 1e6
+        same, other = (_H2D, _D2H) if op.stream in _H2D else (_D2H, _H2D)
+        sharing = sum(s in active for s in same)  # copies one way share its bandwidth
+        if any(s in active for s in other):
+            return c.bidir_gbps * 1e6 / sharing
+        return (c.h2d_gbps if op.stream in _H2D else c.d2h_gbps) * 1e6 / sharing
 
     def _schedule(self) -> list[_Op]:
         queues: dict[str, list[_Op]] = {s: [] for s in STREAMS}
@@ -477,6 +519,7 @@ class _StepModel:
         for op in sorted(self.transfers, key=lambda o: o.key):
             queues[op.stream].append(op)
         queues["cpu"] = sorted(self.cpu_ops, key=lambda o: o.key)
+        queues["gpu_opt"] = sorted(self.gpu_opt_ops, key=lambda o: o.key)
         all_ops = [op for q in queues.values() for op in q]
         for op in all_ops:
             op.left = op.work

@@ -15,6 +15,14 @@ the device layers and then waits for the first streamed layer's CPU step. The op
 master remainder and state on the GPU from the first such step until `finish`, which copies
 them back to the host (what checkpoints, exports and evaluation read).
 
+Streamed layers the plan steps on the GPU (``executor.streamed_steps``, `Plan.device_steps`)
+keep their gradients there; at `start` each one's weights, master remainder and state go in
+on a copy stream of their own (from pinned host memory: `HostStore.pin_masters`,
+`Hybrid8bitAdamW.stream_in`) into one of two scratch slots, are stepped on a stream of their
+own and come back on a third (`stream_out`), the new weights into the host store. Nothing
+blocks the calling thread: the weight copy of such a layer's next forward waits on the GPU
+for its bytes to be back (``wait_group``), and `finish` waits for them on the host.
+
 Data parallel (the executor has ``parallel``): the optimizer holds this rank's shards; each
 group's step writes the rank's shard of the shared weights, then ``parallel.publish`` waits
 until every rank's shard of that group is in this host's weights.
@@ -25,8 +33,14 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
+
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.runtime.executor import Executor
+
+STREAMED_STEP_SLOTS = 2
+"""Scratch slots of the streamed GPU steps: one layer's bytes come in while another's go out
+(the simulator models the same number, `plan.simulate.STREAMED_STEP_SLOTS`)."""
 
 
 class HostUpdater:
@@ -40,18 +54,33 @@ class HostUpdater:
             event.set()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        if executor.device_groups and not optimizer.device_step:
+        on_gpu = executor.device_groups | executor.streamed_steps
+        if on_gpu and not optimizer.device_step:
             raise ValueError(
-                f"the plan steps groups {sorted(executor.device_groups)} (the embedding, head and device layers) on "
-                f"the GPU, which the {type(optimizer).__name__} optimizer cannot (its step is CPU-only): use "
+                f"the plan steps groups {sorted(on_gpu)} (the embedding, head, device layers and device steps) "
+                f"on the GPU, which the {type(optimizer).__name__} optimizer cannot (its step is CPU-only): use "
                 "optimizer.kind=hybrid8bit, or a plan with const_update=host"
             )
+        self._streamed_done: dict[int, torch.cuda.Event | None] = {}
+        """Per streamed-step group, its last step's copy out (None: none pending, or no CUDA)."""
+        self._scratch: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Streamed steps' slots: (bf16 weights, uint8 master remainder + state), allocated at
+        the first step."""
+        self._slot_free: list[torch.cuda.Event | None] = []
+        streams = executor.streams
+        self._in, self._step, self._out = ((torch.cuda.Stream(executor.device) for _ in range(3)) if streams.cuda
+                                           else (None, None, None))
+        if executor.streamed_steps:
+            executor.store.pin_masters(executor.streamed_steps)
         self.last_step_seconds = 0.0
         self.wait_seconds = 0.0
         executor.before_load = self.wait_group
 
     def wait_group(self, group: int) -> None:
         """Block until ``group``'s pending update is written (a no-op if none is pending)."""
+        copied_out = self._streamed_done.get(group)
+        if copied_out is not None:  # the weights' copy in (on the H2D stream) waits on the GPU
+            self.executor.streams.wait(copied_out, self.executor.streams.h2d)
         event = self._done[group]
         if not event.is_set():
             t0 = time.perf_counter()
@@ -65,10 +94,11 @@ class HostUpdater:
         """Begin updating every group with gradient * ``clip_coef`` at learning rate ``lr``."""
         self._join()
         self.executor.weights.invalidate()
-        on_device = self.executor.device_groups
+        on_device, streamed = self.executor.device_groups, self.executor.streamed_steps
         for group in range(self.num_groups):
             if group not in on_device:
-                self._done[group].clear()
+                if group not in streamed:
+                    self._done[group].clear()
                 self.executor.weights_updated(group)
         self.wait_seconds = 0.0
         if self.overlap:
@@ -81,11 +111,56 @@ class HostUpdater:
             if group not in self.optimizer.device_groups:
                 self.optimizer.to_device(group, self.executor.resident[group])
             self.optimizer.step_group(group, self.executor.device_grads.pop(group), clip_coef, lr, None)
+        self._step_streamed(clip_coef, lr)
+
+    def _step_streamed(self, clip_coef: float, lr: float) -> None:
+        """Queue each streamed-step group's copy in, step and copy out (module docstring)."""
+        ex = self.executor
+        groups = sorted(g for g in ex.streamed_steps if g in ex.device_grads)  # none before the first backward
+        if not groups:
+            return
+        store, streams = ex.store, ex.streams
+        if not self._scratch:
+            numel = max(store.weights[g].numel() for g in ex.streamed_steps)
+            nbytes = max(self.optimizer.streamed_bytes(g) for g in ex.streamed_steps)
+            slots = min(STREAMED_STEP_SLOTS, len(ex.streamed_steps))
+            self._scratch = [(torch.empty(numel, dtype=store.dtype, device=ex.device),
+                              torch.empty(nbytes, dtype=torch.uint8, device=ex.device)) for _ in range(slots)]
+            self._slot_free = [None] * slots
+        produced = streams.record()  # the gradients, on the compute stream
+        split = store.split_master
+        for n, group in enumerate(groups):
+            slot = n % len(self._scratch)
+            weights, scratch = self._scratch[slot]
+            weights = weights[: store.weights[group].numel()]
+            grad = ex.device_grads.pop(group)
+            with streams.on(self._in):
+                streams.wait(self._slot_free[slot], self._in)  # its last layer's bytes are out
+                if split:  # the master's bf16 half (an fp32 master writes the weights)
+                    weights.copy_(store.weights[group], non_blocking=True)
+                self.optimizer.stream_in(group, weights, scratch)
+            copied_in = streams.record(self._in)
+            with streams.on(self._step):
+                streams.wait(copied_in, self._step)
+                streams.wait(produced, self._step)
+                self.optimizer.step_group(group, grad, clip_coef, lr, None)
+                streams.keep_alive(grad, self._step)
+            stepped = streams.record(self._step)
+            with streams.on(self._out):
+                streams.wait(stepped, self._out)
+                self.optimizer.stream_out(group)
+                if not split:
+                    store.weights[group].copy_(weights, non_blocking=True)
+            self._slot_free[slot] = self._streamed_done[group] = streams.record(self._out)
 
     def _join(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        for group, copied_out in self._streamed_done.items():
+            if copied_out is not None:
+                copied_out.synchronize()
+        self._streamed_done.clear()
         for group in range(self.num_groups):
             self.wait_group(group)
 
@@ -104,7 +179,7 @@ class HostUpdater:
         store, parallel = self.executor.store, self.executor.parallel
         try:
             for group in range(self.num_groups):
-                if group in self.executor.device_groups:
+                if group in self.executor.device_groups or group in self.executor.streamed_steps:
                     continue
                 self.executor.wait_grad(group)
                 if parallel is None:

@@ -76,16 +76,18 @@ class Session:
 
     def policy_options(self) -> PolicyOptions:
         pc = self.config.plan
-        if self.parallel is not None and (pc.const_update == "device" or pc.device_layers):
-            raise ConfigError("plan.const_update=device and plan.device_layers step the embedding, head and first "
-                              "layers on one GPU; a data-parallel run shards them over its ranks' CPU optimizers: "
-                              "set plan.const_update=auto or host and plan.device_layers=0")
+        if self.parallel is not None and (pc.const_update == "device" or pc.device_layers or pc.device_steps):
+            raise ConfigError("plan.const_update=device, plan.device_layers and plan.device_steps step the "
+                              "embedding, head and first layers on one GPU; a data-parallel run shards them over "
+                              "its ranks' CPU optimizers: set plan.const_update=auto or host and "
+                              "plan.device_layers=plan.device_steps=0")
         return PolicyOptions(
             megatrain_every=pc.megatrain_every, checkpoint_tier=pc.checkpoint_tier,
             head_chunk_tokens=pc.head_chunk_tokens, weight_prefetch=pc.weight_prefetch,
             tiers=("gpu", "host", "nvme") if self.nvme is not None else ("gpu", "host"),
             optimizer_overlap=pc.overlap_optimizer, recompute=tuple(pc.recompute_blocks),
             const_update=pc.const_update, device_layers=0 if self.parallel is not None else pc.device_layers,
+            device_steps=0 if self.parallel is not None else pc.device_steps,
         )
 
     def host_memory(self, activations: int = 0, costs: CostTable | None = None) -> budget.HostBudget:

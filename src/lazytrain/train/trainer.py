@@ -132,7 +132,8 @@ class Trainer:
         """Re-solve the plan once with the CPU update rate this process's steps measured
         (`policies.recalibrate`); switch to the new plan when it is predicted faster."""
         seconds = sorted(self._update_seconds[1:])  # the first update also warms up
-        on_cpu = [g for g in range(self.executor.num_groups) if g not in self.executor.device_groups]
+        on_gpu = self.executor.device_groups | self.executor.streamed_steps
+        on_cpu = [g for g in range(self.executor.num_groups) if g not in on_gpu]
         params = sum(self.store.weights[g].numel() for g in on_cpu)
         if not seconds or not params:
             return
