@@ -242,7 +242,10 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
                 now = torch.cuda.memory_stats(device)
                 extra.update({f"cuda_{key}": float(now.get(key, 0) - allocator.get(key, 0)) for key in ALLOCATOR_EVENTS})
             waited = updater.wait_seconds  # this step's forward waiting for the last update
+            t_start = time.perf_counter()
             updater.start(min(1.0, 1.0 / (stats.grad_norm + 1e-6)), 1e-5)
+            # the calling thread's time queueing the update (its GPU steps): before the next step
+            extra["update_start_s"] = time.perf_counter() - t_start
             if serial_optimizer:
                 updater.finish()
             end = time.perf_counter()  # when the next step would start

@@ -31,8 +31,7 @@ def _run(folder, const_update: str, dtype: torch.dtype, split: bool, device=CPU,
          rounding: str = "stochastic", device_layers: int = 0, device_steps: int = 0):
     """Train STEPS steps; returns (losses, store, optimizer state). ``poison``: after the first
     update, the host copies of the device groups' gradients and weights are overwritten with
-    NaN, so any step that still read them would show it (a streamed device layer, too), and so
-    are the host gradients of the streamed layers stepped on the device."""
+    NaN, so any step that still read them would show it (a streamed device layer, too)."""
     adapter = ModelAdapter(load_hf_config(folder), device, dtype)
     store = HostStore(adapter.layouts, dtype, pin=False, split_master=split)
     load_safetensors(adapter, store, folder)
@@ -51,7 +50,7 @@ def _run(folder, const_update: str, dtype: torch.dtype, split: bool, device=CPU,
         updater.start(min(1.0, 0.5 / (stats.grad_norm + 1e-6)), OPT.lr * (1 - step / STEPS))
         if poison and step == 0:
             updater._join()  # the streamed steps' copies out
-            for g in executor.device_groups | executor.streamed_steps:
+            for g in executor.device_groups:
                 store.grads[g].fill_(float("nan"))
             for g in executor.device_groups:
                 store.weights[g].fill_(float("nan"))
@@ -328,10 +327,11 @@ def test_device_groups_and_layers_train_on_the_gpu_as_on_the_host(tmp_path, devi
         assert float((update_d - update_h).norm()) <= 0.05 * float(update_h.norm()), f"group {g}"
 
 
-def test_streamed_steps_keep_their_gradients_off_the_host_and_write_the_host_weights(tmp_path):
-    """`Plan.device_steps`: the streamed layers' gradients stay with the executor, the updater
-    steps them through a scratch slot (the CPU worker never does) and writes the new weights,
-    master and state into the host tensors, where the next forward streams them from."""
+def test_streamed_steps_are_stepped_by_the_caller_from_the_host_gradients_into_the_host_weights(tmp_path):
+    """`Plan.device_steps`: the streamed layers' gradients go to the host as the others' do;
+    the updater steps those layers through its scratch slots (the CPU worker never does) and
+    writes the new weights, master and state into the host tensors, where the next forward
+    streams them from."""
     adapter, store = _tiny(tmp_path, 3)
     plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 2, 8), const_update="device", device_steps=2)
     executor = Executor(adapter, store, plan, CPU)
@@ -339,19 +339,23 @@ def test_streamed_steps_keep_their_gradients_off_the_host_and_write_the_host_wei
     for g in (1, 2):
         store.grads[g].fill_(float("nan"))
     executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False))
-    assert set(executor.device_grads) == {0, 1, 2, 4}
-    assert all(bool(store.grads[g].isnan().all()) for g in (1, 2))
+    assert set(executor.device_grads) == {0, 4}
+    assert all(bool(store.grads[g].isfinite().all()) for g in (1, 2))
     optimizer = Hybrid8bitAdamW(store.masters, [lay.decay_numel for lay in adapter.layouts], OPT, kernel="torch")
     stepped = []
     real = optimizer.step_group
-    optimizer.step_group = lambda g, *a: (stepped.append((g, threading.current_thread().name)), real(g, *a))[1]
+    optimizer.step_group = lambda g, grad, *a: (stepped.append((g, threading.current_thread().name, grad)),
+                                                real(g, grad, *a))[1]
     updater = HostUpdater(executor, optimizer)
     before = [store.weights[g].clone() for g in (1, 2, 3)]
     updater.start(1.0, 1e-3)
     updater.finish()
     main = threading.current_thread().name
-    assert {g for g, thread in stepped if thread == main} == {0, 1, 2, 4}  # the GPU's: queued by the caller
-    assert {g for g, thread in stepped if thread != main} == {3}  # the CPU worker's
+    assert {g for g, thread, _ in stepped if thread == main} == {0, 1, 2, 4}  # the GPU's: queued by the caller
+    assert {g for g, thread, _ in stepped if thread != main} == {3}  # the CPU worker's
+    for g, _, grad in stepped:
+        if g in (1, 2):  # a copy of the host gradient in a scratch slot
+            assert grad.data_ptr() != store.grads[g].data_ptr() and torch.equal(grad, store.grads[g])
     assert not executor.device_grads and optimizer.device_groups == frozenset()
     assert all(not torch.equal(store.weights[g], b) for g, b in zip((1, 2, 3), before))
     assert optimizer.steps[1] == optimizer.steps[2] == 1

@@ -269,10 +269,11 @@ class PlanConfig:
     batch 64, the planner's choice (4) measured 2-5% faster than 0 in two processes."""
     device_steps: int | None = 0
     """With the embedding and head stepped on the GPU: how many streamed decoder layers after
-    the resident ones are stepped there too, their master remainders and optimizer states
-    copied in from pinned host memory and back at each update (~4 B per parameter each way
-    over PCIe, two layers' worth of scratch on the card, their gradients held there from their
-    backward), which takes them off the CPU without holding them on the card; or null: the
+    the resident ones are stepped there too, their weights, gradients, master remainders and
+    optimizer states copied in from pinned host memory at each update and back, the gradients
+    excepted (~8 B per parameter in and ~6 out over PCIe; two layers' worth of scratch on the
+    card through the first forwards), which takes them off the CPU without holding them on the
+    card; or null: the
     solved plan takes the fewest that keep the overlapped CPU update ahead of the forward at
     the cost table's rate (other policies: 0)."""
 

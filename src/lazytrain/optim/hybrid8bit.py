@@ -381,10 +381,16 @@ def device_step_8bit(
                           s.inv_bc2_sqrt, s.decay], torch.float32, device)
     key, first = rounding if rounding is not None else (0, 0)
     n = master.numel()
-    for lo in range(0, n, DEVICE_CHUNK):
+    starts = range(0, n, DEVICE_CHUNK)
+    # every piece's numbers in one copy (rows of 4: each row 32-byte aligned, as compiled
+    # kernels assume of their inputs): a copy per piece takes a pinned buffer each, which the
+    # host allocator cannot reuse while the copies wait on a busy stream
+    all_ints = _on_device([v for lo in starts for v in (first + lo, s.decay_numel - lo, key, 0)], torch.int64,
+                          device).view(-1, 4)
+    for piece, lo in enumerate(starts):
         hi = min(n, lo + DEVICE_CHUNK)
         blocks = slice(lo // BLOCK, num_blocks(hi))
-        ints = _on_device([first + lo, s.decay_numel - lo, key], torch.int64, device)
+        ints = all_ints[piece, :3]
         args = (
             grad[lo:hi], (master.weight if split else master)[lo:hi], master.remainder[lo:hi] if split else None,
             state.m_codes[lo:hi], state.m_absmax[blocks], state.v_codes[lo:hi], state.v_absmax[blocks],

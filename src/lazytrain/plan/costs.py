@@ -544,11 +544,16 @@ class CostTable:
         self.check_const_update("device")
         return self.const_update_ms * self._layer_share(layer)
 
-    def streamed_step_bytes(self, layer: int) -> float:
-        """Bytes streamed layer ``layer``'s GPU step (`Plan.device_steps`) copies in, and again
-        out: its weights (the split master's bf16 half) and its master remainder and optimizer
+    def streamed_out_bytes(self, layer: int) -> float:
+        """Bytes streamed layer ``layer``'s GPU step (`Plan.device_steps`) copies back to the
+        host: its weights (the split master's bf16 half) and its master remainder and optimizer
         state (``const_update_bytes`` scaled by parameters)."""
         return self.layers[layer].weight_bytes + self.const_update_bytes * self._layer_share(layer)
+
+    def streamed_in_bytes(self, layer: int) -> float:
+        """Bytes streamed layer ``layer``'s GPU step copies in: what it copies out, and the
+        gradient (which went to the host in the backward, as every streamed layer's does)."""
+        return self.streamed_out_bytes(layer) + self.layers[layer].weight_bytes * self.grad_share
 
     def _layer_share(self, layer: int) -> float:
         if self.const_params <= 0:

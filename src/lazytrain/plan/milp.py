@@ -267,10 +267,7 @@ def _build(
     # weights as streamed: a resident layer's are on the GPU all along (in the fixed part)
     w = [0.0 if i < device_layers else lc.weight_bytes / GB for i, lc in enumerate(lay)]
     on_gpu = device_layers + device_steps  # layers below it are stepped on the GPU
-    # gradients held on the GPU from their backward to their step
-    resident_grads = [lc.weight_bytes / GB * c.grad_share if i < on_gpu else 0.0 for i, lc in enumerate(lay)]
-    # gradients copied out to the host
-    gout = [0.0 if i < on_gpu else lc.weight_bytes / GB * c.grad_share for i, lc in enumerate(lay)]
+    resident_grads = [lc.weight_bytes / GB * c.grad_share if i < device_layers else 0.0 for i, lc in enumerate(lay)]
     x = [lc.input_bytes / GB for lc in lay]
     a = [lc.saved_bytes / GB for lc in lay]
     wf = [lc.forward_work_bytes / GB for lc in lay]
@@ -500,7 +497,7 @@ def _build(
         bw, rc = lay[i].backward_ms, lay[i].recompute_ms
         block_ms = by_option(i, "fo", lambda r: r.recompute_ms)
         compute = bw + rc * not_keep[i] + block_ms + rebuild_ms(i)
-        grad_out = gout[i + 1] if i + 1 < L else 0.0
+        grad_out = w[i + 1] * c.grad_share if i + 1 < L else 0.0
         nvme_ms = unit_nvme(i - 1) * cnr if i >= 2 else 0.0
         t = stage(compute, prefetch[i], grad_out, nvme_ms)
         if i > 0:
@@ -518,7 +515,7 @@ def _build(
                     base = compute - rc * not_keep[i] - block_ms + r * ind
                     hull(t, base, bw + r, unit_options(i), grad_out)
     const_grads = 0.0 if device else c.const_grad_bytes / GB  # stepped on the GPU: no copy out
-    stage(c.embed_backward_ms, 0.0, gout[0] + const_grads * c.grad_share)
+    stage(c.embed_backward_ms, 0.0, (w[0] + const_grads) * c.grad_share)
 
     if overlap:
         # The previous step's CPU update runs first: the embedding, then layer 0, 1, ..., then
@@ -667,8 +664,8 @@ def _streamed_steps_done(c: CostTable, device_layers: int, device_steps: int) ->
     it; a copy at its direction's rate, or the bidirectional one while the other runs too (the
     step's other copies are not counted)."""
     layers = list(range(device_layers, device_layers + device_steps))
-    nbytes = [c.streamed_step_bytes(j) / GB for j in layers]
-    left = {"in": list(nbytes), "step": [c.streamed_step_ms(j) for j in layers], "out": list(nbytes)}
+    left = {"in": [c.streamed_in_bytes(j) / GB for j in layers], "step": [c.streamed_step_ms(j) for j in layers],
+            "out": [c.streamed_out_bytes(j) / GB for j in layers]}
     done: list[float] = []
     head = {"in": 0, "step": 0, "out": 0}
     began = dict.fromkeys(head, False)
@@ -688,7 +685,7 @@ def _streamed_steps_done(c: CostTable, device_layers: int, device_steps: int) ->
         t += dt
         for k in active:
             left[k][head[k]] -= rate[k] * dt
-            if left[k][head[k]] <= 1e-12 * max(nbytes[head[k]], 1.0):
+            if left[k][head[k]] <= 1e-12:
                 head[k] += 1
                 if k == "out":
                     done.append(t)
@@ -699,7 +696,7 @@ def _streamed_scratch_bytes(c: CostTable, device_layers: int, device_steps: int)
     """GPU bytes of the streamed steps' scratch slots (`simulate.STREAMED_STEP_SLOTS`)."""
     if not device_steps:
         return 0.0
-    largest = max(c.streamed_step_bytes(j) for j in range(device_layers, device_layers + device_steps))
+    largest = max(c.streamed_in_bytes(j) for j in range(device_layers, device_layers + device_steps))
     return min(STREAMED_STEP_SLOTS, device_steps) * largest
 
 

@@ -92,10 +92,10 @@ class Plan:
     device_steps: int = 0
     """With ``const_update="device"``: the ``device_steps`` decoder layers after the device layers
     (``device_layers .. device_layers + device_steps - 1``) are streamed like the rest but stepped
-    on the GPU: their gradients stay there through backward, and at the update their master
+    on the GPU: at the update their weights, gradients (on the host since the backward), master
     remainders and optimizer states are copied in from pinned host memory, stepped, and copied
-    back with the new weights (`runtime.update`). That takes them off the CPU, as resident
-    layers do, without holding their weights and states on the GPU through the step."""
+    back, the gradients excepted (`runtime.update`). That takes them off the CPU, as resident
+    layers do, without holding anything of theirs on the GPU through the step."""
     predicted_step_time_s: float | None = None
     notes: dict = field(default_factory=dict)
 

@@ -37,13 +37,14 @@ Executor rules the dependencies encode (a stage "waits" = its compute does not s
   the overlapped CPU update starts on layer k as the step starts. Layer k's weights are copied
   ``weight_prefetch`` stages ahead like any streamed layer's (the MILP's stage structure), not
   at the step's start, where the executor's weight stream may begin them.
-- ``plan.device_steps`` (s): layers k..k+s-1 are streamed but stepped on the GPU: their
-  gradients stay there from their backward, and at the step's start each one's weights, master
-  remainder and state (`CostTable.streamed_step_bytes`) go in on a second H2D stream, its step
-  runs on a GPU stream of its own (``streamed_step_ms``), and the same bytes come out on a
-  second D2H stream; two of them in flight at a time (the executor's two scratch slots). Layer
-  j's forward weights are copied after its bytes are out. Copies in one direction share its
-  bandwidth.
+- ``plan.device_steps`` (s): layers k..k+s-1 are streamed and stepped on the GPU: their
+  gradients go to the host in the backward like the others', and at the step's start each
+  one's weights, gradient, master remainder and state (`CostTable.streamed_in_bytes`) go in on
+  a second H2D stream, its step runs on a GPU stream of its own (``streamed_step_ms``), and all
+  but the gradient come out on a second D2H stream (``streamed_out_bytes``); two of them in
+  flight at a time (the executor's two scratch slots, held until the last of them is out).
+  Layer j's forward weights are copied after its bytes are out. Copies in one direction share
+  its bandwidth.
 
 With every prefetch distance 1 each stage waits for everything the previous stage issued, so
 the step time is a sum of per-stage maxima; that is what the MILP (``milp.py``) optimises.
@@ -303,11 +304,11 @@ class _StepModel:
 
         w_max = max(lc.weight_bytes for lc in layers)
         self.gpu.append((c.grad_buffers * w_max, st.bwd(L - 1), st.embed_bwd))
-        for j in on_cpu:
+        for j in streamed:
             issue = st.bwd(j) + 1
             op = self._copy("d2h", layers[j].weight_bytes * c.grad_share, f"grad {j}", issue)
             self._wait(issue + 1, op)
-        for j in (*self.resident, *self.dsteps):
+        for j in self.resident:
             self.gpu.append((layers[j].weight_bytes * c.grad_share, st.bwd(j), st.embed_bwd))
         if not self.device:
             self._wait(
@@ -349,9 +350,7 @@ class _StepModel:
                     upload.key = (st.optimizer, 0, 0, 0)
 
     def _resident_grad_bytes(self) -> float:
-        """The resident and streamed-step layers' gradients, held on the GPU for their step."""
-        held = (*self.resident, *self.dsteps)
-        return sum(self.costs.layers[j].weight_bytes for j in held) * self.costs.grad_share
+        return sum(self.costs.layers[j].weight_bytes for j in self.resident) * self.costs.grad_share
 
     def _streamed_steps(self) -> tuple[list[_Op], list[_Op]]:
         """In, step, out for each `Plan.device_steps` layer from the step's start, two at a time
@@ -359,17 +358,17 @@ class _StepModel:
         c, st = self.costs, self.st
         ins, outs = [], []
         for n, j in enumerate(self.dsteps):
-            nbytes = c.streamed_step_bytes(j)
             slot_free = outs[n - STREAMED_STEP_SLOTS] if n >= STREAMED_STEP_SLOTS else None
-            up = self._copy("h2d_opt", nbytes, f"state {j} in", None, order=j, after=(slot_free,))
+            up = self._copy("h2d_opt", c.streamed_in_bytes(j), f"state {j} in", None, order=j, after=(slot_free,))
             step = _Op(stream="gpu_opt", work=c.streamed_step_ms(j), label=f"step {j}", issue=None,
                        key=(-1, 0, j, -1), after=[up])
             self.gpu_opt_ops.append(step)
-            outs.append(self._copy("d2h_opt", nbytes, f"state {j} out", None, order=j, after=(step,)))
+            outs.append(self._copy("d2h_opt", c.streamed_out_bytes(j), f"state {j} out", None, order=j,
+                                   after=(step,)))
             ins.append(up)
         if self.dsteps:
             slots = min(STREAMED_STEP_SLOTS, len(self.dsteps))
-            largest = max(c.streamed_step_bytes(j) for j in self.dsteps)
+            largest = max(c.streamed_in_bytes(j) for j in self.dsteps)
             self.gpu.append((slots * largest, st.embed, st.fwd(self.dsteps.stop - 1)))
         return ins, outs
 

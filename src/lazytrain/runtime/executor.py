@@ -32,8 +32,8 @@ the plan's first ``device_layers`` decoder layers, which are then resident too a
 streamed) are stepped on the GPU (`runtime.update`): their gradients stay there
 (``device_grads``, the head's accumulated straight into its flat buffer) instead of going to
 the host, and the step writes their resident weights, which are then never copied in again.
-The plan's ``device_steps`` layers after them are streamed like the rest but keep their
-gradients on the GPU too (``streamed_steps``), for a GPU step with their states streamed.
+The plan's ``device_steps`` layers after them (``streamed_steps``) are streamed like the rest,
+gradients to the host included; the optimizer steps them on the GPU with their states copied in.
 
 The LM head and cross-entropy run on chunks of the target tokens only (prompt and padding
 positions never reach the head), with backward per chunk, so the full logits never exist.
@@ -214,11 +214,10 @@ class Executor:
         first = 1 + plan.device_layers
         self.streamed_steps = (frozenset(range(first, first + plan.device_steps)) if plan.const_update == "device"
                                else frozenset())
-        """Streamed layers' groups stepped on the GPU, their states copied in and out
-        (`Plan.device_steps`, `HostUpdater`)."""
+        """Streamed layers' groups stepped on the GPU, their gradients and states copied in and
+        out (`Plan.device_steps`, `HostUpdater`)."""
         self.device_grads: dict[int, torch.Tensor] = {}
-        """The last step's flat gradients of ``device_groups`` and ``streamed_steps``, until the
-        optimizer takes them."""
+        """The last step's flat gradients of ``device_groups``, until the optimizer takes them."""
         self.weight_version = [0] * self.num_groups
         self.grad_ready: list[torch.cuda.Event | None] = [None] * self.num_groups
         self.grad_norm_sq = torch.zeros(self.num_groups, dtype=torch.float32, device=device)
@@ -392,7 +391,7 @@ class Executor:
             return
         norms = torch._foreach_norm(ordered, 2, dtype=torch.float32)
         self.grad_norm_sq[group] = torch.stack(norms).square().sum()
-        if group in self.device_groups or group in self.streamed_steps:
+        if group in self.device_groups:
             if flat is None and len(ordered) == 1:
                 flat = ordered[0].reshape(-1)
             else:

@@ -15,13 +15,16 @@ the device layers and then waits for the first streamed layer's CPU step. The op
 master remainder and state on the GPU from the first such step until `finish`, which copies
 them back to the host (what checkpoints, exports and evaluation read).
 
-Streamed layers the plan steps on the GPU (``executor.streamed_steps``, `Plan.device_steps`)
-keep their gradients there; at `start` each one's weights, master remainder and state go in
-on a copy stream of their own (from pinned host memory: `HostStore.pin_masters`,
-`Hybrid8bitAdamW.stream_in`) into one of two scratch slots, are stepped on a stream of their
-own and come back on a third (`stream_out`), the new weights into the host store. Nothing
-blocks the calling thread: the weight copy of such a layer's next forward waits on the GPU
-for its bytes to be back (``wait_group``), and `finish` waits for them on the host.
+Streamed layers the plan steps on the GPU (``executor.streamed_steps``, `Plan.device_steps`):
+at `start` each one's weights, gradient (on the host since its backward, as every streamed
+layer's), master remainder and state go in on a copy stream of their own (from pinned host
+memory: `HostStore.pin_masters`, `Hybrid8bitAdamW.stream_in`) into one of two scratch slots,
+are stepped on a stream of their own and come back, the gradient excepted, on a third
+(`stream_out`), the new weights into the host store. Their gradients are not held on the GPU
+from the backward to the update: the card keeps its room for activations, at the price of
+the gradient's copy in. Nothing blocks the calling thread: the weight copy of such a layer's
+next forward waits on the GPU for its bytes to be back (``wait_group``), and `finish` waits
+for them on the host.
 
 Data parallel (the executor has ``parallel``): the optimizer holds this rank's shards; each
 group's step writes the rank's shard of the shared weights, then ``parallel.publish`` waits
@@ -63,9 +66,9 @@ class HostUpdater:
             )
         self._streamed_done: dict[int, torch.cuda.Event | None] = {}
         """Per streamed-step group, its last step's copy out (None: none pending, or no CUDA)."""
-        self._scratch: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """Streamed steps' slots: (bf16 weights, uint8 master remainder + state), allocated at
-        the first step."""
+        self._scratch: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        """Streamed steps' slots: (weights, gradient, uint8 master remainder + state), allocated
+        at the first step."""
         self._slot_free: list[torch.cuda.Event | None] = []
         streams = executor.streams
         self._in, self._step, self._out = ((torch.cuda.Stream(executor.device) for _ in range(3)) if streams.cuda
@@ -116,35 +119,34 @@ class HostUpdater:
     def _step_streamed(self, clip_coef: float, lr: float) -> None:
         """Queue each streamed-step group's copy in, step and copy out (module docstring)."""
         ex = self.executor
-        groups = sorted(g for g in ex.streamed_steps if g in ex.device_grads)  # none before the first backward
+        groups = sorted(ex.streamed_steps)
         if not groups:
             return
         store, streams = ex.store, ex.streams
         if not self._scratch:
-            numel = max(store.weights[g].numel() for g in ex.streamed_steps)
-            nbytes = max(self.optimizer.streamed_bytes(g) for g in ex.streamed_steps)
-            slots = min(STREAMED_STEP_SLOTS, len(ex.streamed_steps))
+            numel = max(store.weights[g].numel() for g in groups)
+            nbytes = max(self.optimizer.streamed_bytes(g) for g in groups)
             self._scratch = [(torch.empty(numel, dtype=store.dtype, device=ex.device),
-                              torch.empty(nbytes, dtype=torch.uint8, device=ex.device)) for _ in range(slots)]
-            self._slot_free = [None] * slots
-        produced = streams.record()  # the gradients, on the compute stream
+                              torch.empty(numel, dtype=store.grads[groups[0]].dtype, device=ex.device),
+                              torch.empty(nbytes, dtype=torch.uint8, device=ex.device))
+                             for _ in range(min(STREAMED_STEP_SLOTS, len(groups)))]
+            self._slot_free = [None] * len(self._scratch)
         split = store.split_master
         for n, group in enumerate(groups):
             slot = n % len(self._scratch)
-            weights, scratch = self._scratch[slot]
-            weights = weights[: store.weights[group].numel()]
-            grad = ex.device_grads.pop(group)
+            weights, grad, scratch = self._scratch[slot]
+            weights, grad = weights[: store.weights[group].numel()], grad[: store.weights[group].numel()]
             with streams.on(self._in):
                 streams.wait(self._slot_free[slot], self._in)  # its last layer's bytes are out
+                streams.wait(ex.grad_ready[group], self._in)  # the gradient's copy out of the backward
+                grad.copy_(store.grads[group], non_blocking=True)
                 if split:  # the master's bf16 half (an fp32 master writes the weights)
                     weights.copy_(store.weights[group], non_blocking=True)
                 self.optimizer.stream_in(group, weights, scratch)
             copied_in = streams.record(self._in)
             with streams.on(self._step):
                 streams.wait(copied_in, self._step)
-                streams.wait(produced, self._step)
                 self.optimizer.step_group(group, grad, clip_coef, lr, None)
-                streams.keep_alive(grad, self._step)
             stepped = streams.record(self._step)
             with streams.on(self._out):
                 streams.wait(stepped, self._out)
