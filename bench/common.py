@@ -232,12 +232,21 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
                           "position_ids": data.position_ids, "document_ids": data.document_ids}
             t0 = time.perf_counter()
             allocator = torch.cuda.memory_stats(device) if cuda else {}
+            queued = torch.cuda.Event(enable_timing=True) if cuda else None
+            if queued is not None:
+                queued.record()  # what the compute stream still runs of the update before the step
             stats = executor.forward_backward(**inputs)
+            t1 = time.perf_counter()
             trace = executor.trace.summary()
             # the activation store's pinned host buffers after the step (padded batches of varying
             # length must not add to them every step)
             extra = {"act_fetch_alloc_s": executor.activations.fetch_alloc_seconds,
-                     "host_buffers_gb": executor.activations.host_buffer_bytes / 1e9}
+                     "host_buffers_gb": executor.activations.host_buffer_bytes / 1e9,
+                     # host seconds: the forward + backward call, and reading its trace
+                     "fwd_bwd_host_s": t1 - t0, "trace_read_s": time.perf_counter() - t1}
+            if queued is not None and executor.trace._origin is not None:
+                # GPU seconds from the step's call to the trace's first event on the compute stream
+                extra["trace_origin_delay_s"] = queued.elapsed_time(executor.trace._origin) / 1e3
             if cuda:  # the caching allocator's slow paths during the step
                 now = torch.cuda.memory_stats(device)
                 extra.update({f"cuda_{key}": float(now.get(key, 0) - allocator.get(key, 0)) for key in ALLOCATOR_EVENTS})
