@@ -384,3 +384,40 @@ def test_stream_in_and_out_round_trip_and_check_their_buffers():
     assert torch.equal(master.fp32(), reference.masters[0].fp32())
     for name, t in optimizer.states[0].tensors().items():
         assert torch.equal(t, reference.states[0].tensors()[name]), name
+
+
+def test_streamed_steps_are_queued_as_the_next_forward_goes(tmp_path):
+    """Not all at `start`: the first two once the next step's inputs are queued, then each
+    `STREAMED_LOOKAHEAD` groups ahead of the weights the forward loads (all at once, 12 layers'
+    copies went ahead of the next step's inputs on the H200's H2D link)."""
+    from lazytrain.runtime.update import STREAMED_LOOKAHEAD
+
+    assert STREAMED_LOOKAHEAD == 2
+    adapter, store = _tiny(tmp_path, 4)
+    plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 2, 8), const_update="device", device_steps=4)
+    executor = Executor(adapter, store, plan, CPU)
+    optimizer = Hybrid8bitAdamW(store.masters, [lay.decay_numel for lay in adapter.layouts], OPT, kernel="torch")
+    updater = HostUpdater(executor, optimizer)
+    events = []
+    real_step, real_load = optimizer.step_group, executor.before_load
+    optimizer.step_group = lambda g, *a: (events.append(("step", g)) if g in executor.streamed_steps else None,
+                                          real_step(g, *a))[1]
+    executor.before_load = lambda g: (events.append(("load", g)), real_load(g))[1]
+    executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False))
+    events.clear()
+    updater.start(1.0, 1e-3)
+    assert events == [] and updater._pending == [1, 2, 3, 4]  # nothing queued yet
+    started = []
+    executor.step_started = lambda: (started.append(len(events)), updater._queue_first())[1]
+    executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False, seed=1))
+    forward = events[: events.index(("load", 4)) + 1]
+    assert started == [0]
+    assert forward == [("step", 1), ("step", 2), ("load", 1), ("step", 3), ("load", 2), ("step", 4),
+                       ("load", 3), ("load", 4)]
+    updater.finish()
+    # a finish right after start (a checkpoint, no forward) queues them all
+    executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False, seed=2))
+    updater.start(1.0, 1e-3)
+    events.clear()
+    updater.finish()
+    assert events == [("step", g) for g in (1, 2, 3, 4)] and optimizer.steps[1:5] == [2, 2, 2, 2]

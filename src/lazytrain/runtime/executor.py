@@ -190,6 +190,9 @@ class Executor:
         self.before_load = before_load
         """Called with a group index before its host weights are copied to the GPU (the
         optimizer may still be writing them)."""
+        self.step_started: Callable[[], None] | None = None
+        """Called once a step's inputs are queued to the GPU, before any layer's weights are
+        (`HostUpdater` queues its first streamed GPU steps then)."""
         num_slots = plan.max_segment() + plan.weight_prefetch
         self.weights = WeightStreamer(
             host_weights=store.weights[1 : 1 + adapter.num_layers],
@@ -575,6 +578,8 @@ class Executor:
         self._consts = [cos, sin, *mask_tensors(mask)]
         rope = (cos, sin)
         self.trace.start_step()
+        if self.step_started is not None:
+            self.step_started()
         self._reads_left.clear()  # an abandoned step's counts
         self.device_grads.clear()  # a skipped step's (not stepped): not held through this one
         self.grad_norm_sq.zero_()
