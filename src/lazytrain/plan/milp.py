@@ -668,7 +668,6 @@ def _streamed_steps_done(c: CostTable, device_layers: int, device_steps: int) ->
             "out": [c.streamed_out_bytes(j) / GB for j in layers]}
     done: list[float] = []
     head = {"in": 0, "step": 0, "out": 0}
-    began = dict.fromkeys(head, False)
     t = 0.0
     while len(done) < len(layers):
         n_in, n_step, n_out = head["in"], head["step"], head["out"]

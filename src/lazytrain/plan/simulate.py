@@ -42,9 +42,10 @@ Executor rules the dependencies encode (a stage "waits" = its compute does not s
   one's weights, gradient, master remainder and state (`CostTable.streamed_in_bytes`) go in on
   a second H2D stream, its step runs on a GPU stream of its own (``streamed_step_ms``), and all
   but the gradient come out on a second D2H stream (``streamed_out_bytes``); two of them in
-  flight at a time (the executor's two scratch slots, held until the last of them is out).
-  Layer j's forward weights are copied after its bytes are out. Copies in one direction share
-  its bandwidth.
+  flight at a time (the executor's two scratch slots, held until the last of them is out),
+  the first two from the step's start and each later one with the forward's weight copy of the
+  layer `STREAMED_LOOKAHEAD` before it (as the executor queues them). Layer j's forward weights
+  are copied after its bytes are out. Copies in one direction share its bandwidth.
 
 With every prefetch distance 1 each stage waits for everything the previous stage issued, so
 the step time is a sum of per-stage maxima; that is what the MILP (``milp.py``) optimises.
@@ -73,6 +74,9 @@ STREAMS = ("compute", "h2d", "d2h", "nvme", "cpu", "h2d_opt", "d2h_opt", "gpu_op
 _H2D, _D2H = ("h2d", "h2d_opt"), ("d2h", "d2h_opt")
 STREAMED_STEP_SLOTS = 2
 """Streamed GPU steps (`Plan.device_steps`) in flight at once: the executor's scratch slots."""
+STREAMED_LOOKAHEAD = 2
+"""How far ahead of the forward's weight copies the executor queues the streamed GPU steps
+(`runtime.update.STREAMED_LOOKAHEAD`)."""
 GiB = 2**30
 
 
@@ -359,7 +363,11 @@ class _StepModel:
         ins, outs = [], []
         for n, j in enumerate(self.dsteps):
             slot_free = outs[n - STREAMED_STEP_SLOTS] if n >= STREAMED_STEP_SLOTS else None
-            up = self._copy("h2d_opt", c.streamed_in_bytes(j), f"state {j} in", None, order=j, after=(slot_free,))
+            # queued by the executor as the forward goes: the first ones as the step starts,
+            # then each with the weight copy STREAMED_LOOKAHEAD layers before it
+            ahead = j - STREAMED_LOOKAHEAD
+            issue = None if ahead < self.dsteps.start else max(st.embed, st.fwd(ahead) - self.plan.weight_prefetch)
+            up = self._copy("h2d_opt", c.streamed_in_bytes(j), f"state {j} in", issue, order=j, after=(slot_free,))
             step = _Op(stream="gpu_opt", work=c.streamed_step_ms(j), label=f"step {j}", issue=None,
                        key=(-1, 0, j, -1), after=[up])
             self.gpu_opt_ops.append(step)

@@ -44,14 +44,8 @@ import time
 import torch
 
 from lazytrain.optim.base import HostOptimizer
+from lazytrain.plan.simulate import STREAMED_LOOKAHEAD, STREAMED_STEP_SLOTS
 from lazytrain.runtime.executor import Executor
-
-STREAMED_STEP_SLOTS = 2
-"""Scratch slots of the streamed GPU steps: one layer's bytes come in while another's go out
-(the simulator models the same number, `plan.simulate.STREAMED_STEP_SLOTS`)."""
-STREAMED_LOOKAHEAD = 2
-"""Streamed GPU steps are queued up to this many groups beyond the one whose weights the
-forward loads next (and the first this many when the step starts)."""
 
 
 class HostUpdater:
