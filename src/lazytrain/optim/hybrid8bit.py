@@ -343,9 +343,10 @@ _compiled_piece = None
 
 
 def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A few numbers copied to ``device`` without waiting: from pinned memory on CUDA, as a copy
-    from pageable memory may wait for the stream (a streamed step's stream waits for its
-    layer's bytes: the calling thread, which goes on to queue the forward, would wait too)."""
+    """A few numbers copied to ``device`` without holding the calling thread: from pinned memory
+    on CUDA (a copy from pageable memory goes through the driver's staging buffers, and may hold
+    the thread, which goes on to queue the forward, while the link is busy with the streamed
+    steps' gigabytes)."""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 

@@ -16,7 +16,7 @@ master remainder and state on the GPU from the first such step until `finish`, w
 them back to the host (what checkpoints, exports and evaluation read).
 
 Streamed layers the plan steps on the GPU (``executor.streamed_steps``, `Plan.device_steps`):
-at `start` each one's weights, gradient (on the host since its backward, as every streamed
+at each update each one's weights, gradient (on the host since its backward, as every streamed
 layer's), master remainder and state go in on a copy stream of their own (from pinned host
 memory: `HostStore.pin_masters`, `Hybrid8bitAdamW.stream_in`) into one of two scratch slots,
 are stepped on a stream of their own and come back, the gradient excepted, on a third
@@ -24,10 +24,10 @@ are stepped on a stream of their own and come back, the gradient excepted, on a 
 from the backward to the update: the card keeps its room for activations, at the price of
 the gradient's copy in. They are queued as the next forward goes, `STREAMED_LOOKAHEAD` layers
 ahead of the weights it loads (the first ones once its inputs are on their way:
-``executor.step_started``), not all at `start`: queued at once, 12 layers' 23 GB of copies in
-went ahead of the next step's inputs on the H2D link, and the calling thread spent 0.2 s
-queueing them before the next step began (H200, 7B, 2026-12-04: the step started 0.34 s
-after its call and 0.21 s after `start`'s). Nothing blocks the calling thread: the weight copy
+``executor.step_started``), not all at `start`: queued at once (H200, 7B, 12 layers,
+2026-12-04), `start` took 0.21 s of the calling thread and the next step's first event ran on
+the GPU 0.34 s after its call, we take it behind the 23 GB of copies in on the H2D link
+(its inputs' copies wait there). Nothing blocks the calling thread: the weight copy
 of such a layer's next forward waits on the GPU for its bytes to be back (``wait_group``), and
 `finish` queues what is left and waits for them on the host.
 
