@@ -18,7 +18,7 @@ import yaml
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim.base import AdamWConfig
-from lazytrain.plan.plan import RECOMPUTE
+from lazytrain.plan.plan import DEVICE_STEPPED, RECOMPUTE
 
 
 class ConfigError(LazyTrainError, ValueError):
@@ -381,20 +381,13 @@ class Config:
             self.optimizer.lr = 2e-3 if self.model.source == "builtin:tiny" else 1e-5
         if self.eval.model is None:
             self.eval.model = self.training.output_dir
-        if self.plan.device_layers is not None and self.plan.device_layers < 0:
-            raise ConfigError(f"plan.device_layers must be >= 0 or null (auto), got {self.plan.device_layers}")
-        if self.plan.device_layers and self.plan.const_update == "host":
-            raise ConfigError(
-                f"plan.device_layers={self.plan.device_layers} steps layers on the GPU beside the embedding and head; "
-                "set plan.const_update=device (or auto), or plan.device_layers=0"
-            )
-        if self.plan.device_steps is not None and self.plan.device_steps < 0:
-            raise ConfigError(f"plan.device_steps must be >= 0 or null (auto), got {self.plan.device_steps}")
-        if self.plan.device_steps and self.plan.const_update == "host":
-            raise ConfigError(
-                f"plan.device_steps={self.plan.device_steps} steps streamed layers on the GPU beside the embedding "
-                "and head; set plan.const_update=device (or auto), or plan.device_steps=0"
-            )
+        for name, what in DEVICE_STEPPED.items():
+            value = getattr(self.plan, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"plan.{name} must be >= 0 or null (auto), got {value}")
+            if value and self.plan.const_update == "host":
+                raise ConfigError(f"plan.{name}={value} {what}; set plan.const_update=device (or auto), or "
+                                  f"plan.{name}=0")
         if self.plan.const_update == "device" and self.optimizer.kind != "hybrid8bit":
             raise ConfigError(
                 f"plan.const_update=device steps the embedding and head on the GPU, which optimizer.kind="

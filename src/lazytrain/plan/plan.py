@@ -30,6 +30,13 @@ from lazytrain.errors import LazyTrainError
 MODES = ("keep", "checkpoint", "drop")
 TIERS = ("gpu", "host", "nvme")
 RECOMPUTE = ("none", "mlp", "attention", "mlp_up")
+DEVICE_STEPPED = {
+    "device_layers": "steps layers on the GPU beside the embedding and head",
+    "device_steps": "steps streamed layers on the GPU beside the embedding and head",
+}
+"""The plan's counts of decoder layers stepped on the GPU, which need ``const_update="device"``
+(`Plan.device_layers`, `Plan.device_steps`), and what each does, for the errors that say so."""
+
 CONST_UPDATES = ("host", "device")
 """Where the embedding and the final norm + head (the groups resident on the GPU) take their
 AdamW step: with the decoder layers on the host CPU, or on the executor's device."""
@@ -103,20 +110,13 @@ class Plan:
         self.layers = [lp if isinstance(lp, LayerPlan) else LayerPlan(**lp) for lp in self.layers]
         if self.const_update not in CONST_UPDATES:
             raise ValueError(f"plan const_update {self.const_update!r} is not one of {CONST_UPDATES}")
-        if self.device_layers < 0:
-            raise ValueError(f"plan device_layers must be >= 0, got {self.device_layers}")
-        if self.device_layers and self.const_update != "device":
-            raise ValueError(
-                f"plan device_layers={self.device_layers} steps layers on the GPU beside the embedding and head: "
-                f"it needs const_update='device', got {self.const_update!r}"
-            )
-        if self.device_steps < 0:
-            raise ValueError(f"plan device_steps must be >= 0, got {self.device_steps}")
-        if self.device_steps and self.const_update != "device":
-            raise ValueError(
-                f"plan device_steps={self.device_steps} steps streamed layers on the GPU beside the embedding and "
-                f"head: it needs const_update='device', got {self.const_update!r}"
-            )
+        for name, what in DEVICE_STEPPED.items():
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"plan {name} must be >= 0, got {value}")
+            if value and self.const_update != "device":
+                raise ValueError(f"plan {name}={value} {what}: it needs const_update='device', got "
+                                 f"{self.const_update!r}")
         if self.batch_size < 1 or self.seq_len < 1:
             raise ValueError(
                 f"plan batch_size and seq_len must be >= 1, got {self.batch_size}, {self.seq_len}"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable
 from lazytrain.plan.plan import (
     CONST_UPDATES,
+    DEVICE_STEPPED,
     Plan,
     checkpoint_all_plan,
     keep_all_plan,
@@ -57,20 +58,12 @@ class PolicyOptions:
             raise ValueError(
                 f"const_update {self.const_update!r} is not one of auto, {', '.join(CONST_UPDATES)}"
             )
-        if self.device_layers is not None and self.device_layers < 0:
-            raise ValueError(f"device_layers must be >= 0, or None to choose; got {self.device_layers}")
-        if self.device_layers and self.const_update == "host":
-            raise ValueError(
-                f"device_layers={self.device_layers} steps layers on the GPU beside the embedding and head: "
-                "set const_update=device (or auto), or device_layers=0"
-            )
-        if self.device_steps is not None and self.device_steps < 0:
-            raise ValueError(f"device_steps must be >= 0, or None to choose; got {self.device_steps}")
-        if self.device_steps and self.const_update == "host":
-            raise ValueError(
-                f"device_steps={self.device_steps} steps streamed layers on the GPU beside the embedding and "
-                "head: set const_update=device (or auto), or device_steps=0"
-            )
+        for name, what in DEVICE_STEPPED.items():
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, or None to choose; got {value}")
+            if value and self.const_update == "host":
+                raise ValueError(f"{name}={value} {what}: set const_update=device (or auto), or {name}=0")
 
 
 def baseline_plan(name: str, num_layers: int, batch_size: int, seq_len: int,
