@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from torch._subclasses.fake_tensor import is_fake
 
 from lazytrain.config import load_config
 from lazytrain.data.dataset import Batch
@@ -319,13 +320,14 @@ def live_tensors(device_type: str = "cuda", top: int = 10) -> list[list]:
         # type(), not isinstance: that asks a dead weak proxy or a deprecated torch object itself
         if not issubclass(type(obj), torch.Tensor):
             continue
-        try:  # an uninitialised parameter, a fake tensor: no storage to count
-            wanted = obj.device.type == device_type and obj.layout == torch.strided
+        try:  # an uninitialised parameter, a fake tensor (torch.compile's): no storage to count
+            wanted = obj.device.type == device_type and obj.layout == torch.strided and not is_fake(obj)
             storage = obj.untyped_storage() if wanted else None
+            address = None if storage is None else storage.data_ptr()
         except (RuntimeError, ValueError, NotImplementedError):
             storage = None
         if storage is not None:
-            found.setdefault(storage.data_ptr(), (weakref.ref(obj), storage.nbytes()))
+            found.setdefault(address, (weakref.ref(obj), storage.nbytes()))
     here = sys._getframe()
     rows = []
     for ref, nbytes in sorted(found.values(), key=lambda item: -item[1])[:top]:
