@@ -359,7 +359,7 @@ def test_streamed_steps_are_stepped_by_the_caller_from_the_host_gradients_into_t
     assert not executor.device_grads and optimizer.device_groups == frozenset()
     assert all(not torch.equal(store.weights[g], b) for g, b in zip((1, 2, 3), before))
     assert optimizer.steps[1] == optimizer.steps[2] == 1
-    assert len(updater._scratch) == 2
+    assert updater._scratch == []  # given back once the last streamed step was queued
 
 
 def test_stream_in_and_out_round_trip_and_check_their_buffers():
@@ -408,10 +408,12 @@ def test_streamed_steps_are_queued_as_the_next_forward_goes(tmp_path):
     updater.start(1.0, 1e-3)
     assert events == [] and updater._pending == [1, 2, 3, 4]  # nothing queued yet
     started = []
-    executor.step_started = lambda: (started.append(len(events)), updater._queue_first())[1]
+    executor.step_started = lambda: (started.append(len(events)), updater._queue_first(),
+                                     started.append(len(updater._scratch)))
     executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False, seed=1))
     forward = events[: events.index(("load", 4)) + 1]
-    assert started == [0]
+    assert started == [0, 2]  # nothing queued before; then the two slots taken
+    assert updater._scratch == []  # and given back after the last one was queued
     assert forward == [("step", 1), ("step", 2), ("load", 1), ("step", 3), ("load", 2), ("step", 4),
                        ("load", 3), ("load", 4)]
     updater.finish()

@@ -69,8 +69,9 @@ class HostUpdater:
         self._streamed_done: dict[int, torch.cuda.Event | None] = {}
         """Per streamed-step group, its last step's copy out (None: none pending, or no CUDA)."""
         self._scratch: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        """Streamed steps' slots: (weights, gradient, uint8 master remainder + state), allocated
-        at the first step."""
+        """Streamed steps' slots: (weights, gradient, uint8 master remainder + state), taken
+        from the allocator when an update queues its first streamed step and given back once it
+        has queued its last (the planner counts them through the first forwards only)."""
         self._slot_free: list[torch.cuda.Event | None] = []
         self._pending: list[int] = []
         """Streamed-step groups of the last `start` not queued yet, in order."""
@@ -145,6 +146,9 @@ class HostUpdater:
                               torch.empty(nbytes, dtype=torch.uint8, device=ex.device))
                              for _ in range(min(STREAMED_STEP_SLOTS, len(groups)))]
             self._slot_free = [None] * len(self._scratch)
+            # taken on the compute stream, whose queued work may still use those bytes: the
+            # copies in wait for it
+            streams.wait(streams.record(), self._in)
         split = store.split_master
         clip_coef, lr = self._step_args
         while self._pending and self._pending[0] <= last:
@@ -171,6 +175,12 @@ class HostUpdater:
                 if not split:
                     store.weights[group].copy_(weights, non_blocking=True)
             self._slot_free[slot] = self._streamed_done[group] = streams.record(self._out)
+        if not self._pending:  # the last one queued: the slots go back once the streams are done
+            for buffers in self._scratch:
+                for t in buffers:
+                    for stream in (self._in, self._step, self._out):
+                        streams.keep_alive(t, stream)
+            self._scratch, self._slot_free = [], []
 
     def _join(self) -> None:
         self._queue_streamed(self.num_groups)  # what no forward came to queue
