@@ -489,40 +489,51 @@ class Hybrid8bitAdamW(HostOptimizer):
         master's remainder is copied beside it and ``weight`` becomes its other half, an fp32
         master is copied and writes ``weight`` after each step; the state is copied too. Steps
         then take the gradient on that device and write ``weight``: nothing crosses PCIe."""
+        self._check_device_weight(group, weight)
+        on = {name: t.to(weight.device, copy=True) for name, t in self._streamed_host(group).items()}
+        self._place(group, weight, on)
+
+    def _check_device_weight(self, group: int, weight: torch.Tensor) -> None:
         if group in self._home:
             raise ValueError(f"group {group} is on {self._device_weight[group].device} already; to_host first")
-        master, state = self.masters[group], self.states[group]
+        master = self.masters[group]
         if weight.numel() != master.numel():
             raise ValueError(f"group {group}: the device weights must be {master.numel()} contiguous "
                              f"elements, got {weight.numel()}")
         if not weight.is_contiguous():
             raise ValueError(f"group {group}: the device weights must be contiguous (a flat buffer), got "
                              f"strides {weight.stride()}")
-        device = weight.device
-        if isinstance(master, SplitMaster):
-            if weight.dtype != torch.bfloat16:
-                raise ValueError(f"group {group}: a split master's weight half is bf16, got {weight.dtype}")
-            on = SplitMaster(weight.view(-1), master.remainder.to(device, copy=True))
-        else:
-            on = master.to(device, copy=True)
+        if isinstance(master, SplitMaster) and weight.dtype != torch.bfloat16:
+            raise ValueError(f"group {group}: a split master's weight half is bf16, got {weight.dtype}")
+
+    def _place(self, group: int, weight: torch.Tensor, on: dict[str, torch.Tensor]) -> None:
+        """Step ``group`` from the device tensors ``on`` (`_streamed_host`'s names) and
+        ``weight`` until it is brought home."""
+        master, state = self.masters[group], self.states[group]
         self._home[group] = (master, state)
-        self.masters[group] = on
-        self.states[group] = type(state)(**{k: t.to(device, copy=True) for k, t in state.tensors().items()})
+        self.masters[group] = (SplitMaster(weight.view(-1), on["master"]) if isinstance(master, SplitMaster)
+                               else on["master"])
+        self.states[group] = type(state)(**{name: on[name] for name in state.tensors()})
         self._device_weight[group] = weight.view(-1)
 
+    def _copy_home(self, group: int, non_blocking: bool) -> None:
+        """Copy device group ``group``'s master (a split master's two halves: the weight half
+        into the host store's weights) and state into its host tensors."""
+        master, state = self._home[group]
+        on, on_state = self.masters[group], self.states[group]
+        if isinstance(master, SplitMaster):
+            master.weight.copy_(on.weight, non_blocking=non_blocking)
+            master.remainder.copy_(on.remainder, non_blocking=non_blocking)
+        else:
+            master.copy_(on, non_blocking=non_blocking)
+        for name, t in state.tensors().items():
+            t.copy_(on_state.tensors()[name], non_blocking=non_blocking)
+
     def to_host(self) -> None:
-        """Copy each device group's master (a split master's two halves: the weight half into
-        the host store's weights) and state back to its host tensors; the groups are stepped on
-        the host from then on."""
-        for group, (master, state) in self._home.items():
-            on, on_state = self.masters[group], self.states[group]
-            if isinstance(master, SplitMaster):
-                master.weight.copy_(on.weight)
-                master.remainder.copy_(on.remainder)
-            else:
-                master.copy_(on)
-            for name, t in state.tensors().items():
-                t.copy_(on_state.tensors()[name])
+        """Copy each device group's master and state back to its host tensors (`_copy_home`);
+        the groups are stepped on the host from then on."""
+        for group in self._home:
+            self._copy_home(group, non_blocking=False)
         self._drop_device()
 
     def streamed_bytes(self, group: int) -> int:
@@ -542,12 +553,8 @@ class Hybrid8bitAdamW(HostOptimizer):
         are moved to pinned memory first, once; the master's pinning is the host store's,
         `HostStore.pin_masters`). ``weight``: as for `to_device` (for a split master, its bf16
         half holding the current weights). `stream_out` brings the group back."""
-        if group in self._home:
-            raise ValueError(f"group {group} is on {self._device_weight[group].device} already; to_host first")
-        master, state = self.masters[group], self.states[group]
-        if weight.numel() != master.numel() or not weight.is_contiguous():
-            raise ValueError(f"group {group}: the device weights must be {master.numel()} contiguous elements, "
-                             f"got {weight.numel()}")
+        self._check_device_weight(group, weight)
+        state = self.states[group]
         if scratch.dtype != torch.uint8 or scratch.numel() < self.streamed_bytes(group):
             raise ValueError(f"group {group}: the scratch buffer must be uint8 of >= {self.streamed_bytes(group)} "
                              f"bytes, got {scratch.dtype} of {scratch.numel()}")
@@ -555,33 +562,20 @@ class Hybrid8bitAdamW(HostOptimizer):
             for name, t in state.tensors().items():
                 if not t.is_pinned():
                     setattr(state, name, t.pin_memory())  # the field of that name
-        host = self._streamed_host(group)
         on, at = {}, 0
-        for name, t in host.items():
+        for name, t in self._streamed_host(group).items():
             nbytes = t.numel() * t.element_size()
             on[name] = scratch[at : at + nbytes].view(t.dtype).view(t.shape)
             on[name].copy_(t, non_blocking=True)
             at += _aligned(nbytes)
-        self._home[group] = (master, state)
-        self.masters[group] = (SplitMaster(weight.view(-1), on["master"]) if isinstance(master, SplitMaster)
-                               else on["master"])
-        self.states[group] = type(state)(**{name: on[name] for name in state.tensors()})
-        self._device_weight[group] = weight.view(-1)
+        self._place(group, weight, on)
 
     def stream_out(self, group: int) -> None:
         """`to_host` for ``group`` alone, its copies queued on the current stream without waiting:
         the host tensors hold the step once the stream has run them. A split master's weight
         half goes to the host store's weights (an fp32 master's bf16 weights are the caller's)."""
-        master, state = self._home.pop(group)
-        on, on_state = self.masters[group], self.states[group]
-        if isinstance(master, SplitMaster):
-            master.weight.copy_(on.weight, non_blocking=True)
-            master.remainder.copy_(on.remainder, non_blocking=True)
-        else:
-            master.copy_(on, non_blocking=True)
-        for name, t in state.tensors().items():
-            t.copy_(on_state.tensors()[name], non_blocking=True)
-        self.masters[group], self.states[group] = master, state
+        self._copy_home(group, non_blocking=True)
+        self.masters[group], self.states[group] = self._home.pop(group)
         del self._device_weight[group]
 
     def _drop_device(self) -> None:

@@ -136,9 +136,9 @@ class HostUpdater:
         if not self._pending or self._pending[0] > last:
             return
         ex = self.executor
-        groups = sorted(ex.streamed_steps)
         store, streams = ex.store, ex.streams
         if not self._scratch:
+            groups = sorted(ex.streamed_steps)
             numel = max(store.weights[g].numel() for g in groups)
             nbytes = max(self.optimizer.streamed_bytes(g) for g in groups)
             self._scratch = [(torch.empty(numel, dtype=store.dtype, device=ex.device),
