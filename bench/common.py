@@ -175,6 +175,9 @@ class SkippedUpdate(HostOptimizer):
     def stream_out(self, group: int) -> None:
         self._device.discard(group)
 
+    def discard_device(self, group: int) -> None:
+        self._device.discard(group)
+
     def step_group(self, group: int, grad: torch.Tensor, clip_coef: float, lr: float,
                    weight_out: torch.Tensor | None) -> None:
         self.steps[group] += 1
@@ -291,6 +294,8 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
         "policy": plan.policy, "batch_size": batch, "seq_len": seq, "step_times_s": step_times,
         "predicted_step_time_s": None, "gpu_mem_cap_gb": None, "loss": measured[-1][1].loss,
         "cpu_optimizer_s": updater.last_step_seconds,
+        # a GPU optimizer step that ran out of memory went to the CPU: not the plan's timing
+        "update_out_of_memory": None if updater.out_of_memory is None else str(updater.out_of_memory).splitlines()[0],
         "host_total_gb": host_memory_total() / 1e9,
         "host_available_min_gb": None if available.least is None else available.least / 1e9,
     })

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import threading
 
@@ -28,10 +29,11 @@ STEPS = 6
 
 
 def _run(folder, const_update: str, dtype: torch.dtype, split: bool, device=CPU, poison: bool = False,
-         rounding: str = "stochastic", device_layers: int = 0, device_steps: int = 0):
+         rounding: str = "stochastic", device_layers: int = 0, device_steps: int = 0, prepare=None):
     """Train STEPS steps; returns (losses, store, optimizer state). ``poison``: after the first
     update, the host copies of the device groups' gradients and weights are overwritten with
-    NaN, so any step that still read them would show it (a streamed device layer, too)."""
+    NaN, so any step that still read them would show it (a streamed device layer, too).
+    ``prepare(optimizer, executor, updater)`` runs once before the first step."""
     adapter = ModelAdapter(load_hf_config(folder), device, dtype)
     store = HostStore(adapter.layouts, dtype, pin=False, split_master=split)
     load_safetensors(adapter, store, folder)
@@ -41,6 +43,8 @@ def _run(folder, const_update: str, dtype: torch.dtype, split: bool, device=CPU,
     optimizer = Hybrid8bitAdamW(store.masters, [lay.decay_numel for lay in adapter.layouts], OPT, kernel="torch",
                                 rounding=rounding, seed=3)
     updater = HostUpdater(executor, optimizer, overlap=True)
+    if prepare is not None:
+        prepare(optimizer, executor, updater)
     losses = []
     if poison:
         assert executor.device_groups == {0, *range(1, 1 + device_layers), len(store.weights) - 1}
@@ -423,3 +427,110 @@ def test_streamed_steps_are_queued_as_the_next_forward_goes(tmp_path):
     events.clear()
     updater.finish()
     assert events == [("step", g) for g in (1, 2, 3, 4)] and optimizer.steps[1:5] == [2, 2, 2, 2]
+
+
+def _out_of_memory(*_):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.90 GiB (simulated)")
+
+
+@pytest.mark.parametrize("where", ["slots", "copy in", "step"])
+def test_a_streamed_step_that_runs_out_of_gpu_memory_is_stepped_on_the_cpu(tmp_path, where, caplog, monkeypatch):
+    """The second update's streamed steps (layers 0-2, groups 1-3) run out of GPU memory: taking
+    the scratch slots (all three go to the CPU), copying group 2 in, or in group 2's step, after
+    it wrote its device copy (groups 2 and 3 go). Those groups are stepped on the CPU, the same
+    update, from their host tensors; the run trains exactly as the host's and the CPU worker steps
+    them from then on. Until this, the failed group's update was lost (its device copy came home
+    unstepped or half-stepped at `finish`) and `finish` ran out again taking the slots."""
+    from lazytrain.optim import hybrid8bit
+
+    make_hf_model("qwen2", seed=1, layers=4).save_pretrained(tmp_path)
+    host = _run(tmp_path, "host", torch.bfloat16, True)
+    seen = {}
+    step_8bit = hybrid8bit.torch_step_8bit
+
+    def prepare(optimizer, executor, updater):
+        seen.update(executor=executor, updater=updater)
+        calls = {"n": 0}
+        real = {name: getattr(optimizer, name) for name in ("streamed_bytes", "stream_in", "step_group")}
+
+        def fails(name, group, on_device=True):
+            if name == {"slots": "streamed_bytes", "copy in": "stream_in", "step": "step_group"}[where] and (
+                    where == "slots" or group == 2) and on_device:
+                calls["n"] += 1
+                return calls["n"] == (2 if where != "slots" else 3)  # the second update's (slots: 1 x 3 groups)
+            return False
+
+        def streamed_bytes(group):
+            if fails("streamed_bytes", group):
+                _out_of_memory()
+            return real["streamed_bytes"](group)
+
+        def stream_in(group, *args):
+            if fails("stream_in", group):
+                _out_of_memory()
+            return real["stream_in"](group, *args)
+
+        def step_group(group, *args):
+            calls["failing"] = fails("step_group", group, group in optimizer.device_groups and group in (1, 2, 3))
+            return real["step_group"](group, *args)
+
+        def torch_step_8bit(*args):
+            step_8bit(*args)  # the device copy written, the step not counted: then it fails
+            if calls.pop("failing", False):
+                _out_of_memory()
+
+        optimizer.streamed_bytes, optimizer.stream_in, optimizer.step_group = streamed_bytes, stream_in, step_group
+        monkeypatch.setattr(hybrid8bit, "torch_step_8bit", torch_step_8bit)
+
+    with caplog.at_level(logging.WARNING, logger="lazytrain"):
+        device = _run(tmp_path, "device", torch.bfloat16, True, device_steps=3, prepare=prepare)
+    _assert_same(host, device)
+    updater, executor = seen["updater"], seen["executor"]
+    assert isinstance(updater.out_of_memory, torch.OutOfMemoryError)
+    assert executor.streamed_steps == frozenset() and updater._scratch == []
+    groups = "[1, 2, 3]" if where == "slots" else "[2, 3]"
+    assert f"optimizer step of groups {groups}" in caplog.text and "Tried to allocate 1.90 GiB" in caplog.text
+    assert caplog.text.count("ran out of memory") == 1  # the later updates step them on the CPU at once
+
+
+def test_a_device_group_that_cannot_be_copied_to_the_gpu_is_stepped_on_the_cpu(tmp_path, caplog):
+    """`to_device` runs out of memory for the head (the first update): it is stepped on the CPU
+    from the gradient the GPU held, its resident weights reloaded from the host; the next update
+    places it, and the run trains exactly as the host's."""
+    make_hf_model("qwen2", seed=1, layers=4).save_pretrained(tmp_path)
+    host = _run(tmp_path, "host", torch.bfloat16, True)
+    seen = []
+
+    def prepare(optimizer, executor, updater):
+        real = optimizer.to_device
+
+        def to_device(group, weight):
+            seen.append(group)
+            if seen.count(group) == 1 and group == executor.num_groups - 1:
+                _out_of_memory()
+            return real(group, weight)
+
+        optimizer.to_device = to_device
+
+    with caplog.at_level(logging.WARNING, logger="lazytrain"):
+        device = _run(tmp_path, "device", torch.bfloat16, True, prepare=prepare)
+    _assert_same(host, device)
+    assert seen == [0, 5, 5, 0, 5]  # update 1 (5 failed), 2 (5 again), then 4 after update 3's checkpoint
+    assert "optimizer step of groups [5]" in caplog.text and "could not be copied to the GPU" in caplog.text
+
+
+def test_a_device_step_that_runs_out_of_memory_stops_the_run_with_what_to_do(tmp_path):
+    """A group whose master and state live on the GPU may be half-stepped: no fallback, one error."""
+    from lazytrain.errors import LazyTrainError
+    from lazytrain.runtime.update import DeviceStepOutOfMemory
+
+    adapter, store = _tiny(tmp_path, 2)
+    plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 2, 8), const_update="device")
+    executor = Executor(adapter, store, plan, CPU)
+    optimizer = Hybrid8bitAdamW(store.masters, [lay.decay_numel for lay in adapter.layouts], OPT, kernel="torch")
+    updater = HostUpdater(executor, optimizer)
+    optimizer.step_group = lambda group, *a: _out_of_memory() if group == 0 else None
+    executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False))
+    with pytest.raises(DeviceStepOutOfMemory, match="group 0.*may be partly stepped.*training.resume=true") as info:
+        updater.start(1.0, 1e-3)
+    assert isinstance(info.value, LazyTrainError) and isinstance(info.value, MemoryError)

@@ -32,8 +32,11 @@ def fixed_costs(tmp_path_factory) -> str:
     not depend on how busy the CPU was while profiling: a profile taken beside other work once
     made a recomputing plan look as fast as keeping everything, and the first re-solve had
     nothing smaller left."""
-    folder = tmp_path_factory.mktemp("costs")
-    costs = _trainer(folder / "profile", "plan.policy=solved").costs
+    return _fixed_costs(tmp_path_factory.mktemp("costs"))
+
+
+def _fixed_costs(folder, *overrides) -> str:
+    costs = _trainer(folder / "profile", "plan.policy=solved", *overrides).costs
     for layer in costs.layers:
         layer.forward_ms, layer.backward_ms, layer.recompute_ms = 10.0, 20.0, 10.0
         for option in layer.recompute_options.values():
@@ -148,3 +151,51 @@ def test_a_failed_executor_held_elsewhere_holds_no_buffers(tmp_path, monkeypatch
     trainer.updater.finish()
     assert held is not trainer.executor
     assert held.weights.slots == [] and held.resident == {} and held._consts == []
+
+
+def _update_fails_once(monkeypatch) -> list[int]:
+    """Hybrid8bitAdamW.stream_in runs out of memory at its second call (the second update's
+    streamed step, queued in the third step's forward)."""
+    from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
+
+    calls = []
+    real = Hybrid8bitAdamW.stream_in
+
+    def stream_in(self, group, weight, scratch):
+        calls.append(group)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 MiB (simulated)")
+        return real(self, group, weight, scratch)
+
+    monkeypatch.setattr(Hybrid8bitAdamW, "stream_in", stream_in)
+    return calls
+
+
+STREAMED = ["optimizer.kind=hybrid8bit", "plan.const_update=device", "plan.device_steps=1"]
+
+
+@pytest.mark.parametrize("policy", ["solved", "megatrain"])
+def test_an_update_that_runs_out_of_gpu_memory_is_finished_on_the_cpu(tmp_path, monkeypatch, caplog, policy):
+    """The second update's streamed step (layer 0) runs out of GPU memory: that layer is stepped
+    on the CPU, the same update, and the run goes on with the same losses as one that never ran
+    out; a solved plan is re-solved with less memory (its new executor streams the step again), a
+    baseline plan goes on as it is, that layer then stepped by the CPU worker."""
+    monkeypatch.setenv("LAZYTRAIN_OPTIM_KERNEL", "torch")  # the device step's math on the CPU too
+    costs = [_fixed_costs(tmp_path, *STREAMED)] if policy == "solved" else []
+    expected = _losses(_trainer(tmp_path / "plain", f"plan.policy={policy}", *STREAMED, *costs), 4)
+    trainer = _trainer(tmp_path / "oom", f"plan.policy={policy}", *STREAMED, *costs)
+    first, budget = trainer.executor, trainer.costs.gpu_bytes if trainer.costs is not None else None
+    calls = _update_fails_once(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="lazytrain"):
+        losses = _losses(trainer, 4)
+    assert losses == pytest.approx(expected, rel=1e-5)
+    assert "optimizer step of groups [1]" in caplog.text
+    assert trainer.updater.out_of_memory is None  # taken by the trainer
+    if policy == "solved":
+        assert trainer.executor is not first and trainer.costs.gpu_bytes < budget
+        assert "an optimizer step on the GPU ran out of memory in step 3" in caplog.text and "try 1 of" in caplog.text
+        assert calls == [1, 1, 1]  # updates 1 and 2 (failed); 3 on the new plan's executor
+    else:
+        assert trainer.executor is first and trainer.executor.streamed_steps == frozenset()
+        assert "the run goes on with the plan as it is (plan 'megatrain' is not re-solved)" in caplog.text
+        assert calls == [1, 1]  # update 3 on the CPU

@@ -120,6 +120,11 @@ class HostOptimizer(ABC):
     def stream_out(self, group: int) -> None:
         """Bring ``group`` back from `stream_in` without waiting (see `Hybrid8bitAdamW.stream_out`)."""
 
+    def discard_device(self, group: int) -> None:
+        """Forget ``group``'s device copy without bringing it back (see
+        `Hybrid8bitAdamW.discard_device`); none here."""
+        raise ValueError(f"group {group} is not on a device: the {type(self).__name__} optimizer steps on the CPU only")
+
     @abstractmethod
     def state_dict(self) -> dict:
         """Everything needed to resume (not the masters, which the host store saves)."""

@@ -575,15 +575,21 @@ class Hybrid8bitAdamW(HostOptimizer):
         the host tensors hold the step once the stream has run them. A split master's weight
         half goes to the host store's weights (an fp32 master's bf16 weights are the caller's)."""
         self._copy_home(group, non_blocking=True)
+        self.discard_device(group)
+
+    def discard_device(self, group: int) -> None:
+        """Forget ``group``'s device copy without copying it home (one whose step there failed
+        before `stream_out`): it is stepped on the host again, from its host tensors as they
+        are, which nothing on the device has written."""
+        if group not in self._home:
+            raise ValueError(f"group {group} is not on a device")
         self.masters[group], self.states[group] = self._home.pop(group)
         del self._device_weight[group]
 
     def _drop_device(self) -> None:
         """Step every device group on the host again, from its host tensors as they are."""
-        for group, (master, state) in self._home.items():
-            self.masters[group], self.states[group] = master, state
-        self._home.clear()
-        self._device_weight.clear()
+        for group in list(self._home):
+            self.discard_device(group)
 
     @property
     def backend(self) -> str:

@@ -31,6 +31,14 @@ the GPU 0.34 s after its call, we take it behind the 23 GB of copies in on the H
 of such a layer's next forward waits on the GPU for its bytes to be back (``wait_group``), and
 `finish` queues what is left and waits for them on the host.
 
+Out of GPU memory: a streamed step that runs out (taking the scratch slots, or in the step's
+temporaries) and the ones after it are stepped on the CPU instead, the same update (their
+masters and states on the host are whole until the copy out, which comes after the step), and
+the CPU worker steps those layers from then on; so is a group whose master and state cannot be
+copied to the GPU (`to_device`) for that update. ``out_of_memory`` tells the caller, the
+trainer re-solves a solved plan smaller. A step of a group whose master and state live on the
+GPU that runs out may have left them partly stepped: `DeviceStepOutOfMemory` ends the run.
+
 Data parallel (the executor has ``parallel``): the optimizer holds this rank's shards; each
 group's step writes the rank's shard of the shared weights, then ``parallel.publish`` waits
 until every rank's shard of that group is in this host's weights.
@@ -38,14 +46,23 @@ until every rank's shard of that group is in this host's weights.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import torch
 
+from lazytrain.errors import LazyTrainError
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.plan.simulate import STREAMED_LOOKAHEAD, STREAMED_STEP_SLOTS
 from lazytrain.runtime.executor import Executor
+
+log = logging.getLogger(__name__)
+
+
+class DeviceStepOutOfMemory(LazyTrainError, MemoryError):
+    """An optimizer step on the GPU of a group whose master and state live there ran out of
+    memory: they may be partly stepped, and the run cannot go on."""
 
 
 class HostUpdater:
@@ -77,6 +94,9 @@ class HostUpdater:
         """Streamed-step groups of the last `start` not queued yet, in order."""
         self._step_args: tuple[float, float] = (1.0, 0.0)
         self._queued = 0
+        self.out_of_memory: torch.OutOfMemoryError | None = None
+        """The first time the GPU ran out of memory for a step planned there since the caller
+        last cleared this (the groups went to the CPU: `_queue_streamed`, `start`), else None."""
         executor.step_started = self._queue_first
         streams = executor.streams
         self._in, self._step, self._out = ((torch.cuda.Stream(executor.device) for _ in range(3)) if streams.cuda
@@ -115,16 +135,30 @@ class HostUpdater:
                 self.executor.weights_updated(group)
         self.wait_seconds = 0.0
         if self.overlap:
-            self._thread = threading.Thread(target=self._run, args=(clip_coef, lr), daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(clip_coef, lr, on_device | streamed), daemon=True)
             self._thread.start()
         else:
-            self._run(clip_coef, lr)
+            self._run(clip_coef, lr, on_device | streamed)
             self.wait_group(0)
+        self._pending, self._step_args, self._queued = sorted(self.executor.streamed_steps), (clip_coef, lr), 0
         for group in sorted(on_device):
             if group not in self.optimizer.device_groups:
-                self.optimizer.to_device(group, self.executor.resident[group])
-            self.optimizer.step_group(group, self.executor.device_grads.pop(group), clip_coef, lr, None)
-        self._pending, self._step_args, self._queued = sorted(self.executor.streamed_steps), (clip_coef, lr), 0
+                try:
+                    self.optimizer.to_device(group, self.executor.resident[group])
+                except torch.OutOfMemoryError as error:  # nothing moved: its host tensors are whole
+                    self._step_on_cpu(group)
+                    self._ran_out(error, [group], "its master and state could not be copied to the GPU")
+                    continue
+            try:
+                self.optimizer.step_group(group, self.executor.device_grads.pop(group), clip_coef, lr, None)
+            except torch.OutOfMemoryError as error:
+                raise DeviceStepOutOfMemory(
+                    f"the GPU ran out of memory in the optimizer step of group {group}, whose master and state "
+                    f"live on the GPU (plan.const_update=device): {str(error).splitlines()[0] if str(error) else ''}. "
+                    "They may be partly stepped, so this run can neither go on nor save them: resume from its last "
+                    "checkpoint (training.resume=true) with less GPU memory for the planner (memory.gpu_gb) or "
+                    "with plan.const_update=host"
+                ) from error
 
     def _queue_first(self) -> None:
         if self._pending:
@@ -132,29 +166,44 @@ class HostUpdater:
 
     def _queue_streamed(self, last: int) -> None:
         """Queue the pending streamed-step groups up to ``last``: each one's copy in, step and
-        copy out (module docstring)."""
+        copy out (module docstring). One that runs out of GPU memory (its scratch slots, or the
+        step's temporaries) and every one after it are stepped on the CPU instead
+        (`_step_on_cpu`)."""
         if not self._pending or self._pending[0] > last:
             return
+        try:
+            self._queue_streamed_on_gpu(last)
+        except torch.OutOfMemoryError as error:
+            group = self._pending[0]
+            if group in self.optimizer.device_groups:  # copied in, not stepped: its host tensors are whole
+                self.optimizer.discard_device(group)
+            groups, self._pending = self._pending, []
+            self._release_scratch()
+            self.executor.streamed_steps = frozenset()  # this update's rest and every later one: the CPU's
+            for group in groups:
+                self._step_on_cpu(group)
+            self._ran_out(error, groups, "the CPU steps them from now on")
+
+    def _queue_streamed_on_gpu(self, last: int) -> None:
         ex = self.executor
         store, streams = ex.store, ex.streams
         if not self._scratch:
             groups = sorted(ex.streamed_steps)
             numel = max(store.weights[g].numel() for g in groups)
             nbytes = max(self.optimizer.streamed_bytes(g) for g in groups)
+            # taken on the compute stream, whose queued work may still use those bytes: the
+            # copies in wait for it
+            streams.wait(streams.record(), self._in)
             self._scratch = [(torch.empty(numel, dtype=store.dtype, device=ex.device),
                               torch.empty(numel, dtype=store.grads[groups[0]].dtype, device=ex.device),
                               torch.empty(nbytes, dtype=torch.uint8, device=ex.device))
                              for _ in range(min(STREAMED_STEP_SLOTS, len(groups)))]
             self._slot_free = [None] * len(self._scratch)
-            # taken on the compute stream, whose queued work may still use those bytes: the
-            # copies in wait for it
-            streams.wait(streams.record(), self._in)
         split = store.split_master
         clip_coef, lr = self._step_args
         while self._pending and self._pending[0] <= last:
-            group = self._pending.pop(0)
+            group = self._pending[0]
             slot = self._queued % len(self._scratch)
-            self._queued += 1
             weights, grad, scratch = self._scratch[slot]
             weights, grad = weights[: store.weights[group].numel()], grad[: store.weights[group].numel()]
             with streams.on(self._in):
@@ -175,12 +224,39 @@ class HostUpdater:
                 if not split:
                     store.weights[group].copy_(weights, non_blocking=True)
             self._slot_free[slot] = self._streamed_done[group] = streams.record(self._out)
+            self._pending.pop(0)
+            self._queued += 1
         if not self._pending:  # the last one queued: the slots go back once the streams are done
-            for buffers in self._scratch:
-                for t in buffers:
-                    for stream in (self._in, self._step, self._out):
-                        streams.keep_alive(t, stream)
-            self._scratch, self._slot_free = [], []
+            self._release_scratch()
+
+    def _release_scratch(self) -> None:
+        """Give the scratch slots back to the allocator once the streams' queued work on them is
+        done."""
+        for buffers in self._scratch:
+            for t in buffers:
+                for stream in (self._in, self._step, self._out):
+                    self.executor.streams.keep_alive(t, stream)
+        self._scratch, self._slot_free = [], []
+
+    def _step_on_cpu(self, group: int) -> None:
+        """Step ``group``, planned for the GPU, from the calling thread on the CPU, as the worker
+        steps the others: from its host gradient (a device group's copied there first) into its
+        host weights (a device group's resident copy is then reloaded from them)."""
+        ex, store = self.executor, self.executor.store
+        clip_coef, lr = self._step_args
+        if group in ex.device_grads:
+            store.grads[group].copy_(ex.device_grads.pop(group).reshape(-1))
+        else:
+            ex.wait_grad(group)
+        self.optimizer.step_group(group, store.grads[group], clip_coef, lr, store.weights[group])
+        ex.weights_updated(group)
+
+    def _ran_out(self, error: torch.OutOfMemoryError, groups: list[int], after: str) -> None:
+        if self.out_of_memory is None:
+            self.out_of_memory = error
+        log.warning("the GPU ran out of memory for the optimizer step of groups %s (%s); stepped on the CPU "
+                    "instead, the same update (%s)", groups, str(error).splitlines()[0] if str(error) else "",
+                    after)
 
     def _join(self) -> None:
         self._queue_streamed(self.num_groups)  # what no forward came to queue
@@ -204,12 +280,14 @@ class HostUpdater:
             self.executor.store.sync_weights_from_masters(group)  # an fp32 master's streamed weights
         self.executor.device_grads.clear()  # a skipped last step's: not held through what follows
 
-    def _run(self, clip_coef: float, lr: float) -> None:
+    def _run(self, clip_coef: float, lr: float, on_gpu: frozenset[int]) -> None:
+        """Step every group but ``on_gpu`` (this update's GPU steps, as `start` found them: a
+        streamed step that falls back to the CPU is the caller's)."""
         t0 = time.perf_counter()
         store, parallel = self.executor.store, self.executor.parallel
         try:
             for group in range(self.num_groups):
-                if group in self.executor.device_groups or group in self.executor.streamed_steps:
+                if group in on_gpu:
                     continue
                 self.executor.wait_grad(group)
                 if parallel is None:

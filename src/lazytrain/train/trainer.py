@@ -29,7 +29,9 @@ from lazytrain.data.dataset import Batch
 from lazytrain.data.pipeline import heldout_samples, resolve_template, training_batches
 from lazytrain.errors import LazyTrainError
 from lazytrain.model.loading import save_hf
+from lazytrain.plan.costs import CostTable
 from lazytrain.plan.milp import PlanInfeasible
+from lazytrain.plan.plan import Plan
 from lazytrain.plan.policies import policy_plan, recalibrate
 from lazytrain.plan.render import format_plan_table
 from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
@@ -162,6 +164,45 @@ class Trainer:
             self.predicted = simulate(self.plan, self.costs,
                                       optimizer_overlap=self.config.plan.overlap_optimizer).metrics()
 
+    def _not_resolved(self) -> str | None:
+        """Why this run's plan is not re-solved after running out of GPU memory, or None."""
+        if self.parallel is not None:
+            return "data parallel: the other ranks are in the step too"
+        if self.costs is None or self.plan.policy != "solved" or self.config.plan.file is not None:
+            return f"plan {self.plan.policy!r} is not re-solved"
+        if getattr(self, "_oom_replans", 0) >= MAX_OOM_REPLANS:
+            return f"{MAX_OOM_REPLANS} smaller plans did not fit either"
+        return None
+
+    def _smaller_plan(self, error: torch.OutOfMemoryError) -> tuple[CostTable, Plan | None, str | None]:
+        """The cost table with the GPU budget `gpu_budget_after_oom` gives after ``error`` (this
+        try counted), and the solved plan for it, or None and why there is none."""
+        self._oom_replans = getattr(self, "_oom_replans", 0) + 1
+        predicted = int(self.predicted.get("predicted_peak_gpu_gb", 0.0) * 1e9)
+        lower = gpu_budget_after_oom(self.costs.gpu_bytes, predicted, oom_need_bytes(error, self.device))
+        costs = dataclasses.replace(self.costs, gpu_bytes=max(lower, 0))
+        if lower <= 0:
+            return costs, None, "no GPU memory left to plan with"
+        try:
+            return costs, policy_plan("solved", costs, self.session.policy_options()), None
+        except PlanInfeasible as infeasible:
+            return costs, None, str(infeasible)
+
+    def _switch_plan(self, costs: CostTable, plan: Plan, error: torch.OutOfMemoryError, what: str) -> None:
+        predicted = self.predicted.get("predicted_peak_gpu_gb", 0.0)
+        log.warning(
+            "%s: the solved plan was predicted to peak at %.1f GB and needed %.1f GB (allocated + the allocation "
+            "that failed); re-solving with %.1f GB instead of %.1f GB for the planner (try %d of %d)", what,
+            predicted, oom_need_bytes(error, self.device) / 1e9, costs.gpu_bytes / 1e9, self.costs.gpu_bytes / 1e9,
+            self._oom_replans, MAX_OOM_REPLANS,
+        )
+        self._drop_executor()
+        release_failed_step(error)  # the failed step's frames hold the old executor's GPU memory
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.costs, self.plan = costs, plan
+        self._start_plan()
+
     def _replan_after_oom(self, error: torch.OutOfMemoryError) -> None:
         """Re-solve the plan with less GPU memory after a step ran out of it, or raise.
 
@@ -169,49 +210,39 @@ class Trainer:
         gives and the step run again: the failed step changed no weights, optimizer state or
         data position.
         """
-        cfg = self.config
-        tries = getattr(self, "_oom_replans", 0)
-        fixable = (self.costs is not None and self.plan.policy == "solved" and self.parallel is None
-                   and cfg.plan.file is None and tries < MAX_OOM_REPLANS)
-        if not fixable:
-            why = ("data parallel: the other ranks are in the step too" if self.parallel is not None else
-                   f"{MAX_OOM_REPLANS} smaller plans did not fit either" if tries else
-                   f"plan {self.plan.policy!r} is not re-solved")
+        why = self._not_resolved()
+        if why is not None:
             raise OutOfGpuMemory(
                 f"the step ran out of GPU memory with plan {self.plan.policy!r} at batch {self.plan.batch_size} x "
                 f"seq {self.plan.seq_len} ({why}): {str(error).splitlines()[0]}. Lower training.batch_size or "
                 "data.max_seq_len, use plan.policy=megatrain, or give the planner less with memory.gpu_gb"
             ) from None
-        self._oom_replans = tries + 1
-        predicted = int(self.predicted.get("predicted_peak_gpu_gb", 0.0) * 1e9)
-        seen = oom_need_bytes(error, self.device)
-        budget = self.costs.gpu_bytes
-        lower = gpu_budget_after_oom(budget, predicted, seen)
-        self._drop_executor()
-        release_failed_step(error)  # the failed step's frames hold the old executor's GPU memory
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        why = "no GPU memory left to plan with"
-        if lower > 0:
-            self.costs = dataclasses.replace(self.costs, gpu_bytes=lower)
-            try:
-                self.plan, why = policy_plan("solved", self.costs, self.session.policy_options()), None
-            except PlanInfeasible as infeasible:
-                why = str(infeasible)
-        if why is not None:
+        costs, plan, why = self._smaller_plan(error)
+        if plan is None:
             raise OutOfGpuMemory(
                 f"the step ran out of GPU memory with plan 'solved' at batch {self.plan.batch_size} x seq "
-                f"{self.plan.seq_len}, and no plan fits the {lower / 1e9:.1f} GB left after it ({why}): "
+                f"{self.plan.seq_len}, and no plan fits the {costs.gpu_bytes / 1e9:.1f} GB left after it ({why}): "
                 f"{str(error).splitlines()[0]}. Lower training.batch_size or data.max_seq_len, or use "
                 "plan.policy=megatrain"
             ) from None
-        log.warning(
-            "step %d ran out of GPU memory: the solved plan was predicted to peak at %.1f GB and needed %.1f GB "
-            "(allocated + the allocation that failed); re-solving with %.1f GB instead of %.1f GB for the planner "
-            "(try %d of %d) and running the step again",
-            self.step + 1, predicted / 1e9, seen / 1e9, lower / 1e9, budget / 1e9, tries + 1, MAX_OOM_REPLANS,
-        )
-        self._start_plan()
+        self._switch_plan(costs, plan, error, f"step {self.step + 1} ran out of GPU memory")
+        log.warning("running step %d again", self.step + 1)
+
+    def _after_update_oom(self) -> None:
+        """The GPU ran out of memory for an optimizer step planned there (`HostUpdater`): those
+        groups were stepped on the CPU instead, the same update, and streamed layers stay on the
+        CPU from then on. A solved plan is re-solved with less GPU memory as after a step that
+        ran out (`_replan_after_oom`, the step is not run again: it is done); any other plan, or
+        one with no smaller plan, goes on as it is."""
+        error, self.updater.out_of_memory = self.updater.out_of_memory, None
+        why = self._not_resolved()
+        if why is None:
+            costs, plan, why = self._smaller_plan(error)
+        if why is not None:
+            log.warning("an optimizer step on the GPU ran out of memory in step %d and went to the CPU; the run goes "
+                        "on with the plan as it is (%s)", self.step, why)
+            return
+        self._switch_plan(costs, plan, error, f"an optimizer step on the GPU ran out of memory in step {self.step}")
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -297,6 +328,9 @@ class Trainer:
             **self.predicted,
             "optimizer_wait_s": waited,
         }
+        if self.updater.out_of_memory is not None:  # this update, or the forward before it
+            self._after_update_oom()
+            self._step_start = time.perf_counter()  # the re-solve is not the next step's time
         after = self.config.plan.recalibrate_after
         if (after and len(self._update_seconds) >= after and not self._recalibrated and self.costs is not None
                 and self.parallel is None and self.config.plan.file is None):
