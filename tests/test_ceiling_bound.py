@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.ceiling_bound import FAST, LARGE, compute_only_s, row, scenarios
+from bench.ceiling_bound import FAST, LARGE, compute_only_s, row, scenarios, with_recompute_ms
 from lazytrain.plan.milp import min_gpu_bytes
 from lazytrain.plan.plan import Plan, keep_all_plan
 from lazytrain.plan.simulate import simulate
@@ -105,3 +105,21 @@ def test_the_resident_layers_row_lets_the_planner_choose_how_many():
     assert resident["device_layers_tried"]["0"] == pytest.approx(device["predicted_step_time_s"], rel=1e-3)
     assert resident["predicted_step_time_s"] <= device["predicted_step_time_s"] * (1 + 1e-3)
     assert str(resident["device_layers"]) in resident["device_layers_tried"]
+
+
+def test_a_cheaper_recompute_shortens_or_keeps_the_step_and_is_used_when_it_pays():
+    """``--recompute-ms``: the option retimed in every layer, its bytes as they were; made nearly
+    free on a squeezed card, the planner takes it and the step gets no longer."""
+    table = random_cost_table(6, 5, uniform=True)  # every layer may recompute its attention or MLP
+    least = min_gpu_bytes(table)
+    keep = simulate(keep_all_plan(5, table.batch_size, table.seq_len), table)
+    table.gpu_bytes = int(least + 0.3 * (keep.peak_gpu_bytes - least))
+    option = "mlp"
+    cheap = with_recompute_ms(table, option, 1e-3)
+    assert all(layer.recompute_options[option].recompute_ms == 1e-3 for layer in cheap.layers)
+    assert [layer.recompute_options[option].saved_bytes for layer in cheap.layers] == \
+        [layer.recompute_options[option].saved_bytes for layer in table.layers]
+    assert table.layers[0].recompute_options[option].recompute_ms != 1e-3  # the table itself unchanged
+    before, after = row("a", table, "t.json", 10.0), row("b", cheap, "t.json", 10.0)
+    assert after["predicted_step_time_s"] <= before["predicted_step_time_s"] * (1 + 1e-3)
+    assert any(f"(recompute {option})" in mode for mode in after["modes"])

@@ -18,7 +18,7 @@ from lazytrain.model.lean import (
     LeanSwiGLU,
     apply_lean_ops,
     recomputable_outputs,
-    recomputing_up,
+    recomputing_mlp,
 )
 from lazytrain.model.pointwise import EAGER
 
@@ -188,23 +188,31 @@ def test_functions_take_no_gradient_for_what_does_not_need_one():
     assert weight.grad is not None
 
 
-def test_recomputing_up_saves_the_gate_only_and_gives_the_same_gradients():
+@pytest.mark.parametrize("projections", [("up",), ("gate", "up")], ids=["up", "gate+up"])
+def test_recomputing_projections_saves_the_others_only_and_gives_the_same_gradients(projections):
+    """``mlp_up`` saves the input and the gate's output; ``mlp`` (a lean SwiGLU's) the input."""
     hf = _layer("tiny").mlp
     mlp = copy.deepcopy(hf)
     apply_lean_ops(mlp)
     x = torch.randn(2, 10, hf.gate_proj.in_features)
     grad = torch.randn(2, 10, hf.down_proj.out_features)
     tokens, inter = 20, hf.gate_proj.out_features
-    with recomputing_up():
-        assert _saved_bytes(mlp, x) == 4 * tokens * (hf.gate_proj.in_features + inter)
+    with recomputing_mlp(projections):
+        assert _saved_bytes(mlp, x) == 4 * tokens * (hf.gate_proj.in_features + inter * (2 - len(projections)))
         out, gx, gw = _grads(mlp, x, grad)
     mlp.zero_grad(set_to_none=True)
     ref_out, ref_gx, ref_gw = _grads(mlp, x, grad)
-    # the up projection recomputed is the forward's matmul again: the same bits
+    # a projection recomputed is the forward's matmul again: the same bits
     assert torch.equal(out, ref_out) and torch.equal(gx, ref_gx)
     assert all(torch.equal(gw[n], ref_gw[n]) for n in ref_gw)
     _, hf_gx, _ = _grads(hf, x, grad)
     torch.testing.assert_close(gx, hf_gx, rtol=1e-5, atol=1e-6)
+
+
+def test_recomputing_mlp_names_projections_it_has():
+    for bad in ((), ("down",), ("gate", "down")):
+        with pytest.raises(ValueError, match="projections must be some of"), recomputing_mlp(bad):
+            pass
 
 
 class _TwoReaders(torch.nn.Module):

@@ -35,10 +35,12 @@ layers, the profiler's count of them):
   nodes read it). 14 KB per token of a Qwen2.5-7B layer (two [tokens, hidden] bf16 tensors: 121.0
   -> 106.6 KB saved), for two norm passes in backward. Without hooks nothing changes: autograd
   keeps the output.
-- With `recomputing_up` (a kept layer's ``LayerPlan.recompute = "mlp_up"``) `LeanSwiGLU` saves
+- With `recomputing_mlp` (a kept layer's ``LayerPlan.recompute = "mlp_up"``) `LeanSwiGLU` saves
   the gate projection's output but not the up projection's, and recomputes that in backward
   (one [tokens, hidden] x [hidden, intermediate] matmul): 37.9 of the 106.6 KB per token at 7B,
-  for 13.8 ms of a 150 ms layer forward + backward at 64 x 1024 tokens (H200, 2026-12-04).
+  for 13.8 ms of a 150 ms layer forward + backward at 64 x 1024 tokens (H200, 2026-12-04). With
+  ``"mlp"`` it saves neither and recomputes both (two matmuls), where a checkpoint of the whole
+  block re-ran the down projection too: 43.1 ms for the same bytes on that run.
 
 `apply_lean_ops` swaps the ``forward`` of the modules it recognises (by class, checked for the
 formula's parts: SiLU activation, no biases) inside a layer template; anything else keeps HF's.
@@ -74,26 +76,26 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class LeanSwiGLU(torch.autograd.Function):
-    """``down(silu(x @ gate.T) * (x @ up.T))``, saving x, gate and up outputs only (with
-    ``recompute_up``: x and gate, the up projection recomputed in backward); the elementwise
-    parts run through ``ops`` (`lazytrain.model.pointwise`: eager or fused)."""
+    """``down(silu(x @ gate.T) * (x @ up.T))``, saving x, gate and up outputs only (the outputs
+    named in ``recompute``, of ``"gate"`` and ``"up"``, not even those: recomputed in backward);
+    the elementwise parts run through ``ops`` (`lazytrain.model.pointwise`: eager or fused)."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, ops: Pointwise, recompute_up: bool = False):
+    def forward(ctx, x, w_gate, w_up, w_down, ops: Pointwise, recompute: tuple[str, ...] = ()):
         gate = F.linear(x, w_gate)
         up = F.linear(x, w_up)
         out = F.linear(ops.swiglu(gate, up), w_down)
-        if recompute_up:
-            ctx.save_for_backward(x, w_gate, w_up, w_down, gate)
-        else:
-            ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up)
-        ctx.ops = ops
+        kept = [t for name, t in (("gate", gate), ("up", up)) if name not in recompute]
+        ctx.save_for_backward(x, w_gate, w_up, w_down, *kept)
+        ctx.ops, ctx.recompute = ops, recompute
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w_gate, w_up, w_down, gate, *kept = ctx.saved_tensors
-        up = kept[0] if kept else F.linear(x, w_up)  # the forward's matmul again: the same values
+        x, w_gate, w_up, w_down, *kept = ctx.saved_tensors
+        # a recomputed output is the forward's matmul again: the same values
+        gate = F.linear(x, w_gate) if "gate" in ctx.recompute else kept.pop(0)
+        up = F.linear(x, w_up) if "up" in ctx.recompute else kept.pop(0)
         del kept
         if ctx.ops.kind == "eager":
             # one kernel per operation: the product freed before grad_h exists, silu(gate) before
@@ -214,20 +216,26 @@ def _attention_forward(self, *args, **kwargs):
 
 # -- outputs recomputed instead of saved -----------------------------------------------------
 
-_RECOMPUTE_UP: contextvars.ContextVar[bool] = contextvars.ContextVar("lazytrain_recompute_up", default=False)
-"""Whether the lean SwiGLU MLPs running now save their up projection's output (False) or
-recompute it in backward (True: `recomputing_up`)."""
+MLP_PROJECTIONS = ("gate", "up")
+"""The projections of a SwiGLU MLP whose outputs `recomputing_mlp` may recompute."""
+
+_RECOMPUTE: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("lazytrain_recompute_mlp", default=())
+"""Which projections' outputs the lean SwiGLU MLPs running now recompute in backward instead of
+saving (`recomputing_mlp`)."""
 
 
 @contextmanager
-def recomputing_up():
-    """Within the block, the lean SwiGLU MLPs recompute their up projection in backward instead
-    of saving its output (``LayerPlan.recompute = "mlp_up"``)."""
-    token = _RECOMPUTE_UP.set(True)
+def recomputing_mlp(projections: tuple[str, ...]):
+    """Within the block, the lean SwiGLU MLPs recompute the outputs of ``projections`` (of
+    `MLP_PROJECTIONS`) in backward instead of saving them: ``("up",)`` for
+    ``LayerPlan.recompute = "mlp_up"``, both for ``"mlp"`` (`sublayer.recomputing`)."""
+    if not projections or set(projections) - set(MLP_PROJECTIONS):
+        raise ValueError(f"projections must be some of {MLP_PROJECTIONS}, got {projections}")
+    token = _RECOMPUTE.set(tuple(projections))
     try:
         yield
     finally:
-        _RECOMPUTE_UP.reset(token)
+        _RECOMPUTE.reset(token)
 
 
 @dataclass(slots=True, eq=False)
@@ -332,7 +340,7 @@ def _norm_output(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centere
 
 def _swiglu_forward(self, x):
     return LeanSwiGLU.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self._lean_ops,
-                            _RECOMPUTE_UP.get())
+                            _RECOMPUTE.get())
 
 
 def _norm_forward(self, x, zero_centered: bool = False):
@@ -348,7 +356,7 @@ def _zero_centered_norm_forward(self, x):
 
 def is_lean_swiglu(module: torch.nn.Module | None) -> bool:
     """Whether ``module`` runs `LeanSwiGLU` (`apply_lean_ops` swapped its forward): what
-    `recomputing_up` acts on."""
+    `recomputing_mlp` acts on."""
     forward = module.__dict__.get("forward") if module is not None else None
     return getattr(forward, "__func__", None) is _swiglu_forward
 
