@@ -29,6 +29,10 @@ with the next forward) and simulates the plan, for each scenario:
 - ``embedding, head and first layers on the GPU (auto k)``: with ``const_update_ms`` only, the
   device plan with the planner choosing how many of the first decoder layers are resident and
   stepped on the card too (`Plan.device_layers`; each number tried in the record's notes).
+- ``..., OPTION recompute MS ms``: that row with every layer's sub-layer recompute OPTION timed at
+  MS ms (``--recompute-ms OPTION=MS``), its bytes as profiled: what a faster recompute would buy
+  before it is profiled (e.g. ``mlp=27.6``, twice the 7B table's ``mlp_up``, for the lean MLP's
+  ``mlp`` that recomputes the gate and up projections instead of checkpointing the block).
 
 Compute-only (the issue-19 denominator) is taken from the table as each layer's forward +
 backward plus the head and the embedding (``bench/plan_bench.py`` measures it with the weights
@@ -99,6 +103,13 @@ def scenarios(costs: CostTable, speedups: list[float], extra_gb: list[float], sl
     return out
 
 
+def with_recompute_ms(costs: CostTable, option: str, ms: float) -> CostTable:
+    """``costs`` with every layer's recompute ``option`` taking ``ms`` (its bytes as profiled)."""
+    return dataclasses.replace(costs, layers=[dataclasses.replace(layer, recompute_options={
+        **layer.recompute_options, option: dataclasses.replace(layer.recompute_options[option], recompute_ms=ms)})
+        for layer in costs.layers])
+
+
 def row(name: str, costs: CostTable, table: str, time_limit: float, profiled_plan: Plan | None = None,
         const_update: str = "host", device_layers: int | None = 0) -> dict:
     """The scenario's solved plan (the embedding and head stepped where ``const_update`` says,
@@ -161,6 +172,10 @@ def markdown(records: list[dict], table: str, options: str = "") -> str:
                           for k, v in resident[0]["device_layers_tried"].items())
         lines.append(f"\n\"{RESIDENT_LAYERS}\": the planner kept layers 0..{resident[0]['device_layers'] - 1} "
                      f"resident (device_layers={resident[0]['device_layers']}; predicted step by number: {tried}).")
+    for r in records:
+        if " recompute " in r["name"] and r["name"].endswith(" ms") and r["status"] == "ok":
+            lines.append(f"\n\"{r['name']}\": an estimate, not profiled: every layer's recompute option timed at that "
+                         f"(`--recompute-ms`), its bytes as profiled; layers 0..{r['device_layers'] - 1} resident.")
     if any(r["const_update"] == "device" for r in records):
         lines.append("\n\"embedding + head updated on the GPU\": the plan's const_update=device with the table's "
                      "const_update_ms and const_update_bytes; every other row steps them on the host.")
@@ -184,10 +199,21 @@ def main() -> None:
     parser.add_argument("--head-params", type=int, default=None,
                         help="the last group's parameters, for a table written before the cost table had "
                              "head_params (its update then runs after the layers', as the executor runs it)")
+    parser.add_argument("--recompute-ms", nargs="*", default=[], metavar="OPTION=MS",
+                        help="rows with every layer's recompute OPTION (mlp, attention, mlp_up) timed at MS ms")
     parser.add_argument("--time-limit", type=float, default=30.0, help="the MILP's time limit per scenario (s)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     costs = CostTable.load(args.table)
+    retimed = []
+    for item in args.recompute_ms:
+        option, _, ms = item.partition("=")
+        if not all(option in layer.recompute_options for layer in costs.layers):
+            parser.error(f"--recompute-ms {item}: not every layer of the table has the recompute option {option!r}")
+        try:
+            retimed.append((option, float(ms)))
+        except ValueError:
+            parser.error(f"--recompute-ms {item}: MS must be a number of milliseconds")
     if args.head_params is not None:
         if not 0 <= args.head_params <= costs.const_params:
             parser.error(f"--head-params {args.head_params} is outside 0..{costs.const_params} (the table's "
@@ -204,6 +230,14 @@ def main() -> None:
                          for name, table, const_update in named[1:]]
     if costs.const_update_ms is not None:
         records.append(row(RESIDENT_LAYERS, costs, args.table, args.time_limit, profiled, "device", None))
+    for option, ms in retimed:
+        table = with_recompute_ms(costs, option, ms)
+        if costs.const_update_ms is not None:
+            records.append(row(f"{RESIDENT_LAYERS}, {option} recompute {ms:g} ms", table, args.table,
+                               args.time_limit, profiled, "device", None))
+        else:
+            records.append(row(f"as profiled, {option} recompute {ms:g} ms", table, args.table, args.time_limit,
+                               profiled))
     for r in records:
         r.pop("plan", None)  # the layer modes say enough; whole plans would bloat the record file
         if r["status"] == "ok":
@@ -213,6 +247,9 @@ def main() -> None:
             print(f"{r['name']:32s} {r['status']}", flush=True)
     stem = f"ceiling_bound_{Path(args.table).stem}" + ("" if args.head_params is None else "_head-last")
     options = "" if args.head_params is None else f" --head-params {args.head_params}"
+    if args.recompute_ms:
+        stem += "_recompute-" + "-".join(item.replace("=", "") for item in args.recompute_ms)
+        options += " --recompute-ms " + " ".join(args.recompute_ms)
     path = write_results(records, stem, markdown(records, args.table, options), args.out)
     print(f"wrote {path}")
 
