@@ -433,94 +433,93 @@ def _out_of_memory(*_):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.90 GiB (simulated)")
 
 
-@pytest.mark.parametrize("where", ["slots", "copy in", "step"])
-def test_a_streamed_step_that_runs_out_of_gpu_memory_is_stepped_on_the_cpu(tmp_path, where, caplog, monkeypatch):
-    """The second update's streamed steps (layers 0-2, groups 1-3) run out of GPU memory: taking
-    the scratch slots (all three go to the CPU), copying group 2 in, or in group 2's step, after
-    it wrote its device copy (groups 2 and 3 go). Those groups are stepped on the CPU, the same
-    update, from their host tensors; the run trains exactly as the host's and the CPU worker steps
-    them from then on. Until this, the failed group's update was lost (its device copy came home
-    unstepped or half-stepped at `finish`) and `finish` ran out again taking the slots."""
-    from lazytrain.optim import hybrid8bit
+def _failing_once(optimizer, method: str, when) -> None:
+    """Make ``optimizer.<method>`` (streamed_bytes, stream_in, to_device or step_group) run out
+    of memory at the first call for which ``when(group, n)`` holds (n: that method's calls so far,
+    this one included). A failing step on the device first writes its device copy and then
+    raises, uncounted, as a step that runs out midway would."""
+    state = {"n": 0, "failed": False}
+    real = getattr(optimizer, method)
 
+    def patched(group, *args):
+        state["n"] += 1
+        if state["failed"] or not when(group, state["n"]) or (
+                method == "step_group" and group not in optimizer.device_groups):
+            return real(group, *args)
+        state["failed"] = True
+        if method == "step_group":
+            real(group, *args)
+            optimizer.steps[group] -= 1
+        _out_of_memory()
+
+    setattr(optimizer, method, patched)
+
+
+@pytest.mark.parametrize("where,when", [("slots", "forward"), ("copy in", "forward"), ("step", "forward"),
+                                        ("slots", "finish"), ("step", "finish")])
+def test_a_streamed_step_that_runs_out_of_gpu_memory_is_stepped_on_the_cpu(tmp_path, where, when, caplog):
+    """An update's streamed steps (layers 0-2, groups 1-3) run out of GPU memory: taking the
+    scratch slots (all three go to the CPU), copying group 2 in, or in group 2's step, after it
+    wrote its device copy (groups 2 and 3 go). The second update's, queued in the next forward;
+    or the third's, queued by the `finish` of the checkpoint right after it. Those groups are
+    stepped on the CPU, the same update, from their host tensors; the run trains exactly as the
+    host's and the CPU worker steps every streamed layer from then on. Until this, the failed
+    group's update was lost (its device copy came home at `finish` as the update) and `finish`
+    ran out again taking the slots."""
     make_hf_model("qwen2", seed=1, layers=4).save_pretrained(tmp_path)
     host = _run(tmp_path, "host", torch.bfloat16, True)
+    update = 2 if when == "forward" else 3
     seen = {}
-    step_8bit = hybrid8bit.torch_step_8bit
 
     def prepare(optimizer, executor, updater):
         seen.update(executor=executor, updater=updater)
-        calls = {"n": 0}
-        real = {name: getattr(optimizer, name) for name in ("streamed_bytes", "stream_in", "step_group")}
-
-        def fails(name, group, on_device=True):
-            if name == {"slots": "streamed_bytes", "copy in": "stream_in", "step": "step_group"}[where] and (
-                    where == "slots" or group == 2) and on_device:
-                calls["n"] += 1
-                return calls["n"] == (2 if where != "slots" else 3)  # the second update's (slots: 1 x 3 groups)
-            return False
-
-        def streamed_bytes(group):
-            if fails("streamed_bytes", group):
-                _out_of_memory()
-            return real["streamed_bytes"](group)
-
-        def stream_in(group, *args):
-            if fails("stream_in", group):
-                _out_of_memory()
-            return real["stream_in"](group, *args)
-
-        def step_group(group, *args):
-            calls["failing"] = fails("step_group", group, group in optimizer.device_groups and group in (1, 2, 3))
-            return real["step_group"](group, *args)
-
-        def torch_step_8bit(*args):
-            step_8bit(*args)  # the device copy written, the step not counted: then it fails
-            if calls.pop("failing", False):
-                _out_of_memory()
-
-        optimizer.streamed_bytes, optimizer.stream_in, optimizer.step_group = streamed_bytes, stream_in, step_group
-        monkeypatch.setattr(hybrid8bit, "torch_step_8bit", torch_step_8bit)
+        if where == "slots":  # called once per group when the slots are taken (and by stream_in)
+            taken = []
+            when_ = lambda group, n: not updater._scratch and (taken.append(n) or len(taken) == 3 * update - 2)
+            _failing_once(optimizer, "streamed_bytes", when_)
+        else:
+            calls = []
+            method = "stream_in" if where == "copy in" else "step_group"
+            _failing_once(optimizer, method, lambda group, n: group == 2 and (calls.append(n) or len(calls) == update))
 
     with caplog.at_level(logging.WARNING, logger="lazytrain"):
         device = _run(tmp_path, "device", torch.bfloat16, True, device_steps=3, prepare=prepare)
     _assert_same(host, device)
     updater, executor = seen["updater"], seen["executor"]
-    assert isinstance(updater.out_of_memory, torch.OutOfMemoryError)
+    assert isinstance(updater.out_of_memory, torch.OutOfMemoryError) and updater.out_of_memory.__traceback__ is None
     assert executor.streamed_steps == frozenset() and updater._scratch == []
     groups = "[1, 2, 3]" if where == "slots" else "[2, 3]"
     assert f"optimizer step of groups {groups}" in caplog.text and "Tried to allocate 1.90 GiB" in caplog.text
     assert caplog.text.count("ran out of memory") == 1  # the later updates step them on the CPU at once
 
 
-def test_a_device_group_that_cannot_be_copied_to_the_gpu_is_stepped_on_the_cpu(tmp_path, caplog):
-    """`to_device` runs out of memory for the head (the first update): it is stepped on the CPU
-    from the gradient the GPU held, its resident weights reloaded from the host; the next update
-    places it, and the run trains exactly as the host's."""
+@pytest.mark.parametrize("where", ["copy", "step"])
+def test_a_device_group_copied_to_the_gpu_that_runs_out_is_stepped_on_the_cpu(tmp_path, caplog, where):
+    """The head's first update runs out of GPU memory copying its master and state there, or in
+    its step there, after writing its device copy (the weights: the resident ones): the copy is
+    dropped and the head stepped on the CPU from the gradient the GPU held, its resident weights
+    reloaded from the host; it stays on the CPU, and the run trains exactly as the host's."""
     make_hf_model("qwen2", seed=1, layers=4).save_pretrained(tmp_path)
     host = _run(tmp_path, "host", torch.bfloat16, True)
-    seen = []
+    placed = []
 
     def prepare(optimizer, executor, updater):
+        head = executor.num_groups - 1
+        _failing_once(optimizer, "to_device" if where == "copy" else "step_group", lambda group, n: group == head)
         real = optimizer.to_device
-
-        def to_device(group, weight):
-            seen.append(group)
-            if seen.count(group) == 1 and group == executor.num_groups - 1:
-                _out_of_memory()
-            return real(group, weight)
-
-        optimizer.to_device = to_device
+        optimizer.to_device = lambda group, weight: (placed.append(group), real(group, weight))[1]
 
     with caplog.at_level(logging.WARNING, logger="lazytrain"):
         device = _run(tmp_path, "device", torch.bfloat16, True, prepare=prepare)
     _assert_same(host, device)
-    assert seen == [0, 5, 5, 0, 5]  # update 1 (5 failed), 2 (5 again), then 4 after update 3's checkpoint
-    assert "optimizer step of groups [5]" in caplog.text and "could not be copied to the GPU" in caplog.text
+    # update 1 (5 failed), then 4 after update 3's checkpoint: 5 not tried again
+    assert placed == [0, 5, 0]
+    assert "optimizer step of groups [5]" in caplog.text and caplog.text.count("ran out of memory") == 1
 
 
 def test_a_device_step_that_runs_out_of_memory_stops_the_run_with_what_to_do(tmp_path):
-    """A group whose master and state live on the GPU may be half-stepped: no fallback, one error."""
+    """A group whose master and state have lived on the GPU since an earlier update may be
+    half-stepped: no fallback, one error."""
     from lazytrain.errors import LazyTrainError
     from lazytrain.runtime.update import DeviceStepOutOfMemory
 
@@ -529,8 +528,10 @@ def test_a_device_step_that_runs_out_of_memory_stops_the_run_with_what_to_do(tmp
     executor = Executor(adapter, store, plan, CPU)
     optimizer = Hybrid8bitAdamW(store.masters, [lay.decay_numel for lay in adapter.layouts], OPT, kernel="torch")
     updater = HostUpdater(executor, optimizer)
-    optimizer.step_group = lambda group, *a: _out_of_memory() if group == 0 else None
     executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False))
+    updater.start(1.0, 1e-3)  # the first update places the groups
+    executor.forward_backward(*random_batch(2, 8, adapter.vocab_size, padded=False, seed=1))
+    optimizer.step_group = lambda group, *a: _out_of_memory() if group == 0 else None
     with pytest.raises(DeviceStepOutOfMemory, match="group 0.*may be partly stepped.*training.resume=true") as info:
         updater.start(1.0, 1e-3)
     assert isinstance(info.value, LazyTrainError) and isinstance(info.value, MemoryError)

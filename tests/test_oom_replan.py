@@ -182,18 +182,24 @@ def test_an_update_that_runs_out_of_gpu_memory_is_finished_on_the_cpu(tmp_path, 
     baseline plan goes on as it is, that layer then stepped by the CPU worker."""
     monkeypatch.setenv("LAZYTRAIN_OPTIM_KERNEL", "torch")  # the device step's math on the CPU too
     costs = [_fixed_costs(tmp_path, *STREAMED)] if policy == "solved" else []
-    expected = _losses(_trainer(tmp_path / "plain", f"plan.policy={policy}", *STREAMED, *costs), 4)
+    plain = _trainer(tmp_path / "plain", f"plan.policy={policy}", *STREAMED, *costs)
+    expected = _losses(plain, 4)
     trainer = _trainer(tmp_path / "oom", f"plan.policy={policy}", *STREAMED, *costs)
     first, budget = trainer.executor, trainer.costs.gpu_bytes if trainer.costs is not None else None
     calls = _update_fails_once(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="lazytrain"):
         losses = _losses(trainer, 4)
     assert losses == pytest.approx(expected, rel=1e-5)
+    # every group stepped once per update, none twice or skipped; the same weights
+    assert trainer.optimizer.steps == plain.optimizer.steps == [4] * trainer.executor.num_groups
+    for g in range(trainer.executor.num_groups):
+        torch.testing.assert_close(trainer.store.master_fp32(g), plain.store.master_fp32(g), rtol=1e-4, atol=1e-6)
     assert "optimizer step of groups [1]" in caplog.text
     assert trainer.updater.out_of_memory is None  # taken by the trainer
     if policy == "solved":
         assert trainer.executor is not first and trainer.costs.gpu_bytes < budget
-        assert "an optimizer step on the GPU ran out of memory in step 3" in caplog.text and "try 1 of" in caplog.text
+        assert "ran out of its memory (found after step 3)" in caplog.text and "try 1 of" in caplog.text
+        assert getattr(trainer, "_oom_replans", 0) == 0  # the steps' own tries untouched
         assert calls == [1, 1, 1]  # updates 1 and 2 (failed); 3 on the new plan's executor
     else:
         assert trainer.executor is first and trainer.executor.streamed_steps == frozenset()

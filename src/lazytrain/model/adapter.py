@@ -403,8 +403,8 @@ class ModelAdapter:
         ``masks`` from `layer_masks`; ``kwargs`` go to the HF layer (a cache when generating).
 
         ``recompute`` (``mlp`` | ``attention`` | ``mlp_up``; under autograd): that block keeps
-        only its inputs and is re-run in backward, or the MLP its up projection
-        (`lazytrain.model.sublayer`)."""
+        only its inputs and is re-run in backward (a lean SwiGLU MLP: its gate and up
+        projections), or the MLP its up projection (`lazytrain.model.sublayer`)."""
         kind = self.layer_types[layer]
         template = self.templates[kind]
         # a cache is indexed by the layer's own index: the shared template takes it per call

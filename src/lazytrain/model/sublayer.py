@@ -2,9 +2,9 @@
 is recomputed in backward.
 
 A ``keep`` layer runs under autograd and keeps every tensor its backward needs. With
-``LayerPlan.recompute`` = ``mlp`` (or ``attention``: ``self_attn``, or ``linear_attn`` in a
-Gated-DeltaNet layer) that block runs under non-reentrant `torch.utils.checkpoint` instead: its
-internals are not saved; only its inputs are (through whatever saved-tensor hooks are active
+``LayerPlan.recompute`` = ``attention`` (``self_attn``, or ``linear_attn`` in a Gated-DeltaNet
+layer), or ``mlp`` where the MLP is not a lean SwiGLU (see below), that block runs under
+non-reentrant `torch.utils.checkpoint` instead: its internals are not saved; only its inputs are (through whatever saved-tensor hooks are active
 outside, i.e. the executor's, which put them on the plan's tier), and the layer's backward
 re-runs the block from them when it first needs one of its tensors.
 
@@ -38,7 +38,8 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.model.lean import MLP_PROJECTIONS, is_lean_swiglu, recomputing_mlp
 
 RECOMPUTE_BLOCKS = ("mlp", "attention")
-"""The blocks of a decoder layer a kept layer may recompute whole (``LayerPlan.recompute``)."""
+"""The blocks of a decoder layer whose internals a kept layer may recompute in backward
+(``LayerPlan.recompute``): run again from their inputs, or a lean SwiGLU MLP's two projections."""
 RECOMPUTE_PARTS = ("mlp_up",)
 """Parts of a block a kept layer may recompute (``LayerPlan.recompute``): the MLP's up projection."""
 

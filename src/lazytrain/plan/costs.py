@@ -145,7 +145,8 @@ class RecomputeCosts:
     saved_bytes: int
     """What the layer keeps: the other blocks' saved tensors and this block's inputs."""
     recompute_ms: float
-    """The block's re-forward under autograd, added to the layer's backward."""
+    """The block's re-forward under autograd (a lean SwiGLU's ``mlp``: its gate and up matmuls;
+    ``mlp_up``: the up matmul), added to the layer's backward."""
     backward_work_bytes: int
     """Peak transient bytes during backward beyond ``saved_bytes`` (the recomputed block's
     tensors included)."""

@@ -96,8 +96,9 @@ def synthetic_cost_table(
     # the attention output, the residual after attention, gate and up (the norms' outputs are
     # recomputed from their inputs). Sub-layer options: the MLP keeps its input (the residual,
     # kept already) instead of gate and up; attention its input (the layer's) instead of q, k,
-    # v and its output; mlp_up recomputes the up projection instead of keeping its output
-    mlp_flops = 2 * 3 * h * i
+    # v and its output; mlp_up recomputes the up projection instead of keeping its output. The
+    # lean MLP's mlp recomputes the gate and up projections (not the down one)
+    mlp_flops = 2 * 2 * h * i
     attention_block_flops = 2 * (2 * h * h + 2 * h * kv) + attention_flops
     recompute_options = {
         "mlp": RecomputeCosts(

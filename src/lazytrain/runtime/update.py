@@ -34,10 +34,12 @@ of such a layer's next forward waits on the GPU for its bytes to be back (``wait
 Out of GPU memory: a streamed step that runs out (taking the scratch slots, or in the step's
 temporaries) and the ones after it are stepped on the CPU instead, the same update (their
 masters and states on the host are whole until the copy out, which comes after the step), and
-the CPU worker steps those layers from then on; so is a group whose master and state cannot be
-copied to the GPU (`to_device`) for that update. ``out_of_memory`` tells the caller, the
-trainer re-solves a solved plan smaller. A step of a group whose master and state live on the
-GPU that runs out may have left them partly stepped: `DeviceStepOutOfMemory` ends the run.
+the CPU worker steps every streamed-step layer from then on, for as long as this plan runs. So
+is a device group whose master and state were copied to the GPU in this update (its first, or
+the first after `finish`) when the copy or its step runs out: the copy is dropped, the host's is
+whole. ``out_of_memory`` tells the caller; the trainer re-solves a solved plan smaller (whose
+new updater tries the GPU again). A device group whose master and state have lived on the GPU
+since an earlier update may be left partly stepped: `DeviceStepOutOfMemory` ends the run.
 
 Data parallel (the executor has ``parallel``): the optimizer holds this rank's shards; each
 group's step writes the rank's shard of the shared weights, then ``parallel.publish`` waits
@@ -49,6 +51,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 
 import torch
 
@@ -96,7 +99,11 @@ class HostUpdater:
         self._queued = 0
         self.out_of_memory: torch.OutOfMemoryError | None = None
         """The first time the GPU ran out of memory for a step planned there since the caller
-        last cleared this (the groups went to the CPU: `_queue_streamed`, `start`), else None."""
+        last cleared this (the groups went to the CPU: `_queue_streamed`, `start`), else None;
+        without its traceback, whose frames would hold the failed step's GPU buffers."""
+        self._on_cpu: set[int] = set()
+        """Device groups (`Executor.device_groups`) stepped on the CPU from their first update
+        that ran out of GPU memory on."""
         executor.step_started = self._queue_first
         streams = executor.streams
         self._in, self._step, self._out = ((torch.cuda.Stream(executor.device) for _ in range(3)) if streams.cuda
@@ -142,16 +149,23 @@ class HostUpdater:
             self.wait_group(0)
         self._pending, self._step_args, self._queued = sorted(self.executor.streamed_steps), (clip_coef, lr), 0
         for group in sorted(on_device):
-            if group not in self.optimizer.device_groups:
-                try:
-                    self.optimizer.to_device(group, self.executor.resident[group])
-                except torch.OutOfMemoryError as error:  # nothing moved: its host tensors are whole
-                    self._step_on_cpu(group)
-                    self._ran_out(error, [group], "its master and state could not be copied to the GPU")
-                    continue
+            if group in self._on_cpu:
+                self._step_on_cpu(group)
+                continue
+            copied = group not in self.optimizer.device_groups  # a copy: its host tensors stay whole
             try:
-                self.optimizer.step_group(group, self.executor.device_grads.pop(group), clip_coef, lr, None)
+                if copied:
+                    self.optimizer.to_device(group, self.executor.resident[group])
+                self.optimizer.step_group(group, self.executor.device_grads[group], clip_coef, lr, None)
+                del self.executor.device_grads[group]
             except torch.OutOfMemoryError as error:
+                if copied:  # its partly stepped device copy dropped (the resident weights reloaded)
+                    if group in self.optimizer.device_groups:
+                        self.optimizer.discard_device(group)
+                    self._on_cpu.add(group)
+                    self._step_on_cpu(group)
+                    self._ran_out(error, [group], "its GPU step, or copying its master and state there")
+                    continue
                 raise DeviceStepOutOfMemory(
                     f"the GPU ran out of memory in the optimizer step of group {group}, whose master and state "
                     f"live on the GPU (plan.const_update=device): {str(error).splitlines()[0] if str(error) else ''}. "
@@ -182,7 +196,7 @@ class HostUpdater:
             self.executor.streamed_steps = frozenset()  # this update's rest and every later one: the CPU's
             for group in groups:
                 self._step_on_cpu(group)
-            self._ran_out(error, groups, "the CPU steps them from now on")
+            self._ran_out(error, groups, "a streamed step: its scratch slots or its step")
 
     def _queue_streamed_on_gpu(self, last: int) -> None:
         ex = self.executor
@@ -224,6 +238,8 @@ class HostUpdater:
                 if not split:
                     store.weights[group].copy_(weights, non_blocking=True)
             self._slot_free[slot] = self._streamed_done[group] = streams.record(self._out)
+            # popped only now (nothing above may raise after stream_out, or the group, no longer
+            # on the device, would be stepped again on the CPU while its copy out is in flight)
             self._pending.pop(0)
             self._queued += 1
         if not self._pending:  # the last one queued: the slots go back once the streams are done
@@ -251,12 +267,14 @@ class HostUpdater:
         self.optimizer.step_group(group, store.grads[group], clip_coef, lr, store.weights[group])
         ex.weights_updated(group)
 
-    def _ran_out(self, error: torch.OutOfMemoryError, groups: list[int], after: str) -> None:
+    def _ran_out(self, error: torch.OutOfMemoryError, groups: list[int], what: str) -> None:
+        """Note ``error`` for the caller (``out_of_memory``) and warn that ``groups`` went to the CPU."""
+        traceback.clear_frames(error.__traceback__)  # the failed step's locals: its GPU buffers
         if self.out_of_memory is None:
-            self.out_of_memory = error
-        log.warning("the GPU ran out of memory for the optimizer step of groups %s (%s); stepped on the CPU "
-                    "instead, the same update (%s)", groups, str(error).splitlines()[0] if str(error) else "",
-                    after)
+            self.out_of_memory = error.with_traceback(None)
+        log.warning("the GPU ran out of memory for the optimizer step of groups %s (%s: %s); they are stepped on "
+                    "the CPU instead, this update and the next ones of this plan", groups, what,
+                    str(error).splitlines()[0] if str(error) else "")
 
     def _join(self) -> None:
         self._queue_streamed(self.num_groups)  # what no forward came to queue

@@ -164,44 +164,44 @@ class Trainer:
             self.predicted = simulate(self.plan, self.costs,
                                       optimizer_overlap=self.config.plan.overlap_optimizer).metrics()
 
-    def _not_resolved(self) -> str | None:
-        """Why this run's plan is not re-solved after running out of GPU memory, or None."""
+    def _not_resolved(self, tries: int) -> str | None:
+        """Why this run's plan is not re-solved after running out of GPU memory (``tries``
+        times re-solved already for that cause), or None."""
         if self.parallel is not None:
             return "data parallel: the other ranks are in the step too"
         if self.costs is None or self.plan.policy != "solved" or self.config.plan.file is not None:
             return f"plan {self.plan.policy!r} is not re-solved"
-        if getattr(self, "_oom_replans", 0) >= MAX_OOM_REPLANS:
+        if tries >= MAX_OOM_REPLANS:
             return f"{MAX_OOM_REPLANS} smaller plans did not fit either"
         return None
 
-    def _smaller_plan(self, error: torch.OutOfMemoryError) -> tuple[CostTable, Plan | None, str | None]:
-        """The cost table with the GPU budget `gpu_budget_after_oom` gives after ``error`` (this
-        try counted), and the solved plan for it, or None and why there is none."""
-        self._oom_replans = getattr(self, "_oom_replans", 0) + 1
+    def _smaller_budget(self, error: torch.OutOfMemoryError) -> tuple[CostTable, str]:
+        """The cost table with the GPU budget `gpu_budget_after_oom` gives after ``error`` (read
+        before the failed executor is dropped: it reads the allocator's peak), and a line for
+        the log."""
         predicted = int(self.predicted.get("predicted_peak_gpu_gb", 0.0) * 1e9)
-        lower = gpu_budget_after_oom(self.costs.gpu_bytes, predicted, oom_need_bytes(error, self.device))
-        costs = dataclasses.replace(self.costs, gpu_bytes=max(lower, 0))
-        if lower <= 0:
-            return costs, None, "no GPU memory left to plan with"
-        try:
-            return costs, policy_plan("solved", costs, self.session.policy_options()), None
-        except PlanInfeasible as infeasible:
-            return costs, None, str(infeasible)
+        seen = oom_need_bytes(error, self.device)
+        lower = gpu_budget_after_oom(self.costs.gpu_bytes, predicted, seen)
+        line = (f"the solved plan was predicted to peak at {predicted / 1e9:.1f} GB and needed {seen / 1e9:.1f} GB "
+                f"(allocated + the allocation that failed); re-solving with {max(lower, 0) / 1e9:.1f} GB instead of "
+                f"{self.costs.gpu_bytes / 1e9:.1f} GB for the planner")
+        return dataclasses.replace(self.costs, gpu_bytes=max(lower, 0)), line
 
-    def _switch_plan(self, costs: CostTable, plan: Plan, error: torch.OutOfMemoryError, what: str) -> None:
-        predicted = self.predicted.get("predicted_peak_gpu_gb", 0.0)
-        log.warning(
-            "%s: the solved plan was predicted to peak at %.1f GB and needed %.1f GB (allocated + the allocation "
-            "that failed); re-solving with %.1f GB instead of %.1f GB for the planner (try %d of %d)", what,
-            predicted, oom_need_bytes(error, self.device) / 1e9, costs.gpu_bytes / 1e9, self.costs.gpu_bytes / 1e9,
-            self._oom_replans, MAX_OOM_REPLANS,
-        )
+    def _solve(self, costs: CostTable) -> tuple[Plan | None, str | None]:
+        """The solved plan for ``costs``, or None and why there is none."""
+        if costs.gpu_bytes <= 0:
+            return None, "no GPU memory left to plan with"
+        try:
+            return policy_plan("solved", costs, self.session.policy_options()), None
+        except PlanInfeasible as infeasible:
+            return None, str(infeasible)
+
+    def _release(self, error: torch.OutOfMemoryError) -> None:
+        """Drop the executor (its update finished first) and what ``error`` still holds."""
         self._drop_executor()
         release_failed_step(error)  # the failed step's frames hold the old executor's GPU memory
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.costs, self.plan = costs, plan
-        self._start_plan()
 
     def _replan_after_oom(self, error: torch.OutOfMemoryError) -> None:
         """Re-solve the plan with less GPU memory after a step ran out of it, or raise.
@@ -210,14 +210,18 @@ class Trainer:
         gives and the step run again: the failed step changed no weights, optimizer state or
         data position.
         """
-        why = self._not_resolved()
+        tries = getattr(self, "_oom_replans", 0)
+        why = self._not_resolved(tries)
         if why is not None:
             raise OutOfGpuMemory(
                 f"the step ran out of GPU memory with plan {self.plan.policy!r} at batch {self.plan.batch_size} x "
                 f"seq {self.plan.seq_len} ({why}): {str(error).splitlines()[0]}. Lower training.batch_size or "
                 "data.max_seq_len, use plan.policy=megatrain, or give the planner less with memory.gpu_gb"
             ) from None
-        costs, plan, why = self._smaller_plan(error)
+        self._oom_replans = tries + 1
+        costs, line = self._smaller_budget(error)
+        self._release(error)  # before the solve: the last update's CPU work is done, the GPU memory back
+        plan, why = self._solve(costs)
         if plan is None:
             raise OutOfGpuMemory(
                 f"the step ran out of GPU memory with plan 'solved' at batch {self.plan.batch_size} x seq "
@@ -225,24 +229,35 @@ class Trainer:
                 f"{str(error).splitlines()[0]}. Lower training.batch_size or data.max_seq_len, or use "
                 "plan.policy=megatrain"
             ) from None
-        self._switch_plan(costs, plan, error, f"step {self.step + 1} ran out of GPU memory")
-        log.warning("running step %d again", self.step + 1)
+        log.warning("step %d ran out of GPU memory: %s (try %d of %d) and running the step again", self.step + 1,
+                    line, tries + 1, MAX_OOM_REPLANS)
+        self.costs, self.plan = costs, plan
+        self._start_plan()
 
     def _after_update_oom(self) -> None:
         """The GPU ran out of memory for an optimizer step planned there (`HostUpdater`): those
-        groups were stepped on the CPU instead, the same update, and streamed layers stay on the
-        CPU from then on. A solved plan is re-solved with less GPU memory as after a step that
-        ran out (`_replan_after_oom`, the step is not run again: it is done); any other plan, or
-        one with no smaller plan, goes on as it is."""
+        groups were stepped on the CPU instead, the same update, and stay there while this plan
+        runs. A solved plan is re-solved with less GPU memory as after a step that ran out
+        (`_replan_after_oom`; the step is not run again: it is done), counted apart from those
+        (the update's tries do not use up the steps'); any other plan, or one with no smaller
+        plan, goes on as it is."""
         error, self.updater.out_of_memory = self.updater.out_of_memory, None
-        why = self._not_resolved()
+        tries = getattr(self, "_update_oom_replans", 0)
+        why = self._not_resolved(tries)
         if why is None:
-            costs, plan, why = self._smaller_plan(error)
+            self._update_oom_replans = tries + 1
+            costs, line = self._smaller_budget(error)
+            self.updater.finish()  # its CPU work done before the solve, not beside it
+            plan, why = self._solve(costs)
         if why is not None:
-            log.warning("an optimizer step on the GPU ran out of memory in step %d and went to the CPU; the run goes "
-                        "on with the plan as it is (%s)", self.step, why)
+            log.warning("an optimizer step planned on the GPU ran out of its memory (found after step %d) and went "
+                        "to the CPU; the run goes on with the plan as it is (%s)", self.step, why)
             return
-        self._switch_plan(costs, plan, error, f"an optimizer step on the GPU ran out of memory in step {self.step}")
+        log.warning("an optimizer step planned on the GPU ran out of its memory (found after step %d): %s (try %d "
+                    "of %d)", self.step, line, tries + 1, MAX_OOM_REPLANS)
+        self._release(error)
+        self.costs, self.plan = costs, plan
+        self._start_plan()
 
     # -- the loop ---------------------------------------------------------------------------
 
