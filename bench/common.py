@@ -259,6 +259,8 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
             updater.start(min(1.0, 1.0 / (stats.grad_norm + 1e-6)), 1e-5)
             # the calling thread's time queueing the update (its GPU steps): before the next step
             extra["update_start_s"] = time.perf_counter() - t_start
+            # the CPU worker's time on the last finished update (the step before's, overlapped)
+            extra["cpu_update_s"] = updater.last_step_seconds
             if serial_optimizer:
                 updater.finish()
             end = time.perf_counter()  # when the next step would start
@@ -294,6 +296,7 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
         "policy": plan.policy, "batch_size": batch, "seq_len": seq, "step_times_s": step_times,
         "predicted_step_time_s": None, "gpu_mem_cap_gb": None, "loss": measured[-1][1].loss,
         "cpu_optimizer_s": updater.last_step_seconds,
+        "cpu_update_params": updater.cpu_params,
         # a GPU optimizer step that ran out of memory went to the CPU: not the plan's timing
         "update_out_of_memory": None if updater.out_of_memory is None else str(updater.out_of_memory).splitlines()[0],
         "host_total_gb": host_memory_total() / 1e9,

@@ -37,6 +37,12 @@ One process, one model in host memory (random init of a real config):
    ``optimizer_ns_per_param=0``: what the update costs the step, measured (issue 19; the rows
    of 2026-12-04 used ``--costs`` with the committed 12-03 tables instead of profiling).
 
+7. ``--recalibrate N``: a solved run as the trainer runs it (``plan.recalibrate_after``): N + 2
+   steps first, the CPU update's rate measured in them (the median of the updates after the
+   first) and the plan re-solved on it when the table's is off (`policies.recalibrate`); then
+   the measured steps, on the re-solved plan and its table (the record's ``recalibration``:
+   both rates, whether the plan changed, both predictions).
+
 JSON (written after every run, so a cut-off call keeps what finished) and Markdown to ``--out``.
 ``--time-limit SECONDS`` (the call's limit less a margin): a try that cannot finish in what is
 left, by the simulator's step time, is a record saying so instead of a run killed with nothing
@@ -81,7 +87,7 @@ from lazytrain.model.kernels import select_linear_attention_kernels
 from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable, usable_gpu_bytes
 from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.plan import Plan, keep_all_plan
-from lazytrain.plan.policies import PolicyOptions, policy_plan
+from lazytrain.plan.policies import PolicyOptions, policy_plan, recalibrate
 from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom, search_batch
 from lazytrain.plan.simulate import simulate
 from lazytrain.runtime.device import cap_gpu_memory, oom_need_bytes
@@ -356,6 +362,9 @@ def main() -> None:
                              "copied in and out (plan.device_steps): numbers, or auto (the fewest that hide the "
                              "CPU update at the table's rate); several: each run once per value, crossed with "
                              "--device-layers (runs with --const-update host take 0)")
+    parser.add_argument("--recalibrate", type=int, default=0, metavar="N",
+                        help="solved runs with the CPU update: N + 2 steps first, then the plan re-solved on the "
+                             "update rate they measured, as the trainer does (plan.recalibrate_after); 0: off")
     parser.add_argument("--optimizer-threads", nargs="+", type=int, default=[],
                         help="torch intra-op threads (the CPU optimizer's team) for the runs: several: each run "
                              "once per value (default: torch's, one per core)")
@@ -389,6 +398,32 @@ def main() -> None:
           + ", ".join(f"{k} {v:.1f} s" for k, v in session.store.build_seconds.items()) + ")", flush=True)
     for kernels in args.kernels:
         study(session, args, kernels)
+
+
+def recalibrated(session, table: CostTable, plan: Plan, policy_options: PolicyOptions,
+                 args) -> tuple[CostTable, Plan, dict]:
+    """What the trainer's recalibration makes of ``plan`` (`Trainer._recalibrate`): ``args.recalibrate``
+    + 2 steps run, the CPU update's rate measured in them (the median over the updates after the
+    first: the first warms up), and the plan re-solved on it (`policies.recalibrate`). The table
+    and plan to measure, and what happened."""
+    calibration = timed_steps(session, plan, warmup=2, steps=args.recalibrate, fetch_allocation=args.fetch_allocation)
+    if not calibration["cpu_update_params"] or not calibration["cpu_update_s"] > 0:
+        return table, plan, {"calibration_steps": args.recalibrate + 2, "changed": False,
+                             "skipped": "no CPU update to measure"}
+    measured = calibration["cpu_update_s"] * 1e9 / calibration["cpu_update_params"]
+    found = recalibrate(plan, table, measured, policy_options)
+    info = {"calibration_steps": args.recalibrate + 2, "measured_ns_per_param": measured,
+            "profiled_ns_per_param": table.optimizer_ns_per_param, "changed": bool(found and found.changed),
+            "calibration_step_time_s": calibration["step_time_s"]}
+    if found is not None:
+        info.update(predicted_current_s=found.current_s, predicted_resolved_s=found.resolved_s)
+        table, plan = found.costs, found.plan
+    print(f"recalibration: the CPU update ran at {measured:.3f} ns/param in {args.recalibrate} steps against "
+          f"{info['profiled_ns_per_param']:.3f} profiled; "
+          + ("within the tolerance: the plan kept" if found is None else
+             f"current plan predicted at {found.current_s:.3f} s, re-solved at {found.resolved_s:.3f} s: "
+             + ("switching to it" if found.changed else "keeping the current one")), flush=True)
+    return table, plan, info
 
 
 def predicted_stages(record: dict, predicted) -> None:
@@ -485,9 +520,11 @@ def study(session, args, kernels: str) -> None:
     check_copies("before_runs")
 
     def measure(policy: str, table: CostTable, plan, name: str, cap_gb: float | None = None,
-                host_limit_gib: float | None = None, update: str = "cpu") -> bool:
+                host_limit_gib: float | None = None, update: str = "cpu",
+                policy_options: PolicyOptions | None = None) -> bool:
         """Time ``plan``; record it with its prediction (or its out-of-memory, or why it was not
-        started). Whether it ran."""
+        started). Whether it ran. With ``--recalibrate`` and ``policy_options`` (a solved plan,
+        the CPU update), re-solved on the update rate its first steps measure first."""
         if args.time_limit:
             step = simulate(plan, table, optimizer_overlap=True).step_time_s
             need = (args.warmup + args.steps) * step + TRY_SETUP_S
@@ -500,7 +537,10 @@ def study(session, args, kernels: str) -> None:
                 print(f"{name}: not started: {records[-1]['not_started']}", flush=True)
                 save()
                 return False
+        recalibration = None
         try:
+            if args.recalibrate and policy_options is not None and policy == "solved" and update == "cpu":
+                table, plan, recalibration = recalibrated(session, table, plan, policy_options, args)
             record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps, stage_memory=args.stage_memory,
                                  fetch_allocation=args.fetch_allocation,
                                  optimizer=SkippedUpdate(session.optimizer) if update == "skipped" else None)
@@ -526,6 +566,8 @@ def study(session, args, kernels: str) -> None:
         record["per_layer_type"] = per_type(plan, table, record["compute_only_layer_ms_by_type"])
         record["gpu_mem_cap_gb"] = cap_gb
         record["update"] = update
+        if recalibration is not None:
+            record["recalibration"] = recalibration
         record["cpu_threads"] = torch.get_num_threads()
         host = session.host_memory(int(record["predicted_act_host_gb"] * 1e9), table)
         limit = host.limit if host_limit_gib is None else int(host_limit_gib * GiB)
@@ -547,13 +589,13 @@ def study(session, args, kernels: str) -> None:
     def plan_for(policy: str, const_update: str, device_layers: str, device_steps: str, table: CostTable) -> Plan:
         return policy_plan(policy, table, options(args, const_update, device_layers, device_steps))
 
-    def run_for(policy: str, suffix: str, host_gib: str, update: str, table: CostTable, plan: Plan,
-                replans: int) -> dict | None:
+    def run_for(policy: str, suffix: str, host_gib: str, update: str, policy_options: PolicyOptions,
+                table: CostTable, plan: Plan, replans: int) -> dict | None:
         """Measure ``plan``: None when it ran, else its out-of-memory record."""
         name = f"{args.model}_{policy}_b{plan.batch_size}_s{args.seq}{suffix}{args.tag}" + (
             f"_replan{replans}" if replans else "")
         if measure(policy, table, plan, name, host_limit_gib=float(host_gib) if host_gib else None,
-                   update=update):
+                   update=update, policy_options=policy_options):
             return None
         return records[-1]
 
@@ -581,7 +623,9 @@ def study(session, args, kernels: str) -> None:
                               + ("" if args.const_update == ["auto"] else f"_const-{const_update}")
                               + ("" if args.device_layers == ["0"] or const_update == "host" else f"_dl{device_layers}")
                               + ("" if args.device_steps == ["0"] or const_update == "host" else f"_ds{device_steps}")
-                              + ("" if threads is None else f"_t{threads}"))
+                              + ("" if threads is None else f"_t{threads}")
+                              + (f"_recal{args.recalibrate}" if args.recalibrate and policy == "solved"
+                                 and update == "cpu" else ""))
                 batch = args.batch
                 if size == "max":
                     t0 = time.perf_counter()
@@ -591,7 +635,9 @@ def study(session, args, kernels: str) -> None:
                           f"{time.perf_counter() - t0:.0f} s)", flush=True)
                 tries(policy, batch, table, args.seq, functools.partial(plan_for, policy, const_update, device_layers,
                                                                       device_steps),
-                      functools.partial(run_for, policy, run_suffix, host_gib, update), walk_down=size == "max")
+                      functools.partial(run_for, policy, run_suffix, host_gib, update,
+                                        options(args, const_update, device_layers, device_steps)),
+                      walk_down=size == "max")
 
     check_copies("after_runs")
     if args.cap_gb:

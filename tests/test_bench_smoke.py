@@ -62,6 +62,24 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
     # the host room is this run's (--host-limit-gb), not the profiled run's
     assert costs["host_bytes"] < 0.5 * 2**30 < old["host_bytes"]
 
+    # --recalibrate: a solved run re-solved on the update rate its first steps measured, as the
+    # trainer does (the table's rate 10^4 x off: never within the tolerance)
+    old["optimizer_ns_per_param"] *= 1e4
+    costs_file.write_text(json.dumps(old))
+    third = tmp_path / "third"
+    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+                    "--seq", "32", "--runs", "solved", "megatrain", "--split-master", "off", "--warmup", "0",
+                    "--steps", "1", "--costs", str(costs_file), "--recalibrate", "2", "--out", str(third)], cwd=ROOT,
+                   check=True, capture_output=True, timeout=300)
+    (records,) = [json.loads(p.read_text()) for p in third.glob("plan_tiny_*.json")]
+    solved, megatrain = [r for r in records if "tokens_per_s" in r]
+    assert solved["name"].endswith("_recal2") and "recalibration" not in megatrain
+    recal = solved["recalibration"]
+    assert recal["calibration_steps"] == 4 and recal["profiled_ns_per_param"] == old["optimizer_ns_per_param"]
+    assert 0 < recal["measured_ns_per_param"] < old["optimizer_ns_per_param"] / 10
+    assert recal["predicted_resolved_s"] <= recal["predicted_current_s"] * (1 + 1e-3)
+    assert solved["cpu_update_params"] > 0
+
 
 def test_plan_bench_does_not_start_a_try_that_its_time_limit_cannot_hold(tmp_path):
     """Building the model alone takes longer than a 0.5 s limit: the try is a record (and a row)

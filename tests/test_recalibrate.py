@@ -91,3 +91,29 @@ def test_a_table_far_off_the_measured_rate_is_corrected_and_training_goes_on(tmp
     predicted = simulate(trainer.plan, trainer.costs, optimizer_overlap=True).step_time_s
     assert trainer.predicted["predicted_step_time_s"] == pytest.approx(predicted)
     assert predicted != pytest.approx(simulate(trainer.plan, table, optimizer_overlap=True).step_time_s)
+
+
+def test_the_update_time_read_after_start_is_the_previous_updates(tmp_path):
+    """`HostUpdater.last_step_seconds` is published when an update is joined: read right after
+    `start`, as the trainer reads it, it is the update before's, even when the new update's
+    worker has already finished (on a tiny model it often had, and the trainer then took the
+    new update's time for the old one's)."""
+    trainer = _trainer(tmp_path, "plan.policy=megatrain")
+    updater = trainer.updater
+    for step in range(3):
+        stats = trainer.executor.forward_backward(*_batch(trainer))
+        updater.start(1.0, 1e-5)
+        updater._thread.join()  # the worker done before the read
+        if step == 0:
+            assert updater.last_step_seconds == 0.0  # no update before the first
+        else:
+            assert updater.last_step_seconds == previous
+        previous = updater._worker_seconds
+        assert previous > 0 and stats.loss > 0
+    updater.finish()
+    assert updater.last_step_seconds == previous  # finish joins the last one
+
+
+def _batch(trainer):
+    batch = next(trainer.batches)
+    return batch.input_ids, batch.labels, batch.attention_mask

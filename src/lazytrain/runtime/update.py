@@ -111,8 +111,21 @@ class HostUpdater:
         if executor.streamed_steps:
             executor.store.pin_masters(executor.streamed_steps)
         self.last_step_seconds = 0.0
+        """The CPU worker's seconds on the last update joined (`start` joins the one before,
+        `finish` its own); 0 before any. Set at the join, not by the worker: read right after
+        `start`, it is the previous update's, whether or not the new one has finished already."""
+        self._worker_seconds = 0.0
         self.wait_seconds = 0.0
         executor.before_load = self.wait_group
+
+    @property
+    def cpu_params(self) -> int:
+        """Parameters of the groups the CPU worker steps: every group's but those the plan steps
+        on the GPU (as it stands: a streamed step that ran out of memory is the CPU's). The
+        denominator of a measured update rate, per model parameter as the cost table's
+        (`policies.recalibrate`)."""
+        on_gpu = self.executor.device_groups | self.executor.streamed_steps
+        return sum(self.executor.store.weights[g].numel() for g in range(self.num_groups) if g not in on_gpu)
 
     def wait_group(self, group: int) -> None:
         """Block until ``group``'s pending update is written (a no-op if none is pending)."""
@@ -281,6 +294,7 @@ class HostUpdater:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.last_step_seconds = self._worker_seconds
         for group, copied_out in self._streamed_done.items():
             if copied_out is not None:
                 copied_out.synchronize()
@@ -320,4 +334,4 @@ class HostUpdater:
             self._error = error
             for event in self._done:
                 event.set()
-        self.last_step_seconds = time.perf_counter() - t0
+        self._worker_seconds = time.perf_counter() - t0

@@ -134,9 +134,7 @@ class Trainer:
         """Re-solve the plan once with the CPU update rate this process's steps measured
         (`policies.recalibrate`); switch to the new plan when it is predicted faster."""
         seconds = sorted(self._update_seconds[1:])  # the first update also warms up
-        on_gpu = self.executor.device_groups | self.executor.streamed_steps
-        on_cpu = [g for g in range(self.executor.num_groups) if g not in on_gpu]
-        params = sum(self.store.weights[g].numel() for g in on_cpu)
+        params = self.updater.cpu_params
         if not seconds or not params:
             return
         measured = seconds[len(seconds) // 2] * 1e9 / params
