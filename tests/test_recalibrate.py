@@ -99,15 +99,12 @@ def test_the_update_time_read_after_start_is_the_previous_updates(tmp_path):
     worker has already finished (on a tiny model it often had, and the trainer then took the
     new update's time for the old one's)."""
     trainer = _trainer(tmp_path, "plan.policy=megatrain")
-    updater = trainer.updater
-    for step in range(3):
+    updater, previous = trainer.updater, 0.0  # no update before the first
+    for _ in range(3):
         stats = trainer.executor.forward_backward(*_batch(trainer))
         updater.start(1.0, 1e-5)
         updater._thread.join()  # the worker done before the read
-        if step == 0:
-            assert updater.last_step_seconds == 0.0  # no update before the first
-        else:
-            assert updater.last_step_seconds == previous
+        assert updater.last_step_seconds == previous
         previous = updater._worker_seconds
         assert previous > 0 and stats.loss > 0
     updater.finish()
