@@ -32,7 +32,9 @@ with the next forward) and simulates the plan, for each scenario:
 - ``..., OPTION recompute MS ms``: that row with every layer's sub-layer recompute OPTION timed at
   MS ms (``--recompute-ms OPTION=MS``), its bytes as profiled: what a faster recompute would buy
   before it is profiled (e.g. ``mlp=27.6``, twice the 7B table's ``mlp_up``, for the lean MLP's
-  ``mlp`` that recomputes the gate and up projections instead of checkpointing the block).
+  ``mlp`` that recomputes the gate and up projections instead of checkpointing the block); and
+  again with each ``--slowdowns`` factor (the update's rate inside a step, which the trainer's
+  recalibration re-solves for).
 
 Compute-only (the issue-19 denominator) is taken from the table as each layer's forward +
 backward plus the head and the embedding (``bench/plan_bench.py`` measures it with the weights
@@ -68,6 +70,8 @@ def compute_only_s(costs: CostTable) -> float:
 
 
 RESIDENT_LAYERS = "embedding, head and first layers on the GPU (auto k)"
+SLOWDOWNS = [1.33]
+"""``--slowdowns``' default."""
 
 DEVICE_UPDATE_BYTES = 4.0625
 """Card bytes per parameter whose update runs on the GPU: the split master's 16-bit remainder (the
@@ -191,7 +195,7 @@ def main() -> None:
     parser.add_argument("--speedups", type=float, nargs="*", default=[1.5, 2.0])
     parser.add_argument("--extra-gb", type=float, nargs="*", default=[15.0, 30.0, 60.0],
                         help="GPU memory added to the card with a free CPU update: what fewer saved bytes would buy")
-    parser.add_argument("--slowdowns", type=float, nargs="*", default=[1.33],
+    parser.add_argument("--slowdowns", type=float, nargs="*", default=SLOWDOWNS,
                         help="the CPU update this many times slower than profiled (as in a step)")
     parser.add_argument("--device-update-bytes", type=float, default=DEVICE_UPDATE_BYTES,
                         help="card bytes per parameter of a group updated on the GPU, for a table without "
@@ -235,6 +239,10 @@ def main() -> None:
         if costs.const_update_ms is not None:
             records.append(row(f"{RESIDENT_LAYERS}, {option} recompute {ms:g} ms", table, args.table,
                                args.time_limit, profiled, "device", None))
+            ns = table.optimizer_ns_per_param
+            records += [row(f"{RESIDENT_LAYERS}, {option} recompute {ms:g} ms, CPU update {f:g} x slower",
+                            dataclasses.replace(table, optimizer_ns_per_param=ns * f), args.table, args.time_limit,
+                            profiled, "device", None) for f in args.slowdowns]
         else:
             records.append(row(f"as profiled, {option} recompute {ms:g} ms", table, args.table, args.time_limit,
                                profiled))
@@ -250,6 +258,8 @@ def main() -> None:
     if args.recompute_ms:
         stem += "_recompute-" + "-".join(item.replace("=", "") for item in args.recompute_ms)
         options += " --recompute-ms " + " ".join(args.recompute_ms)
+    if args.slowdowns != SLOWDOWNS:
+        options += " --slowdowns " + " ".join(f"{f:g}" for f in args.slowdowns)
     path = write_results(records, stem, markdown(records, args.table, options), args.out)
     print(f"wrote {path}")
 

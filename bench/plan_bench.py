@@ -418,7 +418,7 @@ def recalibrated(session, table: CostTable, plan: Plan, policy_options: PolicyOp
     if found is not None:
         info.update(predicted_current_s=found.current_s, predicted_resolved_s=found.resolved_s)
         table, plan = found.costs, found.plan
-    print(f"recalibration: the CPU update ran at {measured:.3f} ns/param in {args.recalibrate} steps against "
+    print(f"recalibration: the CPU update ran at {measured:.3f} ns/param (the median of {args.recalibrate} updates) against "
           f"{info['profiled_ns_per_param']:.3f} profiled; "
           + ("within the tolerance: the plan kept" if found is None else
              f"current plan predicted at {found.current_s:.3f} s, re-solved at {found.resolved_s:.3f} s: "
@@ -741,6 +741,23 @@ def markdown(records: list[dict], args) -> str:
             f"{r.get('peak_gpu_alloc_gb', NAN):.1f} ({r['predicted_peak_gpu_gb']:.1f}) | {r.get('act_host_gb', 0):.1f} "
             f"({r['predicted_act_host_gb']:.1f}) | {r['host_rss_gb']:.1f} |"
         )
+    recalibrated = [r for r in records if "recalibration" in r]
+    if recalibrated:
+        lines += ["", "Recalibrated before the measured steps (`--recalibrate`, as the trainer's "
+                  "`plan.recalibrate_after`): the CPU update's rate in the first steps against the table's, and the "
+                  "plan then measured:", ""]
+        for r in recalibrated:
+            c = r["recalibration"]
+            if "measured_ns_per_param" not in c:
+                lines.append(f"- {r['name']}: {c.get('skipped', 'not recalibrated')}")
+                continue
+            what = ("within the tolerance, the plan kept" if "predicted_resolved_s" not in c else
+                    f"the profiled plan predicted at {c['predicted_current_s']:.3f} s on it, re-solved at "
+                    f"{c['predicted_resolved_s']:.3f} s: " + ("switched" if c["changed"] else "kept"))
+            lines.append(f"- {r['name']}: {c['measured_ns_per_param']:.3f} ns/param measured (the median of the "
+                         f"updates of steps 2-{c['calibration_steps'] - 1} of {c['calibration_steps']}) against "
+                         f"{c['profiled_ns_per_param']:.3f}; {what} "
+                         f"(device layers {r['plan']['device_layers']})")
     typed = [r for r in records if len(r.get("per_layer_type", {})) > 1]
     if typed:
         lines += ["", "Per layer type (predicted: the cost table at the run's batch; measured: one layer of the type, "
