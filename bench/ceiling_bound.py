@@ -177,7 +177,7 @@ def markdown(records: list[dict], table: str, options: str = "") -> str:
         lines.append(f"\n\"{RESIDENT_LAYERS}\": the planner kept layers 0..{resident[0]['device_layers'] - 1} "
                      f"resident (device_layers={resident[0]['device_layers']}; predicted step by number: {tried}).")
     for r in records:
-        if " recompute " in r["name"] and r["name"].endswith(" ms") and r["status"] == "ok":
+        if r["name"].startswith(f"{RESIDENT_LAYERS}, ") and " ms" in r["name"] and r["status"] == "ok":
             lines.append(f"\n\"{r['name']}\": an estimate, not profiled: every layer's recompute option timed at that "
                          f"(`--recompute-ms`), its bytes as profiled; layers 0..{r['device_layers'] - 1} resident.")
     if any(r["const_update"] == "device" for r in records):
