@@ -525,21 +525,26 @@ def study(session, args, kernels: str) -> None:
         """Time ``plan``; record it with its prediction (or its out-of-memory, or why it was not
         started). Whether it ran. With ``--recalibrate`` and ``policy_options`` (a solved plan,
         the CPU update), re-solved on the update rate its first steps measure first."""
+        recalibrating = bool(args.recalibrate and policy_options is not None and policy == "solved"
+                             and update == "cpu")
         if args.time_limit:
             step = simulate(plan, table, optimizer_overlap=True).step_time_s
-            need = (args.warmup + args.steps) * step + TRY_SETUP_S
+            steps, setups = args.warmup + args.steps, 1
+            if recalibrating:  # its own steps and executor first
+                steps, setups = steps + args.recalibrate + 2, 2
+            need = steps * step + setups * TRY_SETUP_S
             left = args.time_limit - (time.perf_counter() - STARTED)
             if need > left:
                 records.append({"name": name, **common, "policy": policy, "batch_size": plan.batch_size,
                                 "seq_len": args.seq, "not_started": (
-                                    f"{args.warmup + args.steps} steps of {step:.1f} s predicted + {TRY_SETUP_S} s "
+                                    f"{steps} steps of {step:.1f} s predicted + {setups} x {TRY_SETUP_S} s "
                                     f"set-up need {need:.0f} s, {left:.0f} s left of --time-limit {args.time_limit:g}")})
                 print(f"{name}: not started: {records[-1]['not_started']}", flush=True)
                 save()
                 return False
         recalibration = None
         try:
-            if args.recalibrate and policy_options is not None and policy == "solved" and update == "cpu":
+            if recalibrating:
                 table, plan, recalibration = recalibrated(session, table, plan, policy_options, args)
             record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps, stage_memory=args.stage_memory,
                                  fetch_allocation=args.fetch_allocation,
