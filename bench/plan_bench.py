@@ -449,14 +449,18 @@ def load_costs(path: str, session, args) -> CostTable:
               + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()), flush=True)
         d = {**d, **measured, "notes": {**d.get("notes", {}), "constants": (
             f"{', '.join(CONSTANTS)} measured by bench/plan_bench.py on {today()}: the table predates {', '.join(missing)}")}}
-    if "const_update_ms" not in d and session.device.type == "cuda":
+    if ("const_update_ms" not in d or "device_step_work_bytes" not in d) and session.device.type == "cuda":
         from lazytrain.runtime.profiler import const_update_costs
 
-        ms, nbytes = const_update_costs(session.make_optimizer, session.store, session.adapter, session.device, 5)
-        print(f"{path} has no const_update_ms: the embedding's and head's device step timed now: "
-              f"{ms} ms, {nbytes / 1e9:.2f} GB", flush=True)
-        d = {**d, "const_update_ms": ms, "const_update_bytes": nbytes, "notes": {**d.get("notes", {}), "const_update": (
-            f"const_update_ms and const_update_bytes measured by bench/plan_bench.py on {today()}: the table predates them")}}
+        ms, nbytes, work = const_update_costs(session.make_optimizer, session.store, session.adapter, session.device, 5)
+        measured = {"device_step_work_bytes": work}
+        if "const_update_ms" not in d:
+            measured.update(const_update_ms=ms, const_update_bytes=nbytes)
+        print(f"{path} has no {', '.join(k for k in measured if k not in d)}: the device step measured now: "
+              f"{ms} ms, {nbytes / 1e9:.2f} GB held, {work / 1e9:.2f} GB while it runs", flush=True)
+        key = "const_update" if "const_update_ms" in measured else "device_step_work"
+        d = {**d, **measured, "notes": {**d.get("notes", {}), key: (
+            f"{', '.join(measured)} measured by bench/plan_bench.py on {today()}: the table predates them")}}
     return session.for_this_run(CostTable.from_dict(d))
 
 

@@ -58,8 +58,11 @@ def test_streamed_steps_take_no_cpu_time_copy_no_gradients_and_stream_their_stat
         assert (end - begin) * max(table.h2d_gbps, table.d2h_gbps) * 1e9 >= nbytes * (1 - 1e-9)  # at most a link's rate
 
 
-def test_streamed_steps_hold_two_slots_through_their_forwards_and_no_gradients():
-    table = device_table()
+@pytest.mark.parametrize("work", [0, 3 * 10**8])
+def test_streamed_steps_hold_two_slots_through_their_forwards_and_no_gradients(work):
+    """The two slots and, measured, the GPU step's temporaries (`device_step_work_bytes`), from
+    the first streamed step to the forward of the last streamed layer."""
+    table = replace(device_table(), device_step_work_bytes=work)
     L, k = table.num_layers, 1
     plan = checkpoint_all_plan(L, table.batch_size, table.seq_len)
     st = _Stages(L)
@@ -69,9 +72,11 @@ def test_streamed_steps_hold_two_slots_through_their_forwards_and_no_gradients()
         more = [0.0] * (st.embed_bwd + 1)
         slots = min(STREAMED_STEP_SLOTS, s) * max(table.streamed_in_bytes(j) for j in range(k, k + s))
         for stage in range(st.embed, st.fwd(k + s - 1) + 1):
-            more[stage] += slots
+            more[stage] += slots + work
         diff = [a - b for a, b in zip(some.gpu_bytes_by_stage, none.gpu_bytes_by_stage)]
         assert diff == pytest.approx(more, abs=1.0)
+    with pytest.raises(ValueError, match="device_step_work_bytes must be >= 0"):
+        replace(table, device_step_work_bytes=-1)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -81,8 +86,8 @@ def test_the_milp_models_streamed_steps_as_the_simulator_does(seed, overlap):
     step, alone). With it, the MILP runs the streamed steps' copies as the simulator does but
     alone, not sharing the H2D link with the forward's weights: a lower bound, within 10% on
     these random tables, whose forwards take tens of ms against hundreds for a layer's states
-    (copies exposed for 0.4-1.2 s of 1-5 s steps)."""
-    table = device_table(seed, 7)
+    (copies exposed for 0.4-1.2 s of 1-5 s steps). Odd seeds with the GPU step's temporaries."""
+    table = replace(device_table(seed, 7), device_step_work_bytes=(seed % 2) * 4 * 10**8)
     for plan in (megatrain_plan(7, table.batch_size, table.seq_len, every=3),
                  checkpoint_all_plan(7, table.batch_size, table.seq_len, "host")):
         for k, s in ((0, 2), (1, 3), (2, 5)):

@@ -103,6 +103,24 @@ def test_the_profiler_times_the_resident_groups_step_on_the_device(tmp_path):
     assert costs.const_update_ms > 0
     per_param = 4 + state_bytes_per_param([session.store.weights[1].numel()])
     assert costs.const_update_bytes == pytest.approx(costs.const_params * per_param, rel=1e-6)
+    assert costs.device_step_work_bytes == 0  # measured on CUDA only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_gpu_steps_temporaries_are_measured(tmp_path):
+    """`CostTable.device_step_work_bytes`: the compiled step's allocations while it runs, one
+    piece's (a scratch group the size of a decoder layer): some, and below 64 bytes per element."""
+    from lazytrain.config import load_config
+    from lazytrain.optim.hybrid8bit import DEVICE_CHUNK
+    from lazytrain.runtime.profiler import const_update_costs
+    from lazytrain.train.session import build_session
+
+    config = load_config(None, [f"training.output_dir={tmp_path}", "model.source=builtin:tiny",
+                                "optimizer.kind=hybrid8bit", "model.dtype=bf16", "memory.split_master=true"])
+    session = build_session(config)
+    ms, held, work = const_update_costs(session.make_optimizer, session.store, session.adapter, session.device, 2)
+    piece = min(DEVICE_CHUNK, session.store.weights[1].numel())
+    assert ms > 0 and held > 0 and 0 < work < 64 * piece
 
 
 def test_the_profilers_saved_tensors_go_at_their_last_use_in_the_backward():

@@ -287,6 +287,11 @@ class CostTable:
     const_update_bytes: int = 0
     """GPU bytes those groups' master remainder (or fp32 master) and optimizer state take
     while they are stepped there (through the whole step, beside ``gpu_fixed_bytes``)."""
+    device_step_work_bytes: int = 0
+    """GPU bytes the optimizer's step on the GPU allocates while it runs (its temporaries, one
+    piece at a time: the same for any group of at least a piece), beyond what it steps; counted
+    for the streamed steps (`Plan.device_steps`), which run beside the forward. 0: not measured
+    (tables written before 2026-12-05, or a CPU profile)."""
 
     h2d_gbps: float
     d2h_gbps: float
@@ -396,6 +401,8 @@ class CostTable:
             raise ValueError(f"const_update_ms must be >= 0 or None, got {self.const_update_ms}")
         if self.const_update_bytes < 0:
             raise ValueError(f"const_update_bytes must be >= 0, got {self.const_update_bytes}")
+        if self.device_step_work_bytes < 0:
+            raise ValueError(f"device_step_work_bytes must be >= 0, got {self.device_step_work_bytes}")
         if self.optimizer_ns_per_param < 0:
             raise ValueError(
                 f"optimizer_ns_per_param must be >= 0, got {self.optimizer_ns_per_param}"

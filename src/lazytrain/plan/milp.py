@@ -692,11 +692,12 @@ def _streamed_steps_done(c: CostTable, device_layers: int, device_steps: int) ->
 
 
 def _streamed_scratch_bytes(c: CostTable, device_layers: int, device_steps: int) -> float:
-    """GPU bytes of the streamed steps' scratch slots (`simulate.STREAMED_STEP_SLOTS`)."""
+    """GPU bytes of the streamed steps' scratch slots (`simulate.STREAMED_STEP_SLOTS`) and the
+    step's temporaries."""
     if not device_steps:
         return 0.0
     largest = max(c.streamed_in_bytes(j) for j in range(device_layers, device_layers + device_steps))
-    return min(STREAMED_STEP_SLOTS, device_steps) * largest
+    return min(STREAMED_STEP_SLOTS, device_steps) * largest + c.device_step_work_bytes
 
 
 def hiding_device_steps(costs: CostTable, device_layers: int) -> int:

@@ -377,7 +377,8 @@ class _StepModel:
         if self.dsteps:
             slots = min(STREAMED_STEP_SLOTS, len(self.dsteps))
             largest = max(c.streamed_in_bytes(j) for j in self.dsteps)
-            self.gpu.append((slots * largest, st.embed, st.fwd(self.dsteps.stop - 1)))
+            # and the step's temporaries, on its own stream, while the steps run
+            self.gpu.append((slots * largest + c.device_step_work_bytes, st.embed, st.fwd(self.dsteps.stop - 1)))
         return ins, outs
 
     def _host_const_update(self, ns: float) -> None:

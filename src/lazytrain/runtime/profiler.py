@@ -329,21 +329,34 @@ def _optimizer_ns_per_param(optimizer_factory: Callable[[list[torch.Tensor], lis
 
 def const_update_costs(optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer],
                        store: HostStore, adapter: ModelAdapter, device: torch.device,
-                       repeats: int) -> tuple[float | None, int]:
+                       repeats: int) -> tuple[float | None, int, int]:
     """The resident groups' optimizer step on ``device`` (`Plan.const_update="device"`): (ms for
-    the embedding and final group together, GPU bytes their masters and states take there),
+    the embedding and final group together, GPU bytes their masters and states take there, GPU
+    bytes the step allocates while it runs: `CostTable.device_step_work_bytes`, on CUDA only),
     timed on a scratch group the size of a decoder layer (the step is elementwise: its time is
-    linear in the elements) with states of the embedding's kind; (None, 0) where the optimizer
-    has no device step."""
+    linear in the elements) with states of the embedding's kind; (None, 0, 0) where the
+    optimizer has no device step."""
     scratch, master = _scratch_layer_group(optimizer_factory, store, adapter)
     if not scratch.device_step:
-        return None, 0
+        return None, 0, 0
     scratch.to_device(0, store.weights[1].to(device, copy=True))
     grad = torch.randn(master.numel(), device=device).to(store.dtype)
-    ms = time_ms(device, lambda: scratch.step_group(0, grad, 0.5, 1e-5, None), repeats)
+
+    def step():
+        scratch.step_group(0, grad, 0.5, 1e-5, None)
+
+    ms = time_ms(device, step, repeats)
+    work = 0
+    if device.type == "cuda":  # compiled and warm by now: one more step, its peak above what it holds
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize(device)
+        work = torch.cuda.max_memory_allocated(device) - before
     held = scratch.state_bytes() + master.numel() * (2 if isinstance(master, SplitMaster) else 4)
     scale = (adapter.layouts[0].numel + adapter.final_layout.numel) / master.numel()
-    return ms * scale, round(held * scale)
+    return ms * scale, round(held * scale), work
 
 
 def _nvme_bandwidths(nvme: NvmeStore, nbytes: int, files: int = 4) -> dict:
@@ -428,8 +441,9 @@ def profile(
         constants = measure_constants(executor, store, device, batch_size, seq_len, repeats)
         optimizer_ns, optimizer = _optimizer_ns_per_param(optimizer_factory, store, adapter, repeats)
         # data parallel steps each rank's shard of them on the host (`Executor`)
-        const_update_ms, const_update_bytes = (
-            const_update_costs(optimizer_factory, store, adapter, device, repeats) if local_world_size == 1 else (None, 0))
+        const_update_ms, const_update_bytes, device_step_work_bytes = (
+            const_update_costs(optimizer_factory, store, adapter, device, repeats) if local_world_size == 1
+            else (None, 0, 0))
         esize = store.weights[1].element_size()
         type_costs = {
             kind: LayerCosts(
@@ -482,6 +496,7 @@ def profile(
             optimizer=optimizer,
             const_update_ms=const_update_ms,
             const_update_bytes=const_update_bytes,
+            device_step_work_bytes=device_step_work_bytes,
             gpu_bytes=usable_gpu_bytes(gpu_bytes or total_gpu),
             # resident embedding and final group and their gradients; the CUDA context and the
             # allocator's slack come out of gpu_bytes (usable_gpu_bytes), not here
