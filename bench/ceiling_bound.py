@@ -32,9 +32,9 @@ with the next forward) and simulates the plan, for each scenario:
 - ``..., OPTION recompute MS ms``: that row with every layer's sub-layer recompute OPTION timed at
   MS ms (``--recompute-ms OPTION=MS``), its bytes as profiled: what a faster recompute would buy
   before it is profiled (e.g. ``mlp=27.6``, twice the 7B table's ``mlp_up``, for the lean MLP's
-  ``mlp`` that recomputes the gate and up projections instead of checkpointing the block); and
-  again with each ``--slowdowns`` factor (the update's rate inside a step, which the trainer's
-  recalibration re-solves for).
+  ``mlp`` that recomputes the gate and up projections instead of checkpointing the block); and,
+  on a table with ``const_update_ms`` (auto k), again with each ``--slowdowns`` factor (the
+  update's rate inside a step, which the trainer's recalibration re-solves for).
 
 Compute-only (the issue-19 denominator) is taken from the table as each layer's forward +
 backward plus the head and the embedding (``bench/plan_bench.py`` measures it with the weights
@@ -177,9 +177,11 @@ def markdown(records: list[dict], table: str, options: str = "") -> str:
         lines.append(f"\n\"{RESIDENT_LAYERS}\": the planner kept layers 0..{resident[0]['device_layers'] - 1} "
                      f"resident (device_layers={resident[0]['device_layers']}; predicted step by number: {tried}).")
     for r in records:
-        if r["name"].startswith(f"{RESIDENT_LAYERS}, ") and " ms" in r["name"] and r["status"] == "ok":
+        if " recompute " in r["name"] and " ms" in r["name"] and r["status"] == "ok":
+            k = r["device_layers"]
             lines.append(f"\n\"{r['name']}\": an estimate, not profiled: every layer's recompute option timed at that "
-                         f"(`--recompute-ms`), its bytes as profiled; layers 0..{r['device_layers'] - 1} resident.")
+                         f"(`--recompute-ms`), its bytes as profiled; "
+                         + (f"layers 0..{k - 1} resident." if k else "no layer resident."))
     if any(r["const_update"] == "device" for r in records):
         lines.append("\n\"embedding + head updated on the GPU\": the plan's const_update=device with the table's "
                      "const_update_ms and const_update_bytes; every other row steps them on the host.")

@@ -286,6 +286,7 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
     record = {key: statistics.median(r[key] for r in per_step) for key in per_step[0]
               if isinstance(per_step[0][key], float)}
     record["host_buffers_gb_by_step"] = [r["host_buffers_gb"] for r in per_step]
+    record["cpu_update_s_by_step"] = [r["cpu_update_s"] for r in per_step]
     if batches is not None:
         total_s = sum(step_times)
         record.update({key: sum(r[key] * r["step_time_s"] for r in per_step) / total_s

@@ -37,11 +37,12 @@ One process, one model in host memory (random init of a real config):
    ``optimizer_ns_per_param=0``: what the update costs the step, measured (issue 19; the rows
    of 2026-12-04 used ``--costs`` with the committed 12-03 tables instead of profiling).
 
-7. ``--recalibrate N``: a solved run as the trainer runs it (``plan.recalibrate_after``): N + 2
-   steps first, the CPU update's rate measured in them (the median of the updates after the
-   first) and the plan re-solved on it when the table's is off (`policies.recalibrate`); then
-   the measured steps, on the re-solved plan and its table (the record's ``recalibration``:
-   both rates, whether the plan changed, both predictions).
+7. ``--recalibrate N``: a solved run as the trainer runs it with ``plan.recalibrate_after=N``:
+   N + 1 steps first, the CPU update's rate measured in them as the trainer measures it (updates
+   2..N, `policies.measured_update_rate`) and the plan re-solved on it when the table's is off
+   (`policies.recalibrate`); then the measured steps, on the re-solved plan and its table (the
+   record's ``recalibration``: both rates, the update times, whether the plan changed, both
+   predictions).
 
 JSON (written after every run, so a cut-off call keeps what finished) and Markdown to ``--out``.
 ``--time-limit SECONDS`` (the call's limit less a margin): a try that cannot finish in what is
@@ -87,7 +88,7 @@ from lazytrain.model.kernels import select_linear_attention_kernels
 from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable, usable_gpu_bytes
 from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.plan import Plan, keep_all_plan
-from lazytrain.plan.policies import PolicyOptions, policy_plan, recalibrate
+from lazytrain.plan.policies import PolicyOptions, measured_update_rate, policy_plan, recalibrate
 from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom, search_batch
 from lazytrain.plan.simulate import simulate
 from lazytrain.runtime.device import cap_gpu_memory, oom_need_bytes
@@ -363,8 +364,9 @@ def main() -> None:
                              "CPU update at the table's rate); several: each run once per value, crossed with "
                              "--device-layers (runs with --const-update host take 0)")
     parser.add_argument("--recalibrate", type=int, default=0, metavar="N",
-                        help="solved runs with the CPU update: N + 2 steps first, then the plan re-solved on the "
-                             "update rate they measured, as the trainer does (plan.recalibrate_after); 0: off")
+                        help="solved runs with the CPU update: N + 1 steps first, then the plan re-solved on the "
+                             "update rate they measured, as the trainer does with plan.recalibrate_after=N (N >= 2); "
+                             "0: off")
     parser.add_argument("--optimizer-threads", nargs="+", type=int, default=[],
                         help="torch intra-op threads (the CPU optimizer's team) for the runs: several: each run "
                              "once per value (default: torch's, one per core)")
@@ -382,6 +384,8 @@ def main() -> None:
                         help="host budget in GiB (default: the machine less its reserve)")
     parser.add_argument("--baseline", default=None, help="records of the same shape to compare tokens/s with")
     args = parser.parse_args()
+    if args.recalibrate and args.recalibrate < 2:
+        parser.error(f"--recalibrate {args.recalibrate}: N must be 0 (off) or >= 2 (updates 2..N are timed)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("plan_bench needs a CUDA device (--device cpu runs a smoke test of the script)")
     if args.device != "cuda" and args.cap_gb:
@@ -402,23 +406,29 @@ def main() -> None:
 
 def recalibrated(session, table: CostTable, plan: Plan, policy_options: PolicyOptions,
                  args) -> tuple[CostTable, Plan, dict]:
-    """What the trainer's recalibration makes of ``plan`` (`Trainer._recalibrate`): ``args.recalibrate``
-    + 2 steps run, the CPU update's rate measured in them (the median over the updates after the
-    first: the first warms up), and the plan re-solved on it (`policies.recalibrate`). The table
-    and plan to measure, and what happened."""
-    calibration = timed_steps(session, plan, warmup=2, steps=args.recalibrate, fetch_allocation=args.fetch_allocation)
-    if not calibration["cpu_update_params"] or not calibration["cpu_update_s"] > 0:
-        return table, plan, {"calibration_steps": args.recalibrate + 2, "changed": False,
-                             "skipped": "no CPU update to measure"}
-    measured = calibration["cpu_update_s"] * 1e9 / calibration["cpu_update_params"]
+    """What the trainer's recalibration (``plan.recalibrate_after`` = ``args.recalibrate``) makes
+    of ``plan`` (`Trainer._recalibrate`): as in the trainer, the updates of steps 1..N timed
+    (each read at the next step's start: N + 1 steps run), their rate taken as the trainer takes
+    it (`policies.measured_update_rate`: the first left out) and the plan re-solved on it
+    (`policies.recalibrate`). The table and plan to measure, and what happened."""
+    n = args.recalibrate
+    calibration = timed_steps(session, plan, warmup=1, steps=n, fetch_allocation=args.fetch_allocation)
+    info = {"calibration_steps": n + 1, "changed": False}
+    if calibration["update_out_of_memory"] is not None:  # some GPU steps went to the CPU midway
+        return table, plan, {**info, "skipped": "a GPU optimizer step ran out of memory: "
+                             + calibration["update_out_of_memory"]}
+    measured = measured_update_rate(calibration["cpu_update_s_by_step"], calibration["cpu_update_params"])
+    if measured is None or not measured > 0:
+        return table, plan, {**info, "skipped": "no CPU update to measure"}
     found = recalibrate(plan, table, measured, policy_options)
-    info = {"calibration_steps": args.recalibrate + 2, "measured_ns_per_param": measured,
+    info = {**info, "measured_ns_per_param": measured,
             "profiled_ns_per_param": table.optimizer_ns_per_param, "changed": bool(found and found.changed),
+            "update_s_by_step": calibration["cpu_update_s_by_step"],
             "calibration_step_time_s": calibration["step_time_s"]}
     if found is not None:
         info.update(predicted_current_s=found.current_s, predicted_resolved_s=found.resolved_s)
         table, plan = found.costs, found.plan
-    print(f"recalibration: the CPU update ran at {measured:.3f} ns/param (the median of {args.recalibrate} updates) against "
+    print(f"recalibration: the CPU update ran at {measured:.3f} ns/param (updates 2-{n}) against "
           f"{info['profiled_ns_per_param']:.3f} profiled; "
           + ("within the tolerance: the plan kept" if found is None else
              f"current plan predicted at {found.current_s:.3f} s, re-solved at {found.resolved_s:.3f} s: "
@@ -449,7 +459,7 @@ def load_costs(path: str, session, args) -> CostTable:
               + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()), flush=True)
         d = {**d, **measured, "notes": {**d.get("notes", {}), "constants": (
             f"{', '.join(CONSTANTS)} measured by bench/plan_bench.py on {today()}: the table predates {', '.join(missing)}")}}
-    if ("const_update_ms" not in d or "device_step_work_bytes" not in d) and session.device.type == "cuda":
+    if ("const_update_ms" not in d or not d.get("device_step_work_bytes")) and session.device.type == "cuda":
         from lazytrain.runtime.profiler import const_update_costs
 
         ms, nbytes, work = const_update_costs(session.make_optimizer, session.store, session.adapter, session.device, 5)
@@ -534,8 +544,8 @@ def study(session, args, kernels: str) -> None:
         if args.time_limit:
             step = simulate(plan, table, optimizer_overlap=True).step_time_s
             steps, setups = args.warmup + args.steps, 1
-            if recalibrating:  # its own steps and executor first
-                steps, setups = steps + args.recalibrate + 2, 2
+            if recalibrating:  # its own steps and executor first (the re-solve not counted)
+                steps, setups = steps + args.recalibrate + 1, 2
             need = steps * step + setups * TRY_SETUP_S
             left = args.time_limit - (time.perf_counter() - STARTED)
             if need > left:
@@ -763,10 +773,10 @@ def markdown(records: list[dict], args) -> str:
             what = ("within the tolerance, the plan kept" if "predicted_resolved_s" not in c else
                     f"the profiled plan predicted at {c['predicted_current_s']:.3f} s on it, re-solved at "
                     f"{c['predicted_resolved_s']:.3f} s: " + ("switched" if c["changed"] else "kept"))
-            lines.append(f"- {r['name']}: {c['measured_ns_per_param']:.3f} ns/param measured (the median of the "
-                         f"updates of steps 2-{c['calibration_steps'] - 1} of {c['calibration_steps']}) against "
-                         f"{c['profiled_ns_per_param']:.3f}; {what} "
-                         f"(device layers {r['plan']['device_layers']})")
+            lines.append(f"- {r['name']}: {c['measured_ns_per_param']:.3f} ns/param measured (updates 2-"
+                         f"{c['calibration_steps'] - 1}, as the trainer) against {c['profiled_ns_per_param']:.3f}; "
+                         f"{what} (device layers {r['plan']['device_layers']}, device steps "
+                         f"{r['plan']['device_steps']})")
     typed = [r for r in records if len(r.get("per_layer_type", {})) > 1]
     if typed:
         lines += ["", "Per layer type (predicted: the cost table at the run's batch; measured: one layer of the type, "

@@ -75,10 +75,24 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
     solved, megatrain = [r for r in records if "tokens_per_s" in r]
     assert solved["name"].endswith("_recal2") and "recalibration" not in megatrain
     recal = solved["recalibration"]
-    assert recal["calibration_steps"] == 4 and recal["profiled_ns_per_param"] == old["optimizer_ns_per_param"]
+    # as plan.recalibrate_after=2: steps 1-3 run, updates 1 and 2 timed, the first left out
+    assert recal["calibration_steps"] == 3 and len(recal["update_s_by_step"]) == 2
+    assert recal["profiled_ns_per_param"] == old["optimizer_ns_per_param"]
     assert 0 < recal["measured_ns_per_param"] < old["optimizer_ns_per_param"] / 10
     assert recal["predicted_resolved_s"] <= recal["predicted_current_s"] * (1 + 1e-3)
     assert solved["cpu_update_params"] > 0
+    # the measured run is predicted on the measured rate (the corrected table), not the table's
+    from lazytrain.plan.costs import CostTable
+    from lazytrain.plan.plan import Plan
+    from lazytrain.plan.simulate import simulate
+
+    (table,) = [CostTable.from_dict(r["costs"]) for r in records if r["name"] == "costs"]
+    plan = Plan.from_dict(solved["plan"])
+    corrected = dataclasses.replace(table, optimizer_ns_per_param=recal["measured_ns_per_param"])
+    assert solved["predicted_step_time_s"] == pytest.approx(simulate(plan, corrected, optimizer_overlap=True).step_time_s)
+    assert simulate(plan, table, optimizer_overlap=True).step_time_s > 2 * solved["predicted_step_time_s"]
+    report = next(third.glob("plan_tiny_*.md")).read_text()
+    assert "Recalibrated before the measured steps" in report and "updates 2-2, as the trainer" in report
 
 
 def test_plan_bench_does_not_start_a_try_that_its_time_limit_cannot_hold(tmp_path):

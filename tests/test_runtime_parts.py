@@ -103,7 +103,8 @@ def test_the_profiler_times_the_resident_groups_step_on_the_device(tmp_path):
     assert costs.const_update_ms > 0
     per_param = 4 + state_bytes_per_param([session.store.weights[1].numel()])
     assert costs.const_update_bytes == pytest.approx(costs.const_params * per_param, rel=1e-6)
-    assert costs.device_step_work_bytes == 0  # measured on CUDA only
+    if session.device.type == "cpu":
+        assert costs.device_step_work_bytes == 0  # measured on CUDA only
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

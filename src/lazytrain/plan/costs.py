@@ -288,10 +288,10 @@ class CostTable:
     """GPU bytes those groups' master remainder (or fp32 master) and optimizer state take
     while they are stepped there (through the whole step, beside ``gpu_fixed_bytes``)."""
     device_step_work_bytes: int = 0
-    """GPU bytes the optimizer's step on the GPU allocates while it runs (its temporaries, one
-    piece at a time: the same for any group of at least a piece), beyond what it steps; counted
-    for the streamed steps (`Plan.device_steps`), which run beside the forward. 0: not measured
-    (tables written before 2026-12-05, or a CPU profile)."""
+    """GPU bytes a decoder layer's optimizer step on the GPU allocates while it runs (its
+    temporaries, one piece at a time), beyond what it steps; counted for the streamed steps
+    (`Plan.device_steps`), which run beside the forward. 0: not measured (tables written before
+    2026-12-05, a CPU or multi-rank profile, an optimizer without a device step)."""
 
     h2d_gbps: float
     d2h_gbps: float

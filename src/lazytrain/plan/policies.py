@@ -138,6 +138,16 @@ class Recalibration:
     resolved_s: float
 
 
+def measured_update_rate(update_seconds: list[float], params: int) -> float | None:
+    """The CPU update's ns per parameter that recalibration uses: of a run's update times in
+    order (``update_seconds``; the first warms up and is left out), the upper median, over the
+    ``params`` the CPU stepped; None without a time after the first or without parameters."""
+    seconds = sorted(update_seconds[1:])
+    if not seconds or not params:
+        return None
+    return seconds[len(seconds) // 2] * 1e9 / params
+
+
 def recalibrate(plan: Plan, costs: CostTable, measured_ns_per_param: float,
                 options: PolicyOptions | None = None) -> Recalibration | None:
     """A solved ``plan`` re-solved with the CPU update rate a run measured (ns per parameter of

@@ -32,6 +32,7 @@ from lazytrain.model.adapter import ModelAdapter, mask_tensors
 from lazytrain.model.lean import Recipe, Recomputed, recomputed_read, saved_recipe
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.optim.factory import describe
+from lazytrain.optim.quant import BLOCK
 from lazytrain.optim.split import SplitMaster
 from lazytrain.plan.costs import (
     CostTable,
@@ -346,17 +347,35 @@ def const_update_costs(optimizer_factory: Callable[[list[torch.Tensor], list[int
         scratch.step_group(0, grad, 0.5, 1e-5, None)
 
     ms = time_ms(device, step, repeats)
-    work = 0
-    if device.type == "cuda":  # compiled and warm by now: one more step, its peak above what it holds
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize(device)
-        work = torch.cuda.max_memory_allocated(device) - before
     held = scratch.state_bytes() + master.numel() * (2 if isinstance(master, SplitMaster) else 4)
     scale = (adapter.layouts[0].numel + adapter.final_layout.numel) / master.numel()
-    return ms * scale, round(held * scale), work
+    del scratch, grad
+    return ms * scale, round(held * scale), _device_step_work_bytes(optimizer_factory, store, adapter, device)
+
+
+def _device_step_work_bytes(optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer],
+                            store: HostStore, adapter: ModelAdapter, device: torch.device) -> int:
+    """GPU bytes a decoder layer's optimizer step on ``device`` allocates while it runs, above
+    what it holds (`CostTable.device_step_work_bytes`): the allocator's peak on one warm step
+    of a scratch copy of the first layer's group, the middle of three (the first and last
+    groups may keep fp32 states, ``optimizer.fp32_embedding_states``; a layer's are 8-bit). 0
+    off CUDA."""
+    if device.type != "cuda":
+        return 0
+    layer = store.weights[1].float()
+    ends = [torch.zeros(BLOCK) for _ in range(2)]
+    if isinstance(store.masters[1], SplitMaster):
+        layer, ends = SplitMaster.of(layer), [SplitMaster.of(e) for e in ends]
+    scratch = optimizer_factory([ends[0], layer, ends[1]], [0, adapter.layouts[1].decay_numel, 0])
+    scratch.to_device(1, store.weights[1].to(device, copy=True))
+    grad = torch.randn(layer.numel(), device=device).to(store.dtype)
+    scratch.step_group(1, grad, 0.5, 1e-5, None)  # compiled and warm
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    scratch.step_group(1, grad, 0.5, 1e-5, None)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
 
 
 def _nvme_bandwidths(nvme: NvmeStore, nbytes: int, files: int = 4) -> dict:

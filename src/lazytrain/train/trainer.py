@@ -32,7 +32,7 @@ from lazytrain.model.loading import save_hf
 from lazytrain.plan.costs import CostTable
 from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.plan import Plan
-from lazytrain.plan.policies import policy_plan, recalibrate
+from lazytrain.plan.policies import measured_update_rate, policy_plan, recalibrate
 from lazytrain.plan.render import format_plan_table
 from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
 from lazytrain.plan.simulate import simulate
@@ -133,11 +133,9 @@ class Trainer:
     def _recalibrate(self) -> None:
         """Re-solve the plan once with the CPU update rate this process's steps measured
         (`policies.recalibrate`); switch to the new plan when it is predicted faster."""
-        seconds = sorted(self._update_seconds[1:])  # the first update also warms up
-        params = self.updater.cpu_params
-        if not seconds or not params:
+        measured = measured_update_rate(self._update_seconds, self.updater.cpu_params)
+        if measured is None:
             return
-        measured = seconds[len(seconds) // 2] * 1e9 / params
         profiled = self.costs.optimizer_ns_per_param
         started = time.perf_counter()
         found = recalibrate(self.plan, self.costs, measured, self.session.policy_options())
