@@ -762,9 +762,9 @@ def markdown(records: list[dict], args) -> str:
         )
     recalibrated = [r for r in records if "recalibration" in r]
     if recalibrated:
-        lines += ["", "Recalibrated before the measured steps (`--recalibrate`, as the trainer's "
-                  "`plan.recalibrate_after`): the CPU update's rate in the first steps against the table's, and the "
-                  "plan then measured:", ""]
+        lines += ["", ("Recalibrated before the measured steps (`--recalibrate`, as the trainer's "
+                       "`plan.recalibrate_after`): the CPU update's rate in the first steps against the table's, and "
+                       "the plan then measured:"), ""]
         for r in recalibrated:
             c = r["recalibration"]
             if "measured_ns_per_param" not in c:

@@ -349,7 +349,6 @@ def const_update_costs(optimizer_factory: Callable[[list[torch.Tensor], list[int
     ms = time_ms(device, step, repeats)
     held = scratch.state_bytes() + master.numel() * (2 if isinstance(master, SplitMaster) else 4)
     scale = (adapter.layouts[0].numel + adapter.final_layout.numel) / master.numel()
-    del scratch, grad
     return ms * scale, round(held * scale), _device_step_work_bytes(optimizer_factory, store, adapter, device)
 
 
