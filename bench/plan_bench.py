@@ -544,8 +544,9 @@ def study(session, args, kernels: str) -> None:
         if args.time_limit:
             step = simulate(plan, table, optimizer_overlap=True).step_time_s
             steps, setups = args.warmup + args.steps, 1
-            if recalibrating:  # its own steps and executor first (the re-solve not counted)
-                steps, setups = steps + args.recalibrate + 1, 2
+            if recalibrating:  # its own steps and executor first, and the re-solve (10 s on the H200
+                # at 7B, 2026-12-04; up to ~60 s with auto k on 2 cores): a set-up's time more
+                steps, setups = steps + args.recalibrate + 1, 3
             need = steps * step + setups * TRY_SETUP_S
             left = args.time_limit - (time.perf_counter() - STARTED)
             if need > left:
