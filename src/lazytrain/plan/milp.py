@@ -785,12 +785,13 @@ DEVICE_LAYER_CANDIDATES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 """The first numbers of resident layers `solve_plan` tries with ``device_layers=None``; it then
 bisects between the best and its neighbours."""
 
-DEVICE_LAYER_TOLERANCE = 0.005
+DEVICE_LAYER_TOLERANCE = 0.001
 """The search does not bisect toward a neighbour predicted within this fraction of the best: near
-the optimum the step changes by tenths of a percent per layer (7B on the H200: 5.276-5.301 s for
-2-6 layers), far below the planner's error (steps measured 3-19% over their prediction), and each
-MILP solve takes seconds (`bench/device_layers_search.py`: 41 -> 38 s at 28 layers, 65 -> 47 s at
-48, 68 -> 47 s at 64, on 2 cores)."""
+the optimum the step changes by tenths of a percent per layer, and each MILP solve takes seconds
+(`bench/device_layers_search.py`: 41 -> 38 s at 28 layers, 65 -> 47 s at 48, 68 -> 47 s at 64, on
+2 cores, at 0.005). 0.005 until 2026-12-05: on the H200 at 7B it kept k = 4 (5.331 s predicted)
+with k = 8 0.35% behind and never tried 6 (5.317 s), where the CPU update stops pacing the
+forward; measured in one process, 4 took 5.352 s a step and 6 5.267 s."""
 
 
 def _check_device_layers(costs: CostTable, const_update: str | None, device_layers: int | None) -> None:
