@@ -40,9 +40,11 @@ One process, one model in host memory (random init of a real config):
 7. ``--recalibrate N``: a solved run as the trainer runs it with ``plan.recalibrate_after=N``:
    N + 1 steps first, the CPU update's rate measured in them as the trainer measures it (updates
    2..N, `policies.measured_update_rate`) and the plan re-solved on it when the table's is off
-   (`policies.recalibrate`); then the measured steps, on the re-solved plan and its table (the
-   record's ``recalibration``: both rates, the update times, whether the plan changed, both
-   predictions).
+   (`policies.recalibrate`); a plan it switched to is measured and re-solved in turn, as in the
+   trainer (up to `policies.MAX_RECALIBRATIONS` rounds, after the first on the slower of the
+   measured and the table's rate); then the measured steps, on the last plan and its table (the
+   record's ``recalibration``: the first round's rates, update times and predictions at the top,
+   ``changed`` when any round switched, every round in ``rounds``).
 
 JSON (written after every run, so a cut-off call keeps what finished) and Markdown to ``--out``.
 ``--time-limit SECONDS`` (the call's limit less a margin): a try that cannot finish in what is
@@ -88,7 +90,14 @@ from lazytrain.model.kernels import select_linear_attention_kernels
 from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable, usable_gpu_bytes
 from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.plan import Plan, keep_all_plan
-from lazytrain.plan.policies import PolicyOptions, measured_update_rate, policy_plan, recalibrate
+from lazytrain.plan.policies import (
+    MAX_RECALIBRATIONS,
+    PolicyOptions,
+    measured_update_rate,
+    planned_update_rate,
+    policy_plan,
+    recalibrate,
+)
 from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom, search_batch
 from lazytrain.plan.simulate import simulate
 from lazytrain.runtime.device import cap_gpu_memory, oom_need_bytes
@@ -407,33 +416,51 @@ def main() -> None:
 def recalibrated(session, table: CostTable, plan: Plan, policy_options: PolicyOptions,
                  args) -> tuple[CostTable, Plan, dict]:
     """What the trainer's recalibration (``plan.recalibrate_after`` = ``args.recalibrate``) makes
-    of ``plan`` (`Trainer._recalibrate`): as in the trainer, the updates of steps 1..N timed
-    (each read at the next step's start: N + 1 steps run), their rate taken as the trainer takes
-    it (`policies.measured_update_rate`: the first left out) and the plan re-solved on it
-    (`policies.recalibrate`). The table and plan to measure, and what happened."""
+    of ``plan`` (`Trainer._recalibrate`), round by round as in the trainer: the updates of steps
+    1..N timed (each read at the next step's start: N + 1 steps run), their rate taken as the
+    trainer takes it (`policies.measured_update_rate`: the first left out; after the first round
+    the slower of it and the table's, `policies.planned_update_rate`) and the plan re-solved on it
+    (`policies.recalibrate`); a round that switched plans is followed by one on the new plan, up to
+    `MAX_RECALIBRATIONS` rounds (a further round that ``args.time_limit`` cannot hold is not run).
+    The table and plan to measure, and what happened: the first round's fields, ``changed`` when
+    any round switched, and every round in ``rounds``."""
     n = args.recalibrate
-    calibration = timed_steps(session, plan, warmup=1, steps=n, fetch_allocation=args.fetch_allocation)
-    info = {"calibration_steps": n + 1, "changed": False}
-    if calibration["update_out_of_memory"] is not None:  # some GPU steps went to the CPU midway
-        return table, plan, {**info, "skipped": "a GPU optimizer step ran out of memory: "
-                             + calibration["update_out_of_memory"]}
-    measured = measured_update_rate(calibration["cpu_update_s_by_step"], calibration["cpu_update_params"])
-    if measured is None or not measured > 0:
-        return table, plan, {**info, "skipped": "no CPU update to measure"}
-    found = recalibrate(plan, table, measured, policy_options)
-    info = {**info, "measured_ns_per_param": measured,
-            "profiled_ns_per_param": table.optimizer_ns_per_param, "changed": bool(found and found.changed),
-            "update_s_by_step": calibration["cpu_update_s_by_step"],
-            "calibration_step_time_s": calibration["step_time_s"]}
-    if found is not None:
-        info.update(predicted_current_s=found.current_s, predicted_resolved_s=found.resolved_s)
-        table, plan = found.costs, found.plan
-    print(f"recalibration: the CPU update ran at {measured:.3f} ns/param (updates 2-{n}) against "
-          f"{info['profiled_ns_per_param']:.3f} profiled; "
-          + ("within the tolerance: the plan kept" if found is None else
-             f"current plan predicted at {found.current_s:.3f} s, re-solved at {found.resolved_s:.3f} s: "
-             + ("switching to it" if found.changed else "keeping the current one")), flush=True)
-    return table, plan, info
+    rounds: list[dict] = []
+    while len(rounds) < MAX_RECALIBRATIONS:
+        if rounds and args.time_limit:
+            step = simulate(plan, table, optimizer_overlap=True).step_time_s
+            need = (n + 1 + args.warmup + args.steps) * step + 2 * TRY_SETUP_S
+            if need > args.time_limit - (time.perf_counter() - STARTED):
+                rounds[-1]["stopped"] = f"no room in --time-limit {args.time_limit:g} for another round"
+                break
+        calibration = timed_steps(session, plan, warmup=1, steps=n, fetch_allocation=args.fetch_allocation)
+        info = {"calibration_steps": n + 1, "changed": False, "device_layers": plan.device_layers}
+        rounds.append(info)
+        if calibration["update_out_of_memory"] is not None:  # some GPU steps went to the CPU midway
+            info["skipped"] = "a GPU optimizer step ran out of memory: " + calibration["update_out_of_memory"]
+            break
+        measured = measured_update_rate(calibration["cpu_update_s_by_step"], calibration["cpu_update_params"])
+        if measured is None or not measured > 0:
+            info["skipped"] = "no CPU update to measure"
+            break
+        planned = planned_update_rate(measured, table, earlier=len(rounds) > 1)
+        found = recalibrate(plan, table, planned, policy_options)
+        info.update(measured_ns_per_param=measured, planned_ns_per_param=planned,
+                    profiled_ns_per_param=table.optimizer_ns_per_param, changed=bool(found and found.changed),
+                    update_s_by_step=calibration["cpu_update_s_by_step"],
+                    calibration_step_time_s=calibration["step_time_s"])
+        if found is not None:
+            info.update(predicted_current_s=found.current_s, predicted_resolved_s=found.resolved_s)
+            table, plan = found.costs, found.plan
+        print(f"recalibration round {len(rounds)}: the CPU update ran at {measured:.3f} ns/param (updates 2-{n}) "
+              f"against {info['profiled_ns_per_param']:.3f} in the table"
+              + (f" (planned for {planned:.3f}, the slower)" if planned != measured else "") + "; "
+              + ("within the tolerance: the plan kept" if found is None else
+                 f"current plan predicted at {found.current_s:.3f} s, re-solved at {found.resolved_s:.3f} s: "
+                 + ("switching to it" if found.changed else "keeping the current one")), flush=True)
+        if not info["changed"]:
+            break
+    return table, plan, {**rounds[0], "changed": any(r["changed"] for r in rounds), "rounds": rounds}
 
 
 def predicted_stages(record: dict, predicted) -> None:
@@ -767,17 +794,21 @@ def markdown(records: list[dict], args) -> str:
                        "`plan.recalibrate_after`): the CPU update's rate in the first steps against the table's, and "
                        "the plan then measured:"), ""]
         for r in recalibrated:
-            c = r["recalibration"]
-            if "measured_ns_per_param" not in c:
-                lines.append(f"- {r['name']}: {c.get('skipped', 'not recalibrated')}")
-                continue
-            what = ("within the tolerance, the plan kept" if "predicted_resolved_s" not in c else
-                    f"the profiled plan predicted at {c['predicted_current_s']:.3f} s on it, re-solved at "
-                    f"{c['predicted_resolved_s']:.3f} s: " + ("switched" if c["changed"] else "kept"))
-            lines.append(f"- {r['name']}: {c['measured_ns_per_param']:.3f} ns/param measured (updates 2-"
-                         f"{c['calibration_steps'] - 1}, as the trainer) against {c['profiled_ns_per_param']:.3f}; "
-                         f"{what} (device layers {r['plan']['device_layers']}, device steps "
-                         f"{r['plan']['device_steps']})")
+            said = []
+            for i, c in enumerate(r["recalibration"].get("rounds", [r["recalibration"]]), 1):
+                if "measured_ns_per_param" not in c:
+                    said.append(f"round {i}: {c.get('skipped', 'not recalibrated')}")
+                    continue
+                planned = c.get("planned_ns_per_param", c["measured_ns_per_param"])
+                what = ("within the tolerance, the plan kept" if "predicted_resolved_s" not in c else
+                        f"the plan predicted at {c['predicted_current_s']:.3f} s on it, re-solved at "
+                        f"{c['predicted_resolved_s']:.3f} s: " + ("switched" if c["changed"] else "kept"))
+                said.append(f"round {i}: {c['measured_ns_per_param']:.3f} ns/param measured (updates 2-"
+                            f"{c['calibration_steps'] - 1}, as the trainer) against {c['profiled_ns_per_param']:.3f}"
+                            + (f", planned for {planned:.3f}" if planned != c["measured_ns_per_param"] else "")
+                            + f"; {what}" + (f"; {c['stopped']}" if "stopped" in c else ""))
+            lines.append(f"- {r['name']}: " + "; ".join(said) + f" (measured: device layers "
+                         f"{r['plan']['device_layers']}, device steps {r['plan']['device_steps']})")
     typed = [r for r in records if len(r.get("per_layer_type", {})) > 1]
     if typed:
         lines += ["", "Per layer type (predicted: the cost table at the run's batch; measured: one layer of the type, "

@@ -27,7 +27,7 @@ def test_the_measured_rate_is_recorded_and_a_faster_plan_taken_without_changing_
     seen = []
 
     def recalibrate(plan, costs, measured, options):
-        seen.append((plan, costs, measured))
+        seen.append((plan, costs, measured, list(trainer._update_seconds)))
         other = megatrain_plan(plan.num_layers, plan.batch_size, plan.seq_len, every=2)
         other.policy = "solved"
         seen.append(other)
@@ -41,14 +41,16 @@ def test_the_measured_rate_is_recorded_and_a_faster_plan_taken_without_changing_
         losses = _losses(trainer, 6)
     assert losses == pytest.approx(expected, rel=1e-6, abs=0)
     # once, after the step whose start saw the third finished update, on updates 2 and 3 (the
-    # fourth is finished by the switch, the new updater's first is the fifth)
-    (plan, costs, measured), other = seen
-    assert len(trainer._update_seconds) == 4 and plan.layers != trainer.plan.layers
+    # fourth is finished by the switch, the new updater's first is the fifth; the new plan is
+    # not re-checked before three of its own)
+    (plan, costs, measured, timed), other = seen
+    assert len(timed) == 3 and plan.layers != trainer.plan.layers
     params = sum(w.numel() for w in trainer.store.weights)
-    assert measured == pytest.approx(max(trainer._update_seconds[1:3]) * 1e9 / params)
+    assert measured == pytest.approx(max(timed[1:3]) * 1e9 / params)
+    assert len(trainer._update_seconds) == 1  # the new plan's own, measured afresh
     assert trainer.executor is not first and trainer.plan is other and trainer.executor.plan is other
     assert trainer.costs.optimizer_ns_per_param == measured
-    assert "switching to it" in caplog.text and f"{measured:.3f} ns/param in steps 2-3" in caplog.text
+    assert "switching to it" in caplog.text and f"{measured:.3f} ns/param in the plan's updates 2-3" in caplog.text
     trainer._close()
     record, = [r for r in _records(tmp_path / "re") if "replanned" in r]
     assert record["replanned"] and record["update_ns_per_param_measured"] == pytest.approx(measured)
@@ -62,6 +64,37 @@ def test_the_rate_is_the_slowest_update_after_the_first():
     assert measured_update_rate([10.0, 1.0, 3.0, 2.0], 10**9) == pytest.approx(3.0)
     assert measured_update_rate([1.0, 0.5], 2 * 10**9) == pytest.approx(0.25)
     assert measured_update_rate([1.0], 10**9) is None and measured_update_rate([1.0, 2.0], 0) is None
+
+
+def test_each_plan_a_recalibration_switched_to_is_measured_again_planning_for_the_slower_rate(
+        tmp_path, monkeypatch, fixed_costs):  # noqa: F811
+    from lazytrain.plan.policies import MAX_RECALIBRATIONS
+
+    seen = []
+
+    def recalibrate(plan, costs, planned, options):  # switches every time it is asked
+        seen.append((planned, costs.optimizer_ns_per_param, len(trainer._update_seconds)))
+        other = megatrain_plan(plan.num_layers, plan.batch_size, plan.seq_len, every=1 + len(seen) % 2)
+        other.policy = "solved"
+        # the first re-solve's table says the update is very slow: the next ones plan for that
+        rate = 1e6 if len(seen) == 1 else planned
+        return Recalibration(costs=dataclasses.replace(costs, optimizer_ns_per_param=rate), plan=other,
+                             changed=True, current_s=2.0, resolved_s=1.0)
+
+    monkeypatch.setattr(trainer_module, "recalibrate", recalibrate)
+    trainer = _trainer(tmp_path, "plan.policy=solved", "plan.recalibrate_after=2", fixed_costs)
+    expected = _losses(_trainer(tmp_path / "plain", "plan.policy=solved", "plan.recalibrate_after=0", fixed_costs),
+                       14)
+    assert _losses(trainer, 14) == pytest.approx(expected, rel=1e-6, abs=0)
+    # once on the profiled plan, then once on each plan switched to, with its own updates (the
+    # list started afresh), up to the cap although every re-solve switched
+    assert len(seen) == MAX_RECALIBRATIONS == 3 and all(n == 2 for _, _, n in seen)
+    (first, profiled, _), (second, table, _), (third, _, _) = seen
+    assert first < 1e6 and profiled < 1e6  # a tiny CPU model's measured rate, against the profiled table
+    assert table == second == third == 1e6  # measured faster than the table's 1e6: planned for the slower
+    records = [r for r in _records(tmp_path) if "replanned" in r]
+    assert len(records) == 3 and records[1]["update_ns_per_param_measured"] < records[1]["update_ns_per_param_planned"]
+    trainer._close()
 
 
 def test_no_recalibration_when_the_rate_is_right_or_it_is_off(tmp_path, monkeypatch, fixed_costs):  # noqa: F811

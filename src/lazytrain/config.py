@@ -278,12 +278,14 @@ class PlanConfig:
     the cost table's rate (other policies: 0)."""
 
     recalibrate_after: int = 4
-    """A solved plan is re-solved once when the updates of this many steps are timed (each is
+    """A solved plan is re-solved when the updates of this many steps are timed (each is
     timed as the next step starts: after step N + 1), on their CPU update rate (the slowest
     of updates 2..N; `policies.measured_update_rate`), when the cost table's is more than 5%
     off: profiled alone, the update ran up to 1.5x slower inside the step on the H200, beside the
     PCIe copies. The re-solved plan is taken when the planner predicts it at least 1% faster on
-    the corrected table (one process only). 0 (or 1: no update after the first): never."""
+    the corrected table (one process only); a plan taken so is measured the same way in turn,
+    planned for the slower of its rate and the table's (`policies.planned_update_rate`), up to
+    `policies.MAX_RECALIBRATIONS` re-solves. 0 (or 1: no update after the first): never."""
 
     def __post_init__(self) -> None:
         check_fields(self, "plan")

@@ -128,6 +128,20 @@ improve."""
 RECALIBRATE_GAIN = 0.01
 """... and keeps the current plan unless the re-solved one is predicted this much faster."""
 
+MAX_RECALIBRATIONS = 3
+"""Re-solves on a measured update rate per process: the first on the profiled plan's updates, and
+one more on each plan a re-solve switched to, once its own updates are timed (its rate is not the
+old plan's: on the H200 at 7B, 2026-12-05, the plan re-solved on 0.279 ns/param then updated at
+0.311 and its forward waited 0.18 s per step for it)."""
+
+
+def planned_update_rate(measured_ns_per_param: float, costs: CostTable, earlier: bool) -> float:
+    """The CPU update rate a recalibration plans for: the ``measured`` one, or with ``earlier``
+    (``costs`` already holds an earlier recalibration's measured rate) the slower of the two, so
+    that re-planning only ever adds slack for the update (more resident layers) and cannot
+    alternate between plans whose updates run at different rates per parameter."""
+    return max(measured_ns_per_param, costs.optimizer_ns_per_param) if earlier else measured_ns_per_param
+
 
 @dataclass(frozen=True, slots=True)
 class Recalibration:

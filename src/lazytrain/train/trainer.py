@@ -32,7 +32,13 @@ from lazytrain.model.loading import save_hf
 from lazytrain.plan.costs import CostTable
 from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.plan import Plan
-from lazytrain.plan.policies import measured_update_rate, policy_plan, recalibrate
+from lazytrain.plan.policies import (
+    MAX_RECALIBRATIONS,
+    measured_update_rate,
+    planned_update_rate,
+    policy_plan,
+    recalibrate,
+)
 from lazytrain.plan.render import format_plan_table
 from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
 from lazytrain.plan.simulate import simulate
@@ -89,8 +95,9 @@ class Trainer:
             pad_to_multiple_of=8 if self.device.type == "cuda" else 1,
         )
         self.plan, self.costs = session.plan()
-        self._update_seconds: list[float] = []  # the CPU updates of this process's steps, in order
-        self._recalibrated = False
+        self._update_seconds: list[float] = []  # the CPU updates of this plan's steps, in order
+        self._recalibrations = 0  # re-solves on a measured update rate in this process
+        self._recalibrate_due = True  # the running plan's update not yet measured by one
         self._start_plan()
         self.checkpoint_bytes = self.checkpointer.size_bytes(self.store.masters, self.optimizer.state_dict())
         if resume_from is None and tc.overwrite and self.is_main:
@@ -131,31 +138,40 @@ class Trainer:
         del self.executor, self.updater
 
     def _recalibrate(self) -> None:
-        """Re-solve the plan once with the CPU update rate this process's steps measured
-        (`policies.recalibrate`); switch to the new plan when it is predicted faster."""
+        """Re-solve the plan with the CPU update rate its steps measured (`policies.recalibrate`;
+        after an earlier re-solve, the slower of that rate and the table's:
+        `policies.planned_update_rate`); switch to the new plan when it is predicted faster, and
+        measure that one in turn (up to `MAX_RECALIBRATIONS` re-solves in a process)."""
+        self._recalibrate_due = False
         measured = measured_update_rate(self._update_seconds, self.updater.cpu_params)
         if measured is None:
             return
-        profiled = self.costs.optimizer_ns_per_param
+        planned = planned_update_rate(measured, self.costs, earlier=self._recalibrations > 0)
+        self._recalibrations += 1
+        table = self.costs.optimizer_ns_per_param
         started = time.perf_counter()
-        found = recalibrate(self.plan, self.costs, measured, self.session.policy_options())
+        found = recalibrate(self.plan, self.costs, planned, self.session.policy_options())
         if found is None:
             return
         self.costs = found.costs
         self._write({"step": self.step, "update_ns_per_param_measured": measured,
-                     "update_ns_per_param_profiled": profiled, "replanned": found.changed,
-                     "predicted_step_s_current_plan": found.current_s,
+                     "update_ns_per_param_planned": planned, "update_ns_per_param_profiled": table,
+                     "replanned": found.changed, "predicted_step_s_current_plan": found.current_s,
                      "predicted_step_s_resolved_plan": found.resolved_s})
         log.info(
-            "the CPU update ran at %.3f ns/param in steps 2-%d against %.3f profiled; on that rate the current "
-            "plan is predicted at %.3f s and the plan re-solved for it at %.3f s (solved in %.0f s): %s",
-            measured, len(self._update_seconds), profiled, found.current_s, found.resolved_s,
-            time.perf_counter() - started, "switching to it" if found.changed else "keeping the current one",
+            "the CPU update ran at %.3f ns/param in the plan's updates 2-%d against %.3f in the cost table%s; on "
+            "that rate the current plan is predicted at %.3f s and the plan re-solved for it at %.3f s (solved in "
+            "%.0f s): %s", measured, len(self._update_seconds), table,
+            f" (planned for {planned:.3f}, the slower)" if planned != measured else "",
+            found.current_s, found.resolved_s, time.perf_counter() - started,
+            "switching to it" if found.changed else "keeping the current one",
         )
         if found.changed:
             self._drop_executor()
             self.plan = found.plan
             self._start_plan()
+            self._update_seconds = []  # the new plan's updates, measured afresh
+            self._recalibrate_due = self._recalibrations < MAX_RECALIBRATIONS
         else:
             self.predicted = simulate(self.plan, self.costs,
                                       optimizer_overlap=self.config.plan.overlap_optimizer).metrics()
@@ -343,9 +359,8 @@ class Trainer:
             self._after_update_oom()
             self._step_start = time.perf_counter()  # the re-solve is not the next step's time
         after = self.config.plan.recalibrate_after
-        if (after and len(self._update_seconds) >= after and not self._recalibrated and self.costs is not None
+        if (after and len(self._update_seconds) >= after and self._recalibrate_due and self.costs is not None
                 and self.parallel is None and self.config.plan.file is None):
-            self._recalibrated = True
             self._recalibrate()
             self._step_start = time.perf_counter()  # the re-solve is not the next step's time
         return record
