@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import subprocess
@@ -81,14 +82,23 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
     assert 0 < recal["measured_ns_per_param"] < old["optimizer_ns_per_param"] / 10
     assert recal["predicted_resolved_s"] <= recal["predicted_current_s"] * (1 + 1e-3)
     assert solved["cpu_update_params"] > 0
-    # the measured run is predicted on the measured rate (the corrected table), not the table's
     from lazytrain.plan.costs import CostTable
     from lazytrain.plan.plan import Plan
+    from lazytrain.plan.policies import MAX_RECALIBRATIONS
     from lazytrain.plan.simulate import simulate
 
+    # a round per plan switched to (as the trainer), each later one planning for the slower rate
+    rounds = recal["rounds"]
+    assert rounds[0]["measured_ns_per_param"] == recal["measured_ns_per_param"] and 1 <= len(rounds) <= MAX_RECALIBRATIONS
+    assert all(r["changed"] for r in rounds[:-1]) and recal["changed"] == any(r["changed"] for r in rounds)
+    for before, after in itertools.pairwise(rounds):
+        assert after["profiled_ns_per_param"] == before["planned_ns_per_param"]
+        assert after["planned_ns_per_param"] == max(after["measured_ns_per_param"], before["planned_ns_per_param"])
+    # the measured run is predicted on the last re-solve's rate (the corrected table), not the table's
+    rate = [r["planned_ns_per_param"] for r in rounds if "predicted_resolved_s" in r][-1]
     (table,) = [CostTable.from_dict(r["costs"]) for r in records if r["name"] == "costs"]
     plan = Plan.from_dict(solved["plan"])
-    corrected = dataclasses.replace(table, optimizer_ns_per_param=recal["measured_ns_per_param"])
+    corrected = dataclasses.replace(table, optimizer_ns_per_param=rate)
     assert solved["predicted_step_time_s"] == pytest.approx(simulate(plan, corrected, optimizer_overlap=True).step_time_s)
     assert simulate(plan, table, optimizer_overlap=True).step_time_s > 2 * solved["predicted_step_time_s"]
     report = next(third.glob("plan_tiny_*.md")).read_text()
@@ -610,3 +620,34 @@ def test_device_layers_search_times_the_search_with_and_without_the_tolerance(tm
         assert r["predicted_step_time_s"] == pytest.approx(min(v for v in r["tried"].values() if v is not None))
     assert set(tolerant["tried"]) <= set(exact["tried"])  # the tolerance only leaves out
     assert path.with_suffix(".md").read_text().count("| 8 |") == 2
+
+
+def test_compute_only_puts_each_run_against_its_own_layers_and_its_processs_head(tmp_path):
+    from bench import compute_only
+
+    def run(name, layers_s, steps, **extra):
+        return {"name": name, "date": "2026-12-05", "device": "H200", "step_time_s": sorted(steps)[len(steps) // 2],
+                "step_times_s": steps, "compute_only_layers_s": layers_s, "predicted_step_time_s": 5.3,
+                "gpu_compute_s": 5.0, "predicted_gpu_compute_s": 5.1, "gpu_idle_other_s": 0.1, "tflops_6nt": 500.0,
+                "tokens_per_s": 1.0, "plan": {"device_layers": 4, "device_steps": 0}, **extra}
+
+    records = [{"name": "costs", "costs": {"head_ms": 500.0}},
+               run("a", 4.5, [5.6, 5.4, 5.5], cpu_update_s=1.5, cpu_update_params=5 * 10**9,
+                   recalibration={"measured_ns_per_param": 0.28, "changed": True}),
+               {"name": "oom", "out_of_memory": "..."},
+               {"name": "costs", "costs": {"head_ms": 250.0}},
+               run("b", 4.75, [5.2, 5.3, 5.4], update="skipped")]
+    a, b = compute_only.rows(records)
+    assert (a["process"], b["process"]) == (1, 2)
+    assert a["compute_only_s"] == pytest.approx(5.0) and a["step_over_compute_only"] == pytest.approx(1.1)
+    assert a["first_step_over_compute_only"] == pytest.approx(1.12)
+    assert a["range_over_compute_only"] == pytest.approx([1.08, 1.12])
+    assert a["update_ns_per_param_in_step"] == pytest.approx(0.3) and a["replanned"] is True
+    assert b["compute_only_s"] == pytest.approx(5.0) and b["update"] == "skipped" and b["cpu_update_s"] is None
+    assert "**1.100x** (1.080-1.120)" in compute_only.markdown([a, b], "x.json")
+    with pytest.raises(ValueError, match="no costs record"):
+        compute_only.rows(records[1:2])
+    path = tmp_path / "plan_x.json"
+    path.write_text(json.dumps(records))
+    compute_only.main([str(path), "--out", str(tmp_path)])
+    assert len(json.loads((tmp_path / "plan_x_compute_only.json").read_text())) == 2
