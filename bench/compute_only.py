@@ -3,7 +3,7 @@
 Compute-only is the run's own measured forward + backward of one layer with its weights resident
 (``compute_only_layers_s``: that time for every layer) plus the cost table's head and loss
 (``head_ms``), as the README's tables have defined it since 2026-12-03. The table shows the
-median step, its range and its first step over it, next to what sets the gap: the GPU's compute
+median step and its range over it (the JSON also the first step's), next to what sets the gap: the GPU's compute
 (recompute, compute slowed by copies), the GPU waiting for the CPU update, and the update's rate
 inside the step.
 
@@ -39,12 +39,15 @@ def rows(records: list[dict]) -> list[dict]:
         steps = r.get("step_times_s") or [r["step_time_s"]]
         plan = r.get("plan") or {}
         recal = r.get("recalibration") or {}
+        # the rate the measured plan was solved for: the last round that re-solved (older records: one round)
+        solved_for = [c.get("planned_ns_per_param", c.get("measured_ns_per_param"))
+                      for c in recal.get("rounds", [recal]) if "predicted_resolved_s" in c]
         update_s, params = r.get("cpu_update_s"), r.get("cpu_update_params")
         out.append({
             "name": r["name"], "process": process, "date": r["date"], "device": r["device"],
             "update": r.get("update", "cpu"), "device_layers": plan.get("device_layers"),
             "device_steps": plan.get("device_steps"),
-            "recalibrated_ns_per_param": recal.get("measured_ns_per_param"),
+            "recalibrated_ns_per_param": solved_for[-1] if solved_for else recal.get("measured_ns_per_param"),
             "replanned": recal.get("changed"),
             "step_time_s": r["step_time_s"], "step_min_s": min(steps), "step_max_s": max(steps),
             "first_step_s": steps[0], "predicted_step_time_s": r["predicted_step_time_s"],
@@ -81,7 +84,9 @@ def markdown(table: list[dict], source: str) -> str:
             f"| {t['process']} | {t['name']} | {_n(t['device_layers'], 'd')} | {t['update']} | {recal} | "
             f"{t['step_time_s']:.3f} ({t['step_min_s']:.2f}-{t['step_max_s']:.2f}) | {t['predicted_step_time_s']:.3f} | "
             f"{t['gpu_compute_s']:.2f} ({t['predicted_gpu_compute_s']:.2f}) | {t['gpu_idle_other_s']:.2f} | "
-            f"{_n(t['cpu_update_s'], '.2f')} ({_n(t['update_ns_per_param_in_step'], '.3f')}) | {t['tflops_6nt']:.1f} | "
+            + ("- | " if t["update"] == "skipped" else
+               f"{_n(t['cpu_update_s'], '.2f')} ({_n(t['update_ns_per_param_in_step'], '.3f')}) | ")
+            + f"{t['tflops_6nt']:.1f} | "
             f"{t['compute_only_s']:.3f} | **{t['step_over_compute_only']:.3f}x** ({lo:.3f}-{hi:.3f}) | "
             f"{t['gpu_compute_over_compute_only']:.3f}x |")
     ratios = [t["step_over_compute_only"] for t in table]

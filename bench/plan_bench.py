@@ -414,7 +414,7 @@ def main() -> None:
 
 
 def recalibrated(session, table: CostTable, plan: Plan, policy_options: PolicyOptions,
-                 args) -> tuple[CostTable, Plan, dict]:
+                 args, running: dict) -> tuple[CostTable, Plan, dict]:
     """What the trainer's recalibration (``plan.recalibrate_after`` = ``args.recalibrate``) makes
     of ``plan`` (`Trainer._recalibrate`), round by round as in the trainer: the updates of steps
     1..N timed (each read at the next step's start: N + 1 steps run), their rate taken as the
@@ -422,8 +422,10 @@ def recalibrated(session, table: CostTable, plan: Plan, policy_options: PolicyOp
     the slower of it and the table's, `policies.planned_update_rate`) and the plan re-solved on it
     (`policies.recalibrate`); a round that switched plans is followed by one on the new plan, up to
     `MAX_RECALIBRATIONS` rounds (a further round that ``args.time_limit`` cannot hold is not run).
-    The table and plan to measure, and what happened: the first round's fields, ``changed`` when
-    any round switched, and every round in ``rounds``."""
+    The table and plan to measure, and what happened: the first round's fields (its table's rate
+    as ``profiled_ns_per_param``), ``changed`` when any round switched, and every round in
+    ``rounds`` (each with ``table_ns_per_param``: the rate of the table it started from).
+    ``running`` holds the plan, table and rounds so far, for a round whose steps run out of memory."""
     n = args.recalibrate
     rounds: list[dict] = []
     while len(rounds) < MAX_RECALIBRATIONS:
@@ -433,8 +435,10 @@ def recalibrated(session, table: CostTable, plan: Plan, policy_options: PolicyOp
             if need > args.time_limit - (time.perf_counter() - STARTED):
                 rounds[-1]["stopped"] = f"no room in --time-limit {args.time_limit:g} for another round"
                 break
+        running.update(plan=plan, table=table, rounds=rounds)
         calibration = timed_steps(session, plan, warmup=1, steps=n, fetch_allocation=args.fetch_allocation)
-        info = {"calibration_steps": n + 1, "changed": False, "device_layers": plan.device_layers}
+        info = {"calibration_steps": n + 1, "changed": False, "device_layers": plan.device_layers,
+                "table_ns_per_param": table.optimizer_ns_per_param}
         rounds.append(info)
         if calibration["update_out_of_memory"] is not None:  # some GPU steps went to the CPU midway
             info["skipped"] = "a GPU optimizer step ran out of memory: " + calibration["update_out_of_memory"]
@@ -445,22 +449,23 @@ def recalibrated(session, table: CostTable, plan: Plan, policy_options: PolicyOp
             break
         planned = planned_update_rate(measured, table, earlier=len(rounds) > 1)
         found = recalibrate(plan, table, planned, policy_options)
-        info.update(measured_ns_per_param=measured, planned_ns_per_param=planned,
-                    profiled_ns_per_param=table.optimizer_ns_per_param, changed=bool(found and found.changed),
+        info.update(measured_ns_per_param=measured, planned_ns_per_param=planned, changed=bool(found and found.changed),
                     update_s_by_step=calibration["cpu_update_s_by_step"],
                     calibration_step_time_s=calibration["step_time_s"])
         if found is not None:
             info.update(predicted_current_s=found.current_s, predicted_resolved_s=found.resolved_s)
             table, plan = found.costs, found.plan
         print(f"recalibration round {len(rounds)}: the CPU update ran at {measured:.3f} ns/param (updates 2-{n}) "
-              f"against {info['profiled_ns_per_param']:.3f} in the table"
+              f"against {info['table_ns_per_param']:.3f} in the table"
               + (f" (planned for {planned:.3f}, the slower)" if planned != measured else "") + "; "
               + ("within the tolerance: the plan kept" if found is None else
                  f"current plan predicted at {found.current_s:.3f} s, re-solved at {found.resolved_s:.3f} s: "
                  + ("switching to it" if found.changed else "keeping the current one")), flush=True)
         if not info["changed"]:
             break
-    return table, plan, {**rounds[0], "changed": any(r["changed"] for r in rounds), "rounds": rounds}
+    running.update(plan=plan, table=table, finished=True)
+    return table, plan, {**rounds[0], "profiled_ns_per_param": rounds[0]["table_ns_per_param"],
+                         "changed": any(r["changed"] for r in rounds), "rounds": rounds}
 
 
 def predicted_stages(record: dict, predicted) -> None:
@@ -584,15 +589,20 @@ def study(session, args, kernels: str) -> None:
                 print(f"{name}: not started: {records[-1]['not_started']}", flush=True)
                 save()
                 return False
-        recalibration = None
+        recalibration, running = None, {}
         try:
             if recalibrating:
-                table, plan, recalibration = recalibrated(session, table, plan, policy_options, args)
+                table, plan, recalibration = recalibrated(session, table, plan, policy_options, args, running)
             record = timed_steps(session, plan, warmup=args.warmup, steps=args.steps, stage_memory=args.stage_memory,
                                  fetch_allocation=args.fetch_allocation,
                                  optimizer=SkippedUpdate(session.optimizer) if update == "skipped" else None)
         except torch.OutOfMemoryError as error:
+            # a recalibration round's plan when one of its steps ran out (``running``)
+            table, plan = running.get("table", table), running.get("plan", plan)
             records.append(oom_record(name, common, policy, plan.batch_size, args.seq, error))
+            if "rounds" in running:  # the recalibration so far, and which steps ran out
+                records[-1]["recalibration"] = {"rounds": running["rounds"], "out_of_memory_in": (
+                    "the measured steps" if running.get("finished") else f"round {len(running['rounds']) + 1}")}
             predicted = simulate(plan, table, optimizer_overlap=True)
             predicted_stages(records[-1], predicted)
             records[-1]["plan"] = plan.to_dict()  # what ran out of memory, for bench/stage_memory_check.py
@@ -804,10 +814,13 @@ def markdown(records: list[dict], args) -> str:
                         f"the plan predicted at {c['predicted_current_s']:.3f} s on it, re-solved at "
                         f"{c['predicted_resolved_s']:.3f} s: " + ("switched" if c["changed"] else "kept"))
                 said.append(f"round {i}: {c['measured_ns_per_param']:.3f} ns/param measured (updates 2-"
-                            f"{c['calibration_steps'] - 1}, as the trainer) against {c['profiled_ns_per_param']:.3f}"
+                            f"{c['calibration_steps'] - 1}, as the trainer) against "
+                            f"{c.get('table_ns_per_param', c.get('profiled_ns_per_param')):.3f}"
                             + (f", planned for {planned:.3f}" if planned != c["measured_ns_per_param"] else "")
                             + f"; {what}" + (f"; {c['stopped']}" if "stopped" in c else ""))
-            lines.append(f"- {r['name']}: " + "; ".join(said) + f" (measured: device layers "
+            if "out_of_memory_in" in r["recalibration"]:
+                said.append(f"out of memory in {r['recalibration']['out_of_memory_in']}")
+            lines.append(f"- {r['name']}: " + "; ".join(said) + f" (last plan: device layers "
                          f"{r['plan']['device_layers']}, device steps {r['plan']['device_steps']})")
     typed = [r for r in records if len(r.get("per_layer_type", {})) > 1]
     if typed:

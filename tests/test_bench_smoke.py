@@ -92,7 +92,7 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
     assert rounds[0]["measured_ns_per_param"] == recal["measured_ns_per_param"] and 1 <= len(rounds) <= MAX_RECALIBRATIONS
     assert all(r["changed"] for r in rounds[:-1]) and recal["changed"] == any(r["changed"] for r in rounds)
     for before, after in itertools.pairwise(rounds):
-        assert after["profiled_ns_per_param"] == before["planned_ns_per_param"]
+        assert after["table_ns_per_param"] == before["planned_ns_per_param"]
         assert after["planned_ns_per_param"] == max(after["measured_ns_per_param"], before["planned_ns_per_param"])
     # the measured run is predicted on the last re-solve's rate (the corrected table), not the table's
     rate = [r["planned_ns_per_param"] for r in rounds if "predicted_resolved_s" in r][-1]
@@ -622,7 +622,7 @@ def test_device_layers_search_times_the_search_with_and_without_the_tolerance(tm
     assert path.with_suffix(".md").read_text().count("| 8 |") == 2
 
 
-def test_compute_only_puts_each_run_against_its_own_layers_and_its_processs_head(tmp_path):
+def test_compute_only_puts_each_run_against_its_own_layers_and_its_process_s_head(tmp_path):
     from bench import compute_only
 
     def run(name, layers_s, steps, **extra):
@@ -636,18 +636,62 @@ def test_compute_only_puts_each_run_against_its_own_layers_and_its_processs_head
                    recalibration={"measured_ns_per_param": 0.28, "changed": True}),
                {"name": "oom", "out_of_memory": "..."},
                {"name": "costs", "costs": {"head_ms": 250.0}},
-               run("b", 4.75, [5.2, 5.3, 5.4], update="skipped")]
-    a, b = compute_only.rows(records)
+               run("b", 4.75, [5.2, 5.3, 5.4], update="skipped"),
+               # rounds: the rate the measured plan was solved for is the last re-solving round's planned one
+               run("c", 4.75, [5.2], recalibration={"measured_ns_per_param": 0.28, "changed": True, "rounds": [
+                   {"measured_ns_per_param": 0.28, "planned_ns_per_param": 0.28, "predicted_resolved_s": 5.0},
+                   {"measured_ns_per_param": 0.25, "planned_ns_per_param": 0.30, "predicted_resolved_s": 5.0},
+                   {"measured_ns_per_param": 0.2, "planned_ns_per_param": 0.30}]})]
+    a, b, c = compute_only.rows(records)
+    assert c["recalibrated_ns_per_param"] == 0.30 and a["recalibrated_ns_per_param"] == 0.28
     assert (a["process"], b["process"]) == (1, 2)
     assert a["compute_only_s"] == pytest.approx(5.0) and a["step_over_compute_only"] == pytest.approx(1.1)
     assert a["first_step_over_compute_only"] == pytest.approx(1.12)
     assert a["range_over_compute_only"] == pytest.approx([1.08, 1.12])
     assert a["update_ns_per_param_in_step"] == pytest.approx(0.3) and a["replanned"] is True
     assert b["compute_only_s"] == pytest.approx(5.0) and b["update"] == "skipped" and b["cpu_update_s"] is None
-    assert "**1.100x** (1.080-1.120)" in compute_only.markdown([a, b], "x.json")
+    report = compute_only.markdown([a, b], "x.json")
+    assert "**1.100x** (1.080-1.120)" in report and "| 0.10 | - | 500.0 |" in report  # b: no update to show
     with pytest.raises(ValueError, match="no costs record"):
         compute_only.rows(records[1:2])
     path = tmp_path / "plan_x.json"
     path.write_text(json.dumps(records))
     compute_only.main([str(path), "--out", str(tmp_path)])
-    assert len(json.loads((tmp_path / "plan_x_compute_only.json").read_text())) == 2
+    assert len(json.loads((tmp_path / "plan_x_compute_only.json").read_text())) == 3
+
+
+def test_a_recalibration_round_that_runs_out_of_memory_leaves_its_own_plan_to_the_record(monkeypatch):
+    """`plan_bench.recalibrated`: the plan a round switched to is the one the next round's steps
+    run, and what an out-of-memory there is recorded against (``running``)."""
+    from types import SimpleNamespace
+
+    from bench import plan_bench
+    from lazytrain.plan.costs import CostTable
+    from lazytrain.plan.plan import megatrain_plan
+    from lazytrain.plan.policies import PolicyOptions, Recalibration
+
+    table = CostTable.load(ROOT / "bench/results/costs_qwen2.5-7b_h200_2026-12-05_s1024_b64_mlp2.json")
+    first, second = (megatrain_plan(table.num_layers, 64, 1024, every=e) for e in (2, 4))
+    ran = []
+
+    def timed_steps(session, plan, **kwargs):
+        ran.append(plan)
+        if len(ran) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return {"update_out_of_memory": None, "cpu_update_s_by_step": [2.0, 1.0, 1.5], "cpu_update_params": 10**9,
+                "step_time_s": 5.0}
+
+    def recalibrate(plan, costs, planned, options):
+        return Recalibration(costs=dataclasses.replace(costs, optimizer_ns_per_param=planned), plan=second,
+                             changed=True, current_s=6.0, resolved_s=5.0)
+
+    monkeypatch.setattr(plan_bench, "timed_steps", timed_steps)
+    monkeypatch.setattr(plan_bench, "recalibrate", recalibrate)
+    running = {}
+    args = SimpleNamespace(recalibrate=3, time_limit=0, warmup=1, steps=5, fetch_allocation="compute")
+    with pytest.raises(torch.OutOfMemoryError):
+        plan_bench.recalibrated(None, table, first, PolicyOptions(), args, running)
+    assert ran == [first, second] and running["plan"] is second and not running.get("finished")
+    (done,) = running["rounds"]
+    assert done["changed"] and done["measured_ns_per_param"] == pytest.approx(1.5)  # the slowest after the first
+    assert running["table"].optimizer_ns_per_param == pytest.approx(1.5)

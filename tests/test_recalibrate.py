@@ -8,7 +8,7 @@ import json
 import logging
 
 import pytest
-from test_oom_replan import _losses, _trainer, fixed_costs  # noqa: F401 (a fixture)
+from test_oom_replan import _failing, _losses, _trainer, fixed_costs  # noqa: F401 (a fixture)
 
 from lazytrain.plan.plan import megatrain_plan
 from lazytrain.plan.policies import Recalibration
@@ -54,7 +54,7 @@ def test_the_measured_rate_is_recorded_and_a_faster_plan_taken_without_changing_
     trainer._close()
     record, = [r for r in _records(tmp_path / "re") if "replanned" in r]
     assert record["replanned"] and record["update_ns_per_param_measured"] == pytest.approx(measured)
-    assert record["update_ns_per_param_profiled"] == costs.optimizer_ns_per_param
+    assert record["update_ns_per_param_table"] == costs.optimizer_ns_per_param
 
 
 def test_the_rate_is_the_slowest_update_after_the_first():
@@ -97,6 +97,40 @@ def test_each_plan_a_recalibration_switched_to_is_measured_again_planning_for_th
     trainer._close()
 
 
+def test_later_recalibrations_plan_for_the_slower_of_the_measured_and_the_tables_rate(fixed_costs):  # noqa: F811
+    from lazytrain.plan.costs import CostTable
+    from lazytrain.plan.policies import PolicyOptions, planned_update_rate, policy_plan, recalibrate
+
+    table = dataclasses.replace(CostTable.load(fixed_costs.partition("=")[2]), optimizer_ns_per_param=2.0)
+    assert planned_update_rate(1.0, table, earlier=False) == 1.0  # the first: as measured, faster or slower
+    assert planned_update_rate(3.0, table, earlier=False) == 3.0
+    assert planned_update_rate(1.0, table, earlier=True) == 2.0  # later: never below the table's
+    assert planned_update_rate(3.0, table, earlier=True) == 3.0
+    # an update measured faster than the table's after a re-solve: nothing to re-solve
+    plan = policy_plan("solved", table, PolicyOptions())
+    assert recalibrate(plan, table, planned_update_rate(1.0, table, earlier=True), PolicyOptions()) is None
+
+
+def test_a_plan_started_after_running_out_of_memory_is_timed_afresh(tmp_path, monkeypatch, fixed_costs):  # noqa: F811
+    seen = []
+    monkeypatch.setattr(trainer_module, "recalibrate",
+                        lambda plan, costs, planned, options: seen.append((planned, list(trainer._update_seconds))))
+    trainer = _trainer(tmp_path, "plan.policy=solved", "plan.recalibrate_after=3", fixed_costs)
+    _losses(trainer, 3)
+    before = list(trainer._update_seconds)
+    assert len(before) == 2 and not seen
+    _failing(monkeypatch, times=1)  # the next forward runs out: the plan is re-solved smaller
+    first = trainer.executor
+    _losses(trainer, 5)
+    assert trainer.executor is not first
+    # the re-solve on the smaller plan's own updates (its first, warming up, left out), none of the old plan's
+    (planned, timed), = seen
+    assert len(timed) == 3 and not set(timed) & set(before)
+    params = trainer.updater.cpu_params
+    assert planned == pytest.approx(max(timed[1:]) * 1e9 / params)
+    trainer._close()
+
+
 def test_no_recalibration_when_the_rate_is_right_or_it_is_off(tmp_path, monkeypatch, fixed_costs):  # noqa: F811
     calls = []
     monkeypatch.setattr(trainer_module, "recalibrate", lambda *a: calls.append(a))
@@ -125,7 +159,7 @@ def test_a_table_far_off_the_measured_rate_is_corrected_and_training_goes_on(tmp
     assert _losses(trainer, 5) == pytest.approx(expected, rel=1e-6, abs=0)
     trainer._close()
     record, = [r for r in _records(tmp_path / "re") if "replanned" in r]
-    assert record["step"] == 3 and record["update_ns_per_param_profiled"] == pytest.approx(
+    assert record["step"] == 3 and record["update_ns_per_param_table"] == pytest.approx(
         table.optimizer_ns_per_param * 1e-4)
     assert trainer.costs.optimizer_ns_per_param == record["update_ns_per_param_measured"] > 0
     # the step records after it carry the prediction on the corrected table

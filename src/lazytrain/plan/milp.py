@@ -789,9 +789,10 @@ DEVICE_LAYER_TOLERANCE = 0.001
 """The search does not bisect toward a neighbour predicted within this fraction of the best: near
 the optimum the step changes by tenths of a percent per layer, and each MILP solve takes seconds
 (`bench/device_layers_search.py`: 41 -> 38 s at 28 layers, 65 -> 47 s at 48, 68 -> 47 s at 64, on
-2 cores, at 0.005). 0.005 until 2026-12-05: on the H200 at 7B it kept k = 4 (5.331 s predicted)
-with k = 8 0.35% behind and never tried 6 (5.317 s), where the CPU update stops pacing the
-forward; measured in one process, 4 took 5.352 s a step and 6 5.267 s."""
+2 cores, at 0.005; not re-measured at 0.001, which bisects further where the neighbours are
+0.1-0.5% behind). 0.005 until 2026-12-05: on the H200 at 7B a recalibration kept k = 4 (5.331 s
+predicted) with k = 8 0.35% behind and never tried 6; measured in that process, 4 took 5.352 s a
+step and 6 (fixed) 5.267 s (`bench/results/plan_qwen2.5-7b_h200_2026-12-05_as_trained.json`)."""
 
 
 def _check_device_layers(costs: CostTable, const_update: str | None, device_layers: int | None) -> None:

@@ -120,24 +120,25 @@ def comparison_plans(num_layers: int, batch_size: int, seq_len: int,
 
 RECALIBRATE_TOLERANCE = 0.05
 """`recalibrate` leaves a table whose CPU update rate is within this fraction of the measured one.
-Small: on the H200 at 7B (2026-12-05) an update 9.9% slower than profiled left the plan's layer 1
-waiting for it (GPU idle 0.30 s of a 5.55 s step), and the re-solve it skipped (one per run,
-~16 s there) predicted 1.2% faster; `RECALIBRATE_GAIN` keeps a plan that re-solving does not
-improve."""
+Small: on the H200 at 7B (2026-12-05, `bench/results/plan_qwen2.5-7b_h200_2026-12-05_as_trained.json`)
+an update 9.9% slower than profiled was within the old 15%, and the plan kept (1 resident layer)
+left the GPU waiting 0.30 s of a 5.55 s step for it; a re-solve costs seconds, a few times per
+process, and `RECALIBRATE_GAIN` keeps a plan that re-solving does not improve."""
 
 RECALIBRATE_GAIN = 0.01
 """... and keeps the current plan unless the re-solved one is predicted this much faster."""
 
 MAX_RECALIBRATIONS = 3
 """Re-solves on a measured update rate per process: the first on the profiled plan's updates, and
-one more on each plan a re-solve switched to, once its own updates are timed (its rate is not the
-old plan's: on the H200 at 7B, 2026-12-05, the plan re-solved on 0.279 ns/param then updated at
-0.311 and its forward waited 0.18 s per step for it)."""
+one more on each plan started since (a re-solve's switch, an out-of-memory re-plan), once its
+own updates are timed (its rate per parameter need not be the old plan's: on the H200 at 7B,
+2026-12-05, a plan re-solved on 0.279 ns/param measured on 1 resident layer then updated at 0.311
+with 6, and its forward waited 0.18 s per step for it)."""
 
 
 def planned_update_rate(measured_ns_per_param: float, costs: CostTable, earlier: bool) -> float:
     """The CPU update rate a recalibration plans for: the ``measured`` one, or with ``earlier``
-    (``costs`` already holds an earlier recalibration's measured rate) the slower of the two, so
+    (``costs`` already holds the rate an earlier recalibration planned for) the slower of the two, so
     that re-planning only ever adds slack for the update (more resident layers) and cannot
     alternate between plans whose updates run at different rates per parameter."""
     return max(measured_ns_per_param, costs.optimizer_ns_per_param) if earlier else measured_ns_per_param
@@ -163,10 +164,11 @@ def measured_update_rate(update_seconds: list[float], params: int) -> float | No
 
     The slowest, not a median: the overlapped update paces the next forward, and a step whose
     update runs slower than planned leaves the GPU waiting for the whole shortfall, while a plan
-    with slack (more resident layers) costs little. On the H200 at 7B (2026-12-05) the slowest of
-    updates 2..4 was the closer forecast of the measured steps' update (0.283 against their
-    0.284 ns/param; the median said 0.272), and the plan re-solved on the median left the GPU
-    0.16 s per step waiting for it."""
+    with slack (more resident layers) costs little. On the H200 at 7B (2026-12-05) a plan
+    re-solved on the median of updates 2..4 (0.272 ns/param) left the GPU waiting 0.16 s per step
+    for updates at 0.284. As a forecast of the same plan's later steps the slowest was the closer
+    in 2 of 3 runs (its errors 0.3-4.0%, the median's 1.1-6.8%): a rule that leans toward slack
+    more than a better estimate."""
     seconds = update_seconds[1:]
     if not seconds or not params:
         return None

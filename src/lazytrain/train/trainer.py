@@ -34,6 +34,7 @@ from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.policies import (
     MAX_RECALIBRATIONS,
+    RECALIBRATE_TOLERANCE,
     measured_update_rate,
     planned_update_rate,
     policy_plan,
@@ -95,9 +96,9 @@ class Trainer:
             pad_to_multiple_of=8 if self.device.type == "cuda" else 1,
         )
         self.plan, self.costs = session.plan()
-        self._update_seconds: list[float] = []  # the CPU updates of this plan's steps, in order
         self._recalibrations = 0  # re-solves on a measured update rate in this process
-        self._recalibrate_due = True  # the running plan's update not yet measured by one
+        self._update_seconds: list[float] = []  # the CPU updates of the running plan, in order (`_start_plan`)
+        self._recalibrate_due = True  # the running plan's update not yet measured by a recalibration
         self._start_plan()
         self.checkpoint_bytes = self.checkpointer.size_bytes(self.store.masters, self.optimizer.state_dict())
         if resume_from is None and tc.overwrite and self.is_main:
@@ -130,6 +131,10 @@ class Trainer:
                                  parallel=self.parallel)
         self.executor.trace.enabled = self.device.type == "cuda"
         self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
+        # every plan's update is timed afresh (its rate per parameter is not another plan's, and
+        # its first update warms up) and recalibrated on, up to the cap
+        self._update_seconds = []
+        self._recalibrate_due = self._recalibrations < MAX_RECALIBRATIONS
 
     def _drop_executor(self) -> None:
         """Finish the CPU update and let go of the executor (before another plan starts)."""
@@ -140,8 +145,9 @@ class Trainer:
     def _recalibrate(self) -> None:
         """Re-solve the plan with the CPU update rate its steps measured (`policies.recalibrate`;
         after an earlier re-solve, the slower of that rate and the table's:
-        `policies.planned_update_rate`); switch to the new plan when it is predicted faster, and
-        measure that one in turn (up to `MAX_RECALIBRATIONS` re-solves in a process)."""
+        `policies.planned_update_rate`); switch to the new plan when it is predicted faster. Each
+        plan started (a switch, an out-of-memory re-plan) is measured in turn, up to
+        `MAX_RECALIBRATIONS` re-solves in a process (`_start_plan`)."""
         self._recalibrate_due = False
         measured = measured_update_rate(self._update_seconds, self.updater.cpu_params)
         if measured is None:
@@ -149,19 +155,23 @@ class Trainer:
         planned = planned_update_rate(measured, self.costs, earlier=self._recalibrations > 0)
         self._recalibrations += 1
         table = self.costs.optimizer_ns_per_param
+        timed = len(self._update_seconds)
         started = time.perf_counter()
         found = recalibrate(self.plan, self.costs, planned, self.session.policy_options())
         if found is None:
+            log.info("recalibration %d: the CPU update ran at %.3f ns/param in the plan's updates 2-%d, planned for "
+                     "%.3f, within %.0f%% of the cost table's %.3f: the plan kept", self._recalibrations, measured,
+                     timed, planned, 100 * RECALIBRATE_TOLERANCE, table)
             return
         self.costs = found.costs
-        self._write({"step": self.step, "update_ns_per_param_measured": measured,
-                     "update_ns_per_param_planned": planned, "update_ns_per_param_profiled": table,
+        self._write({"step": self.step, "recalibration": self._recalibrations, "update_ns_per_param_measured": measured,
+                     "update_ns_per_param_planned": planned, "update_ns_per_param_table": table,
                      "replanned": found.changed, "predicted_step_s_current_plan": found.current_s,
                      "predicted_step_s_resolved_plan": found.resolved_s})
         log.info(
-            "the CPU update ran at %.3f ns/param in the plan's updates 2-%d against %.3f in the cost table%s; on "
-            "that rate the current plan is predicted at %.3f s and the plan re-solved for it at %.3f s (solved in "
-            "%.0f s): %s", measured, len(self._update_seconds), table,
+            "recalibration %d: the CPU update ran at %.3f ns/param in the plan's updates 2-%d against %.3f in the "
+            "cost table%s; on that rate the current plan is predicted at %.3f s and the plan re-solved for it at "
+            "%.3f s (solved in %.0f s): %s", self._recalibrations, measured, timed, table,
             f" (planned for {planned:.3f}, the slower)" if planned != measured else "",
             found.current_s, found.resolved_s, time.perf_counter() - started,
             "switching to it" if found.changed else "keeping the current one",
@@ -170,8 +180,6 @@ class Trainer:
             self._drop_executor()
             self.plan = found.plan
             self._start_plan()
-            self._update_seconds = []  # the new plan's updates, measured afresh
-            self._recalibrate_due = self._recalibrations < MAX_RECALIBRATIONS
         else:
             self.predicted = simulate(self.plan, self.costs,
                                       optimizer_overlap=self.config.plan.overlap_optimizer).metrics()
