@@ -611,15 +611,22 @@ def test_optim_bench_records_one_row_per_thread_count_with_the_host_copy_bandwid
 
 def test_device_layers_search_times_the_search_with_and_without_the_tolerance(tmp_path):
     subprocess.run([sys.executable, "-m", "bench.device_layers_search", "--layers", "8", "--tolerances", "0", "0.005",
-                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+                    "--update-ns-per-param", "0.2", "0.4", "--out", str(tmp_path)], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
     (path,) = tmp_path.glob("device_layers_search_*.json")
-    exact, tolerant = json.loads(path.read_text())
-    assert (exact["tolerance"], tolerant["tolerance"]) == (0.0, 0.005) and exact["num_layers"] == 8
-    for r in (exact, tolerant):
-        assert r["solve_time_s"] > 0 and r["solves"] == len(r["tried"]) + 1
-        assert r["predicted_step_time_s"] == pytest.approx(min(v for v in r["tried"].values() if v is not None))
-    assert set(tolerant["tried"]) <= set(exact["tried"])  # the tolerance only leaves out
-    assert path.with_suffix(".md").read_text().count("| 8 |") == 2
+    records = json.loads(path.read_text())
+    assert [(r["optimizer_ns_per_param"], r["tolerance"]) for r in records] == [(0.2, 0.0), (0.2, 0.005), (0.4, 0.0),
+                                                                                 (0.4, 0.005)]
+    for exact, tolerant in (records[:2], records[2:]):
+        assert exact["num_layers"] == 8
+        for r in (exact, tolerant):
+            assert r["solve_time_s"] > 0 and r["solves"] == len(r["tried"]) + 1
+            assert r["predicted_step_time_s"] == pytest.approx(min(v for v in r["tried"].values() if v is not None))
+        assert set(tolerant["tried"]) <= set(exact["tried"])  # the tolerance only leaves out
+    # a slower update: no plan predicted faster than the faster update's
+    assert records[2]["predicted_step_time_s"] >= records[0]["predicted_step_time_s"] * (1 - 1e-9)
+    rows = [line for line in path.with_suffix(".md").read_text().splitlines() if line.startswith("| 8 |")]
+    assert [row.split(" | ")[1:3] for row in rows] == [["0.2", "0"], ["0.2", "0.005"], ["0.4", "0"], ["0.4", "0.005"]]
 
 
 def test_compute_only_puts_each_run_against_its_own_layers_and_its_process_s_head(tmp_path):

@@ -788,11 +788,13 @@ bisects between the best and its neighbours."""
 DEVICE_LAYER_TOLERANCE = 0.001
 """The search does not bisect toward a neighbour predicted within this fraction of the best: near
 the optimum the step changes by tenths of a percent per layer, and each MILP solve takes seconds
-(`bench/device_layers_search.py`: 41 -> 38 s at 28 layers, 65 -> 47 s at 48, 68 -> 47 s at 64, on
-2 cores, at 0.005; not re-measured at 0.001, which bisects further where the neighbours are
-0.1-0.5% behind). 0.005 until 2026-12-05: on the H200 at 7B a recalibration kept k = 4 (5.331 s
-predicted) with k = 8 0.35% behind and never tried 6; measured in that process, 4 took 5.352 s a
-step and 6 (fixed) 5.267 s (`bench/results/plan_qwen2.5-7b_h200_2026-12-05_as_trained.json`)."""
+(`bench/device_layers_search.py` on 2 cores, the 12-05 7B table: 20 s at the profiled update rate
+whatever the tolerance, 78 s at 0.2715 ns/param against 63 s at 0.005, 87 against 82 at 0.313).
+0.005 until 2026-12-05: on the H200 at 7B a recalibration (0.2715 ns/param) kept k = 4 (5.331 s
+predicted) with k = 8 0.35% behind and never tried 5-7 (5: 5.312 s; 6: 5.317); measured in that
+process, 4 took 5.352 s a step and 6 (fixed) 5.267 s
+(`bench/results/plan_qwen2.5-7b_h200_2026-12-05_as_trained.json`,
+`bench/results/device_layers_search_cpu-amd-epyc_2026-12-05.md`)."""
 
 
 def _check_device_layers(costs: CostTable, const_update: str | None, device_layers: int | None) -> None:
