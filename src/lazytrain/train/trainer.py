@@ -97,8 +97,8 @@ class Trainer:
         )
         self.plan, self.costs = session.plan()
         self._recalibrations = 0  # re-solves on a measured update rate in this process
-        self._update_seconds: list[float] = []  # the CPU updates of the running plan, in order (`_start_plan`)
-        self._recalibrate_due = True  # the running plan's update not yet measured by a recalibration
+        self._oom_replans = 0  # re-solves after a step ran out of GPU memory
+        self._update_oom_replans = 0  # ... after an optimizer step planned on the GPU did (counted apart)
         self._start_plan()
         self.checkpoint_bytes = self.checkpointer.size_bytes(self.store.masters, self.optimizer.state_dict())
         if resume_from is None and tc.overwrite and self.is_main:
@@ -133,8 +133,8 @@ class Trainer:
         self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
         # every plan's update is timed afresh (its rate per parameter is not another plan's, and
         # its first update warms up) and recalibrated on, up to the cap
-        self._update_seconds = []
-        self._recalibrate_due = self._recalibrations < MAX_RECALIBRATIONS
+        self._update_seconds: list[float] = []  # this plan's CPU updates, in order
+        self._recalibrate_due = self._recalibrations < MAX_RECALIBRATIONS  # not yet measured by a recalibration
 
     def _drop_executor(self) -> None:
         """Finish the CPU update and let go of the executor (before another plan starts)."""
@@ -230,7 +230,7 @@ class Trainer:
         gives and the step run again: the failed step changed no weights, optimizer state or
         data position.
         """
-        tries = getattr(self, "_oom_replans", 0)
+        tries = self._oom_replans
         why = self._not_resolved(tries)
         if why is not None:
             raise OutOfGpuMemory(
@@ -262,7 +262,7 @@ class Trainer:
         (the update's tries do not use up the steps'); any other plan, or one with no smaller
         plan, goes on as it is."""
         error, self.updater.out_of_memory = self.updater.out_of_memory, None
-        tries = getattr(self, "_update_oom_replans", 0)
+        tries = self._update_oom_replans
         why = self._not_resolved(tries)
         if why is None:
             self._update_oom_replans = tries + 1
