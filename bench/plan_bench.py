@@ -41,8 +41,8 @@ One process, one model in host memory (random init of a real config):
    N + 1 steps first, the CPU update's rate measured in them as the trainer measures it (updates
    2..N, `policies.measured_update_rate`) and the plan re-solved on it when the table's is off
    (`policies.recalibrate`); a plan it switched to is measured and re-solved in turn, as in the
-   trainer (up to `policies.MAX_RECALIBRATIONS` rounds, after the first on the slower of the
-   measured and the table's rate); then the measured steps, on the last plan and its table (the
+   trainer (up to `policies.MAX_RECALIBRATIONS` rounds, each planned for the measured rate
+   `policies.UPDATE_RATE_MARGIN` slower, after the first never faster than the table's); then the measured steps, on the last plan and its table (the
    record's ``recalibration``: the first round's rates, update times and predictions at the top,
    ``changed`` when any round switched, every round in ``rounds``).
 
@@ -418,8 +418,9 @@ def recalibrated(session, table: CostTable, plan: Plan, policy_options: PolicyOp
     """What the trainer's recalibration (``plan.recalibrate_after`` = ``args.recalibrate``) makes
     of ``plan`` (`Trainer._recalibrate`), round by round as in the trainer: the updates of steps
     1..N timed (each read at the next step's start: N + 1 steps run), their rate taken as the
-    trainer takes it (`policies.measured_update_rate`: the first left out; after the first round
-    the slower of it and the table's, `policies.planned_update_rate`) and the plan re-solved on it
+    trainer takes it (`policies.measured_update_rate`: the first left out) and planned for with
+    the trainer's margin (`policies.planned_update_rate`: after the first round never faster
+    than the table's) and the plan re-solved on it
     (`policies.recalibrate`); a round that switched plans is followed by one on the new plan, up to
     `MAX_RECALIBRATIONS` rounds (a further round that ``args.time_limit`` cannot hold is not run).
     The table and plan to measure, and what happened: the first round's fields (its table's rate
@@ -457,7 +458,7 @@ def recalibrated(session, table: CostTable, plan: Plan, policy_options: PolicyOp
             table, plan = found.costs, found.plan
         print(f"recalibration round {len(rounds)}: the CPU update ran at {measured:.3f} ns/param (updates 2-{n}) "
               f"against {info['table_ns_per_param']:.3f} in the table"
-              + (f" (planned for {planned:.3f}, the slower)" if planned != measured else "") + "; "
+              + f" (planned for {planned:.3f} with the margin); "
               + ("within the tolerance: the plan kept" if found is None else
                  f"current plan predicted at {found.current_s:.3f} s, re-solved at {found.resolved_s:.3f} s: "
                  + ("switching to it" if found.changed else "keeping the current one")), flush=True)

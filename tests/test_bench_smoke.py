@@ -84,16 +84,18 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
     assert solved["cpu_update_params"] > 0
     from lazytrain.plan.costs import CostTable
     from lazytrain.plan.plan import Plan
-    from lazytrain.plan.policies import MAX_RECALIBRATIONS
+    from lazytrain.plan.policies import MAX_RECALIBRATIONS, UPDATE_RATE_MARGIN
     from lazytrain.plan.simulate import simulate
 
     # a round per plan switched to (as the trainer), each later one planning for the slower rate
     rounds = recal["rounds"]
     assert rounds[0]["measured_ns_per_param"] == recal["measured_ns_per_param"] and 1 <= len(rounds) <= MAX_RECALIBRATIONS
     assert all(r["changed"] for r in rounds[:-1]) and recal["changed"] == any(r["changed"] for r in rounds)
+    assert rounds[0]["planned_ns_per_param"] == pytest.approx(rounds[0]["measured_ns_per_param"] * (1 + UPDATE_RATE_MARGIN))
     for before, after in itertools.pairwise(rounds):
         assert after["table_ns_per_param"] == before["planned_ns_per_param"]
-        assert after["planned_ns_per_param"] == max(after["measured_ns_per_param"], before["planned_ns_per_param"])
+        assert after["planned_ns_per_param"] == pytest.approx(max(
+            after["measured_ns_per_param"] * (1 + UPDATE_RATE_MARGIN), before["planned_ns_per_param"]))
     # the measured run is predicted on the last re-solve's rate (the corrected table), not the table's
     rate = [r["planned_ns_per_param"] for r in rounds if "predicted_resolved_s" in r][-1]
     (table,) = [CostTable.from_dict(r["costs"]) for r in records if r["name"] == "costs"]
@@ -675,7 +677,7 @@ def test_a_recalibration_round_that_runs_out_of_memory_leaves_its_own_plan_to_th
     from bench import plan_bench
     from lazytrain.plan.costs import CostTable
     from lazytrain.plan.plan import megatrain_plan
-    from lazytrain.plan.policies import PolicyOptions, Recalibration
+    from lazytrain.plan.policies import UPDATE_RATE_MARGIN, PolicyOptions, Recalibration
 
     table = CostTable.load(ROOT / "bench/results/costs_qwen2.5-7b_h200_2026-12-05_s1024_b64_mlp2.json")
     first, second = (megatrain_plan(table.num_layers, 64, 1024, every=e) for e in (2, 4))
@@ -701,4 +703,4 @@ def test_a_recalibration_round_that_runs_out_of_memory_leaves_its_own_plan_to_th
     assert ran == [first, second] and running["plan"] is second and not running.get("finished")
     (done,) = running["rounds"]
     assert done["changed"] and done["measured_ns_per_param"] == pytest.approx(1.5)  # the slowest after the first
-    assert running["table"].optimizer_ns_per_param == pytest.approx(1.5)
+    assert running["table"].optimizer_ns_per_param == pytest.approx(1.5 * (1 + UPDATE_RATE_MARGIN))

@@ -11,7 +11,7 @@ import pytest
 from test_oom_replan import _failing, _losses, _trainer, fixed_costs  # noqa: F401 (a fixture)
 
 from lazytrain.plan.plan import megatrain_plan
-from lazytrain.plan.policies import Recalibration
+from lazytrain.plan.policies import UPDATE_RATE_MARGIN, Recalibration
 from lazytrain.plan.simulate import simulate
 from lazytrain.train import trainer as trainer_module
 
@@ -43,17 +43,20 @@ def test_the_measured_rate_is_recorded_and_a_faster_plan_taken_without_changing_
     # once, after the step whose start saw the third finished update, on updates 2 and 3 (the
     # fourth is finished by the switch, the new updater's first is the fifth; the new plan is
     # not re-checked before three of its own)
-    (plan, costs, measured, timed), other = seen
+    (plan, costs, planned, timed), other = seen
     assert len(timed) == 3 and plan.layers != trainer.plan.layers
     params = sum(w.numel() for w in trainer.store.weights)
-    assert measured == pytest.approx(max(timed[1:3]) * 1e9 / params)
+    measured = max(timed[1:3]) * 1e9 / params
+    assert planned == pytest.approx(measured * (1 + UPDATE_RATE_MARGIN))  # the slowest, with the margin
     assert len(trainer._update_seconds) == 1  # the new plan's own, measured afresh
     assert trainer.executor is not first and trainer.plan is other and trainer.executor.plan is other
-    assert trainer.costs.optimizer_ns_per_param == measured
+    assert trainer.costs.optimizer_ns_per_param == planned
     assert "switching to it" in caplog.text and f"{measured:.3f} ns/param in the plan's updates 2-3" in caplog.text
+    assert f"planned for {planned:.3f} with the margin" in caplog.text
     trainer._close()
     record, = [r for r in _records(tmp_path / "re") if "replanned" in r]
     assert record["replanned"] and record["update_ns_per_param_measured"] == pytest.approx(measured)
+    assert record["update_ns_per_param_planned"] == pytest.approx(planned)
     assert record["update_ns_per_param_table"] == costs.optimizer_ns_per_param
 
 
@@ -102,10 +105,14 @@ def test_later_recalibrations_plan_for_the_slower_of_the_measured_and_the_tables
     from lazytrain.plan.policies import PolicyOptions, planned_update_rate, policy_plan, recalibrate
 
     table = dataclasses.replace(CostTable.load(fixed_costs.partition("=")[2]), optimizer_ns_per_param=2.0)
-    assert planned_update_rate(1.0, table, earlier=False) == 1.0  # the first: as measured, faster or slower
-    assert planned_update_rate(3.0, table, earlier=False) == 3.0
+    m = 1 + UPDATE_RATE_MARGIN
+    assert UPDATE_RATE_MARGIN > 0
+    # the first: as measured with the margin, faster or slower than the table's
+    assert planned_update_rate(1.0, table, earlier=False) == pytest.approx(m)
+    assert planned_update_rate(3.0, table, earlier=False) == pytest.approx(3 * m)
     assert planned_update_rate(1.0, table, earlier=True) == 2.0  # later: never below the table's
-    assert planned_update_rate(3.0, table, earlier=True) == 3.0
+    assert planned_update_rate(1.9, table, earlier=True) == pytest.approx(1.9 * m)  # above it with the margin
+    assert planned_update_rate(3.0, table, earlier=True) == pytest.approx(3 * m)
     # an update measured faster than the table's after a re-solve: nothing to re-solve
     plan = policy_plan("solved", table, PolicyOptions())
     assert recalibrate(plan, table, planned_update_rate(1.0, table, earlier=True), PolicyOptions()) is None
@@ -127,7 +134,7 @@ def test_a_plan_started_after_running_out_of_memory_is_timed_afresh(tmp_path, mo
     (planned, timed), = seen
     assert len(timed) == 3 and not set(timed) & set(before)
     params = trainer.updater.cpu_params
-    assert planned == pytest.approx(max(timed[1:]) * 1e9 / params)
+    assert planned == pytest.approx(max(timed[1:]) * 1e9 / params * (1 + UPDATE_RATE_MARGIN))
     trainer._close()
 
 
@@ -161,7 +168,9 @@ def test_a_table_far_off_the_measured_rate_is_corrected_and_training_goes_on(tmp
     record, = [r for r in _records(tmp_path / "re") if "replanned" in r]
     assert record["step"] == 3 and record["update_ns_per_param_table"] == pytest.approx(
         table.optimizer_ns_per_param * 1e-4)
-    assert trainer.costs.optimizer_ns_per_param == record["update_ns_per_param_measured"] > 0
+    assert trainer.costs.optimizer_ns_per_param == record["update_ns_per_param_planned"] > 0
+    assert record["update_ns_per_param_planned"] == pytest.approx(
+        record["update_ns_per_param_measured"] * (1 + UPDATE_RATE_MARGIN))
     # the step records after it carry the prediction on the corrected table
     predicted = simulate(trainer.plan, trainer.costs, optimizer_overlap=True).step_time_s
     assert trainer.predicted["predicted_step_time_s"] == pytest.approx(predicted)

@@ -280,11 +280,13 @@ class PlanConfig:
     recalibrate_after: int = 4
     """A solved plan is re-solved when the updates of this many steps are timed (each is
     timed as the next step starts: after step N + 1), on their CPU update rate (the slowest
-    of updates 2..N; `policies.measured_update_rate`), when the cost table's is more than 5%
-    off: profiled alone, the update ran up to 1.5x slower inside the step on the H200, beside the
+    of updates 2..N; `policies.measured_update_rate`) with a margin (below), when the cost
+    table's is more than 5% off that: profiled alone, the update ran up to 1.5x slower inside the step on the H200, beside the
     PCIe copies. The re-solved plan is taken when the planner predicts it at least 1% faster on
-    the corrected table (one process only); a plan taken so is measured the same way in turn,
-    planned for the slower of its rate and the table's (`policies.planned_update_rate`), up to
+    the corrected table (one process only). The rate planned for is the measured one 10%
+    slower (`policies.UPDATE_RATE_MARGIN`: slack for the update costs less than a forward
+    waiting for it); a plan taken so is measured the same way in turn, planned for no faster
+    than the table's (`policies.planned_update_rate`), up to
     `policies.MAX_RECALIBRATIONS` re-solves. 0 (or 1: no update after the first): never."""
 
     def __post_init__(self) -> None:

@@ -136,12 +136,26 @@ own updates are timed (its rate per parameter need not be the old plan's: on the
 with 6, and its forward waited 0.18 s per step for it)."""
 
 
+UPDATE_RATE_MARGIN = 0.10
+"""A recalibration plans for the measured CPU update rate this fraction slower (`planned_update_rate`).
+The in-step rate drifts after it is measured, and the two errors cost differently. On the H200 at
+7B (2026-12-05, `bench/results/plan_qwen2.5-7b_h200_2026-12-05_as_trained.json`) the same plan
+(6 resident layers) updated at 0.308 ns/param in its measured steps against 0.296 in the
+calibration just before, and a plan re-solved on 0.279 then ran at 0.311; plans whose update ran
+past what they had slack for left the GPU waiting 0.16-0.30 s of a 5.3-5.6 s step, those with
+slack 0.01 s. Slack is cheap: on that table each resident layer more covers ~7% of update rate
+for 0.2-0.4% of step (`bench/results/device_layers_search_cpu-amd-epyc_2026-12-05.md`: at 0.313
+ns/param k = 6 5.391 s, k = 8 5.350 s; at 0.2715, k = 8 costs 0.7% over the best, k = 5)."""
+
+
 def planned_update_rate(measured_ns_per_param: float, costs: CostTable, earlier: bool) -> float:
-    """The CPU update rate a recalibration plans for: the ``measured`` one, or with ``earlier``
-    (``costs`` already holds the rate an earlier recalibration planned for) the slower of the two, so
-    that re-planning only ever adds slack for the update (more resident layers) and cannot
-    alternate between plans whose updates run at different rates per parameter."""
-    return max(measured_ns_per_param, costs.optimizer_ns_per_param) if earlier else measured_ns_per_param
+    """The CPU update rate a recalibration plans for: the ``measured`` one `UPDATE_RATE_MARGIN`
+    slower, or with ``earlier`` (``costs`` already holds the rate an earlier recalibration planned
+    for) the slower of that and the table's, so that re-planning only ever adds slack for the
+    update (more resident layers) and cannot alternate between plans whose updates run at
+    different rates per parameter."""
+    with_margin = measured_ns_per_param * (1 + UPDATE_RATE_MARGIN)
+    return max(with_margin, costs.optimizer_ns_per_param) if earlier else with_margin
 
 
 @dataclass(frozen=True, slots=True)

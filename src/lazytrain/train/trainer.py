@@ -143,9 +143,9 @@ class Trainer:
         del self.executor, self.updater
 
     def _recalibrate(self) -> None:
-        """Re-solve the plan with the CPU update rate its steps measured (`policies.recalibrate`;
-        after an earlier re-solve, the slower of that rate and the table's:
-        `policies.planned_update_rate`); switch to the new plan when it is predicted faster. Each
+        """Re-solve the plan with the CPU update rate its steps measured, with a margin
+        (`policies.recalibrate`, `policies.planned_update_rate`; after an earlier re-solve, never
+        faster than the table's); switch to the new plan when it is predicted faster. Each
         plan started (a switch, an out-of-memory re-plan) is measured in turn, up to
         `MAX_RECALIBRATIONS` re-solves in a process (`_start_plan`)."""
         self._recalibrate_due = False
@@ -172,7 +172,7 @@ class Trainer:
             "recalibration %d: the CPU update ran at %.3f ns/param in the plan's updates 2-%d against %.3f in the "
             "cost table%s; on that rate the current plan is predicted at %.3f s and the plan re-solved for it at "
             "%.3f s (solved in %.0f s): %s", self._recalibrations, measured, timed, table,
-            f" (planned for {planned:.3f}, the slower)" if planned != measured else "",
+            f" (planned for {planned:.3f} with the margin)",
             found.current_s, found.resolved_s, time.perf_counter() - started,
             "switching to it" if found.changed else "keeping the current one",
         )
