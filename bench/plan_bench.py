@@ -552,7 +552,7 @@ def study(session, args, kernels: str) -> None:
     )
     print(f"profiled in {time.perf_counter() - t0:.0f} s: {layers}; "
           f"H2D {costs.h2d_gbps:.1f} D2H {costs.d2h_gbps:.1f} both {costs.bidir_gbps:.1f} GB/s, slowdown "
-          f"{costs.copy_slowdown:.3f}; optimizer {costs.optimizer_ns_per_param:.3f} ns/param; NVMe write "
+          f"{costs.copy_slowdown:.3f} {costs.notes.get('copy_slowdown', '')}; optimizer {costs.optimizer_ns_per_param:.3f} ns/param; NVMe write "
           f"{costs.nvme_write_gbps:.2f} read {costs.nvme_read_gbps:.2f} GB/s", flush=True)
     records.append({"name": "costs", **common, "costs": costs.to_dict()})
     save()
@@ -770,7 +770,10 @@ def markdown(records: list[dict], args) -> str:
         lines += [
             (f"Profiled at batch {c['batch_size']} x seq {c['seq_len']}: {layer_text}; head+loss "
             f"{c['head_ms']:.1f} ms; H2D {c['h2d_gbps']:.1f}, D2H {c['d2h_gbps']:.1f}, both {c['bidir_gbps']:.1f} "
-            f"GB/s; compute slowdown under copies {c['copy_slowdown']:.3f}; CPU optimizer "
+            f"GB/s; compute slowdown under copies {c['copy_slowdown']:.3f}"
+            + ("" if "copy_slowdown" not in c.get("notes", {}) else " (" + ", ".join(
+                f"{k} {v:.3f}" for k, v in c["notes"]["copy_slowdown"].items()) + ")")
+            + "; CPU optimizer "
             f"{c['optimizer_ns_per_param']:.3f} ns/param"
             + (f"; embedding + head step on the GPU {c['const_update_ms']:.1f} ms, "
                f"{c['const_update_bytes'] / 1e9:.2f} GB" if c.get("const_update_ms") is not None else "")

@@ -87,6 +87,52 @@ def test_profiler_measures_the_executor_pieces_on_the_cpu(tmp_path):
     # fp32 AdamW (this config's) has no device step for the resident groups
     assert session.config.optimizer.kind == "fp32"
     assert costs.const_update_ms is None and costs.const_update_bytes == 0
+    if session.device.type == "cpu":  # no copies to slow the CPU down
+        assert costs.copy_slowdown == 1.0 and "copy_slowdown" not in costs.notes
+
+
+def test_the_slowdown_under_copies_runs_a_layers_forward_and_backward(tmp_path, monkeypatch):
+    """`profiler._layer_forward_backward`: what `copy_slowdown` is timed on, a kept layer's
+    forward under autograd and its backward, gradients reaching the layer's weights."""
+    from lazytrain.config import load_config
+    from lazytrain.plan.plan import keep_all_plan
+    from lazytrain.runtime.executor import Executor
+    from lazytrain.runtime.profiler import _layer_forward_backward
+    from lazytrain.train.session import build_session
+
+    session = build_session(load_config(None, [f"training.output_dir={tmp_path}", "model.source=builtin:tiny"]))
+    executor = Executor(session.adapter, session.store, keep_all_plan(session.adapter.num_layers, 2, 16, 4096),
+                        session.device)
+    slot = session.store.weights[1].to(session.device)
+    grads = []
+    real_grad = torch.autograd.grad
+
+    def grad(outputs, inputs, *args, **kwargs):
+        out = real_grad(outputs, inputs, *args, **kwargs)
+        grads.append(out)
+        return out
+
+    monkeypatch.setattr(torch.autograd, "grad", grad)
+    try:
+        _layer_forward_backward(executor, 0, slot, 2, 16, "causal")()
+    finally:
+        executor.abandon()
+    (got,) = grads  # the input's gradient and every weight's of the layer
+    assert len(got) == 1 + len(session.adapter.layouts[1].params) and all(g.abs().sum() > 0 for g in got)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_copy_slowdown_is_the_layers_under_copies_both_ways(tmp_path):
+    from lazytrain.config import load_config
+    from lazytrain.runtime.profiler import profile
+    from lazytrain.train.session import build_session
+
+    config = load_config(None, [f"training.output_dir={tmp_path}", "model.source=builtin:tiny", "model.dtype=bf16"])
+    session = build_session(config)
+    costs = profile(session.adapter, session.store, session.device, 4, 64, session.make_optimizer, repeats=2)
+    both = costs.notes["copy_slowdown"]
+    assert set(both) == {"layer", "matmuls"} and costs.copy_slowdown == both["layer"]
+    assert all(v >= 1.0 for v in both.values())
 
 
 def test_the_profiler_times_the_resident_groups_step_on_the_device(tmp_path):

@@ -144,17 +144,39 @@ def profile_batch_masks(adapter: ModelAdapter, batch: int, seq: int, attention: 
     return adapter.layer_masks(None, document_ids=document_ids), positions
 
 
+def _layer_inputs(executor: Executor, batch: int, seq: int, attention: str) -> tuple:
+    """A random layer input of ``(batch, seq)`` and the step's constants for it: (x, rope, masks)."""
+    adapter, device, dtype = executor.adapter, executor.device, executor.dtype
+    masks, position_ids = profile_batch_masks(adapter, batch, seq, attention)
+    rope = adapter.rotary_embeddings(position_ids.to(device), dtype)
+    return torch.randn(batch, seq, adapter.hidden_size, device=device, dtype=dtype), rope, masks
+
+
+def _layer_forward_backward(executor: Executor, layer: int, slot: torch.Tensor, batch: int, seq: int,
+                            attention: str) -> Callable[[], None]:
+    """A call running ``layer``'s forward under autograd and its backward at ``(batch, seq)``,
+    weights in ``slot`` (what a kept layer costs the GPU in a step)."""
+    layout = executor.adapter.layouts[layer + 1]
+    x, rope, masks = _layer_inputs(executor, batch, seq, attention)
+
+    def run() -> None:
+        leaves = layout.leaves(slot)
+        x_in = x.detach().requires_grad_()
+        with torch.enable_grad():
+            out = executor.adapter.layer_forward(layer, leaves, x_in, rope, masks)
+        torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
+
+    return run
+
+
 def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch: int, seq: int,
                        repeats: int, options: bool = False, attention: str = "causal") -> dict:
     """One layer's costs at one batch shape with ``attention`` (`profile_batch_masks`); with
     ``options``, also those of the layer kept with each block recomputed in its backward
     (``recompute_options``)."""
-    adapter, device, dtype = executor.adapter, executor.device, executor.dtype
+    adapter, device = executor.adapter, executor.device
     layout = adapter.layouts[layer + 1]
-    masks, position_ids = profile_batch_masks(adapter, batch, seq, attention)
-    position_ids = position_ids.to(device)
-    rope = adapter.rotary_embeddings(position_ids, dtype)
-    x = torch.randn(batch, seq, adapter.hidden_size, device=device, dtype=dtype)
+    x, rope, masks = _layer_inputs(executor, batch, seq, attention)
     excluded = (slot, *rope, *mask_tensors(masks))  # per-step constants in the executor
 
     def forward_no_grad():
@@ -234,12 +256,18 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
 
 
 def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
-                together: Callable[[], None] = lambda: None) -> dict:
+                together: Callable[[], None] = lambda: None, layer: Callable[[], object] | None = None) -> dict:
     """GB/s of H2D, D2H and each direction when both run, at one layer's size (pinned both
     ways, as the executor copies), and how much slower compute runs while a copy is in flight.
 
     ``together`` (data parallel: a barrier of the ranks) runs before each measurement, so the
     ranks of a host copy at once and each one measures its share of the host's bandwidth.
+
+    The slowdown (``copy_slowdown``) is ``layer``'s (a decoder layer's forward and backward at
+    the run's shape) under copies both ways against alone, where given; the slowdown of
+    8192^3 bf16 matmuls under H2D copies (``copy_slowdown_matmuls``; the table's figure until
+    2026-12-05) overstated it: 1.099 on the H200, where the runs' GPU compute at 7B implied
+    ~1.03 (README).
     """
     nbytes = host.numel() * host.element_size()
     if device.type != "cuda":
@@ -300,11 +328,44 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
 
     under_copies = time_ms(device, matmuls_under_copies, repeats)
     torch.cuda.synchronize(device)
+    del a
+    slowdown = {"copy_slowdown_matmuls": max(1.0, under_copies / alone)}
+    if layer is not None:
+        slowdown["copy_slowdown_layer"] = _slowdown_under_copies(device, layer, repeats, gpu, host, back, gpu2,
+                                                                 h2d_ms, d2h_ms)
     h2d_gbps, d2h_gbps = nbytes / h2d_ms / 1e6, nbytes / d2h_ms / 1e6
     serial = h2d_gbps * d2h_gbps / (h2d_gbps + d2h_gbps)
     bidir = min(max(nbytes / both_ms / 1e6, serial), min(h2d_gbps, d2h_gbps))
     return {"h2d_gbps": h2d_gbps, "d2h_gbps": d2h_gbps, "bidir_gbps": bidir,
-            "copy_slowdown": max(1.0, under_copies / alone)}
+            "copy_slowdown": slowdown.get("copy_slowdown_layer", slowdown["copy_slowdown_matmuls"]), **slowdown}
+
+
+def _slowdown_under_copies(device: torch.device, compute: Callable[[], object], repeats: int,
+                           gpu: torch.Tensor, host: torch.Tensor, back: torch.Tensor, gpu2: torch.Tensor,
+                           h2d_ms: float, d2h_ms: float) -> float:
+    """How much slower ``compute`` runs on the current stream while copies keep both directions
+    of the link busy throughout (``host`` -> ``gpu`` and ``gpu2`` -> ``back``, pinned), against
+    alone: >= 1. Events on the compute stream time the compute only."""
+    stream = torch.cuda.current_stream(device)
+    h2d_stream, d2h_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    alone = time_ms(device, compute, repeats)
+    # both ways at once each runs slower than alone: enough copies to outlast the compute
+    copies_in, copies_out = 2 + int(2 * alone / h2d_ms), 2 + int(2 * alone / d2h_ms)
+
+    def under_copies():
+        h2d_stream.wait_stream(stream)
+        d2h_stream.wait_stream(stream)
+        with torch.cuda.stream(h2d_stream):
+            for _ in range(copies_in):
+                gpu.copy_(host, non_blocking=True)
+        with torch.cuda.stream(d2h_stream):
+            for _ in range(copies_out):
+                back.copy_(gpu2, non_blocking=True)
+        compute()
+
+    under = time_ms(device, under_copies, repeats)
+    torch.cuda.synchronize(device)
+    return max(1.0, under / alone)
 
 
 def _scratch_layer_group(optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer],
@@ -482,7 +543,12 @@ def profile(
             total_gpu = torch.cuda.get_device_properties(device).total_memory
         else:
             total_gpu = host_memory_total() // 4
-        machine = _bandwidths(store.weights[1], device, repeats, barrier)
+        # the slowdown under copies of the first layer's forward and backward at the run's shape
+        slot = store.weights[1].to(device)
+        machine = _bandwidths(store.weights[1], device, repeats, barrier,
+                              layer=_layer_forward_backward(executor, 0, slot, batch_size, seq_len, attention))
+        del slot
+        slowdowns = {k: machine.pop(k) for k in ("copy_slowdown_matmuls", "copy_slowdown_layer") if k in machine}
         # with an NVMe tier, its write-behind and read-ahead buffers (pinned, pooled)
         staging = NVME_STAGING_BUFFERS * input_bytes if nvme is not None else 0
         host_free = activation_room(store.bytes(optimizer_state_bytes).total, host_limit_bytes, local_world_size,
@@ -523,7 +589,9 @@ def profile(
             world_size=local_world_size,
             local_world_size=local_world_size,
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            notes={"profiled_shapes": [list(s) for s in shapes], "nvme": disk_note},
+            notes={"profiled_shapes": [list(s) for s in shapes], "nvme": disk_note,
+                   **({"copy_slowdown": {k.removeprefix("copy_slowdown_"): v for k, v in slowdowns.items()}}
+                      if slowdowns else {})},
             **machine,
         )
     finally:
