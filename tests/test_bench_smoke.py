@@ -704,3 +704,35 @@ def test_a_recalibration_round_that_runs_out_of_memory_leaves_its_own_plan_to_th
     (done,) = running["rounds"]
     assert done["changed"] and done["measured_ns_per_param"] == pytest.approx(1.5)  # the slowest after the first
     assert running["table"].optimizer_ns_per_param == pytest.approx(1.5 * (1 + UPDATE_RATE_MARGIN))
+
+
+def test_offload_window_simulates_each_measured_plan_and_its_host_layers_variants(tmp_path):
+    from bench import offload_window
+    from lazytrain.plan.plan import LayerPlan, Plan
+    from lazytrain.plan.simulate import simulate
+    from lazytrain.plan.synthetic import random_cost_table
+
+    table = random_cost_table(3, 4, uniform=True)
+    options = sorted(table.layers[0].recompute_options)
+    layers = [LayerPlan(mode="keep", tier=t, recompute=r)
+              for t, r in (("host", options[0]), ("gpu", "none"), ("host", "none"), ("gpu", "none"))]
+    plan = Plan(policy="solved", batch_size=table.batch_size, seq_len=table.seq_len, layers=layers)
+    planned = table.optimizer_ns_per_param * 2
+    records = [{"name": "costs", "costs": table.to_dict()},
+               {"name": "run", "plan": plan.to_dict(), "step_time_s": 1.0, "update": "cpu",
+                "recalibration": {"rounds": [{"planned_ns_per_param": planned, "predicted_resolved_s": 1.0}]}},
+               {"name": "skipped", "plan": plan.to_dict(), "step_time_s": 1.0, "update": "skipped"},
+               {"name": "not started", "error": "no room"}]
+    path = tmp_path / "plan_x.json"
+    path.write_text(json.dumps(records))
+    offload_window.main([str(path), "--windows", "1", "3"])
+    rows = json.loads((tmp_path / "plan_x_offload_window.json").read_text())
+    assert [r["variant"] for r in rows] == ["as run", "host layers: none", *(f"host layers: {o}" for o in options)]
+    assert {r["name"] for r in rows} == {"run"} and all(set(r["windows"]) == {"1", "3"} for r in rows)
+    # each on the table at the rate its plan was solved for
+    at_rate = dataclasses.replace(table, optimizer_ns_per_param=planned)
+    assert rows[0]["windows"]["1"]["step_s"] == pytest.approx(simulate(plan, at_rate, optimizer_overlap=True).step_time_s)
+    assert rows[1]["layers"] == "H.G.H.G." and rows[0]["layers"] == f"H{offload_window.SHORT[options[0]]}G.H.G."
+    assert (tmp_path / "plan_x_offload_window.md").read_text().count("| run |") == 1 + len(rows)  # and the header
+    with pytest.raises(SystemExit):
+        offload_window.main([str(path), "--windows", "0"])

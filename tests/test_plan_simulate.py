@@ -237,3 +237,33 @@ def test_a_packed_tables_mask_is_held_through_the_step_by_the_simulator_and_the_
     assert varlen.mask_bytes == 0 and simulate(plan, varlen).peak_gpu_bytes == simulate(plan, table).peak_gpu_bytes
     with pytest.raises(ValueError, match="attention must be one of causal, packed, packed_varlen, got 'sliding'"):
         replace(table, attention="sliding")
+
+
+def _offload_bound_plan():
+    """Layers 0-3 on the host tier, each offload (saved_bytes) three times what one stage's
+    forward can copy out, with GPU-kept layers after them to run on."""
+    table = replace(random_cost_table(5, 8, uniform=True, options=False), copy_slowdown=1.0)
+    layer = table.layers[0]
+    big = replace(layer, saved_bytes=int(3 * layer.forward_ms * table.d2h_gbps * 1e6))
+    table = replace(table, layers=[big] * 8)
+    layers = [LayerPlan(mode="keep", tier="host" if i < 4 else "gpu") for i in range(8)]
+    plan = Plan(policy="random", batch_size=table.batch_size, seq_len=table.seq_len, layers=layers)
+    return plan, table
+
+
+def test_a_longer_offload_window_lets_the_forward_run_ahead_of_its_copies_and_holds_their_memory():
+    plan, table = _offload_bound_plan()
+    one, three = (simulate(plan, table, offload_window=w) for w in (1, 3))
+    assert simulate(plan, table).step_time_s == one.step_time_s  # 1: the planner's model, the default
+    assert one.exposed_s["d2h"] > 0  # each host layer's copy stretches the next stage
+    assert three.step_time_s < one.step_time_s and three.exposed_s["d2h"] < one.exposed_s["d2h"]
+    # the copies' GPU memory is counted for as long as a stage may run ahead of them
+    assert three.peak_gpu_bytes >= one.peak_gpu_bytes
+    assert max(three.gpu_bytes_by_stage[1:5]) > max(one.gpu_bytes_by_stage[1:5])
+
+
+@pytest.mark.parametrize("window", [0, -1, 1.5, True])
+def test_an_offload_window_that_is_not_a_positive_integer_is_refused(window):
+    plan, table = _offload_bound_plan()
+    with pytest.raises(ValueError, match="offload_window"):
+        simulate(plan, table, offload_window=window)
