@@ -10,7 +10,8 @@ copy runs on while the forward goes on, its GPU memory held until it is done.
 
 For each measured run of a `bench/plan_bench.py` record file: its plan, and the same plan with
 every host-tier layer recomputing each other block (its cost table's options, or nothing),
-simulated on its process's table at the CPU update rate the plan was solved for, at each
+simulated on its process's table at the CPU update rate its prediction was made on (the last
+recalibration's planned rate, which a kept plan was not re-solved for; else the table's), at each
 window. Predictions, not measurements (the measured step is beside them).
 
     python -m bench.offload_window bench/results/plan_qwen2.5-7b_h200_2026-12-05_margin.json [--windows 1 2 3 8]
@@ -88,7 +89,7 @@ def markdown(rows: list[dict], windows: list[int], source: str) -> str:
     lines = [f"# Offloads waited for later: `{source}`", "",
              "`python -m bench.offload_window " + source + " --windows " + " ".join(map(str, windows)) + "`. "
              "Each measured run's plan (and the same plan with its host-tier layers recomputing another block), "
-             "simulated on its process's cost table at the update rate it was solved for, a stage waiting for "
+             "simulated on its process's cost table at the update rate it was predicted on, a stage waiting for "
              "an offload W stages after it is issued (W = 1: the planner's model). Predicted step s (exposed D2H "
              "s); * where the peak is over the planner's GPU budget. Layers: G/H tier, then . nothing, "
              "m mlp, u mlp_up, a attention recomputed.", "",

@@ -458,7 +458,8 @@ def recalibrated(session, table: CostTable, plan: Plan, policy_options: PolicyOp
             table, plan = found.costs, found.plan
         print(f"recalibration round {len(rounds)}: the CPU update ran at {measured:.3f} ns/param (updates 2-{n}) "
               f"against {info['table_ns_per_param']:.3f} in the table"
-              + f" (planned for {planned:.3f} with the margin); "
+              + f" (planned for {planned:.3f}"
+              + (" with the margin" if planned != info["table_ns_per_param"] else ": the table's") + "); "
               + ("within the tolerance: the plan kept" if found is None else
                  f"current plan predicted at {found.current_s:.3f} s, re-solved at {found.resolved_s:.3f} s: "
                  + ("switching to it" if found.changed else "keeping the current one")), flush=True)

@@ -258,7 +258,6 @@ def test_a_longer_offload_window_lets_the_forward_run_ahead_of_its_copies_and_ho
     assert one.exposed_s["d2h"] > 0  # each host layer's copy stretches the next stage
     assert three.step_time_s < one.step_time_s and three.exposed_s["d2h"] < one.exposed_s["d2h"]
     # the copies' GPU memory is counted for as long as a stage may run ahead of them
-    assert three.peak_gpu_bytes >= one.peak_gpu_bytes
     assert max(three.gpu_bytes_by_stage[1:5]) > max(one.gpu_bytes_by_stage[1:5])
 
 

@@ -116,6 +116,11 @@ def test_later_recalibrations_plan_for_the_slower_of_the_measured_and_the_tables
     # an update measured faster than the table's after a re-solve: nothing to re-solve
     plan = policy_plan("solved", table, PolicyOptions())
     assert recalibrate(plan, table, planned_update_rate(1.0, table, earlier=True), PolicyOptions()) is None
+    # a first round: an update measured as the table has it is planned for 10% slower, so
+    # re-solved; one measured 10% faster is planned for within the tolerance, so kept
+    found = recalibrate(plan, table, planned_update_rate(2.0, table, earlier=False), PolicyOptions())
+    assert found is not None and found.costs.optimizer_ns_per_param == pytest.approx(2.0 * m)
+    assert recalibrate(plan, table, planned_update_rate(2.0 / m, table, earlier=False), PolicyOptions()) is None
 
 
 def test_a_plan_started_after_running_out_of_memory_is_timed_afresh(tmp_path, monkeypatch, fixed_costs):  # noqa: F811

@@ -132,7 +132,6 @@ def test_the_copy_slowdown_is_the_layers_under_copies_both_ways(tmp_path):
     costs = profile(session.adapter, session.store, session.device, 4, 64, session.make_optimizer, repeats=2)
     both = costs.notes["copy_slowdown"]
     assert set(both) == {"layer", "matmuls"} and costs.copy_slowdown == both["layer"]
-    assert all(v >= 1.0 for v in both.values())
 
 
 def test_the_profiler_times_the_resident_groups_step_on_the_device(tmp_path):

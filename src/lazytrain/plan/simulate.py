@@ -182,8 +182,12 @@ def simulate(plan: Plan, costs: CostTable, optimizer_overlap: bool | None = None
     ``optimizer_overlap`` defaults to ``plan.notes["optimizer_overlap"]`` (False if absent).
 
     ``offload_window``: stages an offload (its copy out, issued in the stage after its layer's)
-    may take before a stage waits for it, its GPU memory held through them: 1, the planner's
-    model (the MILP's stage structure); more, a what-if (`bench/offload_window.py`). The executor
+    may take before a stage waits for it, its GPU memory counted through stage ``W - 1`` after its
+    own (as with 1, the planner's model and the MILP's stage structure, where the block counts in
+    its own stage only, the allocator reusing it once the copy is done); more, a what-if
+    (`bench/offload_window.py`). An NVMe-tier layer's disk write still waits one stage after the
+    copy's issue, so its timing is that of W = 2 at any W >= 2; near the head the held block may
+    be counted beside its fetched copy (conservative). The executor
     waits for no offload (its GPU block is reused once the copy is done), so its timing is
     nearer a long window; on the H200 (2026-12-05) a plan the model gave 0.333 s of exposed D2H
     at 1 measured 0.094 s.

@@ -345,7 +345,10 @@ def _slowdown_under_copies(device: torch.device, compute: Callable[[], object], 
                            h2d_ms: float, d2h_ms: float) -> float:
     """How much slower ``compute`` runs on the current stream while copies keep both directions
     of the link busy throughout (``host`` -> ``gpu`` and ``gpu2`` -> ``back``, pinned), against
-    alone: >= 1. Events on the compute stream time the compute only."""
+    alone: >= 1. Events on the compute stream time the compute only. (Known, left as measured on
+    the H200 on 2026-12-05: the start event is recorded before the copies are queued, so their
+    launches, ~80 at 7B, are inside the timed span, and twice the compute's worth of copies is
+    queued per repeat, a backlog drained only at the end.)"""
     stream = torch.cuda.current_stream(device)
     h2d_stream, d2h_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
     alone = time_ms(device, compute, repeats)

@@ -172,7 +172,7 @@ class Trainer:
             "recalibration %d: the CPU update ran at %.3f ns/param in the plan's updates 2-%d against %.3f in the "
             "cost table%s; on that rate the current plan is predicted at %.3f s and the plan re-solved for it at "
             "%.3f s (solved in %.0f s): %s", self._recalibrations, measured, timed, table,
-            f" (planned for {planned:.3f} with the margin)",
+            f" (planned for {planned:.3f})",
             found.current_s, found.resolved_s, time.perf_counter() - started,
             "switching to it" if found.changed else "keeping the current one",
         )
