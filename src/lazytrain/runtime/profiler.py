@@ -328,7 +328,6 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
 
     under_copies = time_ms(device, matmuls_under_copies, repeats)
     torch.cuda.synchronize(device)
-    del a
     slowdown = {"copy_slowdown_matmuls": max(1.0, under_copies / alone)}
     if layer is not None:
         slowdown["copy_slowdown_layer"] = _slowdown_under_copies(device, layer, repeats, gpu, host, back, gpu2,
