@@ -292,12 +292,7 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
         back.copy_(gpu, non_blocking=True)
 
     def both():
-        h2d_stream.wait_stream(compute)
-        d2h_stream.wait_stream(compute)
-        with torch.cuda.stream(h2d_stream):
-            gpu.copy_(host, non_blocking=True)
-        with torch.cuda.stream(d2h_stream):
-            back.copy_(gpu2, non_blocking=True)
+        _queue_copies(compute, (h2d_stream, 1, gpu, host), (d2h_stream, 1, back, gpu2))
         compute.wait_stream(h2d_stream)
         compute.wait_stream(d2h_stream)
 
@@ -320,10 +315,7 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
     copies = 2 + int(alone / h2d_ms)
 
     def matmuls_under_copies():
-        h2d_stream.wait_stream(compute)
-        with torch.cuda.stream(h2d_stream):
-            for _ in range(copies):
-                gpu.copy_(host, non_blocking=True)
+        _queue_copies(compute, (h2d_stream, copies, gpu, host))
         matmuls()
 
     under_copies = time_ms(device, matmuls_under_copies, repeats)
@@ -337,6 +329,16 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
     bidir = min(max(nbytes / both_ms / 1e6, serial), min(h2d_gbps, d2h_gbps))
     return {"h2d_gbps": h2d_gbps, "d2h_gbps": d2h_gbps, "bidir_gbps": bidir,
             "copy_slowdown": slowdown.get("copy_slowdown_layer", slowdown["copy_slowdown_matmuls"]), **slowdown}
+
+
+def _queue_copies(after: torch.cuda.Stream, *copies: tuple[torch.cuda.Stream, int, torch.Tensor, torch.Tensor]) -> None:
+    """Per ``(stream, n, dst, src)``: ``n`` copies ``src`` -> ``dst`` (non-blocking) queued on
+    ``stream`` after what ``after`` has queued so far."""
+    for stream, n, dst, src in copies:
+        stream.wait_stream(after)
+        with torch.cuda.stream(stream):
+            for _ in range(n):
+                dst.copy_(src, non_blocking=True)
 
 
 def _slowdown_under_copies(device: torch.device, compute: Callable[[], object], repeats: int,
@@ -355,14 +357,7 @@ def _slowdown_under_copies(device: torch.device, compute: Callable[[], object], 
     copies_in, copies_out = 2 + int(2 * alone / h2d_ms), 2 + int(2 * alone / d2h_ms)
 
     def under_copies():
-        h2d_stream.wait_stream(stream)
-        d2h_stream.wait_stream(stream)
-        with torch.cuda.stream(h2d_stream):
-            for _ in range(copies_in):
-                gpu.copy_(host, non_blocking=True)
-        with torch.cuda.stream(d2h_stream):
-            for _ in range(copies_out):
-                back.copy_(gpu2, non_blocking=True)
+        _queue_copies(stream, (h2d_stream, copies_in, gpu, host), (d2h_stream, copies_out, back, gpu2))
         compute()
 
     under = time_ms(device, under_copies, repeats)
