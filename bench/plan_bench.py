@@ -395,6 +395,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.recalibrate and args.recalibrate < 2:
         parser.error(f"--recalibrate {args.recalibrate}: N must be 0 (off) or >= 2 (updates 2..N are timed)")
+    for spec in args.costs or ():  # before the model is built (minutes at 7B)
+        path = Path(spec.rpartition("=")[2])
+        if not path.is_file():
+            parser.error(f"--costs {spec}: there is no file {str(path)!r} (relative to {os.getcwd()}); give a "
+                         "cost table written by a profile (bench/results/costs_*.json, lazytrain profile)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("plan_bench needs a CUDA device (--device cpu runs a smoke test of the script)")
     if args.device != "cuda" and args.cap_gb:
