@@ -107,11 +107,13 @@ from lazytrain.runtime.profiler import CONSTANTS, measure_constants
 GiB = 2**30
 
 
-def options(args, const_update: str = "auto", device_layers: str = "0", device_steps: str = "0") -> PolicyOptions:
+def options(args, const_update: str = "auto", device_layers: str = "0", device_steps: str = "0",
+            offload_window: int = 1) -> PolicyOptions:
     return PolicyOptions(megatrain_every=args.every, head_chunk_tokens=args.head_chunk, tiers=tuple(args.tiers),
                          recompute=tuple(args.recompute), const_update=const_update,
                          device_layers=None if device_layers == "auto" else int(device_layers),
-                         device_steps=None if device_steps == "auto" else int(device_steps))
+                         device_steps=None if device_steps == "auto" else int(device_steps),
+                         offload_window=offload_window)
 
 
 MAX_TRIES = 8
@@ -372,6 +374,9 @@ def main() -> None:
                              "copied in and out (plan.device_steps): numbers, or auto (the fewest that hide the "
                              "CPU update at the table's rate); several: each run once per value, crossed with "
                              "--device-layers (runs with --const-update host take 0)")
+    parser.add_argument("--offload-window", type=int, nargs="+", default=[1],
+                        help="stages a host-tier offload's copy may take in the solved plan's model "
+                             "(plan.offload_window); several: each run once per value")
     parser.add_argument("--recalibrate", type=int, default=0, metavar="N",
                         help="solved runs with the CPU update: N + 1 steps first, then the plan re-solved on the "
                              "update rate they measured, as the trainer does with plan.recalibrate_after=N (N >= 2); "
@@ -393,6 +398,8 @@ def main() -> None:
                         help="host budget in GiB (default: the machine less its reserve)")
     parser.add_argument("--baseline", default=None, help="records of the same shape to compare tokens/s with")
     args = parser.parse_args()
+    if any(w < 1 for w in args.offload_window):
+        parser.error(f"--offload-window {' '.join(map(str, args.offload_window))}: each must be >= 1")
     if args.recalibrate and args.recalibrate < 2:
         parser.error(f"--recalibrate {args.recalibrate}: N must be 0 (off) or >= 2 (updates 2..N are timed)")
     for spec in args.costs or ():  # before the model is built (minutes at 7B)
@@ -650,8 +657,9 @@ def study(session, args, kernels: str) -> None:
         save()
         return True
 
-    def plan_for(policy: str, const_update: str, device_layers: str, device_steps: str, table: CostTable) -> Plan:
-        return policy_plan(policy, table, options(args, const_update, device_layers, device_steps))
+    def plan_for(policy: str, const_update: str, device_layers: str, device_steps: str, window: int,
+                 table: CostTable) -> Plan:
+        return policy_plan(policy, table, options(args, const_update, device_layers, device_steps, window))
 
     def run_for(policy: str, suffix: str, host_gib: str, update: str, policy_options: PolicyOptions,
                 table: CostTable, plan: Plan, replans: int) -> dict | None:
@@ -677,10 +685,11 @@ def study(session, args, kernels: str) -> None:
         for update in args.update:
             # skipped: planned as if the update were free, which it then is
             table = run_costs if update == "cpu" else dataclasses.replace(run_costs, optimizer_ns_per_param=0.0)
-            for const_update, device_layers, device_steps, threads in [
-                    (c, k, s, t) for c in args.const_update for k in (["0"] if c == "host" else args.device_layers)
+            for const_update, device_layers, device_steps, threads, window in [
+                    (c, k, s, t, w) for c in args.const_update for k in (["0"] if c == "host" else args.device_layers)
                     for s in (["0"] if c == "host" else args.device_steps)
-                    for t in args.optimizer_threads or [None]]:
+                    for t in args.optimizer_threads or [None]
+                    for w in (args.offload_window if policy == "solved" else [1])]:
                 if threads is not None:
                     torch.set_num_threads(threads)  # a new updater thread takes it up too
                 run_suffix = (suffix + ("" if update == "cpu" else "_update-skipped")
@@ -688,6 +697,7 @@ def study(session, args, kernels: str) -> None:
                               + ("" if args.device_layers == ["0"] or const_update == "host" else f"_dl{device_layers}")
                               + ("" if args.device_steps == ["0"] or const_update == "host" else f"_ds{device_steps}")
                               + ("" if threads is None else f"_t{threads}")
+                              + ("" if args.offload_window == [1] or policy != "solved" else f"_ow{window}")
                               + (f"_recal{args.recalibrate}" if args.recalibrate and policy == "solved"
                                  and update == "cpu" else ""))
                 batch = args.batch
@@ -698,9 +708,9 @@ def study(session, args, kernels: str) -> None:
                     print(f"{policy}{run_suffix}: largest batch the simulator fits: {batch} (searched in "
                           f"{time.perf_counter() - t0:.0f} s)", flush=True)
                 tries(policy, batch, table, args.seq, functools.partial(plan_for, policy, const_update, device_layers,
-                                                                      device_steps),
+                                                                      device_steps, window),
                       functools.partial(run_for, policy, run_suffix, host_gib, update,
-                                        options(args, const_update, device_layers, device_steps)),
+                                        options(args, const_update, device_layers, device_steps, window)),
                       walk_down=size == "max")
 
     check_copies("after_runs")

@@ -725,15 +725,18 @@ def test_offload_window_simulates_each_measured_plan_and_its_host_layers_variant
                {"name": "not started", "error": "no room"}]
     path = tmp_path / "plan_x.json"
     path.write_text(json.dumps(records))
-    offload_window.main([str(path), "--windows", "1", "3"])
+    offload_window.main([str(path), "--windows", "1", "3", "--solve", "2"])
     rows = json.loads((tmp_path / "plan_x_offload_window.json").read_text())
-    assert [r["variant"] for r in rows] == ["as run", "host layers: none", *(f"host layers: {o}" for o in options)]
-    assert {r["name"] for r in rows} == {"run"} and all(set(r["windows"]) == {"1", "3"} for r in rows)
+    assert [r["variant"] for r in rows] == ["as run", "host layers: none", *(f"host layers: {o}" for o in options),
+                                            "solved at W = 2"]
+    solved = rows.pop()
+    assert set(solved["windows"]) == {"2"} and solved["milp"]["status"] in ("optimal", "time limit")
+    assert {r["name"] for r in rows} == {"run"} and all(set(r["windows"]) == {"1", "2", "3"} for r in rows)
     # each on the table at the rate its plan was solved for
     at_rate = dataclasses.replace(table, optimizer_ns_per_param=planned)
     assert rows[0]["windows"]["1"]["step_s"] == pytest.approx(simulate(plan, at_rate, optimizer_overlap=True).step_time_s)
     assert rows[1]["layers"] == "H.G.H.G." and rows[0]["layers"] == f"H{offload_window.SHORT[options[0]]}G.H.G."
-    assert (tmp_path / "plan_x_offload_window.md").read_text().count("| run |") == 1 + len(rows)  # and the header
+    assert (tmp_path / "plan_x_offload_window.md").read_text().count("| run |") == 2 + len(rows)  # and the header
     with pytest.raises(SystemExit):
         offload_window.main([str(path), "--windows", "0"])
 
@@ -745,3 +748,17 @@ def test_plan_bench_refuses_a_missing_cost_table_before_building_the_model(tmp_p
                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2 and "there is no file" in done.stderr and "nowhere.json" in done.stderr
     assert "model qwen2.5-7b" not in done.stdout and time.perf_counter() - t0 < 60  # no 7B model built
+
+
+def test_plan_bench_runs_the_solved_plan_once_per_offload_window(tmp_path):
+    from lazytrain.plan.plan import Plan
+
+    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+                    "--seq", "32", "--runs", "solved", "megatrain", "--offload-window", "1", "2", "--split-master",
+                    "off", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
+    (path,) = tmp_path.glob("plan_tiny_*.json")
+    runs = {r["name"]: r for r in json.loads(path.read_text()) if "tokens_per_s" in r}
+    assert sorted(runs) == ["tiny_megatrain_b2_s32", "tiny_solved_b2_s32_ow1", "tiny_solved_b2_s32_ow2"]
+    assert [Plan.from_dict(runs[f"tiny_solved_b2_s32_ow{w}"]["plan"]).offload_window for w in (1, 2)] == [1, 2]
+    assert Plan.from_dict(runs["tiny_megatrain_b2_s32"]["plan"]).offload_window == 1

@@ -76,6 +76,10 @@ def test_config_errors():
     with pytest.raises(ConfigError, match=r"plan.recompute_blocks: \['norm'\] cannot be recomputed; use any of "
                                           "mlp, attention, mlp_up, or"):
         load_config(None, ["plan.recompute_blocks=[mlp, norm]"])
+    assert load_config(None, []).plan.offload_window == 1
+    assert load_config(None, ["plan.offload_window=3"]).plan.offload_window == 3
+    with pytest.raises(ConfigError, match="plan.offload_window must be an integer >= 1"):
+        load_config(None, ["plan.offload_window=0"])
 
 
 def test_state_rounding_auto_rounds_stochastically_when_fine_tuning_loaded_weights(tmp_path):

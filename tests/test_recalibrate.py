@@ -52,7 +52,7 @@ def test_the_measured_rate_is_recorded_and_a_faster_plan_taken_without_changing_
     assert trainer.executor is not first and trainer.plan is other and trainer.executor.plan is other
     assert trainer.costs.optimizer_ns_per_param == planned
     assert "switching to it" in caplog.text and f"{measured:.3f} ns/param in the plan's updates 2-3" in caplog.text
-    assert f"planned for {planned:.3f} with the margin" in caplog.text
+    assert f"planned for {planned:.3f})" in caplog.text
     trainer._close()
     record, = [r for r in _records(tmp_path / "re") if "replanned" in r]
     assert record["replanned"] and record["update_ns_per_param_measured"] == pytest.approx(measured)
@@ -203,3 +203,10 @@ def test_the_update_time_read_after_start_is_the_previous_updates(tmp_path):
 def _batch(trainer):
     batch = next(trainer.batches)
     return batch.input_ids, batch.labels, batch.attention_mask
+
+
+def test_the_solved_plan_takes_the_configured_offload_window(tmp_path, fixed_costs):  # noqa: F811
+    trainer = _trainer(tmp_path, "plan.policy=solved", "plan.offload_window=2", fixed_costs)
+    assert trainer.session.policy_options().offload_window == 2 and trainer.plan.offload_window == 2
+    _losses(trainer, 2)
+    trainer._close()

@@ -277,6 +277,14 @@ class PlanConfig:
     solved plan takes the fewest that keep the overlapped CPU update ahead of the forward at
     the cost table's rate (other policies: 0)."""
 
+    offload_window: int = 1
+    """The solved plan's model of a host-tier layer's offload (`Plan.offload_window`): its copy
+    out within the next stage (1), or spread over up to this many stages, its GPU memory held
+    meanwhile, so that the planner may send a layer's MLP activations to the host where a
+    layer's forward is too short to copy them (recomputing less). Predicted on the H200 at 7B
+    (2026-12-05 tables, 8 resident layers, `bench/offload_window.py --solve`): 2.2-2.6% faster
+    steps at 2, 2.4-3.3% at 3; not yet measured, so 1 stays the default. The executor runs every plan alike (it waits for no
+    offload)."""
     recalibrate_after: int = 4
     """A solved plan is re-solved when the updates of this many steps are timed (each is
     timed as the next step starts: after step N + 1), on their CPU update rate (the slowest
@@ -293,6 +301,9 @@ class PlanConfig:
         check_fields(self, "plan")
         if self.megatrain_every < 1 or self.head_chunk_tokens < 1 or self.weight_prefetch < 1:
             raise ConfigError("plan.megatrain_every, head_chunk_tokens, weight_prefetch must be >= 1")
+        if isinstance(self.offload_window, bool) or not isinstance(self.offload_window, int) or self.offload_window < 1:
+            raise ConfigError(f"plan.offload_window must be an integer >= 1 (1: each offload within a stage), "
+                              f"got {self.offload_window!r}")
         if self.recalibrate_after < 0:
             raise ConfigError(f"plan.recalibrate_after must be >= 0 (0: never), got {self.recalibrate_after}")
         options = [r for r in RECOMPUTE if r != "none"]

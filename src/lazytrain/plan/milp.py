@@ -255,11 +255,14 @@ def _build(
     memory: bool = True,
     minimize_gpu: bool = False,
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
+    offload_window: int = 1,
 ) -> _Built:
     """The MILP, in ms and GB. ``device``: the embedding and head stepped on the GPU
     (``const_update="device"``), with the first ``device_layers`` decoder layers resident there
     and the next ``device_steps`` streamed but stepped there (`Plan.device_steps`).
-    ``fixed`` pins every decision to that plan's (evaluation)."""
+    ``fixed`` pins every decision to that plan's (evaluation). ``offload_window``
+    (`Plan.offload_window`): a host-tier offload's copy may be split over that many stages
+    after its layer's (never past the head), its GPU memory counted through all but the last."""
     c = costs
     L = c.num_layers
     m = _Model()
@@ -384,6 +387,27 @@ def _build(
     not_keep = [1.0 - f[i] - o[i] for i in range(L)]
     gpu_kept = [saved(i, "f") + g[i] * x[i] for i in range(L)]
     offload = [saved(i, "o") + (p[i] + n[i]) * x[i] for i in range(L)]
+    # D2H bytes of each forward stage i (1..L-1) and the head (L): the offload of layer i - 1, or
+    # with a longer window a host-tier offload's parts over the stages it may span (continuous
+    # splits: a FIFO copy stream meets the same deadlines whenever any split does)
+    d2h_in: list[_Expr] = [_Expr()] + [offload[i - 1] for i in range(1, L + 1)]
+    held_on: list[_Expr] = [_Expr() for _ in range(L + 1)]
+    """Host-tier offloads still on the GPU at forward stage i beyond their own (the window)."""
+    if offload_window > 1:
+        d2h_in = [_Expr() for _ in range(L + 1)]
+        for j in range(L):
+            host_out = saved(j, "o") + p[j] * x[j]
+            d2h_in[j + 1] = d2h_in[j + 1] + n[j] * x[j]
+            span_j = min(offload_window, L - j)
+            if host_out.is_zero() or span_j == 1:
+                d2h_in[j + 1] = d2h_in[j + 1] + host_out
+                continue
+            parts = [m.var() for _ in range(span_j)]
+            m.eq(total(parts), host_out)
+            for k, part in enumerate(parts):
+                d2h_in[j + 1 + k] = d2h_in[j + 1 + k] + part
+            for i in range(j + 1, j + span_j):
+                held_on[i] = held_on[i] + host_out
 
     def unit_bytes(i: int) -> _Expr:
         """Weights + host/NVMe tensors of the unit ending at layer i-1 (fetched before it)."""
@@ -475,8 +499,8 @@ def _build(
         if i == L - 1:
             nvme_ms = nvme_ms + unit_nvme(L) * cnr
         h2d = w[i + 1] if i + 1 < L else 0.0
-        t_fwd.append(stage(fw[i], h2d, offload[i - 1] if i > 0 else 0.0, nvme_ms))
-        if i > 0:
+        t_fwd.append(stage(fw[i], h2d, d2h_in[i] if i > 0 else 0.0, nvme_ms))
+        if i > 0 and offload_window == 1:  # (with splits an offload need not land in one stage)
             base = stage_ms(fw[i], h2d, 0.0)
             offloads = [(p[i - 1] + n[i - 1], x[i - 1])]
             offloads += [
@@ -489,7 +513,7 @@ def _build(
                 base + total(ind * (stage_ms(fw[i], h2d, nbytes) - base) for ind, nbytes in offloads),
             )
     head_nvme = unit_nvme(L - 1) * cnr + (n[L - 2] * (x[L - 2] * cnw) if L >= 2 else 0.0)
-    t_head = stage(c.head_ms, unit_bytes(L), offload[L - 1], head_nvme)
+    t_head = stage(c.head_ms, unit_bytes(L), d2h_in[L], head_nvme)
     if offload[L - 1].is_zero():
         hull(t_head, c.head_ms, c.head_ms, unit_options(L), 0.0)
     prefetch = [_Expr()] + [unit_bytes(i) for i in range(1, L)]
@@ -584,6 +608,7 @@ def _build(
                 + (w[i + 1] if i + 1 < L else 0.0)
                 + kept_before[i]
                 + current
+                + held_on[i]
                 # the forward's transient: a kept variant's own (under autograd, beyond its saved
                 # tensors), else the no-grad forward's
                 + not_keep[i] * wf[i]
@@ -843,6 +868,7 @@ def solve_plan(
     const_update: str | None = None,
     device_layers: int | None = 0,
     device_steps: int | None = 0,
+    offload_window: int = 1,
 ) -> Plan:
     """The plan with the least predicted step time at ``costs``' batch shape.
 
@@ -862,8 +888,11 @@ def solve_plan(
     None for `hiding_device_steps` of each number of resident layers (0 without
     ``optimizer_overlap``). The plan is optimal within ``mip_rel_gap`` (relative), or the
     best found in ``time_limit_s`` per solve (``notes["milp"]["status"] == "time limit"``, with
-    its gap). Raises `PlanInfeasible` when no plan fits.
+    its gap). ``offload_window`` (`Plan.offload_window`): how many stages a host-tier offload's
+    copy may take. Raises `PlanInfeasible` when no plan fits.
     """
+    if isinstance(offload_window, bool) or not isinstance(offload_window, int) or offload_window < 1:
+        raise ValueError(f"offload_window must be an integer >= 1, got {offload_window!r}")
     start = time.perf_counter()
     choices = _const_update_choices(costs, const_update)
     _check_device_layers(costs, const_update, device_layers)
@@ -891,6 +920,7 @@ def solve_plan(
             device_layers=k,
             device_steps=s,
             recompute=recompute,
+            offload_window=offload_window,
         )
         res = built.model.solve(time_limit_s, mip_rel_gap)
         if res.x is None and res.status != 2:
@@ -938,7 +968,7 @@ def solve_plan(
             for (c, n), ms in sorted(objective_ms.items()) if c == "device"
         }
         notes["device_steps"] = {str(n): s for (c, n), s in sorted(steps.items()) if c == "device"}
-    return Plan(
+    plan = Plan(
         policy="solved",
         batch_size=costs.batch_size,
         seq_len=costs.seq_len,
@@ -948,9 +978,17 @@ def solve_plan(
         const_update=choice,
         device_layers=k,
         device_steps=steps[choice, k],
+        offload_window=offload_window,
         predicted_step_time_s=fits[choice, k] * 1e-3,
         notes=notes,
     )
+    if offload_window > 1:
+        # split copies are the FIFO stream's approximation (on random tables up to 0.6% short of
+        # the simulator's step without the overlap): the simulator's prediction stands
+        from lazytrain.plan.simulate import simulate
+
+        plan.predicted_step_time_s = simulate(plan, costs, optimizer_overlap=optimizer_overlap).step_time_s
+    return plan
 
 
 def _search_device_layers(num_layers: int, objective) -> dict[tuple[str, int], float | None]:
@@ -1009,6 +1047,7 @@ def milp_evaluate(
         "device_layers": plan.device_layers,
         "device_steps": plan.device_steps,
         "fixed": plan,
+        "offload_window": plan.offload_window,
     }
     timed = _build(unbounded, memory=False, **kw)
     res = timed.model.solve(30.0, 1e-9)

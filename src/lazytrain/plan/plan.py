@@ -103,6 +103,13 @@ class Plan:
     remainders and optimizer states are copied in from pinned host memory, stepped, and copied
     back, the gradients excepted (`runtime.update`). That takes them off the CPU, as resident
     layers do, without holding anything of theirs on the GPU through the step."""
+    offload_window: int = 1
+    """The forward stages a host-tier layer's offload (its saved tensors' copy out, issued in
+    the stage after its forward) may take before the model waits for it, its GPU memory counted
+    through them: 1, each copy within one stage (the planner's model until 2026-12-05); more,
+    copies that outlast a layer's forward run on beside the next ones (the executor waits for
+    no offload: it runs every plan alike; the field is how the plan was solved and is
+    predicted, `simulate`)."""
     predicted_step_time_s: float | None = None
     notes: dict = field(default_factory=dict)
 
@@ -125,6 +132,8 @@ class Plan:
             raise ValueError(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
         if self.weight_prefetch < 1:
             raise ValueError(f"weight_prefetch must be >= 1, got {self.weight_prefetch}")
+        if isinstance(self.offload_window, bool) or not isinstance(self.offload_window, int) or self.offload_window < 1:
+            raise ValueError(f"plan offload_window must be an integer >= 1, got {self.offload_window!r}")
         if self.layers and self.layers[0].mode == "drop":
             raise ValueError("layer 0 cannot be 'drop': a recompute segment starts at a checkpoint")
 

@@ -52,6 +52,8 @@ class PolicyOptions:
     resident ones are stepped there too, their states streamed (`Plan.device_steps`); None: the
     solved plan takes the fewest that hide the CPU update (`milp.hiding_device_steps`; a
     baseline, none)."""
+    offload_window: int = 1
+    """Stages a host-tier offload's copy may take in the solved plan's model (`Plan.offload_window`)."""
 
     def __post_init__(self) -> None:
         if self.const_update not in ("auto", *CONST_UPDATES):
@@ -105,7 +107,8 @@ def policy_plan(name: str, costs: CostTable, options: PolicyOptions | None = Non
     plan = solve_plan(costs, gpu_bytes=gpu_bytes, tiers=o.tiers, optimizer_overlap=o.optimizer_overlap,
                       head_chunk_tokens=o.head_chunk_tokens, recompute=o.recompute,
                       const_update=None if o.const_update == "auto" else o.const_update,
-                      device_layers=o.device_layers, device_steps=o.device_steps)
+                      device_layers=o.device_layers, device_steps=o.device_steps,
+                      offload_window=o.offload_window)
     plan.weight_prefetch = o.weight_prefetch
     return plan
 

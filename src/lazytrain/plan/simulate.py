@@ -17,8 +17,10 @@ Executor rules the dependencies encode (a stage "waits" = its compute does not s
   unit's weights (one layer, or every layer of a recompute segment) arrive ``weight_prefetch``
   stages before the unit's first backward stage. The consuming stage waits for them.
 - Offloaded tensors (tier host/nvme) are copied out in the next stage, and the stage after
-  waits for that copy (``offload_window`` stages later where given: a what-if, `simulate`); their GPU memory is freed in their own stage (the allocator reuses it
-  once the copy is done). NVMe writes run one
+  waits for that copy; a host-tier one may take ``Plan.offload_window`` stages (never past the
+  head), the stage after them waiting (`simulate`). Their GPU memory is freed in their own stage
+  (the allocator reuses it once the copy is done), with a longer window in all but the last of
+  its stages. NVMe writes run one
   stage after the copy, from a pinned bounce buffer that the following stage waits for.
 - Backward fetches them back ``LayerPlan.prefetch`` stages before the unit's first stage (an
   NVMe read one stage before that copy; the stage issuing the copy waits for the read).
@@ -176,22 +178,23 @@ def units(plan: Plan) -> list[tuple[int, int]]:
 
 
 def simulate(plan: Plan, costs: CostTable, optimizer_overlap: bool | None = None,
-             offload_window: int = 1) -> SimResult:
+             offload_window: int | None = None) -> SimResult:
     """Predict step time, stream usage and peak memories of ``plan`` on ``costs``.
 
     ``optimizer_overlap`` defaults to ``plan.notes["optimizer_overlap"]`` (False if absent).
 
-    ``offload_window``: stages an offload (its copy out, issued in the stage after its layer's)
-    may take before a stage waits for it, its GPU memory counted through stage ``W - 1`` after its
-    own (as with 1, the planner's model and the MILP's stage structure, where the block counts in
-    its own stage only, the allocator reusing it once the copy is done); more, a what-if
-    (`bench/offload_window.py`). An NVMe-tier layer's disk write still waits one stage after the
-    copy's issue, so its timing is that of W = 2 at any W >= 2; near the head the held block may
-    be counted beside its fetched copy (conservative). The executor
+    ``offload_window`` (default ``plan.offload_window``): stages a host-tier offload (its copy
+    out, issued in the stage after its layer's) may take before a stage waits for it, its GPU
+    memory counted through stage ``W - 1`` after its own (with 1, the block counts in its own
+    stage only, the allocator reusing it once the copy is done), and never past the head: the
+    MILP's model of `Plan.offload_window`, or a what-if (`bench/offload_window.py`). NVMe-tier
+    offloads, which a disk write follows, keep 1. The executor
     waits for no offload (its GPU block is reused once the copy is done), so its timing is
     nearer a long window; on the H200 (2026-12-05) a plan the model gave 0.333 s of exposed D2H
     at 1 measured 0.094 s.
     """
+    if offload_window is None:
+        offload_window = plan.offload_window
     if isinstance(offload_window, bool) or not isinstance(offload_window, int) or offload_window < 1:
         raise ValueError(f"offload_window must be an integer >= 1, got {offload_window!r}")
     plan.check(costs.num_layers)
@@ -470,9 +473,11 @@ class _StepModel:
         # the GPU copy is freed in its own stage, once the layer's forward is queued (the copy
         # out, on the D2H stream, keeps the block from reuse until it is done; with a longer
         # window it is counted through the stages the copy may take)
-        self.gpu.append((nbytes, fwd, min(fwd + self.window - 1, last_gpu)))
+        # a host-tier copy may take up to the window's stages, never past the head
+        window = min(self.window, st.head - fwd) if lp.tier == "host" else 1
+        self.gpu.append((nbytes, fwd, fwd + window - 1))
         out = self._copy("d2h", nbytes, f"{what} {start}", fwd + 1, order=fwd)
-        self._wait(min(fwd + 1 + self.window, first), out)
+        self._wait(fwd + 1 + window, out)
         if lp.tier == "host":
             fetch_at = max(first - lp.prefetch, st.head, fwd + 1)
             self.host.append((nbytes, fwd + 1, fetch_at))

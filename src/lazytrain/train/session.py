@@ -88,6 +88,7 @@ class Session:
             optimizer_overlap=pc.overlap_optimizer, recompute=tuple(pc.recompute_blocks),
             const_update=pc.const_update, device_layers=0 if self.parallel is not None else pc.device_layers,
             device_steps=0 if self.parallel is not None else pc.device_steps,
+            offload_window=pc.offload_window,
         )
 
     def host_memory(self, activations: int = 0, costs: CostTable | None = None) -> budget.HostBudget:
