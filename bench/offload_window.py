@@ -89,7 +89,7 @@ def studies(records: list[dict], windows: list[int], solve: list[int] = ()) -> l
         for w in solve:
             solved = solve_plan(costs, optimizer_overlap=True, const_update=plan.const_update,
                                 device_layers=plan.device_layers, device_steps=plan.device_steps,
-                                recompute=tuple(options), offload_window=w)
+                                recompute=tuple(options), offload_window=w, tiers=("gpu", "host"))
             s = simulate_module.simulate(solved, costs, optimizer_overlap=True)
             rows.append({"name": r["name"], "variant": f"solved at W = {w}", "layers": layer_code(solved),
                          "ns_per_param": rate, "measured_step_s": r["step_time_s"],

@@ -175,13 +175,16 @@ def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable
     return 0
 
 
-def predicted_max_batch(policy: str, costs: CostTable, seq: int, cap: int, args, limit: int) -> int:
-    """The largest batch <= ``limit`` whose ``policy`` plan the simulator fits in ``cap`` bytes."""
+def predicted_max_batch(policy: str, costs: CostTable, seq: int, cap: int, args, limit: int,
+                        offload_window: int = 1) -> int:
+    """The largest batch <= ``limit`` whose ``policy`` plan the simulator fits in ``cap`` bytes
+    (a solved plan's offloads modelled with ``offload_window``)."""
     if policy == "solved":
         try:
             return search_batch(costs, seq, goal="max_batch", batch_sizes=range(1, limit + 1), gpu_bytes=cap,
                                 tiers=tuple(args.tiers), optimizer_overlap=True,
-                                head_chunk_tokens=args.head_chunk).plan.batch_size
+                                head_chunk_tokens=args.head_chunk,
+                                offload_window=offload_window).plan.batch_size
         except PlanInfeasible:
             return 0
     best = 0
@@ -704,7 +707,7 @@ def study(session, args, kernels: str) -> None:
                 if size == "max":
                     t0 = time.perf_counter()
                     batch = predicted_max_batch(policy, table, args.seq, table.gpu_bytes, args,
-                                                args.max_batch or args.batch)
+                                                args.max_batch or args.batch, window)
                     print(f"{policy}{run_suffix}: largest batch the simulator fits: {batch} (searched in "
                           f"{time.perf_counter() - t0:.0f} s)", flush=True)
                 tries(policy, batch, table, args.seq, functools.partial(plan_for, policy, const_update, device_layers,

@@ -210,3 +210,13 @@ def test_the_solved_plan_takes_the_configured_offload_window(tmp_path, fixed_cos
     assert trainer.session.policy_options().offload_window == 2 and trainer.plan.offload_window == 2
     _losses(trainer, 2)
     trainer._close()
+
+
+def test_an_offload_window_with_the_nvme_tier_is_refused(tmp_path):
+    from lazytrain.config import ConfigError, load_config
+    from lazytrain.train.session import build_session
+
+    session = build_session(load_config(None, [f"training.output_dir={tmp_path}", "model.source=builtin:tiny",
+                                               f"memory.nvme_dir={tmp_path / 'nvme'}", "plan.offload_window=2"]))
+    with pytest.raises(ConfigError, match="plan.offload_window=2 models host-tier offloads only"):
+        session.policy_options()

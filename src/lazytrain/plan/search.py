@@ -74,6 +74,7 @@ def search_batch(
     const_update: str | None = None,
     device_layers: int | None = 0,
     device_steps: int | None = 0,
+    offload_window: int = 1,
 ) -> SearchResult:
     """Pick the batch size (and its plan) for ``seq_len``.
 
@@ -101,6 +102,7 @@ def search_batch(
         "const_update": const_update,
         "device_layers": device_layers,
         "device_steps": device_steps,
+        "offload_window": offload_window,
     }
     tried: list[dict] = []
 
@@ -111,7 +113,7 @@ def search_batch(
             mid = (lo + hi) // 2
             table = costs.at(batches[mid], seq_len)
             need = min_gpu_bytes(table, tiers=tiers, max_segment=max_segment, recompute=recompute,
-                                 const_update=const_update)
+                                 const_update=const_update, offload_window=offload_window)
             tried.append(
                 {"batch_size": batches[mid], "min_gpu_bytes": need, "feasible": need <= budget}
             )

@@ -81,6 +81,10 @@ class Session:
                               "embedding, head and first layers on one GPU; a data-parallel run shards them over "
                               "its ranks' CPU optimizers: set plan.const_update=auto or host and "
                               "plan.device_layers=plan.device_steps=0")
+        if pc.offload_window > 1 and self.nvme is not None:
+            raise ConfigError(f"plan.offload_window={pc.offload_window} models host-tier offloads only, and "
+                              "memory.nvme_dir lets the plan use the NVMe tier: set plan.offload_window=1 or leave "
+                              "memory.nvme_dir unset")
         return PolicyOptions(
             megatrain_every=pc.megatrain_every, checkpoint_tier=pc.checkpoint_tier,
             head_chunk_tokens=pc.head_chunk_tokens, weight_prefetch=pc.weight_prefetch,
