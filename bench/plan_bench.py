@@ -288,14 +288,16 @@ def probe(session, plan) -> tuple[bool, str, float]:
 
 
 def largest_batch(policy, costs, seq, cap, args, session) -> dict:
-    """Predicted and measured largest batch of ``policy`` under the cap."""
-    predicted = predicted_max_batch(policy, costs, seq, cap, args, args.cap_max_batch)
+    """Predicted and measured largest batch of ``policy`` under the cap (a solved plan's offloads
+    modelled with the first ``--offload-window``)."""
+    window = args.offload_window[0] if policy == "solved" else 1
+    predicted = predicted_max_batch(policy, costs, seq, cap, args, args.cap_max_batch, window)
     tries = []
 
     def attempt(b: int) -> bool:
         table = dataclasses.replace(costs.at(b, seq), gpu_bytes=cap)
         try:
-            plan = policy_plan(policy, table, options(args), gpu_bytes=cap)
+            plan = policy_plan(policy, table, options(args, offload_window=window), gpu_bytes=cap)
         except PlanInfeasible as error:
             tries.append({"batch_size": b, "fits": False, "why": f"no plan: {error}"[:200]})
             return False
@@ -734,7 +736,8 @@ def study(session, args, kernels: str) -> None:
                 if b < 1:
                     continue
                 table = dataclasses.replace(costs.at(b, args.seq), gpu_bytes=cap)
-                plan = policy_plan(policy, table, options(args), gpu_bytes=cap)
+                window = args.offload_window[0] if policy == "solved" else 1
+                plan = policy_plan(policy, table, options(args, offload_window=window), gpu_bytes=cap)
                 # one step fitted; a few in a row may not: measure records that rather than lose the run
                 measure(policy, table, plan, f"{args.model}_{policy}_b{b}_s{args.seq}_cap{args.cap_gb:g}", args.cap_gb)
     save()

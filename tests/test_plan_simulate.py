@@ -299,6 +299,9 @@ def test_a_plan_solved_with_an_offload_window_keeps_it_and_is_predicted_by_the_s
     assert plan.offload_window == 3 == Plan.from_dict(plan.to_dict()).offload_window
     assert plan.predicted_step_time_s == simulate(plan, table).step_time_s
     assert Plan.from_dict({k: v for k, v in plan.to_dict().items() if k != "offload_window"}).offload_window == 1
+    from lazytrain.plan.render import format_plan_table
+
+    assert "host offloads over up to 3 stages" in format_plan_table(plan, simulate(plan, table), table)
     with pytest.raises(ValueError, match="offload_window"):
         solve_plan(table, offload_window=0)
     with pytest.raises(ValueError, match="host-tier offloads only"):

@@ -66,6 +66,7 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
                 if plan.device_steps
                 else ""
             )
+            + (f"; host offloads over up to {plan.offload_window} stages" if plan.offload_window > 1 else "")
         ),
         f"step {sim.step_time_s:.4f} s simulated"
         + (
