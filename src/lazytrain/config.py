@@ -18,7 +18,7 @@ import yaml
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim.base import AdamWConfig
-from lazytrain.plan.plan import DEVICE_STEPPED, RECOMPUTE
+from lazytrain.plan.plan import DEVICE_STEPPED, RECOMPUTE, is_offload_window
 
 
 class ConfigError(LazyTrainError, ValueError):
@@ -301,7 +301,7 @@ class PlanConfig:
         check_fields(self, "plan")
         if self.megatrain_every < 1 or self.head_chunk_tokens < 1 or self.weight_prefetch < 1:
             raise ConfigError("plan.megatrain_every, head_chunk_tokens, weight_prefetch must be >= 1")
-        if isinstance(self.offload_window, bool) or not isinstance(self.offload_window, int) or self.offload_window < 1:
+        if not is_offload_window(self.offload_window):
             raise ConfigError(f"plan.offload_window must be an integer >= 1 (1: each offload within a stage), "
                               f"got {self.offload_window!r}")
         if self.recalibrate_after < 0:

@@ -79,7 +79,7 @@ from scipy.sparse import coo_matrix
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable
-from lazytrain.plan.plan import CONST_UPDATES, LayerPlan, Plan
+from lazytrain.plan.plan import CONST_UPDATES, LayerPlan, Plan, is_offload_window
 from lazytrain.plan.simulate import STREAMED_STEP_SLOTS
 
 MODE_LAYER = {
@@ -996,7 +996,7 @@ def _check_offload_window(offload_window: int, tiers: tuple[str, ...]) -> None:
     """An integer >= 1, and 1 where the NVMe tier may be used: the split copies model host-tier
     offloads alone (an NVMe offload's copy, which its disk write follows, keeps one stage, and
     the copy stream would run it behind an earlier host copy the model lets it pass)."""
-    if isinstance(offload_window, bool) or not isinstance(offload_window, int) or offload_window < 1:
+    if not is_offload_window(offload_window):
         raise ValueError(f"offload_window must be an integer >= 1, got {offload_window!r}")
     if offload_window > 1 and "nvme" in tiers:
         raise ValueError(f"offload_window={offload_window} models host-tier offloads only: plan without the "

@@ -75,6 +75,11 @@ class LayerPlan:
             )
 
 
+def is_offload_window(value: object) -> bool:
+    """Whether ``value`` can be a `Plan.offload_window`: an integer >= 1 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 @dataclass(kw_only=True, slots=True)
 class Plan:
     policy: str
@@ -132,7 +137,7 @@ class Plan:
             raise ValueError(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
         if self.weight_prefetch < 1:
             raise ValueError(f"weight_prefetch must be >= 1, got {self.weight_prefetch}")
-        if isinstance(self.offload_window, bool) or not isinstance(self.offload_window, int) or self.offload_window < 1:
+        if not is_offload_window(self.offload_window):
             raise ValueError(f"plan offload_window must be an integer >= 1, got {self.offload_window!r}")
         if self.layers and self.layers[0].mode == "drop":
             raise ValueError("layer 0 cannot be 'drop': a recompute segment starts at a checkpoint")

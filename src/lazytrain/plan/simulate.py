@@ -70,7 +70,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from lazytrain.plan.costs import CostTable
-from lazytrain.plan.plan import Plan
+from lazytrain.plan.plan import Plan, is_offload_window
 
 STREAMS = ("compute", "h2d", "d2h", "nvme", "cpu", "h2d_opt", "d2h_opt", "gpu_opt")
 _H2D, _D2H = ("h2d", "h2d_opt"), ("d2h", "d2h_opt")
@@ -195,7 +195,7 @@ def simulate(plan: Plan, costs: CostTable, optimizer_overlap: bool | None = None
     """
     if offload_window is None:
         offload_window = plan.offload_window
-    if isinstance(offload_window, bool) or not isinstance(offload_window, int) or offload_window < 1:
+    if not is_offload_window(offload_window):
         raise ValueError(f"offload_window must be an integer >= 1, got {offload_window!r}")
     plan.check(costs.num_layers)
     if (plan.batch_size, plan.seq_len) != (costs.batch_size, costs.seq_len):
@@ -471,9 +471,9 @@ class _StepModel:
             self.gpu.append((nbytes, fwd, last_gpu))
             return
         # the GPU copy is freed in its own stage, once the layer's forward is queued (the copy
-        # out, on the D2H stream, keeps the block from reuse until it is done; with a longer
-        # window it is counted through the stages the copy may take)
-        # a host-tier copy may take up to the window's stages, never past the head
+        # out, on the D2H stream, keeps the block from reuse until it is done); a host-tier copy
+        # may take up to the window's stages, never past the head, the block counted through
+        # all but the last
         window = min(self.window, st.head - fwd) if lp.tier == "host" else 1
         self.gpu.append((nbytes, fwd, fwd + window - 1))
         out = self._copy("d2h", nbytes, f"{what} {start}", fwd + 1, order=fwd)

@@ -152,21 +152,27 @@ def _layer_inputs(executor: Executor, batch: int, seq: int, attention: str) -> t
     return torch.randn(batch, seq, adapter.hidden_size, device=device, dtype=dtype), rope, masks
 
 
+def _kept_forward(adapter: ModelAdapter, layer: int, slot: torch.Tensor, x: torch.Tensor, rope, masks,
+                  recompute: str = "none") -> tuple:
+    """``layer``'s forward under autograd (a kept layer's), weights in ``slot``: (output, its
+    input leaf, its weight leaves)."""
+    leaves = adapter.layouts[layer + 1].leaves(slot)
+    x_in = x.detach().requires_grad_()
+    with torch.enable_grad():
+        return adapter.layer_forward(layer, leaves, x_in, rope, masks, recompute=recompute), x_in, leaves
+
+
+def _kept_backward(out: torch.Tensor, x_in: torch.Tensor, leaves: dict) -> None:
+    """The backward of `_kept_forward`'s output, to its input and weights."""
+    torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
+
+
 def _layer_forward_backward(executor: Executor, layer: int, slot: torch.Tensor, batch: int, seq: int,
                             attention: str) -> Callable[[], None]:
     """A call running ``layer``'s forward under autograd and its backward at ``(batch, seq)``,
     weights in ``slot`` (what a kept layer costs the GPU in a step)."""
-    layout = executor.adapter.layouts[layer + 1]
     x, rope, masks = _layer_inputs(executor, batch, seq, attention)
-
-    def run() -> None:
-        leaves = layout.leaves(slot)
-        x_in = x.detach().requires_grad_()
-        with torch.enable_grad():
-            out = executor.adapter.layer_forward(layer, leaves, x_in, rope, masks)
-        torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
-
-    return run
+    return lambda: _kept_backward(*_kept_forward(executor.adapter, layer, slot, x, rope, masks))
 
 
 def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch: int, seq: int,
@@ -184,10 +190,7 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
             return adapter.layer_forward(layer, layout.views(slot), x, rope, masks)
 
     def forward_grad(recompute: str = "none"):
-        leaves = layout.leaves(slot)
-        x_in = x.detach().requires_grad_()
-        with torch.enable_grad():
-            return adapter.layer_forward(layer, leaves, x_in, rope, masks, recompute=recompute), x_in, leaves
+        return _kept_forward(adapter, layer, slot, x, rope, masks, recompute)
 
     state = {}
 
@@ -195,8 +198,7 @@ def _layer_shape_costs(executor: Executor, layer: int, slot: torch.Tensor, batch
         state["out"] = forward_grad()
 
     def run_backward():
-        out, x_in, leaves = state["out"]
-        torch.autograd.grad(out, [x_in, *leaves.values()], torch.ones_like(out))
+        _kept_backward(*state["out"])
 
     def backward_costs(recompute: str = "none") -> tuple[float, int, int, int | None]:
         """(backward ms, saved bytes, backward working set, forward working set) of the layer
