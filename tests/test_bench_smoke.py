@@ -762,3 +762,21 @@ def test_plan_bench_runs_the_solved_plan_once_per_offload_window(tmp_path):
     assert sorted(runs) == ["tiny_megatrain_b2_s32", "tiny_solved_b2_s32_ow1", "tiny_solved_b2_s32_ow2"]
     assert [Plan.from_dict(runs[f"tiny_solved_b2_s32_ow{w}"]["plan"]).offload_window for w in (1, 2)] == [1, 2]
     assert Plan.from_dict(runs["tiny_megatrain_b2_s32"]["plan"]).offload_window == 1
+
+
+def test_device_step_times_each_piece_size_and_writes_records(tmp_path, monkeypatch):
+    """bench/device_step.py on the CPU (the step's pieces eager): a record per group and piece
+    size, the pieces counted, the report written."""
+    from bench import device_step
+    from lazytrain.optim import hybrid8bit
+
+    monkeypatch.setattr(hybrid8bit, "_compiled_piece", hybrid8bit._device_piece)
+    records = device_step.main(["--model", "tiny", "--groups", "layer", "--chunks", "10", "20", "--repeats", "1",
+                                "--device", "cpu", "--out", str(tmp_path)])
+    numel = device_step.group_sizes("tiny")["layer"]
+    assert [(r["chunk"], r["pieces"]) for r in records] == [(1024, -(-numel // 1024)), (1 << 20, 1)]
+    assert all(r["numel"] == numel and r["host_ms"] > 0 and r["model"] == "tiny" for r in records)
+    stem = next(tmp_path.glob("device_step_tiny_*.json")).stem
+    assert "| layer | " in (tmp_path / f"{stem}.md").read_text()
+    with pytest.raises(SystemExit, match="at least 7"):
+        device_step.main(["--model", "tiny", "--chunks", "6", "--device", "cpu", "--out", str(tmp_path)])

@@ -170,11 +170,11 @@ def test_to_device_checks_its_weights():
 def test_a_split_master_stepped_on_the_gpu_agrees_with_the_host_torch_path(rounding):
     """Split masters on the GPU (the float64 reference checks cover whole ones,
     `test_optim_hybrid8bit`): within the C++ kernel's distance from the torch path, over two
-    compiled pieces."""
-    from lazytrain.optim.hybrid8bit import DEVICE_CHUNK
+    compiled pieces of the default size (COMPILED_CHUNK), the second a tail."""
+    from lazytrain.optim.hybrid8bit import COMPILED_CHUNK
 
     torch.manual_seed(0)
-    n = DEVICE_CHUNK + 3 * (1 << 20) + 77
+    n = COMPILED_CHUNK + 3 * (1 << 20) + 77
     master0 = torch.randn(n)
     host_master, dev_master = SplitMaster.of(master0), SplitMaster.of(master0)
     host = Hybrid8bitAdamW([host_master], [n - 100], OPT, kernel="torch", rounding=rounding, seed=1)
@@ -535,3 +535,36 @@ def test_a_device_step_that_runs_out_of_memory_stops_the_run_with_what_to_do(tmp
     with pytest.raises(DeviceStepOutOfMemory, match="group 0.*may be partly stepped.*training.resume=true") as info:
         updater.start(1.0, 1e-3)
     assert isinstance(info.value, LazyTrainError) and isinstance(info.value, MemoryError)
+
+
+@pytest.mark.parametrize("rounding", [None, (12345, 640)])
+def test_the_device_steps_pieces_do_not_change_its_values(monkeypatch, rounding):
+    """`device_step_8bit` in pieces of any multiple of BLOCK (the default COMPILED_CHUNK, a
+    benchmark's other sizes) gives the same values as one piece, a tail, decay ending inside a
+    piece and stochastic rounding's element indices included (eager here, on the CPU, as the
+    compiled piece on a GPU); a size that would cut a quantization block is refused."""
+    from lazytrain.optim import hybrid8bit
+    from lazytrain.optim.hybrid8bit import StepScalars, device_step_8bit
+    from lazytrain.optim.quant import BLOCK
+
+    monkeypatch.setattr(hybrid8bit, "_compiled_piece", hybrid8bit._device_piece)
+    n = 40 * BLOCK + 5  # over MIN_8BIT_NUMEL: 8-bit states
+    torch.manual_seed(0)
+    start, grad = torch.randn(n), torch.randn(n).bfloat16()
+    results = []
+    for chunk in (None, n + BLOCK - n % BLOCK, 16 * BLOCK, BLOCK):
+        master = SplitMaster.of(start)
+        opt = Hybrid8bitAdamW([master], [n], OPT, kernel="torch")
+        opt.step_group(0, torch.randn(n).bfloat16(), 0.5, 1e-3, None)  # moments that are not zero
+        device_step_8bit(grad, master, opt.states[0], None, StepScalars.of(OPT, 2, 1e-3, 0.7, 21 * BLOCK + 9),
+                         rounding, chunk=chunk)
+        results.append([master.fp32(), *opt.states[0].tensors().values()])
+        torch.manual_seed(0)
+        start, grad = torch.randn(n), torch.randn(n).bfloat16()
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+    for bad in (0, BLOCK + 1, -BLOCK):
+        with pytest.raises(ValueError, match=f"chunk must be a positive multiple of {BLOCK}.*got {bad}"):
+            device_step_8bit(grad, SplitMaster.of(start), opt.states[0], None, StepScalars.of(OPT, 2, 1e-3, 0.7, 0),
+                             None, chunk=bad)

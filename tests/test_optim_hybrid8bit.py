@@ -215,9 +215,14 @@ def test_kernel_and_gpu_step_agree_with_the_torch_path(other, rounding):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("numel,decay_numel", [*SHAPES, (DEVICE_CHUNK + 20 * BLOCK + 77, DEVICE_CHUNK + 13)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["out-bf16", "out-fp32"])
-def test_the_gpu_step_matches_float64_reference(numel, decay_numel, out_dtype):
+def test_the_gpu_step_matches_float64_reference(numel, decay_numel, out_dtype, monkeypatch):
     """A group stepped on the GPU (`to_device`: the compiled pieces, the fp32-state path for a
-    small group), a tail piece and decay ending inside the second piece included."""
+    small group), a tail piece and decay ending inside the second piece included (compiled
+    pieces of DEVICE_CHUNK here, to keep the float64 reference small; the split-master test in
+    `test_device_update` runs the default size)."""
+    from lazytrain.optim import hybrid8bit
+
+    monkeypatch.setattr(hybrid8bit, "COMPILED_CHUNK", DEVICE_CHUNK)
     opt, m_terms, ref, out = _one_step("torch", numel, decay_numel, torch.bfloat16, out_dtype, 0.37, 7, numel,
                                        device="cuda")
     _check_step(opt, ref, out, m_terms)

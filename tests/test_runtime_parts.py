@@ -157,7 +157,7 @@ def test_the_gpu_steps_temporaries_are_measured(tmp_path):
     """`CostTable.device_step_work_bytes`: the compiled step's allocations while it runs, one
     piece's (a scratch group the size of a decoder layer): some, and below 64 bytes per element."""
     from lazytrain.config import load_config
-    from lazytrain.optim.hybrid8bit import DEVICE_CHUNK
+    from lazytrain.optim.hybrid8bit import COMPILED_CHUNK
     from lazytrain.runtime.profiler import const_update_costs
     from lazytrain.train.session import build_session
 
@@ -165,7 +165,7 @@ def test_the_gpu_steps_temporaries_are_measured(tmp_path):
                                 "optimizer.kind=hybrid8bit", "model.dtype=bf16", "memory.split_master=true"])
     session = build_session(config)
     ms, held, work = const_update_costs(session.make_optimizer, session.store, session.adapter, session.device, 2)
-    piece = min(DEVICE_CHUNK, session.store.weights[1].numel())
+    piece = min(COMPILED_CHUNK, session.store.weights[1].numel())
     assert ms > 0 and held > 0 and 0 < work < 64 * piece
 
 

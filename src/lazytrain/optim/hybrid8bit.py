@@ -41,7 +41,7 @@ run fed the same gradients; its weight half is the streamed weight, written in t
 A group may be stepped on a device instead (`Hybrid8bitAdamW.to_device`: the embedding and
 the final norm + head, whose weights the executor keeps on the GPU): its remainder (or fp32
 master) and state are copied there, and the torch path runs there on the device's gradient,
-in pieces of ``DEVICE_CHUNK`` elements, writing the executor's copy of the weights; `to_host`
+in pieces (``COMPILED_CHUNK`` elements), writing the executor's copy of the weights; `to_host`
 copies them back. The same float32 math as the host's torch path, compiled: Triton fuses
 multiply-adds, so, like the C++ kernel, it differs from that path by about an ulp (a value on a
 code's midpoint may take the neighbouring code); run eagerly it equals it bit for bit.
@@ -202,9 +202,17 @@ def _aligned(nbytes: int) -> int:
 TORCH_CHUNK = 256 * BLOCK
 """Elements per piece of the pure-torch path on the CPU: its temporaries then stay in cache."""
 DEVICE_CHUNK = 1 << 23
-"""Elements per piece on a GPU: few enough kernel launches (a 545 M-element head takes 65
-pieces), temporaries of ~0.4 GB (an estimate: ~48 bytes per element; the profiler measures them,
-`CostTable.device_step_work_bytes`)."""
+"""Elements per piece of the eager torch ops on a GPU (the fp32-state path, and the 8-bit one
+where it cannot be compiled): temporaries of ~0.4 GB (an estimate: ~48 bytes per element; the
+profiler measures them, `CostTable.device_step_work_bytes`)."""
+COMPILED_CHUNK = 1 << 26
+"""Elements per piece of the compiled 8-bit step on a GPU (`device_step_8bit`). Each piece costs
+the calling thread ~0.2-0.25 ms (the compiled function's guards and its kernels' launches) and
+the GPU less than that at 1 << 23: on the H200 (7B, 2026-12-04/05) the update's `start`
+queued the embedding, head and 8 layers' steps (354 pieces of 1 << 23) in 0.061-0.087 s of host
+time with the GPU 4-9 ms behind it (it waited for the launches), 0.05-0.10 s of each step. At
+1 << 26 a layer is 4 pieces, the head 9. The temporaries grow with the piece: 67.6 MB measured
+at 1 << 23 (8 bytes per element), so ~0.54 GB (`CostTable.device_step_work_bytes`, measured)."""
 
 
 def _chunk(device: torch.device) -> int:
@@ -369,28 +377,35 @@ def device_step_8bit(
     weight_out: torch.Tensor | None,
     s: StepScalars,
     rounding: tuple[int, int] | None = None,
+    chunk: int | None = None,
 ) -> None:
-    """`torch_step_8bit` on a GPU: the same math, `_device_piece` compiled, ``DEVICE_CHUNK``
-    elements at a time (a full piece's size, then one generic in the size once a tail shows a
+    """`torch_step_8bit` on a GPU: the same math, `_device_piece` compiled, ``chunk`` elements
+    at a time (a multiple of ``BLOCK``; default ``COMPILED_CHUNK``, or ``DEVICE_CHUNK`` once the
+    step runs eagerly) (a full piece's size, then one generic in the size once a tail shows a
     second: torch's automatic dynamic shapes; ``dynamic=True`` would also make the map tables'
     bit counts symbolic, which inductor cannot shift by)."""
     global _compiled_piece
     if _compiled_piece is None:
         _compiled_piece = torch.compile(_device_piece)
+    if chunk is None:
+        chunk = DEVICE_CHUNK if _compiled_piece is _device_piece else COMPILED_CHUNK
+    if chunk <= 0 or chunk % BLOCK:
+        raise ValueError(f"chunk must be a positive multiple of {BLOCK} elements (a piece holds whole "
+                         f"quantization blocks), got {chunk}")
     device = grad.device
     split = isinstance(master, SplitMaster)
     scalars = _on_device([s.clip, s.beta1, 1.0 - s.beta1, s.beta2, 1.0 - s.beta2, s.eps, s.step_size,
                           s.inv_bc2_sqrt, s.decay], torch.float32, device)
     key, first = rounding if rounding is not None else (0, 0)
     n = master.numel()
-    starts = range(0, n, DEVICE_CHUNK)
+    starts = range(0, n, chunk)
     # every piece's numbers in one copy (rows of 4: each row 32-byte aligned, as compiled
     # kernels assume of their inputs): a copy per piece takes a pinned buffer each, which the
     # host allocator cannot reuse while the copies wait on a busy stream
     all_ints = _on_device([v for lo in starts for v in (first + lo, s.decay_numel - lo, key, 0)], torch.int64,
                           device).view(-1, 4)
     for piece, lo in enumerate(starts):
-        hi = min(n, lo + DEVICE_CHUNK)
+        hi = min(n, lo + chunk)
         blocks = slice(lo // BLOCK, num_blocks(hi))
         ints = all_ints[piece, :3]
         args = (
