@@ -222,7 +222,7 @@ def run_jobs(jobs: list[Job], at_once: int, logs: Path, deadline: float,
             if deadline - now < quickest:
                 settle(job, f"not started: {deadline - now:.0f} s left, the quickest run (or --expect) took {quickest:.0f} s")
                 continue
-            log = open(logs / f"{job.name}.log", "w")
+            log = open(logs / f"{job.name}.log", "w")  # noqa: SIM115 (closed when the run ends)
             env = {**os.environ, "OMP_NUM_THREADS": str(job.threads), "PYTHONUNBUFFERED": "1"}  # a killed run keeps its log
             running[job] = (subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, env=env), now, log)
             print(f"{time.strftime('%H:%M:%S')} {job.name}: started ({job.threads} threads)", flush=True)

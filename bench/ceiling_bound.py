@@ -148,12 +148,12 @@ def row(name: str, costs: CostTable, table: str, time_limit: float, profiled_pla
 def markdown(records: list[dict], table: str, options: str = "") -> str:
     head = records[0]
     lines = [f"# Where the step's distance from compute-only goes: {Path(table).stem}", "",
-             f"The planner's model (MILP + simulator) on `{table}` (batch {head['batch_size']} x seq "
+             (f"The planner's model (MILP + simulator) on `{table}` (batch {head['batch_size']} x seq "
              f"{head['seq_len']}, {head['device']}), each row one resource made free or changed "
              f"(`python bench/ceiling_bound.py {table}{options}`). Compute-only from the table: "
-             f"{head['compute_only_s']:.3f} s.", "",
-             "| scenario | predicted step s | / compute-only | GPU compute s | of it recompute and extra s | "
-             "exposed H2D + D2H s | CPU wait + other idle s | the profiled plan s | layer modes |",
+             f"{head['compute_only_s']:.3f} s."), "",
+             ("| scenario | predicted step s | / compute-only | GPU compute s | of it recompute and extra s | "
+             "exposed H2D + D2H s | CPU wait + other idle s | the profiled plan s | layer modes |"),
              "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r["status"] != "ok":
@@ -165,11 +165,11 @@ def markdown(records: list[dict], table: str, options: str = "") -> str:
                      f"{r['predicted_exposed_h2d_s']:.3f} + {r['predicted_exposed_d2h_s']:.3f} | "
                      f"{r['predicted_gpu_idle_other_s']:.3f} | {r.get('profiled_plan_step_s', float('nan')):.3f} | "
                      f"{modes} |")
-    lines += ["", "Predictions, not measurements: `bench/plan_bench.py` measures the as-profiled plan (its "
+    lines += ["", ("Predictions, not measurements: `bench/plan_bench.py` measures the as-profiled plan (its "
               "records quote this table's prediction next to the measured step). \"of it recompute and extra\": "
               "GPU compute less compute-only (recompute, and compute slowed by copies in flight). \"the profiled "
               "plan\": the as-profiled row's plan under the scenario's costs, not re-solved (what a run of that "
-              "plan would take if only the resource changed; timing only)."]
+              "plan would take if only the resource changed; timing only).")]
     resident = [r for r in records if r["name"] == RESIDENT_LAYERS and r["status"] == "ok"]
     if resident:
         tried = ", ".join(f"{k}: {v:.3f} s" if v is not None else f"{k}: no plan"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import itertools
 import json
 import re
 import statistics
@@ -280,7 +281,7 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
         executor.abandon()  # its buffers go even if the failed graph still refers to it
         raise
     starts = [m[0] for m in measured] + [end]
-    step_times = [b - a for a, b in zip(starts, starts[1:])]
+    step_times = [b - a for a, b in itertools.pairwise(starts)]
     per_step = [step_metrics(adapter, m[1], m[2], t, m[4], device) | {"optimizer_wait_s": m[3]} | m[5]
                 for m, t in zip(measured, step_times)]
     record = {key: statistics.median(r[key] for r in per_step) for key in per_step[0]

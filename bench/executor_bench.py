@@ -178,14 +178,14 @@ def markdown(records: list[dict], args) -> str:
     lines = [
         f"# Executor benchmark: {args.model}, seq {args.seq}",
         "",
-        f"{head['date']}, {head['device']}, torch {head['torch']}, optimizer {args.optimizer} "
+        (f"{head['date']}, {head['device']}, torch {head['torch']}, optimizer {args.optimizer} "
         f"(overlapped: {not args.serial_optimizer}), {args.warmup} warm-up + {args.steps} measured "
         f"steps (median), random tokens, no padding. Command: `python bench/executor_bench.py "
-        f"--model {args.model} --seq {args.seq} --runs {' '.join(args.runs)}`",
+        f"--model {args.model} --seq {args.seq} --runs {' '.join(args.runs)}`"),
         "",
-        "| run | tokens/s | TFLOPS 6NT | TFLOPS model | step s | fwd+bwd s | GPU compute s | "
+        ("| run | tokens/s | TFLOPS 6NT | TFLOPS model | step s | fwd+bwd s | GPU compute s | "
         "exposed H2D s | exposed D2H s | other idle s (optimizer wait) | CPU optimizer s | "
-        "compute-only layers s | peak GPU alloc / reserved GB | host RSS GB |",
+        "compute-only layers s | peak GPU alloc / reserved GB | host RSS GB |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
@@ -204,12 +204,12 @@ def markdown(records: list[dict], args) -> str:
     check = next((r for r in records if r["name"] == "bf16_grad_check"), None)
     if check:
         d = check["detail"]
-        lines += ["", "bf16 gradient check (tiny Qwen2, 6 layers, on the GPU) against fp32 HF autograd, "
+        lines += ["", ("bf16 gradient check (tiny Qwen2, 6 layers, on the GPU) against fp32 HF autograd, "
                   "relative L2 error of all gradients together (and of the worst single tensor): "
                   f"megatrain {d['megatrain']['global']:.2e} ({d['megatrain']['worst_tensor']:.2e}), "
                   f"keep_all {d['keep_all']['global']:.2e} ({d['keep_all']['worst_tensor']:.2e}); "
                   f"HF's own bf16 autograd {d['hf_bf16']['global']:.2e} ({d['hf_bf16']['worst_tensor']:.2e}). "
-                  f"{'pass' if check['passed'] else 'FAIL'} (threshold 1e-2 on the global error)"]
+                  f"{'pass' if check['passed'] else 'FAIL'} (threshold 1e-2 on the global error)")]
     return "\n".join(lines) + "\n"
 
 

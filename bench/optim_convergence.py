@@ -67,8 +67,8 @@ def _unfused_fp32_adamw():
 def _all_states_fp32():
     """hybrid8bit with fp32 states for every group (where the optimizer is built and where the
     host budget counts its bytes)."""
-    import lazytrain.optim.factory as factory
-    import lazytrain.train.session as session
+    from lazytrain.optim import factory
+    from lazytrain.train import session
 
     chosen = factory.fp32_state_groups
 

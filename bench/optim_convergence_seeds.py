@@ -61,8 +61,8 @@ def along_the_run(results: dict, steps: int) -> list[str]:
     window = max(steps // 10, 10)
     ends = list(range(window, steps + 1, window))
     kinds = [k for k in results if k != "fp32"]
-    lines = ["", f"Loss along the run: mean over the seeds of each {window}-step window's mean loss (from every "
-             "10th step's loss), fp32's and the others' as a ratio to it [90% interval, seeds resampled].", "",
+    lines = ["", (f"Loss along the run: mean over the seeds of each {window}-step window's mean loss (from every "
+             "10th step's loss), fp32's and the others' as a ratio to it [90% interval, seeds resampled]."), "",
              "| steps | fp32 | " + " | ".join(kinds) + " |", "| --- |" + " --- |" * (len(kinds) + 1)]
     curve = {k: np.array(r["loss_every_10_steps"]) for k, r in results.items()}
     for end in ends:
@@ -192,11 +192,11 @@ def main() -> None:
         # the issue's check, on the means over seeds: a loss within 2% of fp32's and an exact
         # match within 2 points of it, "within" read as "not worse by more than"
         base = results["fp32"]
-        lines += ["", "Check against fp32, on the means over the seeds: tail loss at most 2% above fp32's, exact "
-                  "match at most 2 points below (a lower loss or a higher exact match passes).", "",
-                  "| against fp32 | mean tail loss ratio (<= 1.02) | mean exact match difference, points (>= -2) "
+        lines += ["", ("Check against fp32, on the means over the seeds: tail loss at most 2% above fp32's, exact "
+                  "match at most 2 points below (a lower loss or a higher exact match passes)."), "",
+                  ("| against fp32 | mean tail loss ratio (<= 1.02) | mean exact match difference, points (>= -2) "
                   "| worst seed's exact match difference | check | 90% interval of the loss ratio, seeds resampled "
-                  "| 90% interval of the exact match difference |", "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| 90% interval of the exact match difference |"), "| --- | --- | --- | --- | --- | --- | --- |"]
         for kind, r in results.items():
             if kind == "fp32":
                 continue

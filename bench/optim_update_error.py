@@ -216,8 +216,8 @@ def main() -> None:
     (out / f"{stem}.json").write_text(json.dumps([record], indent=1))
     n_groups = len(next(iter(results.values()))["groups"])
     lines = [f"# 8-bit state schemes against fp32 AdamW along one fp32 run ({args.steps} steps, seed {args.seed})",
-             "", f"{date}, {record['device']}, torch {record['torch']}. Command: `python bench/optim_update_error.py "
-             f"--steps {args.steps} --seed {args.seed} --schemes {' '.join(args.schemes)}`", "",
+             "", (f"{date}, {record['device']}, torch {record['torch']}. Command: `python bench/optim_update_error.py "
+             f"--steps {args.steps} --seed {args.seed} --schemes {' '.join(args.schemes)}`"), "",
              "| scheme | step error | drift | drift, embedding (group 0) | drift, worst group |",
              "| --- | --- | --- | --- | --- |"]
     for name, r in results.items():

@@ -778,8 +778,8 @@ def markdown(records: list[dict], args) -> str:
     ]
     costs = next((r for r in records if r["name"] == "costs"), None)
     if costs and "kernels" in costs:
-        lines += [f"Gated-DeltaNet kernels: gated-delta rule `{costs['kernels']['delta_rule']}`, short convolution "
-                  f"`{costs['kernels']['conv']}`; layer types {costs['layer_types']}.", ""]
+        lines += [(f"Gated-DeltaNet kernels: gated-delta rule `{costs['kernels']['delta_rule']}`, short convolution "
+                  f"`{costs['kernels']['conv']}`; layer types {costs['layer_types']}."), ""]
     if costs:
         c = costs["costs"]
         table = CostTable.from_dict(c)
@@ -850,10 +850,10 @@ def markdown(records: list[dict], args) -> str:
                          f"{r['plan']['device_layers']}, device steps {r['plan']['device_steps']})")
     typed = [r for r in records if len(r.get("per_layer_type", {})) > 1]
     if typed:
-        lines += ["", "Per layer type (predicted: the cost table at the run's batch; measured: one layer of the type, "
-                  "fwd + bwd alone at that batch):", "",
-                  "| run | type | layers | decisions | fwd+bwd ms predicted (measured) | recompute ms | "
-                  "predicted GPU compute in the step s |", "|---|---|---|---|---|---|---|"]
+        lines += ["", ("Per layer type (predicted: the cost table at the run's batch; measured: one layer of the type, "
+                  "fwd + bwd alone at that batch):"), "",
+                  ("| run | type | layers | decisions | fwd+bwd ms predicted (measured) | recompute ms | "
+                  "predicted GPU compute in the step s |"), "|---|---|---|---|---|---|---|"]
         for r in typed:
             for kind, t in r["per_layer_type"].items():
                 decisions = ", ".join(f"{n} {label}" for label, n in t["decisions"].items())

@@ -16,10 +16,10 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 FAMILIES = {
-    "qwen2": dict(cls=transformers.Qwen2Config, arch="Qwen2ForCausalLM", tied=False),
-    "qwen2-tied": dict(cls=transformers.Qwen2Config, arch="Qwen2ForCausalLM", tied=True),
-    "qwen3": dict(cls=transformers.Qwen3Config, arch="Qwen3ForCausalLM", tied=False, head_dim=16),
-    "llama": dict(cls=transformers.LlamaConfig, arch="LlamaForCausalLM", tied=True),
+    "qwen2": {"cls": transformers.Qwen2Config, "arch": "Qwen2ForCausalLM", "tied": False},
+    "qwen2-tied": {"cls": transformers.Qwen2Config, "arch": "Qwen2ForCausalLM", "tied": True},
+    "qwen3": {"cls": transformers.Qwen3Config, "arch": "Qwen3ForCausalLM", "tied": False, "head_dim": 16},
+    "llama": {"cls": transformers.LlamaConfig, "arch": "LlamaForCausalLM", "tied": True},
     # Qwen3.5/3.6 hybrids: Gated-DeltaNet and gated attention layers. Untied, odd head counts
     # (3 query heads on 1 KV head; 3 value heads on 1 key head) and a 3:2 layer pattern; and
     # tied with the published 3:1 pattern

@@ -3,7 +3,6 @@ not fit fails before allocating and names the smallest change, pinned buffers ar
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap

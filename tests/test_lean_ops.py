@@ -25,8 +25,8 @@ from lazytrain.model.pointwise import EAGER
 torch.manual_seed(0)
 
 
-SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             num_hidden_layers=1, vocab_size=50)
+SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "num_hidden_layers": 1, "vocab_size": 50}
 
 
 def _layer(shape: str, dtype=torch.float32) -> torch.nn.Module:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Self
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -57,7 +58,7 @@ class _Peak:
         self.device = device
         self.bytes = 0
 
-    def __enter__(self) -> _Peak:
+    def __enter__(self) -> Self:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.base = torch.cuda.memory_allocated(self.device)

@@ -330,7 +330,7 @@ class HostUpdater:
                                                   store.weight_shard(group))
                     parallel.publish(store, group)
                 self._done[group].set()
-        except BaseException as error:  # surfaced to the main thread by wait_group
+        except BaseException as error:  # noqa: BLE001 (surfaced to the main thread by wait_group)
             self._error = error
             for event in self._done:
                 event.set()
