@@ -85,7 +85,7 @@ def load_safetensors(adapter: ModelAdapter, store: HostStore, folder: str | Path
     seen: set[str] = set()
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for name in f:
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict: not iterable)
                 if name not in index:
                     if name.endswith("rotary_emb.inv_freq"):
                         continue
