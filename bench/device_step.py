@@ -39,6 +39,7 @@ from lazytrain.model.shapes import SHAPES
 from lazytrain.optim.base import AdamWConfig
 from lazytrain.optim.hybrid8bit import (
     COMPILED_CHUNK,
+    PIECE_ALIGN,
     Hybrid8bitAdamW,
     StepScalars,
     device_step_8bit,
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model", default="qwen2.5-7b", choices=sorted(SHAPES))
     parser.add_argument("--groups", nargs="+", default=["layer", "head"], choices=["layer", "head"])
     parser.add_argument("--chunks", nargs="+", type=int, default=[21, 22, 23, 24, 25, 26, 27],
-                        help="piece sizes as powers of two (at least 7: whole quantization blocks)")
+                        help="piece sizes as powers of two (at least 9: hybrid8bit.PIECE_ALIGN)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tag", default="")
@@ -166,8 +167,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("device_step: no CUDA device here; pass --device cpu for a (slow, eager or CPU-compiled) try")
-    if min(args.chunks) < 7:
-        raise SystemExit(f"device_step: --chunks must be at least 7 (2**7 = one quantization block), got {min(args.chunks)}")
+    if min(args.chunks) < PIECE_ALIGN.bit_length() - 1:
+        raise SystemExit(f"device_step: --chunks must be at least {PIECE_ALIGN.bit_length() - 1} (a piece holds a "
+                         f"multiple of {PIECE_ALIGN} elements: hybrid8bit.PIECE_ALIGN), got {min(args.chunks)}")
     sizes = group_sizes(args.model)
     header = run_header(device, model=args.model, runner="lazytrain", world_size=1)
     records = []

@@ -510,18 +510,23 @@ def load_costs(path: str, session, args) -> CostTable:
               + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()), flush=True)
         d = {**d, **measured, "notes": {**d.get("notes", {}), "constants": (
             f"{', '.join(CONSTANTS)} measured by bench/plan_bench.py on {today()}: the table predates {', '.join(missing)}")}}
-    if ("const_update_ms" not in d or not d.get("device_step_work_bytes")) and session.device.type == "cuda":
+    chunk = session.optimizer.device_step_chunk
+    stale = chunk is not None and d.get("device_step_chunk") != chunk  # timed in other pieces (or unrecorded)
+    if ("const_update_ms" not in d or not d.get("device_step_work_bytes") or stale) and session.device.type == "cuda":
         from lazytrain.runtime.profiler import const_update_costs
 
-        ms, nbytes, work = const_update_costs(session.make_optimizer, session.store, session.adapter, session.device, 5)
-        measured = {"device_step_work_bytes": work}
-        if "const_update_ms" not in d:
+        ms, nbytes, work, chunk = const_update_costs(session.make_optimizer, session.store, session.adapter,
+                                                     session.device, 5)
+        measured = {"device_step_work_bytes": work, "device_step_chunk": chunk}
+        if "const_update_ms" not in d or stale:
             measured.update(const_update_ms=ms, const_update_bytes=nbytes)
-        print(f"{path} has no {', '.join(k for k in measured if k not in d)}: the device step measured now: "
-              f"{ms} ms, {nbytes / 1e9:.2f} GB held, {work / 1e9:.2f} GB while it runs", flush=True)
+        print(f"{path} has no {', '.join(k for k in measured if k not in d)} or measured them in other pieces "
+              f"({d.get('device_step_chunk')}): the device step measured now in pieces of {chunk}: {ms} ms, "
+              f"{nbytes / 1e9:.2f} GB held, {work / 1e9:.2f} GB while it runs", flush=True)
         key = "const_update" if "const_update_ms" in measured else "device_step_work"
         d = {**d, **measured, "notes": {**d.get("notes", {}), key: (
-            f"{', '.join(measured)} measured by bench/plan_bench.py on {today()}: the table predates them")}}
+            f"{', '.join(measured)} measured by bench/plan_bench.py on {today()}: the table predates them or "
+            "measured them in other pieces")}}
     return session.for_this_run(CostTable.from_dict(d))
 
 

@@ -778,5 +778,5 @@ def test_device_step_times_each_piece_size_and_writes_records(tmp_path, monkeypa
     assert all(r["numel"] == numel and r["host_ms"] > 0 and r["model"] == "tiny" for r in records)
     stem = next(tmp_path.glob("device_step_tiny_*.json")).stem
     assert "| layer | " in (tmp_path / f"{stem}.md").read_text()
-    with pytest.raises(SystemExit, match="at least 7"):
-        device_step.main(["--model", "tiny", "--chunks", "6", "--device", "cpu", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="at least 9"):
+        device_step.main(["--model", "tiny", "--chunks", "8", "--device", "cpu", "--out", str(tmp_path)])

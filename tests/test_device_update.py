@@ -537,34 +537,93 @@ def test_a_device_step_that_runs_out_of_memory_stops_the_run_with_what_to_do(tmp
     assert isinstance(info.value, LazyTrainError) and isinstance(info.value, MemoryError)
 
 
-@pytest.mark.parametrize("rounding", [None, (12345, 640)])
-def test_the_device_steps_pieces_do_not_change_its_values(monkeypatch, rounding):
-    """`device_step_8bit` in pieces of any multiple of BLOCK (the default COMPILED_CHUNK, a
-    benchmark's other sizes) gives the same values as one piece, a tail, decay ending inside a
-    piece and stochastic rounding's element indices included (eager here, on the CPU, as the
-    compiled piece on a GPU); a size that would cut a quantization block is refused."""
+def _piece_spy(monkeypatch, fail_at: int | None = None) -> tuple[list[int], list[int]]:
+    """Stand-ins for the compiled piece (`_compiled_piece`: the eager piece, or a compile error
+    at its call ``fail_at``) and for the eager one (`_device_piece`), recording each call's
+    elements: (the compiled stand-in's, the eager piece's)."""
     from lazytrain.optim import hybrid8bit
+
+    eager, compiled = hybrid8bit._device_piece, ([], [])
+
+    def eager_piece(*args):
+        compiled[1].append(args[0].numel())
+        eager(*args)
+
+    def compiled_piece(*args):
+        if fail_at is not None and len(compiled[0]) == fail_at:
+            raise torch._dynamo.exc.BackendCompilerFailed(compiled_piece, RuntimeError("no backend"), None)
+        compiled[0].append(args[0].numel())
+        eager(*args)
+
+    monkeypatch.setattr(hybrid8bit, "_device_piece", eager_piece)
+    monkeypatch.setattr(hybrid8bit, "_compiled_piece", compiled_piece)
+    return compiled
+
+
+def _device_step_in_pieces(chunk: int | None, rounding) -> list[torch.Tensor]:
+    """One `device_step_8bit` (on the CPU) from a fixed start: the master and the state after."""
     from lazytrain.optim.hybrid8bit import StepScalars, device_step_8bit
     from lazytrain.optim.quant import BLOCK
 
-    monkeypatch.setattr(hybrid8bit, "_compiled_piece", hybrid8bit._device_piece)
     n = 40 * BLOCK + 5  # over MIN_8BIT_NUMEL: 8-bit states
-    torch.manual_seed(0)
-    start, grad = torch.randn(n), torch.randn(n).bfloat16()
-    results = []
-    for chunk in (None, n + BLOCK - n % BLOCK, 16 * BLOCK, BLOCK):
-        master = SplitMaster.of(start)
-        opt = Hybrid8bitAdamW([master], [n], OPT, kernel="torch")
-        opt.step_group(0, torch.randn(n).bfloat16(), 0.5, 1e-3, None)  # moments that are not zero
-        device_step_8bit(grad, master, opt.states[0], None, StepScalars.of(OPT, 2, 1e-3, 0.7, 21 * BLOCK + 9),
-                         rounding, chunk=chunk)
-        results.append([master.fp32(), *opt.states[0].tensors().values()])
-        torch.manual_seed(0)
-        start, grad = torch.randn(n), torch.randn(n).bfloat16()
-    for other in results[1:]:
-        for a, b in zip(results[0], other):
-            assert torch.equal(a, b)
-    for bad in (0, BLOCK + 1, -BLOCK):
-        with pytest.raises(ValueError, match=f"chunk must be a positive multiple of {BLOCK}.*got {bad}"):
-            device_step_8bit(grad, SplitMaster.of(start), opt.states[0], None, StepScalars.of(OPT, 2, 1e-3, 0.7, 0),
-                             None, chunk=bad)
+    gen = torch.Generator().manual_seed(0)
+    master = SplitMaster.of(torch.randn(n, generator=gen))
+    opt = Hybrid8bitAdamW([master], [n], OPT, kernel="torch")
+    opt.step_group(0, torch.randn(n, generator=gen).bfloat16(), 0.5, 1e-3, None)  # moments that are not zero
+    device_step_8bit(torch.randn(n, generator=gen).bfloat16(), master, opt.states[0], None,
+                     StepScalars.of(OPT, 2, 1e-3, 0.7, 21 * BLOCK + 9), rounding, chunk=chunk)
+    return [master.fp32(), *opt.states[0].tensors().values()]
+
+
+@pytest.mark.parametrize("rounding", [None, (12345, 640)])
+def test_the_device_steps_pieces_do_not_change_its_values(monkeypatch, rounding):
+    """`device_step_8bit` in pieces of ``chunk`` elements (default COMPILED_CHUNK; a benchmark's
+    other sizes) gives the values of one piece, a tail, decay ending inside a piece and
+    stochastic rounding's element indices included (the eager piece on the CPU, as the compiled
+    one on a GPU); a size that would cut a quantization block, or misalign its absmax slice, is
+    refused."""
+    from lazytrain.optim import hybrid8bit
+    from lazytrain.optim.hybrid8bit import PIECE_ALIGN, StepScalars, device_step_8bit
+    from lazytrain.optim.quant import BLOCK
+
+    monkeypatch.setattr(hybrid8bit, "COMPILED_CHUNK", 4 * PIECE_ALIGN)
+    n = 40 * BLOCK + 5
+    whole = None
+    for chunk, sizes in ((12 * PIECE_ALIGN, [n]), (None, [2048, 2048, n - 4096]),
+                         (PIECE_ALIGN, [512] * 10 + [n - 5120])):
+        calls, _ = _piece_spy(monkeypatch)
+        result = _device_step_in_pieces(chunk, rounding)
+        assert calls == sizes, chunk
+        if whole is None:
+            whole = result
+        for a, b in zip(whole, result):
+            assert torch.equal(a, b), chunk
+    state = Hybrid8bitAdamW([torch.randn(n)], [n], OPT, kernel="torch").states[0]
+    for bad in (0, BLOCK, PIECE_ALIGN + BLOCK, -PIECE_ALIGN):
+        with pytest.raises(ValueError, match=f"chunk must be a positive multiple of {PIECE_ALIGN}.*got {bad}"):
+            device_step_8bit(torch.zeros(n), SplitMaster.of(torch.zeros(n)), state, None,
+                             StepScalars.of(OPT, 2, 1e-3, 0.7, 0), None, chunk=bad)
+
+
+def test_a_device_step_whose_compiling_fails_midway_goes_on_eagerly_in_smaller_pieces(monkeypatch):
+    """A compile error at a later piece (a tail's recompile): the pieces before it stay done,
+    this one and the rest run eagerly in DEVICE_CHUNK pieces (their temporaries are ~6x a
+    compiled piece's), and the step equals one run in a single piece; later steps are eager."""
+    from lazytrain.optim import hybrid8bit
+    from lazytrain.optim.hybrid8bit import PIECE_ALIGN
+
+    monkeypatch.setattr(hybrid8bit, "COMPILED_CHUNK", 4 * PIECE_ALIGN)
+    monkeypatch.setattr(hybrid8bit, "DEVICE_CHUNK", PIECE_ALIGN)
+    n = 40 * 128 + 5
+    _piece_spy(monkeypatch)
+    whole = _device_step_in_pieces(12 * PIECE_ALIGN, None)
+    compiled, eager = _piece_spy(monkeypatch, fail_at=1)
+    with pytest.warns(RuntimeWarning, match="could not be compiled.*eagerly"):
+        result = _device_step_in_pieces(None, None)
+    assert compiled == [2048] and eager == [512] * 6 + [n - 5120]
+    for a, b in zip(whole, result):
+        assert torch.equal(a, b)
+    assert hybrid8bit._compiled_piece is hybrid8bit._device_piece
+    eager.clear()
+    _device_step_in_pieces(None, None)
+    assert eager == [512] * 10 + [n - 5120]

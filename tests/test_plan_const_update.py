@@ -199,3 +199,46 @@ def test_the_batch_search_and_the_policies_pass_the_choice_on():
     assert baseline_plan("keep_all", L, b, s, PolicyOptions(const_update="device")).const_update == "device"
     with pytest.raises(ValueError, match="const_update 'gpu' is not one of auto, host, device"):
         PolicyOptions(const_update="gpu")
+
+
+def test_a_table_measured_in_other_pieces_scales_the_gpu_steps_temporaries(tmp_path, caplog):
+    """`CostTable.for_device_step_chunk`: the temporaries (one piece's) scale with a layer's
+    piece when the run's optimizer steps in other pieces than the table measured (tables
+    without ``device_step_chunk``: 2^23), the time is kept; nothing changes where the pieces
+    match, nothing was measured, or the optimizer has no device step. A session on such a
+    saved table (``plan.costs``) plans with the scaled bytes and says so."""
+    import logging
+
+    from lazytrain.config import load_config
+    from lazytrain.optim.hybrid8bit import COMPILED_CHUNK
+    from lazytrain.plan.costs import OLD_DEVICE_STEP_CHUNK, CostTable
+    from lazytrain.train.session import build_session
+
+    layer = 3 * OLD_DEVICE_STEP_CHUNK + 5
+    table = device_table()
+    table = replace(table, device_step_work_bytes=1000, layers=[replace(lc, params=layer) for lc in table.layers])
+    scaled = table.for_device_step_chunk(4 * OLD_DEVICE_STEP_CHUNK)
+    assert scaled.device_step_work_bytes == round(1000 * layer / OLD_DEVICE_STEP_CHUNK)
+    assert scaled.device_step_chunk == 4 * OLD_DEVICE_STEP_CHUNK and scaled.const_update_ms == table.const_update_ms
+    assert table.device_step_work_bytes == 1000 and table.device_step_chunk is None  # a copy
+    assert scaled.for_device_step_chunk(4 * OLD_DEVICE_STEP_CHUNK) is scaled
+    assert scaled.for_device_step_chunk(2 * OLD_DEVICE_STEP_CHUNK).device_step_work_bytes == 2000
+    assert CostTable.from_dict(scaled.to_dict()) == scaled
+    for same in (table.for_device_step_chunk(OLD_DEVICE_STEP_CHUNK), table.for_device_step_chunk(None),
+                 replace(table, device_step_work_bytes=0).for_device_step_chunk(1 << 26)):
+        assert same.device_step_work_bytes in (1000, 0) and same.device_step_chunk is None
+
+    overrides = [f"training.output_dir={tmp_path / 'run'}", "training.batch_size=2", "data.max_seq_len=32",
+                 "optimizer.kind=hybrid8bit"]
+    session = build_session(load_config(None, overrides))
+    profiled = session.cost_table()
+    assert profiled.device_step_chunk == COMPILED_CHUNK and profiled.device_step_work_bytes == 0  # on the CPU
+    old = replace(profiled, device_step_work_bytes=4096, device_step_chunk=None)
+    old.save(tmp_path / "costs.json")
+    later = build_session(load_config(None, [*overrides, f"plan.costs={tmp_path / 'costs.json'}"]))
+    with caplog.at_level(logging.WARNING, logger="lazytrain.train.session"):
+        costs = later.cost_table()
+    piece = max(lc.params for lc in old.layers)  # the tiny model's layer: one piece either way
+    assert costs.device_step_work_bytes == round(4096 * min(COMPILED_CHUNK, piece) / min(OLD_DEVICE_STEP_CHUNK, piece))
+    assert costs.device_step_chunk == COMPILED_CHUNK
+    assert "pieces of 8388608 elements, this version steps 67108864" in caplog.text

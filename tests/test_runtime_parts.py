@@ -164,9 +164,10 @@ def test_the_gpu_steps_temporaries_are_measured(tmp_path):
     config = load_config(None, [f"training.output_dir={tmp_path}", "model.source=builtin:tiny",
                                 "optimizer.kind=hybrid8bit", "model.dtype=bf16", "memory.split_master=true"])
     session = build_session(config)
-    ms, held, work = const_update_costs(session.make_optimizer, session.store, session.adapter, session.device, 2)
+    ms, held, work, chunk = const_update_costs(session.make_optimizer, session.store, session.adapter,
+                                               session.device, 2)
     piece = min(COMPILED_CHUNK, session.store.weights[1].numel())
-    assert ms > 0 and held > 0 and 0 < work < 64 * piece
+    assert ms > 0 and held > 0 and 0 < work < 64 * piece and chunk == COMPILED_CHUNK
 
 
 def test_the_profilers_saved_tensors_go_at_their_last_use_in_the_backward():

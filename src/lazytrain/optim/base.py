@@ -93,6 +93,12 @@ class HostOptimizer(ABC):
     """Whether `to_device` can move a group to a GPU and step it there."""
 
     @property
+    def device_step_chunk(self) -> int | None:
+        """Elements per piece of a step on a GPU (its temporaries are one piece's), None without
+        a device step."""
+        return None
+
+    @property
     def device_groups(self) -> frozenset[int]:
         """Groups stepped on a device (`to_device`) until `to_host`."""
         return frozenset()

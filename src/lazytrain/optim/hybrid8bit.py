@@ -205,6 +205,9 @@ DEVICE_CHUNK = 1 << 23
 """Elements per piece of the eager torch ops on a GPU (the fp32-state path, and the 8-bit one
 where it cannot be compiled): temporaries of ~0.4 GB (an estimate: ~48 bytes per element; the
 profiler measures them, `CostTable.device_step_work_bytes`)."""
+PIECE_ALIGN = 4 * BLOCK
+"""A GPU step's pieces hold a multiple of this many elements: whole quantization blocks, and
+absmax slices that start 16-byte aligned (4 fp32 per ``BLOCK`` elements)."""
 COMPILED_CHUNK = 1 << 26
 """Elements per piece of the compiled 8-bit step on a GPU (`device_step_8bit`). Each piece costs
 the calling thread ~0.2-0.25 ms (the compiled function's guards and its kernels' launches) and
@@ -380,51 +383,73 @@ def device_step_8bit(
     chunk: int | None = None,
 ) -> None:
     """`torch_step_8bit` on a GPU: the same math, `_device_piece` compiled, ``chunk`` elements
-    at a time (a multiple of ``BLOCK``; default ``COMPILED_CHUNK``, or ``DEVICE_CHUNK`` once the
-    step runs eagerly) (a full piece's size, then one generic in the size once a tail shows a
-    second: torch's automatic dynamic shapes; ``dynamic=True`` would also make the map tables'
-    bit counts symbolic, which inductor cannot shift by)."""
-    global _compiled_piece
+    at a time (default ``COMPILED_CHUNK``; ``DEVICE_CHUNK`` once the step runs eagerly) (a full
+    piece's size, then one generic in the size once a tail shows a second: torch's automatic
+    dynamic shapes; ``dynamic=True`` would also make the map tables' bit counts symbolic, which
+    inductor cannot shift by). Where compiling fails, this piece and the rest run eagerly in
+    pieces of ``DEVICE_CHUNK`` (the eager temporaries are ~6x the compiled ones'), and so does
+    every later step."""
     if _compiled_piece is None:
-        _compiled_piece = torch.compile(_device_piece)
+        _compile_piece()
     if chunk is None:
-        chunk = DEVICE_CHUNK if _compiled_piece is _device_piece else COMPILED_CHUNK
-    if chunk <= 0 or chunk % BLOCK:
-        raise ValueError(f"chunk must be a positive multiple of {BLOCK} elements (a piece holds whole "
-                         f"quantization blocks), got {chunk}")
+        chunk = _device_chunk()
+    if chunk <= 0 or chunk % PIECE_ALIGN:
+        raise ValueError(f"chunk must be a positive multiple of {PIECE_ALIGN} elements (a piece holds whole "
+                         "quantization blocks, its absmax slices 16-byte aligned as compiled kernels assume of "
+                         f"their inputs), got {chunk}")
     device = grad.device
     split = isinstance(master, SplitMaster)
     scalars = _on_device([s.clip, s.beta1, 1.0 - s.beta1, s.beta2, 1.0 - s.beta2, s.eps, s.step_size,
                           s.inv_bc2_sqrt, s.decay], torch.float32, device)
     key, first = rounding if rounding is not None else (0, 0)
     n = master.numel()
-    starts = range(0, n, chunk)
-    # every piece's numbers in one copy (rows of 4: each row 32-byte aligned, as compiled
-    # kernels assume of their inputs): a copy per piece takes a pinned buffer each, which the
-    # host allocator cannot reuse while the copies wait on a busy stream
-    all_ints = _on_device([v for lo in starts for v in (first + lo, s.decay_numel - lo, key, 0)], torch.int64,
-                          device).view(-1, 4)
-    for piece, lo in enumerate(starts):
-        hi = min(n, lo + chunk)
-        blocks = slice(lo // BLOCK, num_blocks(hi))
-        ints = all_ints[piece, :3]
-        args = (
-            grad[lo:hi], (master.weight if split else master)[lo:hi], master.remainder[lo:hi] if split else None,
-            state.m_codes[lo:hi], state.m_absmax[blocks], state.v_codes[lo:hi], state.v_absmax[blocks],
-            None if split or weight_out is None else weight_out[lo:hi], scalars, ints,
-            tables_on(True, device), tables_on(False, device), rounding is not None,
-        )
-        try:
-            _compiled_piece(*args)
-        except _compile_errors() as error:  # compiling failed (no Triton, no compiler): before anything ran
-            if _compiled_piece is _device_piece:
-                raise
-            warnings.warn(f"lazytrain: the GPU optimizer step could not be compiled ({type(error).__name__}: "
-                          f"{str(error).splitlines()[0] if str(error) else ''}); running it eagerly, ~16x "
-                          "slower (340 ms against 21 ms for a 7B's embedding and head on an H200)",
-                          RuntimeWarning, stacklevel=2)
-            _compiled_piece = _device_piece
-            _compiled_piece(*args)
+
+    def pieces(start: int, size: int) -> None:
+        starts = range(start, n, size)
+        # every piece's numbers in one copy (rows of 4: each row 32-byte aligned, as compiled
+        # kernels assume of their inputs): a copy per piece takes a pinned buffer each, which
+        # the host allocator cannot reuse while the copies wait on a busy stream
+        all_ints = _on_device([v for lo in starts for v in (first + lo, s.decay_numel - lo, key, 0)], torch.int64,
+                              device).view(-1, 4)
+        for piece, lo in enumerate(starts):
+            hi = min(n, lo + size)
+            blocks = slice(lo // BLOCK, num_blocks(hi))
+            args = (
+                grad[lo:hi], (master.weight if split else master)[lo:hi], master.remainder[lo:hi] if split else None,
+                state.m_codes[lo:hi], state.m_absmax[blocks], state.v_codes[lo:hi], state.v_absmax[blocks],
+                None if split or weight_out is None else weight_out[lo:hi], scalars, all_ints[piece, :3],
+                tables_on(True, device), tables_on(False, device), rounding is not None,
+            )
+            try:
+                _compiled_piece(*args)
+            except _compile_errors() as error:  # compiling failed (no Triton, no compiler): before this piece ran
+                if _compiled_piece is _device_piece:
+                    raise
+                _run_eagerly(error)
+                pieces(lo, DEVICE_CHUNK)
+                return
+
+    pieces(0, chunk)
+
+
+def _device_chunk() -> int:
+    """The GPU step's pieces: ``COMPILED_CHUNK``, or ``DEVICE_CHUNK`` once it runs eagerly."""
+    return DEVICE_CHUNK if _compiled_piece is _device_piece else COMPILED_CHUNK
+
+
+def _compile_piece() -> None:
+    global _compiled_piece
+    _compiled_piece = torch.compile(_device_piece)
+
+
+def _run_eagerly(error: BaseException) -> None:
+    """Warn that compiling the GPU step failed, and run it eagerly from now on."""
+    global _compiled_piece
+    warnings.warn(f"lazytrain: the GPU optimizer step could not be compiled ({type(error).__name__}: "
+                  f"{str(error).splitlines()[0] if str(error) else ''}); running it eagerly, ~16x "
+                  "slower (340 ms against 21 ms for a 7B's embedding and head on an H200)",
+                  RuntimeWarning, stacklevel=4)
+    _compiled_piece = _device_piece
 
 
 class Hybrid8bitAdamW(HostOptimizer):
@@ -445,6 +470,10 @@ class Hybrid8bitAdamW(HostOptimizer):
     """
 
     device_step = True
+
+    @property
+    def device_step_chunk(self) -> int:
+        return _device_chunk()
 
     def __init__(
         self,

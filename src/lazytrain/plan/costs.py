@@ -29,6 +29,9 @@ TABLE_VERSION = 2
 output the backward starts from (it was in the profiler's base, and no saved tensor); `CostTable`
 adds it (``input_bytes``, the output's size) to a version-1 table when it loads one."""
 
+OLD_DEVICE_STEP_CHUNK = 1 << 23
+"""The GPU optimizer step's piece in tables without ``device_step_chunk`` (before 2026-12-05)."""
+
 GPU_RESERVE_FRACTION = 0.05
 """Share of a GPU memory capacity the planner leaves unplanned: the caching allocator's
 fragmentation and small buffers the model does not count (on the H200 a solved plan
@@ -292,6 +295,10 @@ class CostTable:
     temporaries, one piece at a time), beyond what it steps; counted for the streamed steps
     (`Plan.device_steps`), which run beside the forward. 0: not measured (tables written before
     2026-12-05, a CPU or multi-rank profile, an optimizer without a device step)."""
+    device_step_chunk: int | None = None
+    """Elements per piece of that step when ``const_update_ms`` and ``device_step_work_bytes``
+    were measured (`HostOptimizer.device_step_chunk`); None: tables written before it was
+    recorded, whose pieces were ``OLD_DEVICE_STEP_CHUNK`` (`for_device_step_chunk`)."""
 
     h2d_gbps: float
     d2h_gbps: float
@@ -483,6 +490,24 @@ class CostTable:
             fits={k: replace(v) for k, v in self.fits.items()},
             notes=dict(self.notes),
         )
+
+    def for_device_step_chunk(self, chunk: int | None) -> CostTable:
+        """This table for a GPU optimizer step in pieces of ``chunk`` elements (the run's
+        optimizer's `device_step_chunk`), where it was measured with other pieces: the
+        temporaries (``device_step_work_bytes``, one piece's) scaled by the elements of a layer's
+        piece (the same kernels, the same bytes per element), the step's time
+        (``const_update_ms``) kept (each piece costs the host its launches: an upper bound where
+        the pieces grew). Itself where the pieces match or nothing was measured."""
+        measured = self.device_step_chunk or OLD_DEVICE_STEP_CHUNK
+        if chunk is None or chunk == measured or not self.device_step_work_bytes:
+            return self
+        layer = max(lc.params for lc in self.layers)
+        scale = min(chunk, layer) / min(measured, layer)
+        return replace(self, device_step_work_bytes=round(self.device_step_work_bytes * scale),
+                       device_step_chunk=chunk, layers=[replace(lc) for lc in self.layers],
+                       fits={k: replace(v) for k, v in self.fits.items()},
+                       notes={**self.notes, "device_step_chunk": (
+                           f"device_step_work_bytes measured in pieces of {measured} elements, scaled to {chunk}")})
 
     def const_split(self) -> tuple[tuple[float, float], tuple[float, float]]:
         """((params, weight bytes) updated and uploaded before the forward, (the same) before

@@ -391,16 +391,17 @@ def _optimizer_ns_per_param(optimizer_factory: Callable[[list[torch.Tensor], lis
 
 def const_update_costs(optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer],
                        store: HostStore, adapter: ModelAdapter, device: torch.device,
-                       repeats: int) -> tuple[float | None, int, int]:
+                       repeats: int) -> tuple[float | None, int, int, int | None]:
     """The resident groups' optimizer step on ``device`` (`Plan.const_update="device"`): (ms for
     the embedding and final group together, GPU bytes their masters and states take there, GPU
-    bytes the step allocates while it runs: `CostTable.device_step_work_bytes`, on CUDA only),
-    timed on a scratch group the size of a decoder layer (the step is elementwise: its time is
-    linear in the elements) with states of the embedding's kind; (None, 0, 0) where the
-    optimizer has no device step."""
+    bytes the step allocates while it runs: `CostTable.device_step_work_bytes`, on CUDA only,
+    the elements per piece it was stepped in: `CostTable.device_step_chunk`), timed on a
+    scratch group the size of a decoder layer (the step is elementwise: its time is linear in
+    the elements) with states of the embedding's kind; (None, 0, 0, None) where the optimizer
+    has no device step."""
     scratch, master = _scratch_layer_group(optimizer_factory, store, adapter)
     if not scratch.device_step:
-        return None, 0, 0
+        return None, 0, 0, None
     scratch.to_device(0, store.weights[1].to(device, copy=True))
     grad = torch.randn(master.numel(), device=device).to(store.dtype)
 
@@ -410,7 +411,8 @@ def const_update_costs(optimizer_factory: Callable[[list[torch.Tensor], list[int
     ms = time_ms(device, step, repeats)
     held = scratch.state_bytes() + master.numel() * (2 if isinstance(master, SplitMaster) else 4)
     scale = (adapter.layouts[0].numel + adapter.final_layout.numel) / master.numel()
-    return ms * scale, round(held * scale), _device_step_work_bytes(optimizer_factory, store, adapter, device)
+    work = _device_step_work_bytes(optimizer_factory, store, adapter, device)
+    return ms * scale, round(held * scale), work, scratch.device_step_chunk
 
 
 def _device_step_work_bytes(optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer],
@@ -517,9 +519,9 @@ def profile(
         constants = measure_constants(executor, store, device, batch_size, seq_len, repeats)
         optimizer_ns, optimizer = _optimizer_ns_per_param(optimizer_factory, store, adapter, repeats)
         # data parallel steps each rank's shard of them on the host (`Executor`)
-        const_update_ms, const_update_bytes, device_step_work_bytes = (
+        const_update_ms, const_update_bytes, device_step_work_bytes, device_step_chunk = (
             const_update_costs(optimizer_factory, store, adapter, device, repeats) if local_world_size == 1
-            else (None, 0, 0))
+            else (None, 0, 0, None))
         esize = store.weights[1].element_size()
         type_costs = {
             kind: LayerCosts(
@@ -578,6 +580,7 @@ def profile(
             const_update_ms=const_update_ms,
             const_update_bytes=const_update_bytes,
             device_step_work_bytes=device_step_work_bytes,
+            device_step_chunk=device_step_chunk,
             gpu_bytes=usable_gpu_bytes(gpu_bytes or total_gpu),
             # resident embedding and final group and their gradients; the CUDA context and the
             # allocator's slack come out of gpu_bytes (usable_gpu_bytes), not here

@@ -34,7 +34,7 @@ from lazytrain.optim.factory import (
     make_optimizer,
     state_bytes_per_param,
 )
-from lazytrain.plan.costs import CostTable, usable_gpu_bytes
+from lazytrain.plan.costs import OLD_DEVICE_STEP_CHUNK, CostTable, usable_gpu_bytes
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.policies import PolicyOptions, baseline_plan, policy_plan
 from lazytrain.runtime.device import (
@@ -120,7 +120,14 @@ class Session:
             costs.check_attention(attention, f"plan.costs={cfg.plan.costs}")
             costs.check_elementwise(self.adapter.pointwise.kind, f"plan.costs={cfg.plan.costs}")
             costs.check_optimizer(describe(self.optimizer), f"plan.costs={cfg.plan.costs}")
-            costs = self.for_this_run(costs)
+            rescaled = costs.for_device_step_chunk(self.optimizer.device_step_chunk)
+            if rescaled is not costs:
+                log.warning("plan.costs=%s measured the GPU optimizer step's temporaries in pieces of %d elements, "
+                            "this version steps %d at a time: %.2f GB scaled to %.2f GB (profile again to measure "
+                            "them)", cfg.plan.costs, costs.device_step_chunk or OLD_DEVICE_STEP_CHUNK,
+                            rescaled.device_step_chunk, costs.device_step_work_bytes / 1e9,
+                            rescaled.device_step_work_bytes / 1e9)
+            costs = self.for_this_run(rescaled)
         else:
             from lazytrain.runtime.profiler import profile
 
