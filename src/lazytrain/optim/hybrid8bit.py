@@ -210,12 +210,13 @@ PIECE_ALIGN = 4 * BLOCK
 absmax slices that start 16-byte aligned (4 fp32 per ``BLOCK`` elements)."""
 COMPILED_CHUNK = 1 << 26
 """Elements per piece of the compiled 8-bit step on a GPU (`device_step_8bit`). Each piece costs
-the calling thread ~0.2-0.25 ms (the compiled function's guards and its kernels' launches) and
-the GPU less than that at 1 << 23: on the H200 (7B, 2026-12-04/05) the update's `start`
-queued the embedding, head and 8 layers' steps (354 pieces of 1 << 23) in 0.061-0.087 s of host
-time with the GPU 4-9 ms behind it (it waited for the launches), 0.05-0.10 s of each step. At
-1 << 26 a layer is 4 pieces, the head 9. The temporaries grow with the piece: 67.6 MB measured
-at 1 << 23 (8 bytes per element), so ~0.54 GB (`CostTable.device_step_work_bytes`, measured)."""
+the calling thread ~0.2-0.25 ms (the compiled function's guards and its kernels' launches), and
+at 1 << 23 the GPU kept up with that: on the H200 (7B, 2026-12-04/05) the update's `start`
+queued the embedding's, head's and 8 layers' steps (354 pieces of 1 << 23) in 0.061-0.087 s of
+host time, the GPU 4-9 ms behind it when the next step was called (it had waited for the
+launches), 0.05-0.10 s of each step. At 1 << 26 a layer is 4 pieces, the head 9 (not yet timed
+on a GPU: `bench/device_step.py`). The temporaries grow with the piece: 67.6 MB measured at
+1 << 23 (8 bytes per element), so ~0.54 GB (`CostTable.device_step_work_bytes`, measured)."""
 
 
 def _chunk(device: torch.device) -> int:
