@@ -225,6 +225,56 @@ def test_the_search_for_k_stops_where_the_neighbours_are_within_the_tolerance():
     assert best == 9 and calls[:6] == [0, 1, 2, 4, 8, 12] and 10 in calls and 9 in calls
 
 
+@pytest.mark.parametrize("workers", [2, 3, 8])
+def test_the_search_for_k_with_solves_at_once_keeps_what_one_at_a_time_keeps(workers):
+    """``workers`` solves at once (`_search_device_layers`): the same k kept with the same
+    values as one after another, on the shapes above and random ones; the objective is called
+    from that many threads at once (a barrier only they pass)."""
+    import random
+    import threading
+
+    from lazytrain.plan.milp import _search_device_layers
+
+    shapes = [lambda k: 100.0 + abs(k - 5.4) * 10, lambda k: None if k > 9 else 100.0 - k * 0.01,
+              lambda k: 100.0 - k * 0.5, lambda k: None if k > 0 else 100.0]
+    rng = random.Random(0)
+    for _ in range(30):
+        table = {k: (None if rng.random() < 0.05 else rng.uniform(90, 110)) for k in range(41)}
+        shapes.append(table.get)
+    for objective in shapes:
+        for layers in (1, 5, 28, 40):
+            assert _search_device_layers(layers, objective, workers) == _search_device_layers(layers, objective)
+    together = threading.Barrier(2, timeout=10)
+
+    def meets(k):
+        if k in (0, 1):  # the first two candidates: solved at once or the barrier breaks
+            together.wait()
+        return 100.0 - k
+
+    assert _search_device_layers(4, meets, workers)[("device", 4)] == 96.0
+    assert not together.broken
+
+
+def test_solve_plan_searches_k_with_solves_at_once(monkeypatch):
+    """`solve_plan` with ``device_layers=None`` runs `search_workers` solves at once and gives
+    the plan, notes and prediction of one solve at a time (solves that end at their optimum)."""
+    from lazytrain.plan import milp
+
+    for costs in (cpu_bound_table(), device_table(5, 12)):
+        plans = []
+        for workers in (1, 3):
+            monkeypatch.setattr(milp, "search_workers", lambda w=workers: w)
+            plans.append(solve_plan(costs, tiers=("gpu", "host"), optimizer_overlap=True, const_update="device",
+                                    device_layers=None, device_steps=0, time_limit_s=60))
+        one, many = plans
+        assert one.layers == many.layers and one.device_layers == many.device_layers
+        assert one.notes["device_layers"] == many.notes["device_layers"] and len(one.notes["device_layers"]) > 2
+        assert one.notes["device_steps"].keys() == one.notes["device_layers"].keys() == many.notes["device_steps"].keys()
+        assert one.predicted_step_time_s == many.predicted_step_time_s
+    monkeypatch.undo()
+    assert 1 <= milp.search_workers() <= milp.SEARCH_WORKERS
+
+
 def test_recalibrate_re_solves_on_the_measured_update_rate():
     from lazytrain.plan.policies import RECALIBRATE_TOLERANCE, recalibrate
 

@@ -70,7 +70,11 @@ there the two agree only approximately.
 from __future__ import annotations
 
 import math
+import os
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -933,7 +937,8 @@ def solve_plan(
             k = 0 if choice == "host" else device_layers
             objective_ms[choice, k] = objective(choice, k)
         else:
-            objective_ms.update(_search_device_layers(costs.num_layers, lambda k: objective("device", k)))
+            objective_ms.update(_search_device_layers(costs.num_layers, lambda k: objective("device", k),
+                                                      search_workers()))
     elapsed = time.perf_counter() - start
     fits = {key: ms for key, ms in objective_ms.items() if ms is not None}
     if not fits:
@@ -967,7 +972,9 @@ def solve_plan(
             str(n): None if ms is None else ms * 1e-3
             for (c, n), ms in sorted(objective_ms.items()) if c == "device"
         }
-        notes["device_steps"] = {str(n): s for (c, n), s in sorted(steps.items()) if c == "device"}
+        # (a candidate the search solved at once with others and dropped is not among them)
+        notes["device_steps"] = {str(n): s for (c, n), s in sorted(steps.items())
+                                 if c == "device" and (c, n) in objective_ms}
     plan = Plan(
         policy="solved",
         batch_size=costs.batch_size,
@@ -1003,37 +1010,72 @@ def _check_offload_window(offload_window: int, tiers: tuple[str, ...]) -> None:
                          "NVMe tier (no memory.nvme_dir; tiers gpu, host) or with offload_window 1")
 
 
-def _search_device_layers(num_layers: int, objective) -> dict[tuple[str, int], float | None]:
+SEARCH_WORKERS = 8
+"""Most MILP solves the search for k runs at once (threads: HiGHS releases the GIL while it
+solves, and solves on one core). On the 7B tables a solve takes 0.4-10 s and the search ran
+11 of them one after another, 83 s on the H200's host (2026-12-05)."""
+
+
+def search_workers() -> int:
+    """Solves the search runs at once here: the cores this process may use, at most
+    `SEARCH_WORKERS` (a time-limited solve given less than a core finds a worse plan)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(SEARCH_WORKERS, cores))
+
+
+def _evaluate(objective: Callable[[int], float | None], ks: Sequence[int],
+              pool: ThreadPoolExecutor | None) -> list[float | None]:
+    """``objective`` at each of ``ks``, in order: at once on ``pool``, else one after another."""
+    if pool is None or len(ks) < 2:
+        return [objective(k) for k in ks]
+    return list(pool.map(objective, ks))
+
+
+def _search_device_layers(num_layers: int, objective: Callable[[int], float | None],
+                          workers: int = 1) -> dict[tuple[str, int], float | None]:
     """``objective(k)`` (ms, None: does not fit) at `DEVICE_LAYER_CANDIDATES` and ``num_layers``
     up to the first k that does not fit or the second in a row slower than the one before, then
     at midpoints between the best and its neighbours until they are adjacent or predicted within
     `DEVICE_LAYER_TOLERANCE` of it: a search for the least of a step time taken as unimodal in k
-    (more resident layers: less CPU time before the forward, more GPU time and memory)."""
+    (more resident layers: less CPU time before the forward, more GPU time and memory).
+
+    ``workers`` > 1 evaluates that many of the first candidates at once, and both midpoints of a
+    round: the same k are kept as one after another (a candidate past where the first ones stop
+    the search is solved and dropped), so the plan is the same but for time-limited solves."""
+    candidates = sorted({n for n in DEVICE_LAYER_CANDIDATES if n < num_layers} | {num_layers})
     tried: dict[int, float | None] = {}
     rises = 0
-    for k in sorted({n for n in DEVICE_LAYER_CANDIDATES if n < num_layers} | {num_layers}):
-        tried[k] = objective(k)
-        if tried[k] is None:
-            break
-        previous = [v for n, v in tried.items() if n < k]
-        rises = rises + 1 if previous and tried[k] > previous[-1] else 0
-        if rises == 2:
-            break
-    while True:
-        fits = {k: v for k, v in tried.items() if v is not None}
-        if not fits:
-            break
-        best = min(fits, key=fits.__getitem__)
-        lower = max((k for k in tried if k < best), default=best)
-        upper = min((k for k in tried if k > best), default=best)
-        close = fits[best] * (1 + DEVICE_LAYER_TOLERANCE)
-        mids = {m for m, side in (((lower + best) // 2, lower), ((best + upper) // 2, upper))
-                if m not in tried and (tried[side] is None or tried[side] > close)}
-        if not mids:
-            break
-        for m in sorted(mids):
-            tried[m] = objective(m)
+    with ThreadPoolExecutor(workers) if workers > 1 else nullcontext() as pool:
+        stopped = False
+        for first in range(0, len(candidates), max(1, workers)):
+            batch = candidates[first: first + max(1, workers)]
+            for k, value in zip(batch, _evaluate(objective, batch, pool)):
+                tried[k] = value
+                if value is None:
+                    stopped = True
+                    break
+                previous = [v for n, v in tried.items() if n < k]
+                rises = rises + 1 if previous and value > previous[-1] else 0
+                if rises == 2:
+                    stopped = True
+                    break
+            if stopped:
+                break
+        while True:
+            fits = {k: v for k, v in tried.items() if v is not None}
+            if not fits:
+                break
+            best = min(fits, key=fits.__getitem__)
+            lower = max((k for k in tried if k < best), default=best)
+            upper = min((k for k in tried if k > best), default=best)
+            close = fits[best] * (1 + DEVICE_LAYER_TOLERANCE)
+            mids = sorted({m for m, side in (((lower + best) // 2, lower), ((best + upper) // 2, upper))
+                           if m not in tried and (tried[side] is None or tried[side] > close)})
+            if not mids:
+                break
+            tried.update(zip(mids, _evaluate(objective, mids, pool)))
     return {("device", k): v for k, v in tried.items()}
+
 
 
 def milp_evaluate(
