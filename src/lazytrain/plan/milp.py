@@ -1044,11 +1044,11 @@ def _search_device_layers(num_layers: int, objective: Callable[[int], float | No
     the search is solved and dropped), so the plan is the same but for time-limited solves."""
     candidates = sorted({n for n in DEVICE_LAYER_CANDIDATES if n < num_layers} | {num_layers})
     tried: dict[int, float | None] = {}
-    rises = 0
+    rises, workers = 0, max(1, workers)
     with ThreadPoolExecutor(workers) if workers > 1 else nullcontext() as pool:
         stopped = False
-        for first in range(0, len(candidates), max(1, workers)):
-            batch = candidates[first: first + max(1, workers)]
+        for first in range(0, len(candidates), workers):
+            batch = candidates[first: first + workers]
             for k, value in zip(batch, _evaluate(objective, batch, pool)):
                 tried[k] = value
                 if value is None:
@@ -1075,7 +1075,6 @@ def _search_device_layers(num_layers: int, objective: Callable[[int], float | No
                 break
             tried.update(zip(mids, _evaluate(objective, mids, pool)))
     return {("device", k): v for k, v in tried.items()}
-
 
 
 def milp_evaluate(
