@@ -71,10 +71,11 @@ def scratch_group(numel: int, device: torch.device) -> tuple[SplitMaster, Hybrid
     return master, optimizer, grad
 
 
-def measure(numel: int, chunk: int, repeats: int, device: torch.device,
-            group: tuple[SplitMaster, Hybrid8bitAdamW, torch.Tensor] | None = None) -> dict:
-    """One group size at one piece size: the record's timing fields (module docstring)."""
-    master, optimizer, grad = group if group is not None else scratch_group(numel, device)
+def measure(group: tuple[SplitMaster, Hybrid8bitAdamW, torch.Tensor], chunk: int, repeats: int,
+            device: torch.device) -> dict:
+    """One `scratch_group` at one piece size: the record's timing fields (module docstring)."""
+    master, optimizer, grad = group
+    numel = master.numel()
     state = optimizer.states[0]
     scalars = StepScalars.of(OPT, 2, 1e-5, 0.5, numel)
 
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.groups:
         group = scratch_group(sizes[name], device)
         for c in args.chunks:
-            row = measure(sizes[name], 1 << c, args.repeats, device, group)
+            row = measure(group, 1 << c, args.repeats, device)
             records.append({"name": f"device_step_{args.model}_{name}_2^{c}", **header, "group": name, **row})
             print({k: records[-1][k] for k in ("group", "chunk_log2", "host_ms", "gpu_ms", "step_ms", "work_gb")},
                   flush=True)

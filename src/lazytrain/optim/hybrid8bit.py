@@ -390,8 +390,9 @@ def device_step_8bit(
     inductor cannot shift by). Where compiling fails, this piece and the rest run eagerly in
     pieces of ``DEVICE_CHUNK`` (the eager temporaries are ~6x the compiled ones'), and so does
     every later step."""
+    global _compiled_piece
     if _compiled_piece is None:
-        _compile_piece()
+        _compiled_piece = torch.compile(_device_piece)
     if chunk is None:
         chunk = _device_chunk()
     if chunk <= 0 or chunk % PIECE_ALIGN:
@@ -436,11 +437,6 @@ def device_step_8bit(
 def _device_chunk() -> int:
     """The GPU step's pieces: ``COMPILED_CHUNK``, or ``DEVICE_CHUNK`` once it runs eagerly."""
     return DEVICE_CHUNK if _compiled_piece is _device_piece else COMPILED_CHUNK
-
-
-def _compile_piece() -> None:
-    global _compiled_piece
-    _compiled_piece = torch.compile(_device_piece)
 
 
 def _run_eagerly(error: BaseException) -> None:
