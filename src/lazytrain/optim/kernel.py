@@ -63,7 +63,7 @@ KERNEL_CHOICES = ("auto", "cpp", "torch", *(f"cpp-{name}" for name in VARIANTS))
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType] = {}
-"""Built modules by variant (the native build under its own variant too, once loaded)."""
+"""Built modules by variant; the native build (``-march=native`` alone) as ``"native"``."""
 _failure: dict[str, str] = {}
 """Why the last build of a variant (``"native"``: the default build) failed."""
 
