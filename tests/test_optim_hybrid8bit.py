@@ -1,8 +1,13 @@
-"""Hybrid 8-bit AdamW: one fused step against the float64 reference, both paths, resume,
-thread safety and a convergence check against torch's fused fp32 AdamW."""
+"""Hybrid 8-bit AdamW: one fused step against the float64 reference, both paths and every
+instruction-set variant of the kernel this CPU runs, resume, thread safety and a convergence
+check against torch's fused fp32 AdamW.
+
+The kernel is built, not skipped: a machine whose compiler cannot build it fails the ``cpp``
+tests with the compiler's output."""
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import threading
@@ -20,9 +25,11 @@ from lazytrain.optim.base import AdamWConfig
 from lazytrain.optim.hybrid8bit import (
     DEVICE_CHUNK,
     MIN_8BIT_NUMEL,
+    TORCH_CHUNK,
     Fp32State,
     Hybrid8bitAdamW,
     QuantizedState,
+    is_8bit,
     state_bytes_per_param,
 )
 from lazytrain.optim.quant import (
@@ -35,11 +42,14 @@ from lazytrain.optim.quant import (
 )
 from lazytrain.optim.reference import reference_step
 
-KERNEL_BUILT = kernel_module.load_kernel() is not None
-BACKENDS = [
-    pytest.param("cpp", marks=pytest.mark.skipif(not KERNEL_BUILT, reason="no C++ kernel here")),
-    "torch",
+BACKENDS = ["cpp", "torch"]
+VARIANTS = [
+    pytest.param(f"cpp-{name}", marks=pytest.mark.skipif(
+        bool(kernel_module.missing_cpu_flags(name)),
+        reason=f"this CPU cannot run the {name} path (no {' '.join(kernel_module.missing_cpu_flags(name))})"))
+    for name in kernel_module.VARIANTS
 ]
+"""The kernel built for each instruction set (``cpp`` is the native build, one of them)."""
 CONFIG = AdamWConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
@@ -78,39 +88,50 @@ def _check_codes(codes, reference_codes, normalized, qmap, scale):
     )
 
 
+LR = 3e-3
+
+
+@functools.lru_cache(maxsize=16)
+def _start(numel, decay_numel, grad_dtype, clip, step, seed):
+    """A group's master, gradient and random state, and the float64 reference of its step (the
+    same for every backend: computed once). Callers must not change the tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(numel, generator=gen)
+    grad = (torch.randn(numel, generator=gen) * 1e-2).to(grad_dtype)
+    if is_8bit(numel):
+        state = _random_quantized_state(numel, gen)
+    else:
+        state = Fp32State(*_random_moments(numel, gen))
+    m, v = _moments(state)
+    ref = reference_step(
+        master, grad, m, v, step=step, clip_coef=clip, lr=LR, config=CONFIG, decay_numel=decay_numel
+    )
+    return master, grad, state, ref
+
+
 def _one_step(backend, numel, decay_numel, grad_dtype, out_dtype, clip, step, seed, rounding="nearest",
               device=None):
     """One step from a random state; ``device``: the group stepped there (`to_device`; the
     weights written there are ``out``), then brought back."""
-    gen = torch.Generator().manual_seed(seed)
-    master = torch.randn(numel, generator=gen)
-    grad = (torch.randn(numel, generator=gen) * 1e-2).to(grad_dtype)
+    start, grad, start_state, ref = _start(numel, decay_numel, grad_dtype, clip, step, seed)
+    master = start.clone()
     opt = Hybrid8bitAdamW([master], [decay_numel], CONFIG, kernel=backend, rounding=rounding)
-    assert opt.backend == backend
+    assert opt.backend == ("torch" if backend == "torch" else "cpp")
     state = opt.states[0]
-    if isinstance(state, QuantizedState):
-        random_state = _random_quantized_state(numel, gen)
-        for name, t in random_state.tensors().items():
-            state.tensors()[name].copy_(t)
-    else:
-        m, v = _random_moments(numel, gen)
-        state.exp_avg.copy_(m)
-        state.exp_avg_sq.copy_(v)
+    assert isinstance(state, QuantizedState) == is_8bit(numel)
+    for name, t in start_state.tensors().items():
+        state.tensors()[name].copy_(t)
     opt.steps[0] = step - 1
-    m, v = _moments(state)
-    lr = 3e-3
-    ref = reference_step(
-        master, grad, m, v, step=step, clip_coef=clip, lr=lr, config=CONFIG, decay_numel=decay_numel
-    )
+    m, _ = _moments(state)
     if device is not None:
         weight = torch.full((numel,), float("nan"), dtype=out_dtype or torch.float32, device=device)
         opt.to_device(0, weight)
-        opt.step_group(0, grad.to(device), clip, lr, None)
+        opt.step_group(0, grad.to(device), clip, LR, None)
         opt.to_host()
         out = None if out_dtype is None else weight.cpu()
     else:
         out = None if out_dtype is None else torch.full((numel,), float("nan"), dtype=out_dtype)
-        opt.step_group(0, grad, clip, lr, out)
+        opt.step_group(0, grad, clip, LR, out)
     assert opt.steps[0] == step
     beta1 = CONFIG.betas[0]
     m_terms = beta1 * m.double().abs() + (1 - beta1) * grad.double().abs() * clip
@@ -148,8 +169,10 @@ SHAPES = [
     # numel, decay_numel
     (MIN_8BIT_NUMEL, MIN_8BIT_NUMEL),  # smallest 8-bit group, all decayed
     (20 * BLOCK + 77, 7 * BLOCK + 13),  # a tail block, decay ending mid-block and mid-vector
-    (70_000, 0),  # several threads' worth of blocks, no decay
-    (3000, 1000),  # fp32 states
+    # the torch path's pieces (TORCH_CHUNK): four, the last a part; decay ending mid-block in
+    # the second, so the third and fourth have none. The kernel: many threads' blocks
+    (3 * TORCH_CHUNK + 20 * BLOCK + 77, TORCH_CHUNK + 7 * BLOCK + 13),
+    (MIN_8BIT_NUMEL - 1, 1000),  # the largest group with fp32 states
 ]
 
 
@@ -167,10 +190,31 @@ def test_step_matches_float64_reference(backend, numel, decay_numel, grad_dtype,
     _check_step(opt, ref, out, m_terms)
 
 
+BF16, FP32 = torch.bfloat16, torch.float32
+VARIANT_CASES = [
+    # numel, decay_numel, gradient dtype, weights written (each vector load and store)
+    *[(20 * BLOCK + 77, 7 * BLOCK + 13, g, o) for g in (BF16, FP32) for o in (BF16, FP32, None)],
+    (3 * TORCH_CHUNK + 20 * BLOCK + 77, TORCH_CHUNK + 7 * BLOCK + 13, BF16, BF16),
+    (MIN_8BIT_NUMEL - 1, 1000, FP32, FP32),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("numel,decay_numel,grad_dtype,out_dtype", VARIANT_CASES,
+                         ids=lambda x: str(x).removeprefix("torch."))
+def test_each_variant_steps_as_the_float64_reference(variant, numel, decay_numel, grad_dtype, out_dtype):
+    """The kernel's path for each instruction set (the native build runs only one): a tail
+    block, decay ending mid-block and mid-vector, many threads' blocks, fp32 states."""
+    opt, m_terms, ref, out = _one_step(variant, numel, decay_numel, grad_dtype, out_dtype, 0.37, 7, numel)
+    assert opt._kernel.simd() == variant.removeprefix("cpp-")
+    _check_step(opt, ref, out, m_terms)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=15, deadline=None)
 @given(
-    numel=st.integers(1, 12_000),
+    # as many 8-bit groups as fp32 ones (a plain integer draw favours small sizes)
+    numel=st.integers(1, MIN_8BIT_NUMEL - 1) | st.integers(MIN_8BIT_NUMEL, 12_000),
     decay_fraction=st.floats(0, 1),
     grad_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
     out_dtype=st.sampled_from([torch.bfloat16, torch.float32, None]),
@@ -189,15 +233,15 @@ def test_random_steps_match_float64_reference(
 
 
 @pytest.mark.parametrize("other", [
-    pytest.param("cpp", marks=pytest.mark.skipif(not KERNEL_BUILT, reason="no C++ kernel here")),
+    "cpp", *VARIANTS,
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
 ])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_kernel_and_gpu_step_agree_with_the_torch_path(other, rounding):
-    """The C++ kernel, or a group stepped on the GPU (whose stochastic codes are drawn from the
-    same hash of each element), against the host's torch path."""
+    """The C++ kernel (each variant), or a group stepped on the GPU (whose stochastic codes are
+    drawn from the same hash of each element), against the host's torch path."""
     results = []
-    for backend, device in ((other, None) if other == "cpp" else ("torch", other), ("torch", None)):
+    for backend, device in ((other, None) if other != "cuda" else ("torch", other), ("torch", None)):
         opt, _, _, out = _one_step(
             backend, 50_003, 30_001, torch.bfloat16, torch.bfloat16, 0.6, 3, 11, rounding, device=device
         )
@@ -228,8 +272,8 @@ def test_the_gpu_step_matches_float64_reference(numel, decay_numel, out_dtype, m
     _check_step(opt, ref, out, m_terms)
 
 
-@pytest.mark.skipif(not KERNEL_BUILT, reason="no C++ kernel here")
-def test_unaligned_weight_out():
+@pytest.mark.parametrize("backend", ["cpp", *VARIANTS])
+def test_unaligned_weight_out(backend):
     """weight_out need not be aligned (streaming stores are used only when it is)."""
     numel = 10 * BLOCK + 5
     for offset in (0, 1, 3):
@@ -237,7 +281,7 @@ def test_unaligned_weight_out():
         master = torch.randn(numel, generator=gen)
         buffer = torch.zeros(numel + 8, dtype=torch.bfloat16)
         out = buffer[offset : offset + numel]
-        opt = Hybrid8bitAdamW([master], [numel // 3], CONFIG, kernel="cpp")
+        opt = Hybrid8bitAdamW([master], [numel // 3], CONFIG, kernel=backend)
         opt.step_group(0, torch.randn(numel, generator=gen).bfloat16(), 0.5, 1e-3, out)
         assert torch.equal(out, master.bfloat16())
         assert bool((buffer[:offset] == 0).all()) and bool((buffer[offset + numel :] == 0).all())
@@ -438,7 +482,6 @@ def test_groups_stepped_concurrently_equal_serial(backend):
     assert serial.steps == concurrent.steps
 
 
-@pytest.mark.skipif(not KERNEL_BUILT, reason="no C++ kernel here")
 def test_kernel_releases_the_gil():
     numel = 1 << 22
     opt = Hybrid8bitAdamW([torch.randn(numel)], [numel], CONFIG, kernel="cpp")
@@ -463,23 +506,51 @@ def test_kernel_releases_the_gil():
     )
 
 
-def test_failed_build_falls_back_to_torch_with_a_warning(monkeypatch):
+def test_failed_build_falls_back_to_torch_with_a_warning(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 
     def no_compiler(*args, **kwargs):
-        raise RuntimeError("c++: command not found")
+        raise RuntimeError("c++: command not found\nthe rest of the build log")
 
+    monkeypatch.delenv("LAZYTRAIN_OPTIM_KERNEL", raising=False)  # the default: auto
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # no other process's build lock
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    monkeypatch.setattr(kernel_module, "_loaded", None)
-    monkeypatch.setattr(kernel_module, "_failure", None)
+    monkeypatch.setattr(kernel_module, "_loaded", {})
+    monkeypatch.setattr(kernel_module, "_failure", {})
     with pytest.warns(RuntimeWarning, match="c\\+\\+: command not found"):
         opt = Hybrid8bitAdamW([torch.zeros(5000)], [0], CONFIG)
     assert opt.backend == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning per process, not one per optimizer
         assert Hybrid8bitAdamW([torch.zeros(5000)], [0], CONFIG).backend == "torch"
-    with pytest.raises(RuntimeError, match="did not build"):
+    # asked for, the kernel is built again, and its failure raises with the whole log
+    with pytest.raises(RuntimeError, match="(?s)did not build.*the rest of the build log"):
         Hybrid8bitAdamW([torch.zeros(5000)], [0], CONFIG, kernel="cpp")
+
+
+def test_a_variant_that_does_not_compile_fails_with_the_compilers_message(monkeypatch, tmp_path):
+    """A real compiler run on a source that does not compile: the error carries its message."""
+    broken = tmp_path / "hybrid8bit.cpp"
+    broken.write_text("#error lazytrain test: this kernel does not compile\n")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
+    monkeypatch.setattr(kernel_module, "SOURCE", broken)
+    monkeypatch.setattr(kernel_module, "_loaded", {})
+    monkeypatch.setattr(kernel_module, "_failure", {})
+    with pytest.raises(RuntimeError, match="(?s)variant scalar.*did not build.*error: #error lazytrain test"):
+        Hybrid8bitAdamW([torch.zeros(5000)], [0], CONFIG, kernel="cpp-scalar")
+
+
+def test_kernel_choices_and_variants_are_checked(monkeypatch):
+    with pytest.raises(ValueError, match="'cpp-sse' is not one of .*'cpp-avx2'"):
+        Hybrid8bitAdamW([torch.zeros(10)], [0], CONFIG, kernel="cpp-sse")
+    with pytest.raises(ValueError, match="variant 'sse' is not one of"):
+        kernel_module.missing_cpu_flags("sse")
+    # a CPU with AVX2 and no AVX-512: the native build is its AVX2 path, AVX-512 is refused
+    monkeypatch.setattr(kernel_module, "_cpu_flags", lambda: "flags\t: fpu sse2 avx fma avx2")
+    assert kernel_module.native_variant() == "avx2"
+    assert kernel_module.missing_cpu_flags("avx512vbmi") == ("avx512f", "avx512bw", "avx512vbmi")
+    with pytest.raises(ValueError, match="'avx512' cannot run on this CPU .* lacks avx512f; .*'avx2', 'scalar'"):
+        Hybrid8bitAdamW([torch.zeros(10)], [0], CONFIG, kernel="cpp-avx512")
 
 
 def _mlp_losses(make_optimizer, steps: int = 200, seed: int = 0) -> list[float]:
@@ -548,7 +619,7 @@ def test_weights_stay_near_fp32_on_one_gradient_stream(backend):
     assert drift < 0.075, drift
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, *VARIANTS])
 def test_stochastic_step_rounds_sqrt_v_to_a_neighbouring_code(backend):
     """One step with stochastic rounding: master, weights, m codes and absmaxes as the float64
     reference has them (nearest m codes); each sqrt(v) code is one of the two codes around the
@@ -583,13 +654,13 @@ def test_rejects_unknown_rounding_and_offsets():
         Hybrid8bitAdamW([torch.zeros(10)], [0], CONFIG, group_offsets=[100])
 
 
-@pytest.mark.skipif(not KERNEL_BUILT, reason="no C++ kernel here")
-def test_kernel_draws_as_the_torch_path_past_two_to_the_32():
+@pytest.mark.parametrize("kernel", ["cpp", *VARIANTS])
+def test_kernel_draws_as_the_torch_path_past_two_to_the_32(kernel):
     """A shard starting just below element 2**32 of its group: the draws' index crosses into
     the high half (it keys the block) the same way in the kernel and in the torch path."""
     n, start = 4096 + 512, 2**32 - 256
     results = []
-    for backend in ("cpp", "torch"):
+    for backend in (kernel, "torch"):
         gen = torch.Generator().manual_seed(8)
         opt = Hybrid8bitAdamW([torch.randn(n, generator=gen)], [n], CONFIG, kernel=backend, rounding="stochastic",
                               seed=1, group_numels=[2**33], group_offsets=[start])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lazytrain.optim import kernel as kernel_module
 from lazytrain.optim import quant
-from lazytrain.optim.kernel import load_kernel
 from lazytrain.optim.quant import (
     BLOCK,
     build_tables,
@@ -73,10 +73,17 @@ def test_pieces_find_the_nearest_code_exactly(signed):
 
 
 @SIGNS
-def test_kernel_finds_the_nearest_code_exactly(signed):
-    kernel = load_kernel()
-    if kernel is None:
-        pytest.skip("the C++ kernel did not build here")
+@pytest.mark.parametrize("variant", [
+    None,  # the native build
+    *[pytest.param(name, marks=pytest.mark.skipif(
+        bool(kernel_module.missing_cpu_flags(name)),
+        reason=f"this CPU cannot run the {name} path (no {' '.join(kernel_module.missing_cpu_flags(name))})"))
+      for name in kernel_module.VARIANTS],
+])
+def test_kernel_finds_the_nearest_code_exactly(signed, variant):
+    """Each instruction set's search: the pieces method (AVX-512 VBMI), the bucket table by
+    gathers (AVX-512, AVX2) or loads (scalar)."""
+    kernel = kernel_module.load_kernel(required=True, variant=variant)
     tables = build_tables(signed)
     # an odd length, so that the SIMD path and the scalar tail both run
     x = torch.cat([_adversarial(tables, seed=2), torch.rand(77) * 2 - 1])

@@ -1,5 +1,6 @@
-"""The split master: exact for every fp32 bit pattern, and optimizer steps over it equal the
-unsplit steps bit for bit; a training run with it resumes exactly."""
+"""The split master: exact for every fp32 bit pattern (the torch path and the kernel's split and
+join for each instruction set), and optimizer steps over it equal the unsplit steps bit for
+bit; a training run with it resumes exactly."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lazytrain.cli.main import main
+from lazytrain.optim import kernel as kernel_module
 from lazytrain.optim.adamw import FusedAdamW
 from lazytrain.optim.base import AdamWConfig
 from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
-from lazytrain.optim.kernel import load_kernel
-from lazytrain.optim.split import SplitMaster
+from lazytrain.optim.split import SplitMaster, joined, split_halves
 
 SPECIAL = [
     0x00000000, 0x80000000,  # +-0
@@ -37,6 +38,15 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.int32).numpy().view(np.uint32)
 
 
+VARIANTS = [
+    pytest.param(name, marks=pytest.mark.skipif(
+        bool(kernel_module.missing_cpu_flags(name)),
+        reason=f"this CPU cannot run the {name} path (no {' '.join(kernel_module.missing_cpu_flags(name))})"))
+    for name in kernel_module.VARIANTS
+]
+"""Each instruction set's build of the kernel."""
+
+
 def _round_trip(master: torch.Tensor, backend: str, monkeypatch) -> tuple[torch.Tensor, SplitMaster]:
     monkeypatch.setenv("LAZYTRAIN_OPTIM_KERNEL", backend)
     split = SplitMaster.of(master)
@@ -50,8 +60,6 @@ def _expected_weight_bits(bits: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_special_patterns_round_trip_exactly(backend, monkeypatch):
-    if backend == "cpp" and load_kernel() is None:
-        pytest.skip("the C++ kernel does not build here")
     # 3 copies so the kernel's vector loop sees them too, not only its tail
     bits = np.array(SPECIAL * 3, dtype=np.uint32)
     joined, split = _round_trip(_floats(bits), backend, monkeypatch)
@@ -71,12 +79,33 @@ def test_every_bit_pattern_round_trips_exactly(patterns, low):
     master = _floats(bits)
     for backend in ("torch", "cpp"):
         with pytest.MonkeyPatch.context() as mp:
-            if backend == "cpp" and load_kernel() is None:
-                continue
-            joined, split = _round_trip(master, backend, mp)
-        assert (_bits(joined) == bits).all(), backend
+            back, split = _round_trip(master, backend, mp)
+        assert (_bits(back) == bits).all(), backend
         weight = split.weight.view(torch.int16).numpy().view(np.uint16)
         assert (weight == _expected_weight_bits(bits)).all(), backend
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_variant_splits_and_joins_exactly(variant):
+    """The kernel's split and join for each instruction set (the native build runs one): the
+    special patterns, ties and their neighbours under random high halves, and random bits,
+    in the vector loop and the tail, across the threads' ranges; the torch path's halves."""
+    kernel = kernel_module.load_kernel(required=True, variant=variant)
+    rng = np.random.default_rng(7)
+    high = rng.integers(0, 2**16, size=4096, dtype=np.uint64).astype(np.uint32) << 16
+    near_ties = np.concatenate([high | low for low in (0x8000, 0x7FFF, 0x8001, 0xFFFF, 0x0000)])
+    noise = rng.integers(0, 2**32, size=3 * (1 << 16) + 77, dtype=np.uint64).astype(np.uint32)
+    bits = np.concatenate([np.array(SPECIAL * 3, dtype=np.uint32), near_ties, noise])
+    master = _floats(bits)
+    weight, remainder = torch.empty(len(bits), dtype=torch.bfloat16), torch.empty(len(bits), dtype=torch.int16)
+    kernel.split_master(master, weight, remainder)
+    want_weight, want_remainder = split_halves(master)
+    assert torch.equal(weight.view(torch.int16), want_weight)
+    assert torch.equal(remainder, want_remainder)
+    back = torch.full_like(master, float("nan"))
+    kernel.join_master(weight, remainder, back)
+    assert (_bits(back) == bits).all()
+    assert torch.equal(joined(weight, remainder).view(torch.int32), master.view(torch.int32))
 
 
 def test_weight_is_torchs_bf16_except_at_ties_below_an_even_bf16(monkeypatch):
@@ -97,8 +126,6 @@ def test_weight_is_torchs_bf16_except_at_ties_below_an_even_bf16(monkeypatch):
 
 
 def test_kernel_and_torch_paths_agree_on_a_million_patterns(monkeypatch):
-    if load_kernel() is None:
-        pytest.skip("the C++ kernel does not build here")
     bits = np.random.default_rng(1).integers(0, 2**32, size=1 << 20, dtype=np.uint64).astype(np.uint32)
     master = _floats(bits)
     results = []
@@ -118,16 +145,19 @@ def _optimizer(kind: str, masters: list) -> FusedAdamW | Hybrid8bitAdamW:
     decay = [n // 2 + 7 for n in SIZES]
     if kind == "fp32":
         return FusedAdamW(masters, decay, CONFIG)
-    return Hybrid8bitAdamW(masters, decay, CONFIG, kernel=kind.split("-")[1])
+    return Hybrid8bitAdamW(masters, decay, CONFIG, kernel=kind.removeprefix("8bit-"))
 
 
-@pytest.mark.parametrize("kind", ["fp32", "8bit-cpp", "8bit-torch"])
+@pytest.mark.parametrize("kind", [
+    "fp32", "8bit-cpp", "8bit-torch",
+    *[pytest.param(f"8bit-cpp-{p.values[0]}", marks=p.marks) for p in VARIANTS],
+])
 def test_split_steps_equal_unsplit_steps_bit_for_bit(kind, monkeypatch):
     """20 steps from the same gradients: every master and optimizer state bit-identical, and
-    the split weight is the split of the unsplit master."""
-    if kind == "8bit-cpp" and load_kernel() is None:
-        pytest.skip("the C++ kernel does not build here")
-    monkeypatch.setenv("LAZYTRAIN_OPTIM_KERNEL", "torch" if kind == "8bit-torch" else "auto")
+    the split weight is the split of the unsplit master (the kernel joins and splits inside
+    its step with each instruction set's vectors)."""
+    # the split and join outside the steps (SplitMaster.of, .fp32) by the same path
+    monkeypatch.setenv("LAZYTRAIN_OPTIM_KERNEL", "cpp" if kind == "fp32" else kind.removeprefix("8bit-"))
     gen = torch.Generator().manual_seed(0)
     start = [torch.randn(n, generator=gen) * 0.05 for n in SIZES]
     whole = _optimizer(kind, [m.clone() for m in start])

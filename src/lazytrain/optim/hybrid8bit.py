@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from lazytrain.optim.base import AdamWConfig, HostOptimizer
-from lazytrain.optim.kernel import kernel_choice, load_kernel
+from lazytrain.optim.kernel import kernel_choice, kernel_for
 from lazytrain.optim.quant import (
     BLOCK,
     QuantTables,
@@ -453,8 +453,9 @@ class Hybrid8bitAdamW(HostOptimizer):
     """AdamW with blockwise 8-bit states (2.06 bytes per parameter), fused on the CPU.
 
     Interchangeable with ``FusedAdamW``. ``kernel`` is ``"auto"`` (the C++ kernel, built at
-    first use, else the pure-torch path with a warning), ``"cpp"`` (the kernel or an error) or
-    ``"torch"``; ``None`` reads ``LAZYTRAIN_OPTIM_KERNEL``. Groups in ``fp32_groups`` keep fp32
+    first use, else the pure-torch path with a warning), ``"cpp"`` (the kernel or an error),
+    ``"torch"``, or ``"cpp-<variant>"`` (the kernel built for one instruction set,
+    ``kernel.VARIANTS``: to test each path); ``None`` reads ``LAZYTRAIN_OPTIM_KERNEL``. Groups in ``fp32_groups`` keep fp32
     m and v whatever their size (bitsandbytes' advice for embeddings: rows of rare tokens get
     rare, tiny gradients, the hardest values for blockwise 8-bit states). ``group_numels``
     are the sizes that choose 8-bit or fp32 states when the masters are a data-parallel
@@ -501,8 +502,7 @@ class Hybrid8bitAdamW(HostOptimizer):
                 f"are then the whole group's), got {offsets}"
             )
         self.rounding, self.seed, self.group_offsets = rounding, int(seed), offsets
-        choice = kernel_choice(kernel)
-        self._kernel = None if choice == "torch" else load_kernel(required=choice == "cpp")
+        self._kernel = kernel_for(kernel_choice(kernel))
         sizes = [m.numel() for m in masters] if group_numels is None else group_numels
         self.states: list[QuantizedState | Fp32State] = [
             QuantizedState.zeros(m.numel())

@@ -2,12 +2,20 @@
 
 The kernel is compiled at first use with ``-march=native`` by ``torch.utils.cpp_extension``,
 so it must be built on the machine that runs it: the build directory is keyed by the torch
-version, this CPU's model and flags and the source's hash, under ``$TORCH_EXTENSIONS_DIR`` or
-``~/.cache/lazytrain/torch_extensions``. If the build fails (no compiler, no ninja), callers
-get ``None`` and a warning, and use the pure-torch path of the same math.
+version, this CPU's model and flags, the compiler flags and the source's hash, under
+``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/lazytrain/torch_extensions``. If the build fails (no
+compiler, no ninja), callers get ``None`` and a warning, and use the pure-torch path of the
+same math.
+
+The source has one vector path per instruction set (`VARIANTS`), chosen at compile time: the
+native build runs the best one this CPU has. ``load_kernel(variant=...)`` builds the same
+source with the later instruction sets switched off, so that each path can be run and tested
+on one machine (a CPU with AVX-512 VBMI runs all four); each such build is cached like the
+native one.
 
 ``LAZYTRAIN_OPTIM_KERNEL`` picks the path: ``auto`` (default: the kernel if it builds),
-``cpp`` (the kernel or an error) or ``torch`` (never build).
+``cpp`` (the kernel or an error), ``torch`` (never build) or ``cpp-<variant>`` (the kernel
+built for that instruction set only, e.g. ``cpp-avx2``: for tests and comparisons).
 """
 
 from __future__ import annotations
@@ -19,21 +27,45 @@ import platform
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "hybrid8bit.cpp"
-KERNEL_CHOICES = ("auto", "cpp", "torch")
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 # No -fopenmp at link time: the OpenMP symbols then resolve to the runtime torch already
 # loaded, so the kernel shares torch's thread pool instead of starting a second one.
 _LDFLAGS: list[str] = []
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One vector path of the kernel (``simd()`` of its build names it)."""
+
+    cpu_flags: tuple[str, ...]
+    """What ``/proc/cpuinfo`` must list for ``-march=native`` to compile this path."""
+    off: tuple[str, ...]
+    """Compiler flags after ``-march=native`` that switch the later paths off."""
+
+
+VARIANTS = {
+    "avx512vbmi": Variant(("avx512f", "avx512bw", "avx512vbmi"), ()),
+    "avx512": Variant(("avx512f",), ("-mno-avx512vbmi",)),
+    "avx2": Variant(("avx2",), ("-mno-avx512f",)),
+    "scalar": Variant((), ("-mno-avx512f", "-mno-avx2") if _X86 else ()),
+}
+"""The kernel's paths, best first: ``-march=native`` compiles the first one the CPU has."""
+
+KERNEL_CHOICES = ("auto", "cpp", "torch", *(f"cpp-{name}" for name in VARIANTS))
 
 _lock = threading.Lock()
-_loaded: ModuleType | None = None
-_failure: str | None = None
+_loaded: dict[str, ModuleType] = {}
+"""Built modules by variant; the native build (``-march=native`` alone) as ``"native"``."""
+_failure: dict[str, str] = {}
+"""Why the last build of a variant (``"native"``: the default build) failed."""
 
 
 def kernel_choice(requested: str | None = None) -> str:
@@ -44,6 +76,16 @@ def kernel_choice(requested: str | None = None) -> str:
             "(argument kernel= or LAZYTRAIN_OPTIM_KERNEL)"
         )
     return choice
+
+
+def kernel_for(choice: str) -> ModuleType | None:
+    """The module that steps with `kernel_choice`'s ``choice``: ``None`` for ``torch`` (and for
+    ``auto`` where the kernel does not build); ``cpp`` and ``cpp-<variant>`` raise instead."""
+    if choice == "torch":
+        return None
+    if choice.startswith("cpp-"):
+        return load_kernel(required=True, variant=choice.removeprefix("cpp-"))
+    return load_kernel(required=choice == "cpp")
 
 
 def cpu_description() -> str:
@@ -69,13 +111,35 @@ def _cpu_flags() -> str:
     return platform.machine()
 
 
-def build_directory() -> Path:
+def missing_cpu_flags(variant: str) -> tuple[str, ...]:
+    """The CPU flags ``variant`` needs that this CPU lacks (none: it can run here)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"kernel variant {variant!r} is not one of {tuple(VARIANTS)}")
+    have = set(_cpu_flags().split())
+    return tuple(flag for flag in VARIANTS[variant].cpu_flags if flag not in have)
+
+
+def native_variant() -> str:
+    """The path the native build compiles: the first of `VARIANTS` this CPU can run."""
+    return next(name for name in VARIANTS if not missing_cpu_flags(name))
+
+
+def build_directory(variant: str | None = None) -> Path:
+    """Where the native build (``variant=None``) or a variant's build lives."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "lazytrain" / "torch_extensions"
     # the source's own hash too: a build of another version of the kernel is never loaded
     source = hashlib.sha1(SOURCE.read_bytes()).hexdigest()
-    key = "|".join([torch.__version__, cpu_description(), _cpu_flags(), " ".join(_CFLAGS), source])
-    return base / f"lazytrain_hybrid8bit_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    key = "|".join([torch.__version__, cpu_description(), _cpu_flags(), " ".join(_cflags(variant)), source])
+    return base / f"{_module_name(variant)}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+def _cflags(variant: str | None) -> list[str]:
+    return _CFLAGS if variant is None else [*_CFLAGS, *VARIANTS[variant].off]
+
+
+def _module_name(variant: str | None) -> str:
+    return "lazytrain_hybrid8bit" if variant is None else f"lazytrain_hybrid8bit_{variant}"
 
 
 STALE_LOCK_S = 600
@@ -125,47 +189,79 @@ def _remove_lock(lock: Path, older_than: float) -> None:
         lock.unlink(missing_ok=True)
 
 
-def load_kernel(required: bool = False) -> ModuleType | None:
-    """The compiled kernel module, or ``None`` (with one warning) when it cannot be built."""
-    global _loaded, _failure
-    with _lock:
-        if _loaded is not None or (_failure is not None and not required):
-            return _loaded
-        try:
-            from torch.utils import cpp_extension
+def load_kernel(required: bool = False, variant: str | None = None) -> ModuleType | None:
+    """The compiled kernel module, or ``None`` (with one warning) when it cannot be built.
 
-            directory = build_directory()
-            directory.mkdir(parents=True, exist_ok=True)
-            with _building(directory):
-                _loaded = cpp_extension.load(
-                    name="lazytrain_hybrid8bit",
-                    sources=[str(SOURCE)],
-                    extra_cflags=_CFLAGS,
-                    extra_ldflags=_LDFLAGS,
-                    build_directory=str(directory),
-                    verbose=os.environ.get("LAZYTRAIN_VERBOSE_BUILD", "") == "1",
+    ``variant`` (a key of `VARIANTS`): the kernel built for that instruction set alone; the
+    native build when it is `native_variant`, else a build of its own (cached like the
+    native one). A variant this CPU cannot run is a ``ValueError``. ``required``: a failed
+    build raises, with the compiler's output.
+    """
+    if variant is not None:
+        missing = missing_cpu_flags(variant)
+        if missing:
+            raise ValueError(
+                f"kernel variant {variant!r} cannot run on this CPU ({cpu_description()}): it lacks "
+                f"{', '.join(missing)}; variants it can run: "
+                f"{[name for name in VARIANTS if not missing_cpu_flags(name)]}"
+            )
+    with _lock:
+        if variant is not None and variant == native_variant():
+            module = _load(required, None)
+            if module is not None and module.simd() != variant:
+                raise RuntimeError(
+                    f"the native kernel build runs the {module.simd()!r} path, not {variant!r} as this "
+                    "CPU's flags say: the compiler cannot target this CPU's instruction sets"
                 )
-            _failure = None
-            return _loaded
-        except Exception as err:  # any build or load failure means: use the torch path
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            _failure = f"{type(err).__name__}: {reason}"
-            message = (
-                f"lazytrain: the fused 8-bit optimizer kernel did not build ({_failure}). "
-                "It needs a C++ compiler (g++) and ninja on this machine; set "
-                "LAZYTRAIN_VERBOSE_BUILD=1 to see the build log."
+            return module
+        return _load(required, variant)
+
+
+def _load(required: bool, variant: str | None) -> ModuleType | None:
+    """`load_kernel`'s build, under `_lock`."""
+    key = variant or "native"
+    if key in _loaded or (key in _failure and not required):
+        return _loaded.get(key)
+    try:
+        from torch.utils import cpp_extension
+
+        directory = build_directory(variant)
+        directory.mkdir(parents=True, exist_ok=True)
+        with _building(directory):
+            module = cpp_extension.load(
+                name=_module_name(variant),
+                sources=[str(SOURCE)],
+                extra_cflags=_cflags(variant),
+                extra_ldflags=_LDFLAGS,
+                build_directory=str(directory),
+                verbose=os.environ.get("LAZYTRAIN_VERBOSE_BUILD", "") == "1",
             )
-            if required:
-                raise RuntimeError(message) from err
-            warnings.warn(
-                message + " Falling back to the pure-torch path (same math, 20 to 100 times "
-                "slower); set LAZYTRAIN_OPTIM_KERNEL=torch to choose it without trying.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return None
+        if variant is not None and module.simd() != variant:
+            raise RuntimeError(f"the build for {variant!r} runs the {module.simd()!r} path")
+    except Exception as err:  # any build or load failure means: use the torch path
+        detail = str(err).strip()
+        _failure[key] = f"{type(err).__name__}: {detail.splitlines()[0] if detail else ''}"
+        which = "" if variant is None else f" (variant {variant})"
+        message = (
+            f"lazytrain: the fused 8-bit optimizer kernel{which} did not build ({_failure[key]}). "
+            "It needs a C++ compiler (g++) and ninja on this machine; set "
+            "LAZYTRAIN_VERBOSE_BUILD=1 to see the build log."
+        )
+        if required:
+            # the whole compiler output: a test or a user who asked for the kernel sees why
+            raise RuntimeError(f"{message}\n{detail}") from err
+        warnings.warn(
+            message + " Falling back to the pure-torch path (same math, 20 to 100 times "
+            "slower); set LAZYTRAIN_OPTIM_KERNEL=torch to choose it without trying.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None
+    _failure.pop(key, None)
+    _loaded[key] = module
+    return module
 
 
 def build_failure() -> str | None:
-    """Why the last build failed, or ``None``."""
-    return _failure
+    """Why the last native build failed, or ``None``."""
+    return _failure.get("native")

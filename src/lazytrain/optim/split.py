@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lazytrain.optim.kernel import kernel_choice, load_kernel
+from lazytrain.optim.kernel import kernel_choice, kernel_for
 
 _LOW = 0xFFFF
 
@@ -75,8 +75,7 @@ def join_into(weight: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor) 
 
 
 def _kernel():
-    choice = kernel_choice()
-    return None if choice == "torch" else load_kernel(required=choice == "cpp")
+    return kernel_for(kernel_choice())
 
 
 @dataclass(slots=True)

@@ -17,11 +17,15 @@
 // (Scalar::stochastic): byte shuffles give the two code values with VBMI, gathers otherwise.
 //
 // Built at first use with -march=native on the machine that runs it, so the SIMD path is
-// chosen at compile time from what that machine has.
+// chosen at compile time from what that machine has; kernel.py's VARIANTS build the other
+// paths (later instruction sets switched off) to test them on one machine.
 
-#include <torch/extension.h>
+// pybind11 with torch's tensor casters: a third of torch/extension.h's compile time (which
+// brings the whole C++ frontend, 60% of a build), and each build counts (kernel.VARIANTS)
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
