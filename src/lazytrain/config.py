@@ -17,7 +17,6 @@ from typing import Literal
 import yaml
 
 from lazytrain.errors import LazyTrainError
-from lazytrain.optim.base import AdamWConfig
 from lazytrain.plan.plan import DEVICE_STEPPED, RECOMPUTE, is_offload_window
 
 
@@ -174,6 +173,31 @@ class TrainingConfig:
             raise ConfigError(f"training.save_every_minutes must be >= 0 (0: off), got {self.save_every_minutes}")
         if self.save_every < 0 or self.eval_every < 0:
             raise ConfigError("training.save_every and training.eval_every must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class AdamWConfig:
+    """AdamW's hyperparameters: what every CPU optimizer (``optim/``) takes."""
+
+    lr: float = 2e-5
+    """Peak learning rate (the schedule scales it per step)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's decay rates of the first and second moment estimates, each in [0, 1)."""
+    eps: float = 1e-8
+    """Added to sqrt(v) in AdamW's denominator (> 0)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, applied to matrices and embeddings, not to norms or biases."""
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
+        if self.lr < 0:
+            raise ConfigError(f"optimizer.lr must be >= 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.eps <= 0:
+            raise ConfigError(f"optimizer.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
 
 
 @dataclass(kw_only=True, slots=True)

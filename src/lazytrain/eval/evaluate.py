@@ -111,9 +111,10 @@ def evaluate(cfg: EvalConfig) -> dict:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
         run = lambda batch: generate_resident(model, batch, cfg.max_new_tokens, pad_id, eos_id)
     else:
+        from lazytrain.memory.host_store import HostStore
         from lazytrain.model.build import build_model
 
-        adapter, store = build_model(str(folder), device, dtype)
+        adapter, store = build_model(str(folder), device, dtype, store_factory=HostStore)
         run = lambda batch: generate_streamed(adapter, store, batch, cfg.max_new_tokens, pad_id, eos_id)
     report, outputs = exact_match(samples, tokenizer, template, run, cfg.batch_size, f"eval ({mode})",
                                   cfg.stop)
