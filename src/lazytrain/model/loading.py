@@ -56,6 +56,12 @@ def check_model_folder(folder: str | Path) -> None:
     """
     folder = Path(folder).expanduser()
     load_hf_config(folder)
+    check_weight_files(folder)
+
+
+def check_weight_files(folder: Path) -> None:
+    """Every ``*.safetensors`` file of ``folder`` (there must be one) has a complete header and
+    covers the tensors it lists (`lazytrain eval` checks a folder of any architecture so)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelFileError(

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lazytrain.config import Config, ConfigError
+from lazytrain.data.formats import existing_path
 from lazytrain.data.pipeline import load_tokenizer
 from lazytrain.memory import budget
 from lazytrain.memory.host_store import HostStore, activation_room
@@ -232,6 +233,16 @@ def host_settings(config: Config, device: torch.device, dtype: torch.dtype, num_
     return budget.HostSettings(dtype=dtype, split_master=use_split_master(config, device, dtype, distributed),
                                optimizer_kind=config.optimizer.kind,
                                fp32_groups=fp32_state_groups(config.optimizer, num_groups))
+
+
+def check_inputs(config: Config) -> None:
+    """The model folder and the data path, checked in milliseconds before anything is loaded
+    and before the output folder's state is looked at: a missing model or data file is the
+    error a user must see first."""
+    if not config.model.source.startswith("builtin:"):
+        check_model_folder(config.model.source)
+    if config.data.dataset != "builtin":
+        existing_path(config.data.dataset)
 
 
 def build_session(config: Config) -> Session:
