@@ -42,6 +42,7 @@ from lazytrain.data.pipeline import (
 )
 from lazytrain.eval.evaluate import exact_match
 from lazytrain.eval.generate import generate_resident
+from lazytrain.memory.host_store import HostStore
 from lazytrain.model.build import build_model, init_device_of
 from lazytrain.runtime.device import resolve_device
 from lazytrain.train.schedule import learning_rate
@@ -76,7 +77,7 @@ def reference_model(cfg: Config, device: torch.device, tokenizer) -> transformer
     CPU with ``model.init_device=cpu``)."""
     adapter, store = build_model(cfg.model.source, device, torch.float32, seed=cfg.training.seed,
                                  vocab_size=len(tokenizer), pin=False,
-                                 init_device=init_device_of(cfg.model.init_device))
+                                 init_device=init_device_of(cfg.model.init_device), store_factory=HostStore)
     state = {}
     for g, layout in enumerate(adapter.layouts):
         for p in layout.params:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 import transformers
@@ -93,8 +97,70 @@ def test_a_user_jsonl_fits_the_default_max_seq_len(capsys, tmp_path):
     assert "4/4 samples kept, 0 truncated" in capsys.readouterr().err
 
 
-def test_eval_checks_its_output_path_before_generating(capsys, tmp_path):
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    fails_with(capsys, ["eval", f"eval.model={tmp_path / 'model'}", f"eval.output={tmp_path / 'no' / 'p.jsonl'}"],
+def test_inputs_are_checked_before_the_output_folders_state(capsys, tmp_path):
+    """After a first run, a retry into the same folder with a wrong model or data path is told
+    about the path, not about the earlier run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    fails_with(capsys, ["train", f"model.source={tmp_path / 'missing'}", f"training.output_dir={out}", *FAST],
+               f"model path '{tmp_path / 'missing'}' does not exist")
+    fails_with(capsys, ["train", f"data.dataset={tmp_path / 'd.jsonl'}", f"training.output_dir={out}", *FAST],
+               f"data file not found: {tmp_path / 'd.jsonl'}")
+    fails_with(capsys, ["train", f"training.output_dir={out}", *FAST], "holds an earlier run")
+
+
+def test_an_output_dir_that_cannot_be_written(capsys, tmp_path):
+    (tmp_path / "f").write_text("x")
+    fails_with(capsys, ["train", f"training.output_dir={tmp_path / 'f' / 'run'}", *FAST],
+               f"cannot be created: {tmp_path / 'f'} is a file")
+    if Path("/proc/self").is_dir():  # Linux: a filesystem where no file can be created
+        fails_with(capsys, ["train", "training.output_dir=/proc/lazytrain-run", *FAST],
+                   "training.output_dir=/proc/lazytrain-run cannot be created (in /proc)", "choose a folder you can write")
+    if os.geteuid() != 0:  # root writes whatever the permissions say
+        (tmp_path / "locked").mkdir(mode=0o500)
+        fails_with(capsys, ["train", f"training.output_dir={tmp_path / 'locked'}", *FAST],
+                   "cannot be written: Permission denied")
+    assert not list((tmp_path / "f").parent.glob("**/.lazytrain-write-test-*"))
+
+
+def test_a_diverged_run_without_a_checkpoint_is_not_told_to_resume(capsys, tmp_path):
+    err = fails_with(capsys, ["train", f"training.output_dir={tmp_path}", "training.steps=50", "training.batch_size=2",
+                              "training.progress=false", "data.builtin_train_size=16", "optimizer.lr=1e30",
+                              "optimizer.warmup_steps=0", "training.max_grad_norm=0", "training.max_skipped_steps=2",
+                              "training.save_every_minutes=0"],
+                     "no checkpoint was written", "optimizer.lr=1e+29", "training.max_grad_norm=1.0",
+                     "train again with training.overwrite=true", "no checkpoint to resume from")
+    assert "resume from it" not in err and "training.resume=true" not in err
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A model folder as `lazytrain train` writes it (one step of the built-in tiny model)."""
+    out = tmp_path_factory.mktemp("trained")
+    assert main(["train", f"training.output_dir={out}", "data.builtin_train_size=8", "data.heldout_size=1", *FAST]) == 0
+    return out
+
+
+def test_eval_checks_its_output_path_before_generating(capsys, tmp_path, trained):
+    fails_with(capsys, ["eval", f"eval.model={trained}", f"eval.output={tmp_path / 'no' / 'p.jsonl'}"],
                "predictions cannot be written to", "writable eval.output path")
+
+
+def test_eval_of_a_truncated_model_file_is_one_clear_error(capsys, tmp_path, trained):
+    shutil.copytree(trained, tmp_path / "cut")
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    fails_with(capsys, ["eval", f"eval.model={tmp_path / 'cut'}"], f"{weights} is damaged or incomplete",
+               "download or copy it again")
+
+
+def test_eval_says_when_the_file_holds_fewer_samples_than_asked(capsys, caplog, tmp_path, trained):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"query": f"What is {i} plus 1?", "response": f"The answer is: {i + 1}"})
+                            + "\n" for i in range(3)))
+    with caplog.at_level(logging.WARNING, logger="lazytrain.eval.evaluate"):
+        assert main(["eval", f"eval.model={trained}", f"eval.data={data}", "eval.num_samples=1000",
+                     "eval.max_new_tokens=2", f"eval.output={tmp_path / 'p.jsonl'}"]) == 0
+    assert json.loads(capsys.readouterr().out)["n"] == 3
+    assert f"eval.num_samples=1000, but {data} holds 3: evaluating all 3" in caplog.text

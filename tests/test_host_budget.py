@@ -81,6 +81,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     import ctypes, gc, json, sys
     import torch
     from lazytrain.memory.budget import HostSettings, host_budget
+    from lazytrain.memory.host_store import HostStore
     from lazytrain.model.build import build_model
     from lazytrain.model.shapes import SHAPES
     from lazytrain.optim.base import AdamWConfig
@@ -91,7 +92,7 @@ _RSS_SCRIPT = textwrap.dedent("""
 
     def run(source):
         adapter, store = build_model(source, torch.device("cpu"), torch.bfloat16, vocab_size=512,
-                                     split_master=True, pin=False)
+                                     split_master=True, pin=False, store_factory=HostStore)
         opt = Hybrid8bitAdamW(store.masters, [g.decay_numel for g in adapter.layouts], AdamWConfig())
         for g, grad in enumerate(store.grads):  # every buffer written, as a training step does
             grad.normal_(0, 1e-3)

@@ -40,3 +40,25 @@ def test_plan_imports_no_torch():
     # and importing it (with everything it pulls in) loads no torch either
     code = "import sys, lazytrain.plan; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def upward_imports(part: str, below: str) -> list[str]:
+    """Imports of ``lazytrain.<below>`` in ``part`` (a folder or a module under src/lazytrain)."""
+    path = SRC / part
+    files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+    return [f"{f.relative_to(SRC)} imports {name}" for f in files for name in imports(f)
+            if name == f"lazytrain.{below}" or name.startswith(f"lazytrain.{below}.")]
+
+
+def test_model_imports_nothing_from_memory():
+    """The host store is built from the model's layouts (memory/ sits above model/): loading and
+    building take a storage protocol, and the caller picks the store."""
+    assert not upward_imports("model", "memory")
+
+
+def test_config_imports_nothing_from_optim_and_no_torch():
+    """The config is the bottom layer: the optimizers take its hyperparameters, not the reverse,
+    and reading a config (``lazytrain config``, ``--help``) loads no torch."""
+    assert not upward_imports("config", "optim")
+    code = "import sys, lazytrain.config; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -16,6 +16,7 @@ import transformers
 
 from bench import peers, readme_table
 from bench.peer_runners import ChunkedLossModel, init_values, shape_adapter
+from lazytrain.memory.host_store import HostStore
 from lazytrain.model.build import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,7 +143,7 @@ def test_peer_models_get_lazytrain_weights_and_loss():
     HF's causal-LM loss."""
     adapter = shape_adapter("tiny", torch.device("cpu"))
     _, store = build_model("builtin:tiny", torch.device("cpu"), torch.float32, seed=3,
-                           vocab_size=adapter.vocab_size, pin=False)
+                           vocab_size=adapter.vocab_size, pin=False, store_factory=HostStore)
     lm = transformers.AutoModelForCausalLM.from_config(adapter.config, dtype=torch.float32)
     params = dict(lm.named_parameters())
     with torch.no_grad():

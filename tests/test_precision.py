@@ -13,6 +13,7 @@ import torch
 
 from lazytrain.config import DataConfig
 from lazytrain.data.pipeline import load_tokenizer, resolve_template, training_batches
+from lazytrain.memory.host_store import HostStore
 from lazytrain.model.build import build_model
 from lazytrain.plan.policies import PolicyOptions, baseline_plan
 from lazytrain.runtime.executor import Executor
@@ -26,7 +27,7 @@ def _grads(dtype: torch.dtype, batch, device: torch.device = CPU, sublayer: bool
     tokenizer = load_tokenizer("builtin:tiny")
     # the random init drawn on the CPU, so the CUDA run starts from the CPU reference's weights
     adapter, store = build_model("builtin:tiny", device, dtype, seed=0, vocab_size=len(tokenizer),
-                                 pin=device.type == "cuda", init_device=CPU)
+                                 pin=device.type == "cuda", init_device=CPU, store_factory=HostStore)
     plan = baseline_plan("keep_all", adapter.num_layers, batch.input_ids.shape[0], batch.input_ids.shape[1],
                          PolicyOptions())
     if sublayer:
@@ -58,7 +59,8 @@ def test_bf16_gradients_of_every_group_within_one_percent_of_fp32(device, sublay
 
 def test_embedding_gradient_is_summed_in_fp32():
     tokenizer = load_tokenizer("builtin:tiny")
-    adapter, _ = build_model("builtin:tiny", CPU, torch.bfloat16, seed=0, vocab_size=len(tokenizer), pin=False)
+    adapter, _ = build_model("builtin:tiny", CPU, torch.bfloat16, seed=0, vocab_size=len(tokenizer), pin=False,
+                             store_factory=HostStore)
     ids = torch.zeros(1, 4096, dtype=torch.long)  # one token, 4096 times
     grad = torch.full((1, 4096, adapter.hidden_size), 1.0 + 2**-7, dtype=torch.bfloat16)
     out = torch.zeros(adapter.vocab_size, adapter.hidden_size, dtype=torch.float32)
@@ -73,7 +75,8 @@ def test_embedding_gradient_is_summed_in_fp32():
 def test_embedding_gradient_equals_a_full_fp32_sum_rounded_once(tied):
     """Summing only the batch's tokens' rows, a chunk at a time, gives the bits of a dense
     vocab x hidden fp32 sum (plus the tied head's gradient) rounded once."""
-    adapter, _ = build_model("builtin:tiny", CPU, torch.bfloat16, seed=0, vocab_size=64, pin=False)
+    adapter, _ = build_model("builtin:tiny", CPU, torch.bfloat16, seed=0, vocab_size=64, pin=False,
+                             store_factory=HostStore)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 40, (3, 300), generator=gen)  # repeats, and rows never touched
     grad = torch.randn(3, 300, adapter.hidden_size, generator=gen).to(torch.bfloat16)

@@ -1,6 +1,7 @@
 """Typed configuration: YAML files plus ``section.key=value`` overrides.
 
-Every section is a dataclass with defaults; the docstring under each field is its help.
+Every section is a dataclass with defaults; the docstring under each field is its help
+(``lazytrain config`` prints them all, as docs/configuration.md holds them: `cli/reference.py`).
 Unknown keys and bad values are errors that name the key and say what is accepted.
 """
 
@@ -17,7 +18,6 @@ from typing import Literal
 import yaml
 
 from lazytrain.errors import LazyTrainError
-from lazytrain.optim.base import AdamWConfig
 from lazytrain.plan.plan import DEVICE_STEPPED, RECOMPUTE, is_offload_window
 
 
@@ -48,6 +48,8 @@ def check_fields(obj, section: str) -> None:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
+    """What to train: the model's weights and shape, and how its layers compute."""
+
     source: str = "builtin:tiny"
     """A local HF model folder (config.json + safetensors), or ``builtin:NAME`` for a
     random-initialised model of a built-in shape (tiny, qwen2.5-0.5b, qwen2.5-3b, qwen2.5-7b, qwen2.5-14b,
@@ -80,6 +82,9 @@ class ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
+    """What to train on: the data file (or the built-in arithmetic), its format and prompt
+    template, and how samples become batches."""
+
     dataset: str = "builtin"
     """``builtin`` (synthetic arithmetic in MetaMathQA form) or a local file/folder."""
     format: Literal["auto", "metamathqa", "alpaca", "json", "jsonl", "parquet", "hf"] = "auto"
@@ -107,6 +112,8 @@ class DataConfig:
     sample (in Qwen3.5/3.6 models the Gated-DeltaNet layers' convolution and recurrent state
     restart per sample too). Batches then have one fixed shape."""
     builtin_train_size: int = 20000
+    """Problems in the built-in training split (drawn with replacement; held-out problems are
+    never among them)."""
     heldout_size: int = 200
     """Held-out problems for evaluation with the built-in data."""
 
@@ -122,6 +129,8 @@ class DataConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainingConfig:
+    """The run: steps, batch, device, where its outputs go, checkpoints and resuming."""
+
     steps: int = 1500
     """Optimizer steps. 1500: at 1000 the built-in default's slowest seeds were still learning
     (loss falling; held-out exact match down to 72% in fp32, 93.5% in bf16); at 1500 LazyTrain's
@@ -131,9 +140,14 @@ class TrainingConfig:
     max_grad_norm: float = 1.0
     """Global gradient-norm clip; 0 disables clipping."""
     seed: int = 0
+    """Seeds the data order, the built-in data, a built-in shape's random init and 8-bit
+    stochastic rounding."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cuda, cuda:N, cpu."""
     output_dir: str = "runs/default"
+    """The run's folder (created if missing): the trained model (an HF folder), checkpoints/,
+    metrics.jsonl and lazytrain_config.yaml; `lazytrain profile` and `lazytrain plan` write
+    costs.json and plan.json there."""
     log_every: int = 10
     """Print a metrics line every N steps (metrics.jsonl gets every step)."""
     save_every: int = 0
@@ -177,9 +191,36 @@ class TrainingConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class AdamWConfig:
+    """AdamW's hyperparameters: what every CPU optimizer (``optim/``) takes."""
+
+    lr: float = 2e-5
+    """Peak learning rate (the schedule scales it per step)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's decay rates of the first and second moment estimates, each in [0, 1)."""
+    eps: float = 1e-8
+    """Added to sqrt(v) in AdamW's denominator (> 0)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, applied to matrices and embeddings, not to norms or biases."""
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
+        if self.lr < 0:
+            raise ConfigError(f"optimizer.lr must be >= 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.eps <= 0:
+            raise ConfigError(f"optimizer.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass(kw_only=True, slots=True)
 class OptimizerConfig(AdamWConfig):
+    """The CPU optimizer (AdamW with fp32 or 8-bit states) and its learning-rate schedule."""
+
     lr: float | None = None
-    """Peak learning rate; None (auto): 2e-3 for the built-in tiny model (trained from
+    """Peak learning rate; null (auto): 2e-3 for the built-in tiny model (trained from
     scratch), 1e-5 for every other model (fine-tuning)."""
     kind: Literal["fp32", "hybrid8bit"] = "fp32"
     """fp32 (torch fused AdamW, 8 B/param of state) or hybrid8bit (8-bit blockwise, ~2 B/param)."""
@@ -202,9 +243,11 @@ class OptimizerConfig(AdamWConfig):
     one seed of three. The 8-bit step takes ~28% more CPU time (0.258 -> 0.330 ns/param, 16
     cores); a 7B step (b64 x s1024, H200) measured +3.4% and -0.7% in two pairs of runs."""
     warmup_steps: int = 20
+    """Steps of linear warmup from lr / warmup_steps to lr (0: none)."""
     schedule: Literal["cosine", "constant"] = "cosine"
     """cosine (to min_lr_ratio * lr) or constant, after linear warmup."""
     min_lr_ratio: float = 0.1
+    """The cosine schedule's final learning rate, as a fraction of lr (in [0, 1])."""
 
     def __post_init__(self) -> None:
         check_fields(self, "optimizer")
@@ -230,6 +273,9 @@ class OptimizerConfig(AdamWConfig):
 
 @dataclass(kw_only=True, slots=True)
 class PlanConfig:
+    """Which plan the executor runs: per layer, what is kept, checkpointed, offloaded or
+    recomputed, and where each optimizer step runs (see `lazytrain plan`)."""
+
     policy: Literal["auto", "solved", "megatrain", "keep_all", "checkpoint_all"] = "auto"
     """solved: profile this machine (or read plan.costs) and solve the MILP (see `lazytrain
     plan`); megatrain, keep_all, checkpoint_all: the fixed baselines of `plan.policies`.
@@ -239,13 +285,15 @@ class PlanConfig:
     """A plan.json (from `lazytrain plan`) to run instead of a policy; plan.policy must then
     stay auto."""
     costs: str | None = None
-    """A cost table (costs.json from `lazytrain profile`) for the solved policy; None:
+    """A cost table (costs.json from `lazytrain profile`) for the solved policy; null:
     profile at start-up."""
     megatrain_every: int = 4
     """Checkpoint interval of the megatrain policy."""
     checkpoint_tier: Literal["gpu", "host", "nvme"] = "gpu"
     """Where checkpoint_all keeps layer inputs: gpu, host or nvme (needs memory.nvme_dir)."""
     head_chunk_tokens: int = 4096
+    """Tokens whose logits the LM head and loss compute at once (the logits of a whole batch
+    would take batch x seq x vocab floats of GPU memory)."""
     weight_prefetch: int = 1
     """Layers of weights copied ahead (1 = double buffering)."""
     overlap_optimizer: bool = True
@@ -319,6 +367,8 @@ class PlanConfig:
 
 @dataclass(kw_only=True, slots=True)
 class MemoryConfig:
+    """The memory LazyTrain may use: the GPU cap, the host budget, pinning, the NVMe tier."""
+
     pin: bool = True
     """Page-lock the host weight and gradient arenas (needed for async full-speed copies)."""
     host_limit_gb: float | None = None
@@ -359,13 +409,20 @@ class EvalConfig:
     data: str = "builtin"
     """``builtin`` (the held-out split of the built-in data) or a local file."""
     format: Literal["auto", "metamathqa", "alpaca", "json", "jsonl", "parquet", "hf"] = "auto"
+    """The data file's format, as data.format."""
     builtin_tier: str = "add2"
+    """Difficulty tier of the built-in held-out problems (the training run's data.builtin_tier)."""
     num_samples: int = 200
     """Samples to evaluate (the first N of the file; N held-out problems for builtin)."""
     seed: int = 0
+    """Which built-in held-out problems are drawn (the training run's training.seed gives the
+    ones its end-of-run evaluation scored)."""
     max_new_tokens: int = 64
+    """Tokens generated per answer at most."""
     batch_size: int = 64
+    """Prompts generated at once."""
     device: str = "auto"
+    """auto (cuda if available, else cpu), cuda, cuda:N, cpu."""
     mode: Literal["auto", "resident", "streamed"] = "auto"
     """auto (resident when the model fits in 90% of free GPU memory), resident, streamed."""
     template: str = "saved"

@@ -1,4 +1,4 @@
-"""``lazytrain train | plan | profile | eval``.
+"""``lazytrain train | plan | profile | eval | config``.
 
 Every command takes an optional YAML config and ``section.key=value`` overrides. Errors a
 user can fix (a `LazyTrainError`: bad config, missing files, memory that does not fit, bad
@@ -147,22 +147,54 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "profile": cmd_profile, "plan": cmd_plan}
+def cmd_config(args: argparse.Namespace) -> int:
+    from lazytrain.cli.reference import reference_markdown
+
+    text = reference_markdown()
+    if args.write is None:
+        print(text, end="")
+        return 0
+    path = Path(args.write)
+    try:
+        path.write_text(text)
+    except OSError as error:
+        raise ConfigError(f"the reference cannot be written to {path} ({error.strerror}); pass a "
+                          "writable file path to --write") from None
+    print(f"written: {path}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "profile": cmd_profile, "plan": cmd_plan, "config": cmd_config}
+
+
+def _keys_epilog(sections: tuple[str, ...] | None = None) -> str:
+    from lazytrain.cli.reference import REFERENCE_PATH, help_listing
+
+    return (f"configuration keys (section.key=default; the whole text of each: `lazytrain config` or "
+            f"{REFERENCE_PATH}):\n{help_listing(sections)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lazytrain", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="fine-tune a model (default: built-in tiny model and data)")
+    listing = argparse.RawDescriptionHelpFormatter
+    train = sub.add_parser("train", help="fine-tune a model (default: built-in tiny model and data)",
+                           formatter_class=listing, epilog=_keys_epilog())
     train.add_argument("items", nargs="*", help="[config.yaml] [section.key=value ...]")
-    prof = sub.add_parser("profile", help="measure this machine and model: writes OUTPUT_DIR/costs.json")
+    prof = sub.add_parser("profile", help="measure this machine and model: writes OUTPUT_DIR/costs.json",
+                          epilog="the configuration keys: `lazytrain train --help` or `lazytrain config`")
     prof.add_argument("items", nargs="*", help="[config.yaml] [section.key=value ...]")
     plan = sub.add_parser("plan", help="solve the per-layer plan (MILP): prints it, writes plan.json, plan.png")
     plan.add_argument("items", nargs="*", help="[config.yaml] [section.key=value ...] (plan.costs=costs.json)")
-    ev = sub.add_parser("eval", help="exact-match evaluation of a saved model (the eval config section)")
+    ev = sub.add_parser("eval", help="exact-match evaluation of a saved model (the eval config section)",
+                        formatter_class=listing, epilog=_keys_epilog(("eval",)))
     ev.add_argument("items", nargs="*", help="[config.yaml] [eval.key=value ...] (eval.model defaults to "
                     "training.output_dir)")
+    conf = sub.add_parser("config", help="print the configuration reference: every key, its default and doc "
+                          "(Markdown)")
+    conf.add_argument("--write", metavar="PATH", help="write it to PATH instead (the repository's copy: "
+                      "docs/configuration.md)")
     return parser
 
 

@@ -90,7 +90,7 @@ def load_samples(source: DataSource | str) -> list[Sample]:
     """Read every record of ``source`` into `Sample` s; raise `DataError` on bad data."""
     if not isinstance(source, DataSource):
         source = DataSource(path=source)
-    path = _existing_path(source.path)
+    path = existing_path(source.path)
     samples: list[Sample] = []
     to_sample = None
     for record in _read_records(path, source):
@@ -104,7 +104,8 @@ def load_samples(source: DataSource | str) -> list[Sample]:
     return samples
 
 
-def _existing_path(name: str) -> Path:
+def existing_path(name: str) -> Path:
+    """``name`` as a path that exists; a `DataError` saying what to pass instead when it does not."""
     path = Path(name).expanduser()
     if path.exists():
         return path

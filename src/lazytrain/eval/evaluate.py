@@ -18,11 +18,13 @@ from tqdm import tqdm
 from lazytrain.config import EvalConfig
 from lazytrain.data.dataset import encode_prompts
 from lazytrain.data.formats import DataError, DataSource, Sample, load_samples
+from lazytrain.data.pipeline import load_tokenizer
 from lazytrain.data.synthetic import make_samples
 from lazytrain.data.template import PromptTemplate, get_template
 from lazytrain.errors import LazyTrainError
 from lazytrain.eval.answers import exact_match_report
 from lazytrain.eval.generate import cut_at_stop, generate_resident, generate_streamed
+from lazytrain.model.loading import check_weight_files
 from lazytrain.runtime.device import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -46,10 +48,15 @@ def _check_output(out_path: Path) -> None:
 
 def _samples(cfg: EvalConfig) -> list[Sample]:
     if cfg.data == "builtin":
-        return make_samples("heldout", cfg.num_samples, seed=cfg.seed, tier=cfg.builtin_tier)
-    samples = load_samples(DataSource(path=cfg.data, format=cfg.format, limit=cfg.num_samples))
+        samples = make_samples("heldout", cfg.num_samples, seed=cfg.seed, tier=cfg.builtin_tier)
+    else:
+        samples = load_samples(DataSource(path=cfg.data, format=cfg.format, limit=cfg.num_samples))
     if not samples:
         raise DataError(f"{cfg.data}: no samples to evaluate")
+    if len(samples) < cfg.num_samples:
+        log.warning("eval.num_samples=%d, but %s holds %d: evaluating all %d", cfg.num_samples,
+                    cfg.data if cfg.data != "builtin" else f"the built-in tier {cfg.builtin_tier}",
+                    len(samples), len(samples))
     return samples
 
 
@@ -95,12 +102,13 @@ def evaluate(cfg: EvalConfig) -> dict:
             f"eval.model={folder} is not a model folder (no config.json); pass the output_dir of a "
             "training run"
         )
-    out_path = Path(cfg.output) if cfg.output else folder / "eval_predictions.jsonl"
-    _check_output(out_path)
-    device = resolve_device(cfg.device)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    check_weight_files(folder)  # a damaged download fails here, as in train, not deep in loading
+    tokenizer = load_tokenizer(str(folder))
     template = PromptTemplate.load(folder) if cfg.template == "saved" else get_template(cfg.template)
     samples = _samples(cfg)
+    out_path = Path(cfg.output) if cfg.output else folder / "eval_predictions.jsonl"
+    _check_output(out_path)  # the inputs first (as train does), then where the predictions go
+    device = resolve_device(cfg.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_id = tokenizer.eos_token_id
     mode = cfg.mode
@@ -111,9 +119,10 @@ def evaluate(cfg: EvalConfig) -> dict:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
         run = lambda batch: generate_resident(model, batch, cfg.max_new_tokens, pad_id, eos_id)
     else:
+        from lazytrain.memory.host_store import HostStore
         from lazytrain.model.build import build_model
 
-        adapter, store = build_model(str(folder), device, dtype)
+        adapter, store = build_model(str(folder), device, dtype, store_factory=HostStore)
         run = lambda batch: generate_streamed(adapter, store, batch, cfg.max_new_tokens, pad_id, eos_id)
     report, outputs = exact_match(samples, tokenizer, template, run, cfg.batch_size, f"eval ({mode})",
                                   cfg.stop)

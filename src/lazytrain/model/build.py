@@ -5,14 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import transformers
 
-from lazytrain.memory.host_store import HostStore
 from lazytrain.model.adapter import ModelAdapter, UnsupportedModelError, load_hf_config
-from lazytrain.model.loading import load_safetensors, random_init
+from lazytrain.model.loading import WeightStore, load_safetensors, random_init
 from lazytrain.model.shapes import SHAPES
+
+Store = TypeVar("Store", bound=WeightStore)
 
 
 def model_config(source: str, vocab_size: int | None = None) -> transformers.PretrainedConfig:
@@ -44,6 +46,7 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     *,
+    store_factory: Callable[..., Store],
     seed: int = 0,
     vocab_size: int | None = None,
     pin: bool = True,
@@ -51,19 +54,19 @@ def build_model(
     host_limit_bytes: int | None = None,
     split_master: bool = False,
     preflight: Callable[[list[int]], None] | None = None,
-    store_factory: Callable[..., HostStore] = HostStore,
     lean_ops: bool = True,
     fused_ops: str = "auto",
     packed_attention: str = "auto",
     init_device: torch.device | None = None,
-) -> tuple[ModelAdapter, HostStore]:
+) -> tuple[ModelAdapter, Store]:
     """Adapter + host store holding the weights (loaded, or random for built-in shapes).
 
-    ``optimizer_bytes_per_param`` is a number, or a function of the groups' sizes giving one.
-    ``preflight`` gets the groups' sizes before any host memory is allocated (and may raise).
-    ``store_factory`` builds the store from the layouts and dtype (a data-parallel rank's
-    ``ShardedHostStore``, with its rank arguments bound). ``lean_ops``: `model.lean` forwards in
-    the layer templates (``model.lean_ops``), their elementwise parts as ``fused_ops`` says
+    ``store_factory`` builds the store from the layouts and dtype: ``memory.HostStore``, or a
+    data-parallel rank's ``ShardedHostStore`` with its rank arguments bound (the caller picks:
+    ``model/`` imports nothing from ``memory/``). ``optimizer_bytes_per_param`` is a number, or
+    a function of the groups' sizes giving one. ``preflight`` gets the groups' sizes before any
+    host memory is allocated (and may raise). ``lean_ops``: `model.lean` forwards in the layer
+    templates (``model.lean_ops``), their elementwise parts as ``fused_ops`` says
     (``model.fused_ops``); ``packed_attention``: ``model.packed_attention``. ``init_device``:
     where a built-in shape's random init is drawn (default ``device``; ``model.init_device``).
     """

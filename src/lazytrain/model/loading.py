@@ -8,7 +8,7 @@ Saving writes HF-named safetensors shards (bf16 by default) from the masters, wi
 A ConditionalGeneration folder (Qwen3.5/3.6 as published) holds more than the language model:
 the vision tower (``model.visual.*``) and multi-token-prediction heads (``mtp.*``; a Qwen3.5
 CausalLM folder may hold those too). LazyTrain trains the language model only; the other
-tensors are kept as loaded (``HostStore.carried``) and written back unchanged.
+tensors are kept as loaded (``WeightStore.carried``) and written back unchanged.
 """
 
 from __future__ import annotations
@@ -17,14 +17,30 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from lazytrain.errors import LazyTrainError
-from lazytrain.memory.host_store import HostStore
 from lazytrain.model.adapter import HYBRID_ARCHITECTURES, ModelAdapter, ParamSlot, load_hf_config
+
+
+class WeightStore(Protocol):
+    """What loading and saving need of the model's host storage (``memory.HostStore`` or a
+    data-parallel rank's ``ShardedHostStore``): ``model/`` sits below ``memory/`` and imports neither."""
+
+    carried: dict[str, torch.Tensor]
+    """Tensors outside the language model, kept as loaded and written back unchanged."""
+    build_seconds: dict[str, float]
+    """Seconds the build took per phase (`build.build_model` fills it)."""
+
+    def set_param(self, group: int, name: str, value: torch.Tensor) -> None:
+        """Write parameter ``name`` of ``group`` (its master and streamed weight)."""
+
+    def master_fp32(self, group: int) -> torch.Tensor:
+        """The exact fp32 master of ``group``, flat."""
 
 
 class ModelFileError(LazyTrainError, ValueError):
@@ -40,6 +56,12 @@ def check_model_folder(folder: str | Path) -> None:
     """
     folder = Path(folder).expanduser()
     load_hf_config(folder)
+    check_weight_files(folder)
+
+
+def check_weight_files(folder: Path) -> None:
+    """Every ``*.safetensors`` file of ``folder`` (there must be one) has a complete header and
+    covers the tensors it lists (`lazytrain eval` checks a folder of any architecture so)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelFileError(
@@ -77,7 +99,7 @@ def _carried(adapter: ModelAdapter, name: str) -> bool:
     return adapter.arch in HYBRID_ARCHITECTURES and name.startswith("mtp.")
 
 
-def load_safetensors(adapter: ModelAdapter, store: HostStore, folder: str | Path) -> None:
+def load_safetensors(adapter: ModelAdapter, store: WeightStore, folder: str | Path) -> None:
     folder = Path(folder)
     check_model_folder(folder)
     files = sorted(folder.glob("*.safetensors"))
@@ -128,7 +150,7 @@ def random_init_values(adapter: ModelAdapter, seed: int,
             yield g, p, adapter.init_value(layout, p, gen, device)
 
 
-def random_init(adapter: ModelAdapter, store: HostStore, seed: int, device: torch.device) -> None:
+def random_init(adapter: ModelAdapter, store: WeightStore, seed: int, device: torch.device) -> None:
     """HF-style random init, generated group by group (on ``device``, fast on a GPU)."""
     for g, p, value in random_init_values(adapter, seed, device):
         store.set_param(g, p.name, value)
@@ -136,7 +158,7 @@ def random_init(adapter: ModelAdapter, store: HostStore, seed: int, device: torc
 
 def save_hf(
     adapter: ModelAdapter,
-    store: HostStore,
+    store: WeightStore,
     out_dir: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = 5 * 2**30,

@@ -17,32 +17,11 @@ master, and ``weight_out`` must then be None or that same tensor.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 
+from lazytrain.config import AdamWConfig
 from lazytrain.optim.split import SplitMaster
-
-
-@dataclass(kw_only=True, slots=True)
-class AdamWConfig:
-    lr: float = 2e-5
-    """Peak learning rate (the schedule scales it per step)."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    """Decoupled weight decay, applied to matrices and embeddings, not to norms or biases."""
-
-    def __post_init__(self) -> None:
-        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
-        if self.lr < 0:
-            raise ValueError(f"optimizer.lr must be >= 0, got {self.lr}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
-        if self.eps <= 0:
-            raise ValueError(f"optimizer.eps must be > 0, got {self.eps}")
-        if self.weight_decay < 0:
-            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
 
 
 class HostOptimizer(ABC):

@@ -72,9 +72,11 @@ RUN_FILES = ("metrics.jsonl", "checkpoints", "checkpoint", "config.json")
 
 
 def check_output_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse an output_dir that is a file, or that holds an earlier run unless resumed or overwritten."""
+    """Refuse an output_dir that is a file or cannot be written, or that holds an earlier run
+    unless resumed or overwritten."""
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"training.output_dir={out_dir} is a file; give a folder (it is created if missing)")
+    check_writable(out_dir)
     if resume or overwrite or not out_dir.is_dir():
         return
     found = [name for name in RUN_FILES if (out_dir / name).exists()
@@ -85,6 +87,28 @@ def check_output_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
             "with training.resume=true, replace it with training.overwrite=true, or choose another "
             "training.output_dir"
         )
+
+
+def check_writable(out_dir: Path) -> None:
+    """Raise unless a file can be created in ``out_dir``, or in its nearest existing parent (where
+    it would be created), naming why (permission, read-only filesystem, a file in the path);
+    nothing is left behind."""
+    parent = out_dir
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CheckpointError(f"training.output_dir={out_dir} cannot be created: {parent} is a file; "
+                              "choose a folder path whose parents are folders")
+    probe = parent / f".lazytrain-write-test-{os.getpid()}"
+    try:
+        probe.touch(exist_ok=False)
+        probe.unlink()
+    except OSError as error:
+        where = "written" if parent == out_dir else f"created (in {parent})"
+        raise CheckpointError(
+            f"training.output_dir={out_dir} cannot be {where}: {error.strerror}; choose a folder "
+            "you can write to on a writable disk (or fix its permissions)"
+        ) from None
 
 
 def gb(nbytes: int) -> str:

@@ -29,15 +29,26 @@ class SkipCounter:
     def diverged(self) -> bool:
         return self.in_a_row >= self.limit
 
-    def report(self, record: dict, lr: float, kept: str) -> None:
-        """Log the skipped step of ``record``; raise `DivergedError` once the run diverged
-        (``kept`` says which checkpoint survives)."""
+    def report(self, record: dict, lr: float, max_grad_norm: float, checkpoint: str | None) -> None:
+        """Log the skipped step of ``record``; raise `DivergedError` once the run diverged.
+        ``checkpoint`` names the checkpoint that survives (None: none was written, so there is
+        nothing to resume and the advice is to train again with other settings)."""
         log.warning("step %d skipped: loss %s, grad_norm %s (%d in a row, the run stops at %d)",
                     record["step"], record["loss"], record["grad_norm"], self.in_a_row, self.limit)
-        if self.diverged:
-            raise DivergedError(
-                f"{self.in_a_row} consecutive steps (to step {record['step']}) had a non-finite loss or "
-                f"gradient (last: loss {record['loss']}, grad_norm {record['grad_norm']}); the run diverged "
-                f"at optimizer.lr={lr}: {kept} and the model was not written. Lower optimizer.lr or "
-                "training.max_grad_norm and train again (or resume)"
-            )
+        if not self.diverged:
+            return
+        clip = (f"lower training.max_grad_norm (now {max_grad_norm:g})" if max_grad_norm
+                else "clip gradients (training.max_grad_norm=1.0; it is 0, off)")
+        if checkpoint is None:
+            kept = "no checkpoint was written"
+            then = ("train again with training.overwrite=true (the folder holds this run's metrics; there is "
+                    "no checkpoint to resume from)")
+        else:
+            kept = f"the last checkpoint, {checkpoint}, is kept"
+            then = "resume from it with training.resume=true, or train again with training.overwrite=true"
+        raise DivergedError(
+            f"{self.in_a_row} consecutive steps (to step {record['step']}) had a non-finite loss or "
+            f"gradient (last: loss {record['loss']}, grad_norm {record['grad_norm']}); the run diverged "
+            f"at optimizer.lr={lr:g}: {kept} and the model was not written. Lower optimizer.lr (e.g. "
+            f"optimizer.lr={lr / 10:g}) or {clip}, then {then}"
+        )

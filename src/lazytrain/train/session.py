@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lazytrain.config import Config, ConfigError
+from lazytrain.data.formats import existing_path
 from lazytrain.data.pipeline import load_tokenizer
 from lazytrain.memory import budget
 from lazytrain.memory.host_store import HostStore, activation_room
@@ -234,6 +235,16 @@ def host_settings(config: Config, device: torch.device, dtype: torch.dtype, num_
                                fp32_groups=fp32_state_groups(config.optimizer, num_groups))
 
 
+def check_inputs(config: Config) -> None:
+    """The model folder and the data path, checked in milliseconds before anything is loaded
+    and before the output folder's state is looked at: a missing model or data file is the
+    error a user must see first."""
+    if not config.model.source.startswith("builtin:"):
+        check_model_folder(config.model.source)
+    if config.data.dataset != "builtin":
+        existing_path(config.data.dataset)
+
+
 def build_session(config: Config) -> Session:
     """Device, tokenizer, model in host memory, optimizer and NVMe tier for ``config``.
 
@@ -273,7 +284,7 @@ def build_session(config: Config) -> Session:
         preflight=preflight, lean_ops=config.model.lean_ops, fused_ops=config.model.fused_ops,
         packed_attention=config.model.packed_attention,
         init_device=init_device_of(config.model.init_device),
-        **({"store_factory": sharded_store_factory(parallel, config)} if parallel is not None else {}),
+        store_factory=HostStore if parallel is None else sharded_store_factory(parallel, config),
     )
     if config.memory.gpu_gb:
         cap_gpu_memory(device, config.memory.gpu_gb)

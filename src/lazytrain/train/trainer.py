@@ -50,7 +50,7 @@ from lazytrain.train.checkpoint import Checkpointer, check_output_dir, gb
 from lazytrain.train.divergence import SkipCounter
 from lazytrain.train.metrics import MetricsWriter, step_metrics, truncate_metrics
 from lazytrain.train.schedule import learning_rate
-from lazytrain.train.session import build_session
+from lazytrain.train.session import build_session, check_inputs
 from lazytrain.train.signals import StopRequest, TrainingInterrupted
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class Trainer:
 
     def setup(self) -> None:
         cfg, tc = self.config, self.config.training
+        check_inputs(cfg)  # before the output folder: its state must not hide a missing model or data file
         check_output_dir(self.out_dir, tc.resume, tc.overwrite)
         resume_from = self.checkpointer.resume_point() if tc.resume else None
         self.session = session = build_session(cfg)
@@ -378,8 +379,8 @@ class Trainer:
             self.updater.finish()
             self._close()
         latest = self.checkpointer.latest()
-        kept = f"the last checkpoint, {latest.path} (step {latest.step}), is kept" if latest else "no checkpoint was written"
-        self.skips.report(record, self.config.optimizer.lr, kept)
+        self.skips.report(record, self.config.optimizer.lr, self.config.training.max_grad_norm,
+                          f"{latest.path} (step {latest.step})" if latest else None)
 
     def _write(self, record: dict) -> None:
         if self.metrics is not None:  # rank 0 alone writes metrics
