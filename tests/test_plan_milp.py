@@ -4,6 +4,7 @@ its objective is what the simulator predicts."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_plan_simulate import assert_milp_within_its_bound
 
 from lazytrain.plan.milp import PlanInfeasible, min_gpu_bytes, solve_plan
 from lazytrain.plan.plan import Plan, checkpoint_all_plan, keep_all_plan, megatrain_plan
@@ -56,12 +57,14 @@ def test_solved_plan_is_valid_feasible_and_beats_baselines(seed, num_layers, squ
 
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(2, 8))
-def test_overlapped_optimizer_plan_agrees_within_five_percent(seed, num_layers):
+def test_overlapped_optimizer_plan_agrees_within_the_milps_bound(seed, num_layers):
+    """The prediction is the simulator's step or short of it by at most
+    `overlap_gap_bound_s` (compute slowed by copies the CPU update delays)."""
     table = constrained_table(seed, num_layers, 0.5, uniform=False)
     plan = solve_plan(table, optimizer_overlap=True)
     sim = simulate(plan, table)  # reads plan.notes["optimizer_overlap"]
     assert sim.feasible, sim.violations
-    assert plan.predicted_step_time_s == pytest.approx(sim.step_time_s, rel=0.05)
+    assert_milp_within_its_bound(plan.predicted_step_time_s, sim, plan, table, overlap=True)
 
 
 def test_min_gpu_bytes_is_the_feasibility_threshold():

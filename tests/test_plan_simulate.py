@@ -5,10 +5,10 @@ import random
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from lazytrain.plan.costs import CostTable
+from lazytrain.plan.costs import CostTable, LayerCosts
 from lazytrain.plan.milp import MODE_LAYER, NVME_TAIL, milp_evaluate
 from lazytrain.plan.plan import (
     LayerPlan,
@@ -17,7 +17,7 @@ from lazytrain.plan.plan import (
     keep_all_plan,
     megatrain_plan,
 )
-from lazytrain.plan.simulate import simulate
+from lazytrain.plan.simulate import SimResult, simulate
 from lazytrain.plan.synthetic import random_cost_table
 
 
@@ -54,9 +54,57 @@ def random_plan(seed: int, num_layers: int, batch: int, seq: int, milp_only: boo
     )
 
 
+def overlap_gap_bound_s(plan: Plan, table: CostTable, overlap: bool) -> float:
+    """How far the MILP's step (`milp_evaluate`) may fall short of the simulator's, in s: 0
+    without ``optimizer_overlap``; with it, ``(1 - 1/copy_slowdown) * sum_i min(D_i / B_d,
+    H_i / B_h)`` over the forward stages i >= 1, with D_i the stage's copy out (layer i-1's
+    offload) and H_i its copy in that waits for the CPU update (layer i+1's weights, or in the
+    last one the head's, stepped on the host). The MILP never predicts more (its rows hold for
+    the simulator's schedule).
+
+    Why: the MILP takes a stage's copies as running from the stage's start, all in flight for
+    ``X``, the time both directions take together, which slows its compute by
+    ``(1 - 1/sigma) X``. A copy in that waits for its update starts later: the MILP's rows on
+    when it ends are exact (`milp._build`'s ``ready``: it shares the link with the copy out's
+    rest), but the two copies may then be in flight apart, for up to ``D / B_d + H / B_h``,
+    slowing the compute that much longer: ``min(D / B_d, H / B_h)`` more than ``X`` at most.
+    A stage's end depends on its start with slope <= 1 in both models, so the stages' excesses
+    add up. (Plans with `Plan.device_steps` are not covered: the MILP runs their copies alone.)"""
+    assert plan.device_steps == 0
+    if not overlap:
+        return 0.0
+    L = table.num_layers
+
+    def out(i: int) -> float:
+        lp = plan.layers[i]
+        if lp.mode == "drop" or lp.tier == "gpu":
+            return 0.0
+        return table.layers[i].kept(lp.recompute).saved_bytes if lp.mode == "keep" else table.layers[i].input_bytes
+
+    head = table.const_split()[1][1] if plan.const_update == "host" else 0.0
+    late = 0.0
+    for i in range(1, L):
+        copy_in = head if i == L - 1 else table.layers[i + 1].weight_bytes * (i + 1 >= plan.device_layers)
+        late += min(out(i - 1) / table.d2h_gbps, copy_in / table.h2d_gbps) * 1e-9
+    return (1 - 1 / table.copy_slowdown) * late
+
+
+def assert_milp_within_its_bound(milp_s: float, sim: SimResult, plan: Plan, table: CostTable, overlap: bool) -> None:
+    """The MILP's step equals the simulator's (relative 1e-6, solver tolerance), or falls short
+    of it by at most `overlap_gap_bound_s`."""
+    tol = 1e-6 * sim.step_time_s
+    assert sim.step_time_s - overlap_gap_bound_s(plan, table, overlap) - tol <= milp_s <= sim.step_time_s + tol
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), num_layers=st.integers(1, 10), overlap=st.booleans(),
        const_update=st.sampled_from(["host", "device"]), device_layers=st.integers(0, 10))
+# the MILP left the head's weight copy out of the last forward stage (-5.75%, before 2026-12-06)
+@example(seed=275, num_layers=3, overlap=True, const_update="host", device_layers=0)
+# a weight copy that waits for the update shared the link with the copy out (-0.70%)
+@example(seed=278, num_layers=3, overlap=True, const_update="device", device_layers=1)
+# the compute slowed by a late copy longer than the MILP counts: 0.64 of 0.89 ms allowed
+@example(seed=957, num_layers=2, overlap=True, const_update="host", device_layers=0)
 def test_simulator_matches_milp_model(seed, num_layers, overlap, const_update, device_layers):
     table = random_cost_table(seed, num_layers, const_update=True)
     plan = random_plan(seed, num_layers, table.batch_size, table.seq_len, milp_only=True, table=table)
@@ -64,10 +112,60 @@ def test_simulator_matches_milp_model(seed, num_layers, overlap, const_update, d
     plan.device_layers = min(device_layers, num_layers) if const_update == "device" else 0
     sim = simulate(plan, table, optimizer_overlap=overlap)
     step_s, peak_gpu = milp_evaluate(plan, table, optimizer_overlap=overlap)
-    # Without overlap the two model the same stages exactly; with it the MILP ignores how a
-    # copy delayed by the CPU update shares PCIe with the other direction.
-    assert step_s == pytest.approx(sim.step_time_s, rel=1e-6 if not overlap else 0.05)
+    assert_milp_within_its_bound(step_s, sim, plan, table, overlap)
     assert peak_gpu == pytest.approx(sim.peak_gpu_bytes, abs=4096)
+
+
+def _round_table(ns_per_param: float) -> CostTable:
+    """Two layers, round numbers: 10 GB/s each way and both ways at once (1e7 bytes a ms), no
+    compute slowed by copies; a layer's weights copy in 0.1 ms (hidden by any compute), the
+    embedding's in 20 ms, the head's in 8, the gradients of the embedding and head out in 10; the
+    CPU update of a layer takes ``ns_per_param`` x 10 ms, of the embedding x 50 ms, of the head
+    x 20 ms; on the GPU, the embedding's and head's take 7 ms."""
+    layer = LayerCosts(params=10**7, weight_bytes=10**6, forward_ms=5.0, backward_ms=10.0, recompute_ms=0.0,
+                       input_bytes=10**6, saved_bytes=2 * 10**6, forward_work_bytes=10**6,
+                       backward_work_bytes=10**6)
+    return CostTable.uniform(
+        2, layer, batch_size=1, seq_len=8, embed_forward_ms=1.0, embed_backward_ms=2.0, head_ms=3.0,
+        head_work_bytes=10**6, head_token_bytes=0.0, embed_backward_work_bytes=10**6, const_params=7 * 10**7,
+        head_params=2 * 10**7, const_weight_bytes=28 * 10**7, const_grad_bytes=10**8, const_update_ms=7.0,
+        const_update_bytes=10**6, h2d_gbps=10.0, d2h_gbps=10.0, bidir_gbps=10.0, nvme_read_gbps=1.0,
+        nvme_write_gbps=1.0, optimizer_ns_per_param=ns_per_param, gpu_bytes=2**40, gpu_fixed_bytes=10**9,
+        host_bytes=2**40)
+
+
+BACKWARD_MS = 3.0 + 10.0 + 10.0
+"""`_round_table`'s head and two backward stages (their weight and gradient copies hidden)."""
+
+
+@pytest.mark.parametrize(("overlap", "const_update", "ns", "expected_ms"), [
+    # forward, backward, the embedding's backward with its and the head's gradients out (10.1
+    # ms), then the whole CPU update (90 ms of parameters at 0.2) and the embedding's and head's
+    # weights in (28)
+    (False, "host", 0.2, 1 + 5 + 5 + BACKWARD_MS + 10.1 + 18 + 28),
+    # the embedding's update (10) and weights in (20) before the embedding; the layers' and the
+    # head's updates done meanwhile; the head's weights in (8) in the last forward stage (5)
+    (True, "host", 0.2, 10 + 20 + 1 + 5 + 8 + BACKWARD_MS + 10.1),
+    # a slow update (2 ns/param): the head waits for all of it (180) and its weights (8)
+    (True, "host", 2.0, 180 + 8 + BACKWARD_MS + 10.1),
+    # the embedding and head stepped on the GPU after the CPU steps the layers (4 + 7); only
+    # layer 0's gradient out at the end (hidden by the embedding's backward, 2)
+    (False, "device", 0.2, 1 + 5 + 5 + BACKWARD_MS + 2 + 4 + 7),
+    # their GPU step (7) before the embedding; the layers' updates done in time
+    (True, "device", 0.2, 7 + 1 + 5 + 5 + BACKWARD_MS + 2),
+    # a slow update: layer 1's forward waits for the layers' update (40) and its weights (0.1)
+    (True, "device", 2.0, 40 + 0.1 + 5 + BACKWARD_MS + 2),
+])
+def test_every_term_of_the_step_is_in_the_simulator_and_the_milp(overlap, const_update, ns, expected_ms):
+    """Both models give the step computed by hand from `_round_table`, whose terms differ in
+    size, on a plan that keeps everything on the GPU: dropping the embedding's weight copy, the
+    head's update, weight copy or compute, or the CPU update's exposed time from either model
+    changes one of these."""
+    table = _round_table(ns)
+    plan = keep_all_plan(2, table.batch_size, table.seq_len)
+    plan.const_update = const_update
+    assert simulate(plan, table, optimizer_overlap=overlap).step_time_s == pytest.approx(expected_ms * 1e-3, rel=1e-9)
+    assert milp_evaluate(plan, table, optimizer_overlap=overlap)[0] == pytest.approx(expected_ms * 1e-3, rel=1e-6)
 
 
 @settings(max_examples=40, deadline=None)
