@@ -15,6 +15,34 @@ settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# What a caller's shell may hold that LazyTrain acts on: its own switches (LAZYTRAIN_*) and a
+# torchrun launch (RANK and WORLD_SIZE make a run data parallel). No test inherits them; a test
+# that needs one sets it itself (monkeypatch.setenv, or a child process's env).
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def clean_environment(tmp_path_factory):
+    """The session without the caller's LazyTrain and torchrun variables, in an empty folder
+    (session- and module-scoped fixtures run here, before any test's own folder)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in list(os.environ):
+            if name.startswith(("LAZYTRAIN_", "TORCHELASTIC_")) or name in LAUNCH_VARIABLES:
+                patch.delenv(name)
+        patch.chdir(tmp_path_factory.mktemp("cwd"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def own_working_directory(tmp_path):
+    """Each test runs in its own tmp folder: a relative path (the default training.output_dir
+    runs/default) can neither find the checkout's earlier runs nor leave one there, and child
+    processes start there too."""
+    with pytest.MonkeyPatch.context() as patch:  # apart from the test's monkeypatch (which may undo)
+        patch.chdir(tmp_path)
+        yield
+
 FAMILIES = {
     "qwen2": {"cls": transformers.Qwen2Config, "arch": "Qwen2ForCausalLM", "tied": False},
     "qwen2-tied": {"cls": transformers.Qwen2Config, "arch": "Qwen2ForCausalLM", "tied": True},

@@ -1,9 +1,11 @@
-"""Checkpoints survive a kill at every phase of a save, a full disk, signals; resume is exact."""
+"""Checkpoints survive a kill at every phase of a save, a full disk, signals; resume is exact:
+bit for bit the masters, optimizer states, step counts and data position of an uninterrupted run."""
 
 from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import signal
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from lazytrain.cli.main import main
 from lazytrain.train import checkpoint
@@ -29,8 +31,11 @@ from lazytrain.train.checkpoint import (
 )
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-COMMON = ["training.batch_size=4", "training.progress=false", "data.builtin_train_size=64",
-          "data.heldout_size=2", "optimizer.warmup_steps=2", "optimizer.kind=hybrid8bit"]
+# 8 samples of 4: 2 batches an epoch, so runs resumed at step 2 or 3 restore the epoch too;
+# stochastic rounding: the 8-bit states' draws depend on the restored step counts
+COMMON = ["training.batch_size=4", "training.progress=false", "data.builtin_train_size=8",
+          "data.heldout_size=2", "optimizer.warmup_steps=2", "optimizer.kind=hybrid8bit",
+          "optimizer.state_rounding=stochastic", "optimizer.min_lr_ratio=0.25"]
 
 
 def train_args(out: Path, steps: int, *extra: str) -> list[str]:
@@ -49,12 +54,48 @@ def child(args: list[str], **env: str) -> subprocess.Popen:
     )
 
 
+def saved_run(out: Path) -> dict:
+    """What a finished run in ``out`` left: its losses, its latest checkpoint (state.json,
+    masters, optimizer tensors) and its exported model, as written."""
+    found = Checkpointer(out).latest()
+    return {
+        "losses": [r["loss"] for r in step_records(out)],
+        "state": found.state,
+        "masters": load_file(found.path / "masters.safetensors"),
+        "optimizer": load_file(found.path / "optimizer.safetensors"),
+        "model": load_file(out / "model.safetensors"),
+    }
+
+
+def assert_resumed_exactly(out: Path, reference: Path) -> None:
+    """The resumed run in ``out`` ends bit for bit where the uninterrupted ``reference`` did:
+    the same losses, masters, optimizer states and step counts (stochastic rounding draws from
+    them), data position (epoch, index, seed), and exported weights."""
+    got, want = saved_run(out), saved_run(reference)
+    assert got["losses"] == want["losses"]
+    assert got["state"]["data"]["epoch"] >= 1  # the run crossed an epoch
+    assert got["state"] == want["state"]  # step, data position, the optimizer's steps, file sizes
+    for part in ("masters", "optimizer", "model"):
+        assert got[part].keys() == want[part].keys(), part
+        for name, tensor in want[part].items():
+            assert torch.equal(got[part][name], tensor), (part, name)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
-    """Losses of 6 uninterrupted steps."""
+def reference(tmp_path_factory) -> Path:
+    """The output folder of 6 uninterrupted steps."""
     out = tmp_path_factory.mktemp("reference") / "run"
     assert main(train_args(out, 6)) == 0
-    return [r["loss"] for r in step_records(out)]
+    return out
+
+
+def test_the_run_follows_the_schedule(reference):
+    """lr 2e-3 (the built-in model's), 2 warm-up steps, then cosine over 4 steps towards the
+    floor 0.25 * 2e-3, which step 7 would reach."""
+    lrs = [r["lr"] for r in step_records(reference)]
+    assert lrs[:3] == [1e-3, 2e-3, 2e-3]
+    assert lrs[3:] == pytest.approx([5e-4 + 1.5e-3 * (1 + math.sqrt(0.5)) / 2, 1.25e-3,
+                                     5e-4 + 1.5e-3 * (1 - math.sqrt(0.5)) / 2], rel=1e-12)
 
 
 def test_state_round_trips_through_safetensors_and_json(tmp_path):
@@ -126,7 +167,7 @@ def test_cli_run_whose_disk_fills_during_a_save_stops_cleanly_and_resumes(tmp_pa
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000002"]
     monkeypatch.undo()
     assert main(train_args(out, 6, "training.resume=true")) == 0
-    assert [r["loss"] for r in step_records(out)] == pytest.approx(reference, rel=1e-6)
+    assert_resumed_exactly(out, reference)
 
 
 def test_too_little_space_is_refused_at_startup_with_the_sizes(tmp_path, monkeypatch, capsys):
@@ -185,7 +226,7 @@ def test_cli_run_killed_inside_a_save_resumes_exactly(tmp_path, reference):
     assert main(train_args(out, 6, "training.resume=true")) == 0
     records = step_records(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # the killed run's steps 3-4 once
-    assert [r["loss"] for r in records] == pytest.approx(reference, rel=1e-6)
+    assert_resumed_exactly(out, reference)
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000006"]
 
 
@@ -206,7 +247,16 @@ def test_resume_reads_the_earlier_checkpoint_layout(tmp_path, reference):
     (legacy / "state.json").write_text(json.dumps(state))
     shutil.rmtree(out / "checkpoints")
     assert main(train_args(out, 6, "training.resume=true")) == 0
-    assert [r["loss"] for r in step_records(out)] == pytest.approx(reference, rel=1e-6)
+    assert_resumed_exactly(out, reference)
+
+
+def test_fp32_states_resume_exactly(tmp_path):
+    """3 steps, then 3 more resumed, end as 6 uninterrupted steps with fp32 AdamW states."""
+    fp32 = ["optimizer.kind=fp32", "optimizer.state_rounding=auto"]
+    assert main(train_args(tmp_path / "a", 6, *fp32)) == 0
+    assert main(train_args(tmp_path / "b", 3, *fp32)) == 0
+    assert main(train_args(tmp_path / "b", 6, "training.resume=true", *fp32)) == 0
+    assert_resumed_exactly(tmp_path / "b", tmp_path / "a")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

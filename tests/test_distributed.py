@@ -77,7 +77,12 @@ def _worker(rank: int, world: int, local_world: int, port: int, overrides: list[
     trainer.train()
 
 
-def run_ranks(world: int, overrides: list[str], *, local_world: int | None = None, kill_at: int = 0) -> None:
+def run_ranks(world: int, overrides: list[str], shm_dir: Path, *, local_world: int | None = None,
+              kill_at: int = 0) -> None:
+    """``world`` ranks of ``local_world`` a host, their shared weight arenas in ``shm_dir`` (the
+    test's, not the machine's /dev/shm)."""
+    overrides = [*overrides, f"memory.shm_dir={shm_dir}"]
+    shm_dir.mkdir(exist_ok=True)
     # forkserver: one server imports torch and lazytrain once per session and forks every rank
     # from there (seconds saved per process on a busy 2-core machine; the server never ran
     # torch work, so no OpenMP state is forked)
@@ -87,7 +92,7 @@ def run_ranks(world: int, overrides: list[str], *, local_world: int | None = Non
 
 
 def run_single(overrides: list[str]) -> Trainer:
-    assert "WORLD_SIZE" not in os.environ
+    assert "WORLD_SIZE" not in os.environ  # conftest clears the caller's torchrun variables
     trainer = Trainer(load_config(None, overrides))
     trainer.setup()
     trainer.train()
@@ -164,7 +169,7 @@ def test_two_ranks_equal_one_process_and_share_the_weights(tmp_path):
     both ranks map, the masters and gradients are halves."""
     args = [*COMMON, "training.batch_size=4", "training.steps=3"]
     run_single([*args, f"training.output_dir={tmp_path / 'single'}"])
-    run_ranks(2, [*args, f"training.output_dir={tmp_path / 'dp'}"])
+    run_ranks(2, [*args, f"training.output_dir={tmp_path / 'dp'}"], tmp_path / "shm")
     assert_same_training(tmp_path / "single", tmp_path / "dp", 2, 3)
     reports = [json.loads((tmp_path / "dp" / f"rank{r}.json").read_text()) for r in range(2)]
     assert len(reports[0]["arena_inodes"]) == 1
@@ -174,7 +179,7 @@ def test_two_ranks_equal_one_process_and_share_the_weights(tmp_path):
     for r in reports:
         assert r["master_numel"] <= total / 2 + 2 * SHARD_ALIGN * 8  # a group's padding at most
         assert r["grad_numel"] == r["master_numel"]
-    assert not list(Path("/dev/shm").glob("lazytrain-*"))  # unlinked once mapped
+    assert not list((tmp_path / "shm").iterdir())  # the arena was unlinked once mapped
     # only rank 0 writes metrics: one record per step
     records = (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()
     assert sum('"loss"' in line for line in records) == 3
@@ -231,7 +236,7 @@ def test_three_ranks_hybrid8bit_equal_one_process(tmp_path, monkeypatch, roundin
     args = [*COMMON, "optimizer.kind=hybrid8bit", f"optimizer.state_rounding={rounding}",
             "training.batch_size=6", "training.steps=2"]
     run_single([*args, f"training.output_dir={tmp_path / 'single'}"])
-    run_ranks(3, [*args, f"training.output_dir={tmp_path / 'dp'}"])
+    run_ranks(3, [*args, f"training.output_dir={tmp_path / 'dp'}"], tmp_path / "shm")
     assert_same_training(tmp_path / "single", tmp_path / "dp", 3, 2, code_flips=True)
 
 
@@ -242,9 +247,9 @@ def test_two_hosts_resume_after_kill_equals_uninterrupted(tmp_path):
     args = [*COMMON, "training.batch_size=4", "training.steps=5", "training.save_every=2"]
     dp = [*args, f"training.output_dir={tmp_path / 'dp'}"]
     run_single([*args, f"training.output_dir={tmp_path / 'single'}"])
-    run_ranks(2, dp, local_world=1, kill_at=3)
+    run_ranks(2, dp, tmp_path / "shm", local_world=1, kill_at=3)
     assert not (tmp_path / "dp" / "model.safetensors").exists()
-    run_ranks(2, [*dp, "training.resume=true"], local_world=1)
+    run_ranks(2, [*dp, "training.resume=true"], tmp_path / "shm", local_world=1)
     assert_same_training(tmp_path / "single", tmp_path / "dp", 2, 5)
     with pytest.raises(CheckpointError, match="2 ranks"):
         Trainer(load_config(None, [*dp, "training.resume=true"])).setup()

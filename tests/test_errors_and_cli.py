@@ -115,13 +115,13 @@ def test_yaml_config_and_overrides(tmp_path):
     assert (config.training.steps, config.training.batch_size, config.optimizer.lr) == (9, 4, 0.01)
 
 
-def test_cli_reports_errors_without_traceback(capsys):
-    assert main(["train", "model.source=/nonexistent/model"]) == 2
+def test_cli_reports_errors_without_traceback(tmp_path, capsys):
+    assert main(["train", "model.source=/nonexistent/model", f"training.output_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert "error:" in err and "Traceback" not in err and "/nonexistent/model" in err
 
 
-def test_cli_keeps_the_traceback_of_a_bug(monkeypatch):
+def test_cli_keeps_the_traceback_of_a_bug(tmp_path, monkeypatch):
     """Only a LazyTrainError is a user error; a bug's ValueError is not hidden as one."""
     import lazytrain.train.trainer as trainer_module
 
@@ -130,7 +130,7 @@ def test_cli_keeps_the_traceback_of_a_bug(monkeypatch):
 
     monkeypatch.setattr(trainer_module, "build_session", broken)
     with pytest.raises(ValueError, match="gradient has 10 elements"):
-        main(["train", "training.steps=1"])
+        main(["train", "training.steps=1", f"training.output_dir={tmp_path / 'run'}"])
 
 
 def test_cli_train_writes_an_hf_model_and_metrics(tmp_path):
@@ -152,25 +152,6 @@ def test_cli_train_writes_an_hf_model_and_metrics(tmp_path):
     assert (out / "lazytrain_config.yaml").exists() and (out / "lazytrain_template.json").exists()
 
 
-def test_resume_continues_exactly(tmp_path):
-    """3 steps, then 3 more resumed, equal 6 uninterrupted (same losses, same weights)."""
-    common = ["training.batch_size=4", "training.progress=false", "data.builtin_train_size=64",
-              "data.heldout_size=2", "optimizer.warmup_steps=2"]
-    main(["train", "training.steps=6", f"training.output_dir={tmp_path / 'a'}", *common])
-    main(["train", "training.steps=3", f"training.output_dir={tmp_path / 'b'}", *common])
-    main(["train", "training.steps=6", f"training.output_dir={tmp_path / 'b'}", "training.resume=true", *common])
-
-    def losses(run):
-        records = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(r)["loss"] for r in records if '"loss"' in r]
-
-    assert losses("b") == pytest.approx(losses("a"), rel=1e-6)
-    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a")
-    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b")
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        assert torch.equal(pa, pb), name
-
-
 @pytest.mark.parametrize("device_layers,device_steps", [(0, 0), (1, 0), (0, 1)])
 def test_the_embedding_and_head_stepped_on_the_device_train_and_resume_as_on_the_host(tmp_path, monkeypatch,
                                                                                      device_layers, device_steps):
@@ -186,7 +167,7 @@ def test_the_embedding_and_head_stepped_on_the_device_train_and_resume_as_on_the
     to_device = Hybrid8bitAdamW.to_device
     monkeypatch.setattr(Hybrid8bitAdamW, "to_device",
                         lambda self, group, weight: (placed.append(group), to_device(self, group, weight)))
-    main(["train", "training.steps=6", f"training.output_dir={tmp_path / 'a'}", "plan.const_update=host", *common])
+    assert main(["train", "training.steps=6", f"training.output_dir={tmp_path / 'a'}", "plan.const_update=host", *common]) == 0
     assert placed == []
     device = [*common, "plan.const_update=device", f"plan.device_layers={device_layers}",
               f"plan.device_steps={device_steps}"]
@@ -194,8 +175,8 @@ def test_the_embedding_and_head_stepped_on_the_device_train_and_resume_as_on_the
     stream_in = Hybrid8bitAdamW.stream_in
     monkeypatch.setattr(Hybrid8bitAdamW, "stream_in", lambda self, group, weight, scratch: (
         streamed.append(group), stream_in(self, group, weight, scratch)))
-    main(["train", "training.steps=3", f"training.output_dir={tmp_path / 'b'}", *device])
-    main(["train", "training.steps=6", f"training.output_dir={tmp_path / 'b'}", "training.resume=true", *device])
+    assert main(["train", "training.steps=3", f"training.output_dir={tmp_path / 'b'}", *device]) == 0
+    assert main(["train", "training.steps=6", f"training.output_dir={tmp_path / 'b'}", "training.resume=true", *device]) == 0
 
     def losses(run):
         records = (tmp_path / run / "metrics.jsonl").read_text().splitlines()

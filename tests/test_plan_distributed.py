@@ -33,6 +33,7 @@ def test_gradient_copies_shrink_with_ranks_and_milp_agrees():
     # same PCIe per rank (one rank per host), 4 ranks: each copies a quarter of the gradients
     four = table.for_ranks(4, 1)
     sim = simulate(plan, four, optimizer_overlap=False)
-    assert sim.busy_s["d2h"] < one.busy_s["d2h"]
+    assert sim.busy_s["d2h"] == pytest.approx(one.busy_s["d2h"] / 4, rel=1e-12)
+    # the MILP's step time of a fixed plan is the simulator's, summed in another order
     step_s, _ = milp_evaluate(plan, four, optimizer_overlap=False)
-    assert step_s == pytest.approx(sim.step_time_s, rel=0.02)
+    assert step_s == pytest.approx(sim.step_time_s, rel=1e-12)

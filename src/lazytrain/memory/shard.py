@@ -83,7 +83,7 @@ class SharedArena:
                 raise HostMemoryError(
                     f"shared weights: {nbytes / 2**30:.1f} GiB are needed in {path.parent}, "
                     f"{free.f_bavail * free.f_frsize / 2**30:.1f} GiB are free there; enlarge it "
-                    "(docker: --shm-size) or set distributed.shm_dir to a larger tmpfs"
+                    "(docker: --shm-size) or set memory.shm_dir to a larger tmpfs"
                 )
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             os.ftruncate(fd, max(nbytes, 1))
