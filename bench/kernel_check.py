@@ -13,8 +13,8 @@ softplus(a + dt), ``beta`` = sigmoid(b), l2-normalised q/k inside the kernel):
 The check passes when every fla error is at most ``--slack`` times the null's. Writes
 OUT/kernel_check_<shape>_<device>_<date>.json and a Markdown report.
 
-    python bench/kernel_check.py --shape tiny-hybrid --batch 1 --seq 128    # CPU: the null only
-    python bench/kernel_check.py --shape qwen3.5-9b --batch 4 --seq 1024    # H200
+    python -m bench.kernel_check --shape tiny-hybrid --batch 1 --seq 128    # CPU: the null only
+    python -m bench.kernel_check --shape qwen3.5-9b --batch 4 --seq 1024    # H200
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ coefficient that torch's fused AdamW needs). Reports ns per parameter (median of
 after warm-up) and bytes of optimizer state per parameter, as a JSON record appended to
 ``<out>/optim_<host>_<date>.json`` and a Markdown report beside it.
 
-    python bench/optim_bench.py --numel 268435456 --threads 16
-    python bench/optim_bench.py --numel 268435456 --threads 1 4 8 16   # is the step memory-bound?
+    python -m bench.optim_bench --numel 268435456 --threads 16
+    python -m bench.optim_bench --numel 268435456 --threads 1 4 8 16   # is the step memory-bound?
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ FIELDS = {"name", "date", "device", "torch", "model", "seq_len", "batch_size", "
 
 
 def test_plan_bench_on_the_cpu_writes_records(tmp_path):
-    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+    subprocess.run([sys.executable, "-m", "bench.plan_bench", "--model", "tiny", "--device", "cpu", "--batch", "2",
                     "--seq", "32", "--runs", "solved", "megatrain", "solved@0.01", "--split-master", "off", "--warmup", "1",
                     "--steps", "1", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
     (records,) = [json.loads(p.read_text()) for p in tmp_path.glob("plan_tiny_*.json")]
@@ -48,7 +48,7 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
     del old["head_token_bytes"], old["embed_backward_work_bytes"]
     costs_file.write_text(json.dumps(old))
     again = tmp_path / "again"
-    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+    subprocess.run([sys.executable, "-m", "bench.plan_bench", "--model", "tiny", "--device", "cpu", "--batch", "2",
                     "--seq", "32", "--runs", "megatrain", "--split-master", "off", "--warmup", "0", "--steps", "1",
                     "--costs", str(costs_file), "--host-limit-gb", "0.5", "--const-update", "device",
                     "--device-steps", "0", "1", "--out", str(again)], cwd=ROOT, check=True, capture_output=True,
@@ -68,7 +68,7 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
     old["optimizer_ns_per_param"] *= 1e4
     costs_file.write_text(json.dumps(old))
     third = tmp_path / "third"
-    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+    subprocess.run([sys.executable, "-m", "bench.plan_bench", "--model", "tiny", "--device", "cpu", "--batch", "2",
                     "--seq", "32", "--runs", "solved", "megatrain", "--split-master", "off", "--warmup", "0",
                     "--steps", "1", "--costs", str(costs_file), "--recalibrate", "2", "--out", str(third)], cwd=ROOT,
                    check=True, capture_output=True, timeout=300)
@@ -110,7 +110,7 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
 def test_plan_bench_does_not_start_a_try_that_its_time_limit_cannot_hold(tmp_path):
     """Building the model alone takes longer than a 0.5 s limit: the try is a record (and a row)
     saying why it did not start, and a ``:max`` walk stops there instead of trying smaller batches."""
-    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+    subprocess.run([sys.executable, "-m", "bench.plan_bench", "--model", "tiny", "--device", "cpu", "--batch", "2",
                     "--seq", "32", "--runs", "solved:max", "--max-batch", "4", "--split-master", "off",
                     "--warmup", "0", "--steps", "1", "--time-limit", "0.5", "--out", str(tmp_path)], cwd=ROOT,
                    check=True, capture_output=True, timeout=300)
@@ -125,7 +125,7 @@ def test_plan_bench_on_a_hybrid_on_the_cpu_reports_each_layer_type(tmp_path):
     """The path of the Qwen3.5-9B device runs, on the tiny hybrid: a kernel study's records say
     which kernels ran, and give each layer type's decisions and times; ``POLICY:max`` takes the
     largest batch the simulator fits up to ``--max-batch``."""
-    done = subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny-hybrid", "--device", "cpu",
+    done = subprocess.run([sys.executable, "-m", "bench.plan_bench", "--model", "tiny-hybrid", "--device", "cpu",
                            "--batch", "2", "--seq", "32", "--kernels", "torch", "--runs", "torch/solved",
                            "torch/megatrain:max", "--max-batch", "4", "--split-master", "off", "--warmup", "0",
                            "--steps", "1", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True,
@@ -155,7 +155,7 @@ def test_merge_results_keeps_every_record_once(tmp_path):
 
 
 def test_kernel_check_on_the_cpu_measures_the_bf16_null(tmp_path):
-    subprocess.run([sys.executable, "bench/kernel_check.py", "--shape", "tiny-hybrid", "--batch", "1", "--seq", "96",
+    subprocess.run([sys.executable, "-m", "bench.kernel_check", "--shape", "tiny-hybrid", "--batch", "1", "--seq", "96",
                     "--repeats", "1", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
     (record,) = json.loads(next(tmp_path.glob("kernel_check_tiny-hybrid_*.json")).read_text())
     assert record["passed"] is None and "fla_bf16" not in record["rows"]  # no fla kernel on the CPU
@@ -166,7 +166,7 @@ def test_kernel_check_on_the_cpu_measures_the_bf16_null(tmp_path):
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
 def test_packing_bench_on_the_cpu_compares_packed_with_padded(tmp_path, model):
-    subprocess.run([sys.executable, "bench/packing_bench.py", "--model", model, "--device", "cpu", "--batch", "2",
+    subprocess.run([sys.executable, "-m", "bench.packing_bench", "--model", model, "--device", "cpu", "--batch", "2",
                     "--seq", "512", "--samples", "200", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)],
                    cwd=ROOT, check=True, capture_output=True, timeout=300)
     (path,) = tmp_path.glob(f"packing_{model}_*_s512_b2.json")
@@ -235,7 +235,7 @@ def test_packing_bench_re_solves_a_plan_that_runs_out_of_memory(tmp_path, monkey
 
 
 def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path):
-    subprocess.run([sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "3",
+    subprocess.run([sys.executable, "-m", "bench.studies.accuracy_finetune_8bit", "--shape", "tiny", "--pretrain-steps", "3",
                     "--finetune-steps", "3", "--heldout", "2", "--seeds", "1", "2", "--kinds", "fp32", "hybrid8bit",
                     "--device", "cpu", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
     records = [r for p in tmp_path.glob("*.json") for r in json.loads(p.read_text())]
@@ -253,7 +253,7 @@ def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path):
 def test_the_fine_tune_report_gives_the_base_score_per_seed():
     """Each seed draws its own held-out problems, so the base scores differ by seed; only the
     kinds of one seed must agree."""
-    from bench.accuracy_finetune_8bit import report
+    from bench.studies.accuracy_finetune_8bit import report
 
     def record(kind, seed, base):
         return {"kind": kind, "seed": seed, "base_exact_match": base, "exact_match": 0.5, "tail_loss": 1.0,
@@ -268,7 +268,7 @@ def test_the_fine_tune_report_gives_the_base_score_per_seed():
 
 
 def test_the_fine_tune_report_compares_a_repeated_run_with_its_first_and_counts_it_once():
-    from bench.accuracy_finetune_8bit import report
+    from bench.studies.accuracy_finetune_8bit import report
 
     def record(kind, tail, curve, seconds=10.0):
         return {"kind": kind, "seed": 1, "exact_match": 0.5, "tail_loss": tail, "loss_every_10_steps": curve,
@@ -285,7 +285,7 @@ def test_the_fine_tune_report_compares_a_repeated_run_with_its_first_and_counts_
 def test_the_kernel_null_is_fp32_adamw_through_the_8bit_kernel(tmp_path):
     """fp32_kernel (the fine-tuning study's null): every group keeps fp32 states (the run
     checks it), and the losses follow fp32's to rounding."""
-    from bench.optim_convergence import run
+    from bench.studies.optim_convergence import run
 
     fp32 = run("fp32", 5, tmp_path / "a", seed=1, overrides=("data.heldout_size=2",))
     null = run("fp32_kernel", 5, tmp_path / "b", seed=1, overrides=("data.heldout_size=2",))
@@ -359,7 +359,7 @@ def test_live_tensors_names_what_still_holds_the_largest_tensors():
 
 
 def test_accuracy_finetune_8bit_jobs_fine_tune_in_processes_of_their_own(tmp_path):
-    subprocess.run([sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "2",
+    subprocess.run([sys.executable, "-m", "bench.studies.accuracy_finetune_8bit", "--shape", "tiny", "--pretrain-steps", "2",
                     "--finetune-steps", "2", "--heldout", "1", "--seeds", "1", "2", "--kinds", "fp32", "--jobs", "2",
                     "--device", "cpu", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
     # one record file, one report and one archive of the per-run files and logs; nothing else
@@ -380,7 +380,7 @@ def test_accuracy_finetune_8bit_runs_lists_the_fine_tunes_and_keeps_the_pretrain
     """``--runs KIND:SEED`` completes a study across calls: exactly those fine-tunes, from the kept
     pretraining of ``--pretrain-seed``; a kept pretraining of another seed is refused."""
     base = tmp_path / "base"
-    common = [sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "2",
+    common = [sys.executable, "-m", "bench.studies.accuracy_finetune_8bit", "--shape", "tiny", "--pretrain-steps", "2",
               "--finetune-steps", "2", "--heldout", "1", "--device", "cpu", "--pretrained", str(base)]
     subprocess.run([*common, "--pretrain-seed", "1", "--runs", "hybrid8bit:4", "fp32:3", "--jobs", "2",
                     "--out", str(tmp_path / "a")], cwd=ROOT, check=True, capture_output=True, timeout=300)
@@ -402,7 +402,7 @@ def test_accuracy_finetune_8bit_runs_lists_the_fine_tunes_and_keeps_the_pretrain
 
 
 def test_accuracy_finetune_8bit_jobs_stop_at_the_time_limit(tmp_path):
-    from bench.accuracy_finetune_8bit import Job, run_jobs
+    from bench.studies.accuracy_finetune_8bit import Job, run_jobs
 
     def sleeper(name, kind, seconds=0.0, code=0):
         return Job(name, kind, [sys.executable, "-c", f"import sys, time; time.sleep({seconds}); sys.exit({code})"], 1)
@@ -430,7 +430,7 @@ def test_embed_grad_cost_on_the_cpu_times_both_sums_against_a_step(tmp_path):
     step = tmp_path / "steps.json"
     step.write_text(json.dumps([{"name": "tiny_solved", "date": "2026-01-01", "device": device_name(torch.device("cpu")),
                                  "policy": "solved", "batch_size": 4, "seq_len": 256, "step_time_s": 0.5}]))
-    subprocess.run([sys.executable, "bench/embed_grad_cost.py", "--model", "tiny", "--batch", "4", "--seq", "256",
+    subprocess.run([sys.executable, "-m", "bench.studies.embed_grad_cost", "--model", "tiny", "--batch", "4", "--seq", "256",
                     "--device", "cpu", "--warmup", "1", "--repeats", "3", "--step-record", str(step),
                     "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
     (path,) = tmp_path.glob("embed_grad_cost_tiny_*.json")
@@ -443,7 +443,7 @@ def test_embed_grad_cost_on_the_cpu_times_both_sums_against_a_step(tmp_path):
 
 
 def test_embed_grad_cost_compares_with_the_newest_uncapped_h200_step():
-    from bench.embed_grad_cost import step_time_reference
+    from bench.studies.embed_grad_cost import step_time_reference
 
     path, record = step_time_reference("qwen2.5-7b", 64, 1024, "NVIDIA H200")
     others = [r for p in path.parent.glob("plan_qwen2.5-7b_*.json") for r in json.loads(p.read_text())
@@ -510,11 +510,11 @@ def test_a_largest_batch_try_re_solves_a_solved_plan_with_less_memory_before_wal
 def test_accuracy_finetune_8bit_pretrains_through_plain_pytorch(tmp_path):
     """--pretrain-runner torch: the base is trained by the HF model + torch AdamW on the device
     and saved as a folder LazyTrain fine-tunes from (the same weights the records' digest names)."""
-    subprocess.run([sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "3",
+    subprocess.run([sys.executable, "-m", "bench.studies.accuracy_finetune_8bit", "--shape", "tiny", "--pretrain-steps", "3",
                     "--finetune-steps", "2", "--heldout", "2", "--seeds", "1", "--kinds", "fp32",
                     "--pretrain-runner", "torch", "--pretrained", str(tmp_path / "base"), "--device", "cpu",
                     "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
-    from bench.accuracy_finetune_8bit import weights_digest
+    from bench.studies.accuracy_finetune_8bit import weights_digest
 
     (record,) = json.loads(next(tmp_path.glob("finetune_8bit_tiny_*.json")).read_text())
     assert record["pretrain_runner"] == "torch"
@@ -527,7 +527,7 @@ def test_accuracy_reference_trains_each_kind_on_the_cpu(tmp_path):
     """The references of the accuracy study (HF model + torch AdamW + clip_grad_norm_) and
     LazyTrain, a few steps each: one record per kind, the same first loss (same init, same
     batch, fp32 on the CPU)."""
-    subprocess.run([sys.executable, "bench/accuracy_reference.py", "--kinds", "lazytrain", "torch_fp32",
+    subprocess.run([sys.executable, "-m", "bench.studies.accuracy_reference", "--kinds", "lazytrain", "torch_fp32",
                     "torch_bf16_master", "--steps", "3", "--heldout", "2", "--tail", "2", "--device", "cpu",
                     "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
     records = [r for p in tmp_path.glob("accuracy_reference*.json") for r in json.loads(p.read_text())]
@@ -543,7 +543,7 @@ def test_layer_breakdown_on_the_cpu_splits_the_layers_time(tmp_path):
     """One tiny layer's forward + backward, with lean ops (their elementwise parts compiled) and
     HF's modules: records and a report with the operators' time by category, the matmuls among
     them."""
-    subprocess.run([sys.executable, "bench/layer_breakdown.py", "--model", "tiny", "--batch", "2", "--seq", "64",
+    subprocess.run([sys.executable, "-m", "bench.studies.layer_breakdown", "--model", "tiny", "--batch", "2", "--seq", "64",
                     "--device", "cpu", "--variants", "lean-compiled", "hf", "--out", str(tmp_path)],
                    cwd=ROOT, check=True, capture_output=True, timeout=300)
     (path,) = tmp_path.glob("layer_breakdown_tiny_*.json")
@@ -557,14 +557,14 @@ def test_layer_breakdown_on_the_cpu_splits_the_layers_time(tmp_path):
 
 def test_plan_bench_times_a_plan_with_the_update_skipped(tmp_path):
     """``--update cpu skipped``: each run twice; the skipped one is planned and predicted as if the
-    update cost nothing (the 'free CPU update' row of bench/ceiling_bound.py)."""
+    update cost nothing (the 'free CPU update' row of bench/studies/ceiling_bound.py)."""
     import dataclasses
 
     from lazytrain.plan.costs import CostTable
     from lazytrain.plan.plan import Plan
     from lazytrain.plan.simulate import simulate
 
-    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+    subprocess.run([sys.executable, "-m", "bench.plan_bench", "--model", "tiny", "--device", "cpu", "--batch", "2",
                     "--seq", "32", "--runs", "solved", "--update", "cpu", "skipped", "--split-master", "off",
                     "--warmup", "1", "--steps", "1", "--out", str(tmp_path)], cwd=ROOT, check=True,
                    capture_output=True, timeout=300)
@@ -601,7 +601,7 @@ def test_a_skipped_update_leaves_the_weights_and_the_real_one_changes_them():
 
 
 def test_optim_bench_records_one_row_per_thread_count_with_the_host_copy_bandwidth(tmp_path):
-    subprocess.run([sys.executable, "bench/optim_bench.py", "--numel", "262144", "--threads", "1", "2",
+    subprocess.run([sys.executable, "-m", "bench.optim_bench", "--numel", "262144", "--threads", "1", "2",
                     "--steps", "1", "--warmup", "0", "--kernel", "torch", "--out", str(tmp_path)],
                    cwd=ROOT, check=True, capture_output=True, timeout=300)
     (path,) = tmp_path.glob("optim_*.json")
@@ -612,7 +612,7 @@ def test_optim_bench_records_one_row_per_thread_count_with_the_host_copy_bandwid
 
 
 def test_device_layers_search_times_the_search_with_and_without_the_tolerance(tmp_path):
-    subprocess.run([sys.executable, "-m", "bench.device_layers_search", "--layers", "8", "--tolerances", "0", "0.005",
+    subprocess.run([sys.executable, "-m", "bench.studies.device_layers_search", "--layers", "8", "--tolerances", "0", "0.005",
                     "--update-ns-per-param", "0.2", "0.4", "--out", str(tmp_path)], cwd=ROOT, check=True,
                    capture_output=True, timeout=300)
     (path,) = tmp_path.glob("device_layers_search_*.json")
@@ -632,7 +632,7 @@ def test_device_layers_search_times_the_search_with_and_without_the_tolerance(tm
 
 
 def test_compute_only_puts_each_run_against_its_own_layers_and_its_process_s_head(tmp_path):
-    from bench import compute_only
+    from bench.studies import compute_only
 
     def run(name, layers_s, steps, **extra):
         return {"name": name, "date": "2026-12-05", "device": "H200", "step_time_s": sorted(steps)[len(steps) // 2],
@@ -707,7 +707,7 @@ def test_a_recalibration_round_that_runs_out_of_memory_leaves_its_own_plan_to_th
 
 
 def test_offload_window_simulates_each_measured_plan_and_its_host_layers_variants(tmp_path):
-    from bench import offload_window
+    from bench.studies import offload_window
     from lazytrain.plan.plan import LayerPlan, Plan
     from lazytrain.plan.simulate import simulate
     from lazytrain.plan.synthetic import random_cost_table
@@ -743,7 +743,7 @@ def test_offload_window_simulates_each_measured_plan_and_its_host_layers_variant
 
 def test_plan_bench_refuses_a_missing_cost_table_before_building_the_model(tmp_path):
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "qwen2.5-7b", "--device", "cpu",
+    done = subprocess.run([sys.executable, "-m", "bench.plan_bench", "--model", "qwen2.5-7b", "--device", "cpu",
                            "--costs", str(tmp_path / "nowhere.json"), "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2 and "there is no file" in done.stderr and "nowhere.json" in done.stderr
@@ -753,7 +753,7 @@ def test_plan_bench_refuses_a_missing_cost_table_before_building_the_model(tmp_p
 def test_plan_bench_runs_the_solved_plan_once_per_offload_window(tmp_path):
     from lazytrain.plan.plan import Plan
 
-    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
+    subprocess.run([sys.executable, "-m", "bench.plan_bench", "--model", "tiny", "--device", "cpu", "--batch", "2",
                     "--seq", "32", "--runs", "solved", "megatrain", "--offload-window", "1", "2", "--split-master",
                     "off", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)], cwd=ROOT, check=True,
                    capture_output=True, timeout=300)
@@ -765,9 +765,9 @@ def test_plan_bench_runs_the_solved_plan_once_per_offload_window(tmp_path):
 
 
 def test_device_step_times_each_piece_size_and_writes_records(tmp_path, monkeypatch):
-    """bench/device_step.py on the CPU (the step's pieces eager): a record per group and piece
+    """bench/studies/device_step.py on the CPU (the step's pieces eager): a record per group and piece
     size, the pieces counted, the report written."""
-    from bench import device_step
+    from bench.studies import device_step
     from lazytrain.optim import hybrid8bit
 
     monkeypatch.setattr(hybrid8bit, "_compiled_piece", hybrid8bit._device_piece)

@@ -9,7 +9,7 @@ number of solves at once (`milp.search_workers`; default: what the planner takes
 wall time, the k chosen, each k tried with its predicted step. Writes
 ``bench/results/device_layers_search_<cpu>_<date><tag>.json`` and a Markdown report beside it.
 
-    python -m bench.device_layers_search [--costs FILE] [--layers 28 48 64] [--tolerances 0 0.005]
+    python -m bench.studies.device_layers_search [--costs FILE] [--layers 28 48 64] [--tolerances 0 0.005]
         [--update-ns-per-param 0.27 0.31] [--workers 1 2] [--tag _workers]
 """
 
