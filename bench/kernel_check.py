@@ -77,7 +77,7 @@ def errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, dict[s
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--shape", default="qwen3.5-9b", help="a built-in hybrid shape")
     parser.add_argument("--batch", type=int, default=4)
@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--slack", type=float, default=2.0, help="fla's error may be this many times the null's")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.shape not in SHAPES or "linear_num_value_heads" not in SHAPES[args.shape]:
         hybrid = [k for k, v in SHAPES.items() if "linear_num_value_heads" in v]
         sys.exit(f"--shape {args.shape!r} is not a built-in hybrid shape; choose one of {', '.join(hybrid)}")

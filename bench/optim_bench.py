@@ -31,7 +31,7 @@ CLIP_COEF = 0.37
 LR = 1e-4
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
         "--rounding", choices=("nearest", "stochastic"), default="nearest",
         help="8-bit path: how sqrt(v) is requantized (optimizer.state_rounding)",
     )
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def time_steps(
@@ -145,8 +145,8 @@ def write_report(record: dict, out_dir: Path) -> Path:
     return json_path
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     for threads in args.threads or [torch.get_num_threads()]:
         torch.set_num_threads(threads)
         run(args)

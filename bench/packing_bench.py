@@ -58,7 +58,7 @@ BATCHINGS = ("padded", "packed")
 NAN = float("nan")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--device", default="cuda")
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--report", default=None, metavar="STUDY_JSON",
                         help="run nothing: compare the batchings in a study file (the per-batching records "
                              "merged by python -m bench.merge_results) and write its Markdown report")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.report:
         path = Path(args.report)
         records = json.loads(path.read_text())

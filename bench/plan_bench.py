@@ -295,7 +295,7 @@ def largest_batch(policy, costs, seq, cap, args, session) -> dict:
             "capped_search": measured == b + args.cap_up and measured > 0}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--optimizer", choices=["fp32", "hybrid8bit"], default="hybrid8bit")
@@ -369,7 +369,7 @@ def main() -> None:
     parser.add_argument("--host-limit-gb", type=float, default=None,
                         help="host budget in GiB (default: the machine less its reserve)")
     parser.add_argument("--baseline", default=None, help="records of the same shape to compare tokens/s with")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if any(w < 1 for w in args.offload_window):
         parser.error(f"--offload-window {' '.join(map(str, args.offload_window))}: each must be >= 1")
     if args.recalibrate and args.recalibrate < 2:

@@ -429,7 +429,7 @@ def deviation(curve: list[float], base: list[float]) -> float:
     return statistics.fmean(abs(a / b - 1) for a, b in zip(curve, base))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen2.5-0.5b")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1])
@@ -478,7 +478,7 @@ def main() -> None:
     parser.add_argument("--merge", nargs="+", help="record files to report as one (no training)")
     parser.add_argument("--note", action="append", default=[],
                         help="with --merge: a line for the report (how the merged runs were made), repeatable")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.pretrain_seed is None:
         args.pretrain_seed = args.seeds[0]
     if args.runs and not args.jobs:

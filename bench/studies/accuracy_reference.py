@@ -239,7 +239,7 @@ def report(records: list[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -256,7 +256,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--tag", default="")
     parser.add_argument("--merge", nargs="+", help="record files to report as one (no training)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.merge:
         records = [r for f in args.merge for r in json.loads(Path(f).read_text())]
         command = f"python -m bench.studies.accuracy_reference --merge {' '.join(args.merge)}"

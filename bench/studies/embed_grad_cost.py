@@ -164,7 +164,7 @@ def report(r: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-7b", help="a built-in shape (lazytrain.model.shapes)")
     parser.add_argument("--batch", type=int, default=64)
@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--step-record", default=None, help="record file with the step time to compare with")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--tag", default="")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     record = run(args)
     command = (f"python -m bench.studies.embed_grad_cost --model {args.model} --batch {args.batch} --seq {args.seq} "
                f"--device {args.device} --warmup {args.warmup} --repeats {args.repeats}")

@@ -126,7 +126,7 @@ def markdown(records: list[dict], args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--batch", type=int, default=64)
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     records = [breakdown(variant, args, device) for variant in args.variants]
     for r in records:
