@@ -77,7 +77,8 @@ def errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, dict[s
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The exit status: 1 when fla's errors fail the check, else 0."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--shape", default="qwen3.5-9b", help="a built-in hybrid shape")
     parser.add_argument("--batch", type=int, default=4)
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     stem = f"kernel_check_{args.shape}_{device_tag(record['device'])}_{today()}"
     write_results([record], stem, "\n".join(lines) + "\n", args.out)
     print("\n".join(lines))
-    sys.exit(1 if passed is False else 0)
+    return 1 if passed is False else 0
 
 
 def _version(dist: str) -> str:
@@ -148,4 +149,4 @@ def _version(dist: str) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -177,7 +177,9 @@ def test_merge_results_keeps_every_record_once(tmp_path):
 def test_kernel_check_on_the_cpu_measures_the_bf16_null(tmp_path):
     from bench import kernel_check
 
-    kernel_check.main(["--shape", "tiny-hybrid", "--batch", "1", "--seq", "96", "--repeats", "1", "--out", str(tmp_path)])
+    status = kernel_check.main(["--shape", "tiny-hybrid", "--batch", "1", "--seq", "96", "--repeats", "1",
+                                "--out", str(tmp_path)])
+    assert status == 0
     (record,) = json.loads(next(tmp_path.glob("kernel_check_tiny-hybrid_*.json")).read_text())
     assert record["passed"] is None and "fla_bf16" not in record["rows"]  # no fla kernel on the CPU
     errors = record["rows"]["torch_bf16"]["errors"]
