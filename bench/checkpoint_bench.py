@@ -15,7 +15,7 @@ of that model into the same folder to record the start-up message when its check
 fit the disk (the 7B shape on a 64 GB disk). The run folder is deleted at the end, whatever
 happens. Writes ``<out>/checkpoint_<model>_<device>_<date>.json`` and a Markdown report.
 
-    python bench/checkpoint_bench.py --model builtin:tiny --steps 12 --save-every 3   # CPU check
+    python -m bench.checkpoint_bench --model builtin:tiny --steps 12 --save-every 3   # CPU check
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def main() -> None:
         f"# Checkpoints under interruption: {model} on {device} ({date}, torch {torch.__version__})", "",
         (f"`lazytrain train` with `optimizer.kind=hybrid8bit`, batch {record['batch_size']} x seq "
          f"{record['seq_len']}, {args.steps} steps, a checkpoint every {args.save_every}; run folder "
-         f"{args.workdir} (deleted). Command: `python bench/checkpoint_bench.py {' '.join(sys.argv[1:])}`"), "",
+         f"{args.workdir} (deleted). Command: `python -m bench.checkpoint_bench {' '.join(sys.argv[1:])}`"), "",
         "| | value |", "| --- | --- |",
         f"| checkpoint size | {record['checkpoint_gb']:.2f} GB ({', '.join(f'{k} {v / 1e9:.2f} GB' for k, v in record['checkpoint_files'].items())}) |",
         f"| save times | {', '.join(f'{s:.1f} s' for s in saves)} |",

@@ -11,6 +11,7 @@ import datetime
 import gc
 import itertools
 import json
+import os
 import re
 import statistics
 import sys
@@ -36,7 +37,15 @@ from lazytrain.runtime.update import HostUpdater
 from lazytrain.train.metrics import step_metrics
 from lazytrain.train.session import Session, build_session
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: bench/ is run from it, not installed
+RESULTS = ROOT / "bench" / "results"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child run as ``python -m bench...``: the checkout first
+    on ``PYTHONPATH``, so the child imports this ``bench`` from any working directory."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def today() -> str:
@@ -149,7 +158,7 @@ cudaMalloc / cudaFree calls (or their expandable-segment map / unmap)."""
 class SkippedUpdate(HostOptimizer):
     """``like``'s groups with the CPU update's cost removed: a step writes nothing (the weights stay
     as they are) and returns at once. For timing a plan as if the update ran elsewhere for free
-    (`bench/plan_bench.py --update skipped`, the "free CPU update" row of `bench/ceiling_bound.py`
+    (`bench/plan_bench.py --update skipped`, the "free CPU update" row of `bench/studies/ceiling_bound.py`
     measured); never for training."""
 
     def __init__(self, like: HostOptimizer):

@@ -13,8 +13,8 @@ softplus(a + dt), ``beta`` = sigmoid(b), l2-normalised q/k inside the kernel):
 The check passes when every fla error is at most ``--slack`` times the null's. Writes
 OUT/kernel_check_<shape>_<device>_<date>.json and a Markdown report.
 
-    python bench/kernel_check.py --shape tiny-hybrid --batch 1 --seq 128    # CPU: the null only
-    python bench/kernel_check.py --shape qwen3.5-9b --batch 4 --seq 1024    # H200
+    python -m bench.kernel_check --shape tiny-hybrid --batch 1 --seq 128    # CPU: the null only
+    python -m bench.kernel_check --shape qwen3.5-9b --batch 4 --seq 1024    # H200
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, dict[s
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The exit status: 1 when fla's errors fail the check, else 0."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--shape", default="qwen3.5-9b", help="a built-in hybrid shape")
     parser.add_argument("--batch", type=int, default=4)
@@ -87,7 +88,7 @@ def main() -> None:
     parser.add_argument("--slack", type=float, default=2.0, help="fla's error may be this many times the null's")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.shape not in SHAPES or "linear_num_value_heads" not in SHAPES[args.shape]:
         hybrid = [k for k, v in SHAPES.items() if "linear_num_value_heads" in v]
         sys.exit(f"--shape {args.shape!r} is not a built-in hybrid shape; choose one of {', '.join(hybrid)}")
@@ -137,7 +138,7 @@ def main() -> None:
     stem = f"kernel_check_{args.shape}_{device_tag(record['device'])}_{today()}"
     write_results([record], stem, "\n".join(lines) + "\n", args.out)
     print("\n".join(lines))
-    sys.exit(1 if passed is False else 0)
+    return 1 if passed is False else 0
 
 
 def _version(dist: str) -> str:
@@ -148,4 +149,4 @@ def _version(dist: str) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,8 +6,8 @@ coefficient that torch's fused AdamW needs). Reports ns per parameter (median of
 after warm-up) and bytes of optimizer state per parameter, as a JSON record appended to
 ``<out>/optim_<host>_<date>.json`` and a Markdown report beside it.
 
-    python bench/optim_bench.py --numel 268435456 --threads 16
-    python bench/optim_bench.py --numel 268435456 --threads 1 4 8 16   # is the step memory-bound?
+    python -m bench.optim_bench --numel 268435456 --threads 16
+    python -m bench.optim_bench --numel 268435456 --threads 1 4 8 16   # is the step memory-bound?
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ CLIP_COEF = 0.37
 LR = 1e-4
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
         "--rounding", choices=("nearest", "stochastic"), default="nearest",
         help="8-bit path: how sqrt(v) is requantized (optimizer.state_rounding)",
     )
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def time_steps(
@@ -145,8 +145,8 @@ def write_report(record: dict, out_dir: Path) -> Path:
     return json_path
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     for threads in args.threads or [torch.get_num_threads()]:
         torch.set_num_threads(threads)
         run(args)

@@ -2,7 +2,7 @@
 
 One process, one model in host memory, one plan at ``--batch x --seq`` (issue 19, packing):
 
-    python bench/packing_bench.py --model qwen2.5-7b --batch 16 --seq 1024 --out bench/results
+    python -m bench.packing_bench --model qwen2.5-7b --batch 16 --seq 1024 --out bench/results
 
 1. The built-in data with ``data.builtin_length_mix=metamathqa`` (``--samples`` problems padded
    with filler to a MetaMathQA-like spread of lengths, median ~350 tokens), tokenized as
@@ -58,7 +58,7 @@ BATCHINGS = ("padded", "packed")
 NAN = float("nan")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--device", default="cuda")
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--report", default=None, metavar="STUDY_JSON",
                         help="run nothing: compare the batchings in a study file (the per-batching records "
                              "merged by python -m bench.merge_results) and write its Markdown report")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.report:
         path = Path(args.report)
         records = json.loads(path.read_text())
@@ -204,8 +204,8 @@ def markdown(records: list[dict], args) -> str:
          "longest sample (on the right: they run unmasked); packed = rows of exactly seq tokens, attention "
          "kept within each sample (packed_varlen: flash attention's variable-length kernel; packed: a "
          "block-diagonal mask). tokens/s counts "
-         "real (non-padding) tokens, totals over the measured steps' time. Command: `python "
-         f"bench/packing_bench.py --model {args.model} --device {args.device} --batch {args.batch} --seq {args.seq} "
+         "real (non-padding) tokens, totals over the measured steps' time. Command: `python -m "
+         f"bench.packing_bench --model {args.model} --device {args.device} --batch {args.batch} --seq {args.seq} "
          f"--samples {args.samples} --policy {args.policy} --warmup {args.warmup} --steps {args.steps}`"),
         "",
         ("| run | tokens/s (non-pad) | vs padded | fill ratio | samples/s | TFLOPS model | TFLOPS 6NT | "

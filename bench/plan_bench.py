@@ -2,7 +2,7 @@
 
 One process, one model in host memory (random init of a real config):
 
-    python bench/plan_bench.py --model qwen2.5-7b --optimizer hybrid8bit --seq 1024 --batch 64 \
+    python -m bench.plan_bench --model qwen2.5-7b --optimizer hybrid8bit --seq 1024 --batch 64 \
         --runs solved megatrain keep_all:max --cap-gb 24 --out bench/results
 
 1. ``lazytrain profile``'s measurement (`runtime.profiler.profile`) at ``--batch x --seq``;
@@ -53,11 +53,11 @@ written (on 2026-12-02 two 9B ``solved:max`` calls ended that way).
 
 The issue-15 rows on the H200 (two commands, each well under 8 minutes):
 
-    python bench/plan_bench.py --model qwen2.5-7b --seq 1024 --batch 64 --runs solved \
+    python -m bench.plan_bench --model qwen2.5-7b --seq 1024 --batch 64 --runs solved \
         --split-master off --tag _whole --out $OUT
-    python bench/plan_bench.py --model qwen2.5-7b --seq 1024 --batch 64 --runs solved \
+    python -m bench.plan_bench --model qwen2.5-7b --seq 1024 --batch 64 --runs solved \
         --split-master on --tag _split --baseline $OUT/plan_qwen2.5-7b_h200_DATE_s1024_whole.json --out $OUT
-    python bench/plan_bench.py --model qwen2.5-14b --seq 1024 --batch 64 --runs solved:max \
+    python -m bench.plan_bench --model qwen2.5-14b --seq 1024 --batch 64 --runs solved:max \
         --split-master on --tag _split --out $OUT
 """
 
@@ -236,36 +236,6 @@ def per_type(plan: Plan, table: CostTable, measured_ms: dict[str, float]) -> dic
     return out
 
 
-def copy_check(device: torch.device, nbytes: int = 2 * 10**9, repeats: int = 3) -> dict:
-    """H2D and D2H GB/s (median of ``repeats``) of one ``nbytes`` copy between a GPU tensor and
-    host memory pinned two ways: in place by cudaHostRegister (`aligned_empty`, what the
-    activation store and the host weights use) and by torch's pinned allocator (cudaHostAlloc,
-    what the profiler's copy measurement uses); with the machine's available host memory at the
-    time. Tells a slow kind of pinned memory, or a host short of memory, from a slow plan."""
-    from lazytrain.memory.host_store import host_memory_available
-    from lazytrain.memory.nvme import aligned_empty
-
-    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    out = {"bytes": nbytes, "host_available_gb": (host_memory_available() or 0) / 1e9}
-    for how, host in (("registered", aligned_empty(nbytes, torch.uint8, pin=True)),
-                      ("allocated", torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))):
-        for direction, (dst, src) in (("h2d", (gpu, host)), ("d2h", (host, gpu))):
-            times = []
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                dst.copy_(src, non_blocking=True)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            out[f"{how}_{direction}_gbps"] = nbytes / sorted(times)[len(times) // 2] / 1e6
-        del host
-    del gpu
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
-
-
 def probe(session, plan) -> tuple[bool, str, float]:
     """One forward+backward of ``plan``: (fits, out-of-memory message, peak allocated GB)."""
     device = session.device
@@ -325,7 +295,7 @@ def largest_batch(policy, costs, seq, cap, args, session) -> dict:
             "capped_search": measured == b + args.cap_up and measured > 0}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--optimizer", choices=["fp32", "hybrid8bit"], default="hybrid8bit")
@@ -365,7 +335,7 @@ def main() -> None:
     parser.add_argument("--update", nargs="+", choices=["cpu", "skipped"], default=["cpu"],
                         help="the CPU update as trained (cpu), and/or with its cost removed (skipped: a "
                              "step writes nothing; the plan is solved and predicted with "
-                             "optimizer_ns_per_param=0, bench/ceiling_bound.py's 'free CPU update' row); "
+                             "optimizer_ns_per_param=0, bench/studies/ceiling_bound.py's 'free CPU update' row); "
                              "each run is measured once per choice")
     parser.add_argument("--const-update", nargs="+", choices=["auto", "host", "device"], default=["auto"],
                         help="where the embedding and head take their optimizer step (plan.const_update); "
@@ -391,9 +361,6 @@ def main() -> None:
                              "once per value (default: torch's, one per core)")
     parser.add_argument("--costs", nargs="+", default=[], metavar="[KERNELS=]FILE",
                         help="use this costs.json instead of profiling (KERNELS=FILE: for that kernel study only)")
-    parser.add_argument("--copy-check", action="store_true",
-                        help="time 2 GB copies to and from host memory pinned in place and by torch's pinned "
-                             "allocator, before and after the runs (`copy_check`)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
@@ -402,7 +369,7 @@ def main() -> None:
     parser.add_argument("--host-limit-gb", type=float, default=None,
                         help="host budget in GiB (default: the machine less its reserve)")
     parser.add_argument("--baseline", default=None, help="records of the same shape to compare tokens/s with")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if any(w < 1 for w in args.offload_window):
         parser.error(f"--offload-window {' '.join(map(str, args.offload_window))}: each must be >= 1")
     if args.recalibrate and args.recalibrate < 2:
@@ -580,14 +547,6 @@ def study(session, args, kernels: str) -> None:
     records.append({"name": "costs", **common, "costs": costs.to_dict()})
     save()
 
-    def check_copies(when: str) -> None:
-        if args.copy_check and device.type == "cuda":
-            measured = {"name": f"copy_check_{when}", **copy_check(device)}
-            records.append({**common, **measured})
-            print(json.dumps(measured), flush=True)
-            save()
-
-    check_copies("before_runs")
 
     def measure(policy: str, table: CostTable, plan, name: str, cap_gb: float | None = None,
                 host_limit_gib: float | None = None, update: str = "cpu",
@@ -629,7 +588,7 @@ def study(session, args, kernels: str) -> None:
                     "the measured steps" if running.get("finished") else f"round {len(running['rounds']) + 1}")}
             predicted = simulate(plan, table, optimizer_overlap=True)
             predicted_stages(records[-1], predicted)
-            records[-1]["plan"] = plan.to_dict()  # what ran out of memory, for bench/stage_memory_check.py
+            records[-1]["plan"] = plan.to_dict()  # what ran out of memory, for bench/studies/stage_memory_check.py
             records[-1]["planner_gpu_budget_gb"] = table.gpu_bytes / 1e9
             records[-1]["predicted_peak_gpu_gb"] = predicted.peak_gpu_bytes / 1e9
             # with stage memory the allocator's peak is reset per stage: the finished stages' too
@@ -723,7 +682,6 @@ def study(session, args, kernels: str) -> None:
                                         options(args, const_update, device_layers, device_steps, window)),
                       walk_down=size == "max")
 
-    check_copies("after_runs")
     if args.cap_gb:
         cap_gpu_memory(device, args.cap_gb)
         cap = usable_gpu_bytes(int(args.cap_gb * GiB))  # what the planner may fill
@@ -762,7 +720,7 @@ def markdown(records: list[dict], args) -> str:
         + f"(overlapped), {'split' if args.split_master == 'on' else 'whole'} fp32 masters, {args.warmup} warm-up + "
         f"{args.steps} measured steps (median), random tokens. Host bytes/param: "
         f"{head.get('host_bytes_per_param', {}).get('total', float('nan')):.3f}. Command: "
-        f"`python bench/plan_bench.py --model {args.model} --optimizer {args.optimizer} --seq {args.seq} "
+        f"`python -m bench.plan_bench --model {args.model} --optimizer {args.optimizer} --seq {args.seq} "
         f"--batch {args.batch} --runs {' '.join(args.runs)}"
         + (f" --state-rounding {args.state_rounding}" if args.state_rounding != "nearest" else "")
         + (f" --fetch-allocation {args.fetch_allocation}" if args.fetch_allocation != "compute" else "")
@@ -894,13 +852,6 @@ def markdown(records: list[dict], args) -> str:
                 f"device syncs, {r.get('cuda_num_device_alloc', NAN):.0f} / {r.get('cuda_num_device_free', NAN):.0f} "
                 f"device allocations / frees; least host memory available {r.get('host_available_min_gb') or NAN:.1f} "
                 f"of {r.get('host_total_gb', NAN):.1f} GB.")
-    for r in records:
-        if r["name"].startswith("copy_check"):
-            lines.append(
-                f"\n{r['name']}: {r['bytes'] / 1e9:g} GB copies, host memory pinned in place (cudaHostRegister) "
-                f"H2D {r['registered_h2d_gbps']:.1f} / D2H {r['registered_d2h_gbps']:.1f} GB/s, by torch's pinned "
-                f"allocator H2D {r['allocated_h2d_gbps']:.1f} / D2H {r['allocated_d2h_gbps']:.1f} GB/s; "
-                f"{r['host_available_gb']:.1f} GB of host memory available.")
     for r in records:
         if "oom" in r and r.get("stage_memory_gb"):
             last = ", ".join(f"{name} {gb:.1f} / {pred:.1f}" for name, gb, pred in r["stage_memory_gb"][-4:])

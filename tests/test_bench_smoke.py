@@ -1,5 +1,10 @@
 """The benchmark scripts run on the CPU with the tiny model and write DESIGN.md section 6 records
-(the H200 runs use the same code, so a script that rots fails here, not on the device)."""
+(the H200 runs use the same code, so a script that rots fails here, not on the device).
+
+The scripts run in this process (their ``main(argv)``): a process of its own would import torch,
+transformers and LazyTrain again (~7 CPU seconds each). One test runs ``python -m bench.plan_bench``
+from the checkout as a user does; the fine-tuning study's ``--jobs`` start their own processes.
+"""
 
 from __future__ import annotations
 
@@ -23,36 +28,54 @@ ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {"name", "date", "device", "torch", "model", "seq_len", "batch_size", "policy", "tokens_per_s",
           "tflops_6nt", "tflops_model", "step_time_s", "predicted_step_time_s", "host_rss_gb",
           "gpu_mem_cap_gb", "world_size", "host_bytes_per_param", "runner"}
+TINY = ["--model", "tiny", "--device", "cpu", "--batch", "2", "--seq", "32", "--split-master", "off"]
 
 
-def test_plan_bench_on_the_cpu_writes_records(tmp_path):
-    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
-                    "--seq", "32", "--runs", "solved", "megatrain", "solved@0.01", "--split-master", "off", "--warmup", "1",
-                    "--steps", "1", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
-    (records,) = [json.loads(p.read_text()) for p in tmp_path.glob("plan_tiny_*.json")]
-    runs = [r for r in records if "tokens_per_s" in r]
+def plan_bench(*argv: str) -> None:
+    from bench import plan_bench
+
+    plan_bench.main(list(argv))
+
+
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory) -> Path:
+    """One profiled plan_bench study of the tiny model that several tests read: the solved plan
+    (at offload windows 1 and 2, and with a host limit of 0.01 GiB) and megatrain, each with the
+    CPU update as trained and skipped. Its folder: the records, the report, the cost table."""
+    out = tmp_path_factory.mktemp("plan_tiny")
+    plan_bench(*TINY, "--runs", "solved", "megatrain", "solved@0.01", "--update", "cpu", "skipped",
+               "--offload-window", "1", "2", "--warmup", "1", "--steps", "1", "--out", str(out))
+    return out
+
+
+def runs_of(folder: Path) -> list[dict]:
+    (path,) = folder.glob("plan_tiny_*.json")
+    return [r for r in json.loads(path.read_text()) if "tokens_per_s" in r]
+
+
+def test_plan_bench_on_the_cpu_writes_records(tiny_study, tmp_path):
+    # the runs as trained at the default offload window: the solved plan, megatrain, solved@GIB
+    runs = [r for r in runs_of(tiny_study) if r["update"] == "cpu" and "_ow2" not in r["name"]]
     assert [r["policy"] for r in runs] == ["solved", "megatrain", "solved"]
     for r in runs:
         assert FIELDS <= r.keys(), FIELDS - r.keys()
         assert r["tokens_per_s"] > 0 and r["predicted_step_time_s"] > 0 and r["world_size"] == 1
         assert r["act_fetch_alloc_s"] >= 0 and 0 < r["host_available_min_gb"] <= r["host_total_gb"]
     # solved@GIB: that run's own host limit (here none of it left for activations)
-    assert runs[2]["name"].endswith("_host0.01") and abs(runs[2]["host_budget_gb"]["limit"] - 0.01 * 2**30 / 1e9) < 1e-8
+    assert "_host0.01" in runs[2]["name"] and abs(runs[2]["host_budget_gb"]["limit"] - 0.01 * 2**30 / 1e9) < 1e-8
     assert runs[0]["host_budget_gb"]["limit"] > 1
-    assert (tmp_path / next(tmp_path.glob("plan_tiny_*.json")).name.replace(".json", ".md")).exists()
+    assert (tiny_study / next(tiny_study.glob("plan_tiny_*.json")).name.replace(".json", ".md")).exists()
 
     # a cost table from before the embedding's and head's working sets were measured: the
     # bench measures those constants on the model and keeps the table's layer costs
-    (costs_file,) = tmp_path.glob("costs_tiny_*.json")
-    old = json.loads(costs_file.read_text())
+    (profiled,) = tiny_study.glob("costs_tiny_*.json")
+    old = json.loads(profiled.read_text())
     del old["head_token_bytes"], old["embed_backward_work_bytes"]
+    costs_file = tmp_path / profiled.name
     costs_file.write_text(json.dumps(old))
     again = tmp_path / "again"
-    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
-                    "--seq", "32", "--runs", "megatrain", "--split-master", "off", "--warmup", "0", "--steps", "1",
-                    "--costs", str(costs_file), "--host-limit-gb", "0.5", "--const-update", "device",
-                    "--device-steps", "0", "1", "--out", str(again)], cwd=ROOT, check=True, capture_output=True,
-                   timeout=300)
+    plan_bench(*TINY, "--runs", "megatrain", "--warmup", "0", "--steps", "1", "--costs", str(costs_file),
+               "--host-limit-gb", "0.5", "--const-update", "device", "--device-steps", "0", "1", "--out", str(again))
     (records,) = [json.loads(p.read_text()) for p in again.glob("plan_tiny_*.json")]
     # a run per number of streamed layers stepped on the GPU
     runs = {r["name"]: r["plan"]["device_steps"] for r in records if "tokens_per_s" in r}
@@ -68,10 +91,8 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
     old["optimizer_ns_per_param"] *= 1e4
     costs_file.write_text(json.dumps(old))
     third = tmp_path / "third"
-    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
-                    "--seq", "32", "--runs", "solved", "megatrain", "--split-master", "off", "--warmup", "0",
-                    "--steps", "1", "--costs", str(costs_file), "--recalibrate", "2", "--out", str(third)], cwd=ROOT,
-                   check=True, capture_output=True, timeout=300)
+    plan_bench(*TINY, "--runs", "solved", "megatrain", "--warmup", "0", "--steps", "1", "--costs", str(costs_file),
+               "--recalibrate", "2", "--out", str(third))
     (records,) = [json.loads(p.read_text()) for p in third.glob("plan_tiny_*.json")]
     solved, megatrain = [r for r in records if "tokens_per_s" in r]
     assert solved["name"].endswith("_recal2") and "recalibration" not in megatrain
@@ -107,13 +128,13 @@ def test_plan_bench_on_the_cpu_writes_records(tmp_path):
     assert "Recalibrated before the measured steps" in report and "updates 2-2, as the trainer" in report
 
 
-def test_plan_bench_does_not_start_a_try_that_its_time_limit_cannot_hold(tmp_path):
-    """Building the model alone takes longer than a 0.5 s limit: the try is a record (and a row)
-    saying why it did not start, and a ``:max`` walk stops there instead of trying smaller batches."""
-    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
-                    "--seq", "32", "--runs", "solved:max", "--max-batch", "4", "--split-master", "off",
-                    "--warmup", "0", "--steps", "1", "--time-limit", "0.5", "--out", str(tmp_path)], cwd=ROOT,
-                   check=True, capture_output=True, timeout=300)
+def test_plan_bench_does_not_start_a_try_that_its_time_limit_cannot_hold(tiny_study, tmp_path):
+    """This process has run for longer than a 0.5 s limit before the try: the try is a record
+    (and a row) saying why it did not start, and a ``:max`` walk stops there instead of trying
+    smaller batches."""
+    (costs,) = tiny_study.glob("costs_tiny_*.json")
+    plan_bench(*TINY, "--runs", "solved:max", "--max-batch", "4", "--warmup", "0", "--steps", "1",
+               "--costs", str(costs), "--time-limit", "0.5", "--out", str(tmp_path))
     (path,) = tmp_path.glob("plan_tiny_*.json")
     tries = [r for r in json.loads(path.read_text()) if r["name"] != "costs"]
     assert len(tries) == 1 and "tokens_per_s" not in tries[0]
@@ -121,18 +142,17 @@ def test_plan_bench_does_not_start_a_try_that_its_time_limit_cannot_hold(tmp_pat
     assert f"| {tries[0]['name']} | not started: " in path.with_suffix(".md").read_text()
 
 
-def test_plan_bench_on_a_hybrid_on_the_cpu_reports_each_layer_type(tmp_path):
+def test_plan_bench_on_a_hybrid_on_the_cpu_reports_each_layer_type(tmp_path, capsys):
     """The path of the Qwen3.5-9B device runs, on the tiny hybrid: a kernel study's records say
     which kernels ran, and give each layer type's decisions and times; ``POLICY:max`` takes the
     largest batch the simulator fits up to ``--max-batch``."""
-    done = subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny-hybrid", "--device", "cpu",
-                           "--batch", "2", "--seq", "32", "--kernels", "torch", "--runs", "torch/solved",
-                           "torch/megatrain:max", "--max-batch", "4", "--split-master", "off", "--warmup", "0",
-                           "--steps", "1", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True,
-                          text=True, timeout=300)
+    plan_bench("--model", "tiny-hybrid", "--device", "cpu", "--batch", "2", "--seq", "32", "--kernels", "torch",
+               "--runs", "torch/solved", "torch/megatrain:max", "--max-batch", "4", "--split-master", "off",
+               "--warmup", "0", "--steps", "1", "--out", str(tmp_path))
+    stdout = capsys.readouterr().out
     # a call cut off at its time limit still shows where the time went: the search, each try
-    assert "megatrain: largest batch the simulator fits: 4 (searched in " in done.stdout
-    assert "solved b2: planned in " in done.stdout and "megatrain b4: planned in " in done.stdout
+    assert "megatrain: largest batch the simulator fits: 4 (searched in " in stdout
+    assert "solved b2: planned in " in stdout and "megatrain b4: planned in " in stdout
     (path,) = tmp_path.glob("plan_tiny-hybrid_*_torch-kernels.json")
     runs = {r["policy"]: r for r in json.loads(path.read_text()) if "tokens_per_s" in r}
     assert set(runs) == {"solved", "megatrain"} and runs["megatrain"]["batch_size"] == 4
@@ -155,8 +175,11 @@ def test_merge_results_keeps_every_record_once(tmp_path):
 
 
 def test_kernel_check_on_the_cpu_measures_the_bf16_null(tmp_path):
-    subprocess.run([sys.executable, "bench/kernel_check.py", "--shape", "tiny-hybrid", "--batch", "1", "--seq", "96",
-                    "--repeats", "1", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    from bench import kernel_check
+
+    status = kernel_check.main(["--shape", "tiny-hybrid", "--batch", "1", "--seq", "96", "--repeats", "1",
+                                "--out", str(tmp_path)])
+    assert status == 0
     (record,) = json.loads(next(tmp_path.glob("kernel_check_tiny-hybrid_*.json")).read_text())
     assert record["passed"] is None and "fla_bf16" not in record["rows"]  # no fla kernel on the CPU
     errors = record["rows"]["torch_bf16"]["errors"]
@@ -166,9 +189,10 @@ def test_kernel_check_on_the_cpu_measures_the_bf16_null(tmp_path):
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
 def test_packing_bench_on_the_cpu_compares_packed_with_padded(tmp_path, model):
-    subprocess.run([sys.executable, "bench/packing_bench.py", "--model", model, "--device", "cpu", "--batch", "2",
-                    "--seq", "512", "--samples", "200", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    from bench import packing_bench
+
+    packing_bench.main(["--model", model, "--device", "cpu", "--batch", "2", "--seq", "512", "--samples", "200",
+                        "--warmup", "1", "--steps", "2", "--out", str(tmp_path)])
     (path,) = tmp_path.glob(f"packing_{model}_*_s512_b2.json")
     records = json.loads(path.read_text())
     assert [r["batching"] for r in records] == ["padded", "packed"]
@@ -181,7 +205,7 @@ def test_packing_bench_on_the_cpu_compares_packed_with_padded(tmp_path, model):
     assert "pinned host buffers after each measured step" in path.with_suffix(".md").read_text()
 
 
-def test_packing_bench_reports_a_merged_study_from_its_records(tmp_path, monkeypatch):
+def test_packing_bench_reports_a_merged_study_from_its_records(tmp_path):
     """``--report``: the comparison and the heading come from the records (the committed H200
     study, one process per batching), not from the command's defaults (batch 16)."""
     import shutil
@@ -190,8 +214,7 @@ def test_packing_bench_reports_a_merged_study_from_its_records(tmp_path, monkeyp
 
     study = tmp_path / "packing_study.json"
     shutil.copy(ROOT / "bench/results/packing_qwen2.5-7b_h200_2026-12-03_s1024_b64.json", study)
-    monkeypatch.setattr(sys, "argv", ["packing_bench.py", "--report", str(study)])
-    packing_bench.main()
+    packing_bench.main(["--report", str(study)])
     report = study.with_suffix(".md").read_text()
     assert report.startswith("# Packed against padded batches: qwen2.5-7b, seq 1024, batch 64\n")
     packed = next(r for r in json.loads(study.read_text()) if r["batching"] == "packed")
@@ -215,10 +238,8 @@ def test_packing_bench_re_solves_a_plan_that_runs_out_of_memory(tmp_path, monkey
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Executor, "forward_backward", forward_backward)
-    monkeypatch.setattr(sys, "argv", ["packing_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
-                                      "--seq", "256", "--samples", "60", "--warmup", "0", "--steps", "1",
-                                      "--policy", "solved", "--out", str(tmp_path)])
-    packing_bench.main()
+    packing_bench.main(["--model", "tiny", "--device", "cpu", "--batch", "2", "--seq", "256", "--samples", "60",
+                        "--warmup", "0", "--steps", "1", "--policy", "solved", "--out", str(tmp_path)])
     (path,) = tmp_path.glob("packing_tiny_*_s256_b2.json")
     padded, packed = json.loads(path.read_text())
     assert padded["oom_replans"] == 1 and len(padded["oom_tries"]) == 1 and packed["oom_replans"] == 0
@@ -234,10 +255,15 @@ def test_packing_bench_re_solves_a_plan_that_runs_out_of_memory(tmp_path, monkey
     assert "re-solved with less memory" in path.with_suffix(".md").read_text()
 
 
+def finetune_8bit(*argv: str) -> None:
+    from bench.studies import accuracy_finetune_8bit
+
+    accuracy_finetune_8bit.main(["--shape", "tiny", "--device", "cpu", *argv])
+
+
 def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path):
-    subprocess.run([sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "3",
-                    "--finetune-steps", "3", "--heldout", "2", "--seeds", "1", "2", "--kinds", "fp32", "hybrid8bit",
-                    "--device", "cpu", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    finetune_8bit("--pretrain-steps", "3", "--finetune-steps", "3", "--heldout", "2", "--seeds", "1", "2",
+                  "--kinds", "fp32", "hybrid8bit", "--out", str(tmp_path))
     records = [r for p in tmp_path.glob("*.json") for r in json.loads(p.read_text())]
     assert sorted((r["kind"], r["seed"]) for r in records) == [("fp32", 1), ("fp32", 2), ("hybrid8bit", 1), ("hybrid8bit", 2)]
     assert all(r["shared_pretrain"] and r["optimizer"] for r in records)
@@ -253,7 +279,7 @@ def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path):
 def test_the_fine_tune_report_gives_the_base_score_per_seed():
     """Each seed draws its own held-out problems, so the base scores differ by seed; only the
     kinds of one seed must agree."""
-    from bench.accuracy_finetune_8bit import report
+    from bench.studies.accuracy_finetune_8bit import report
 
     def record(kind, seed, base):
         return {"kind": kind, "seed": seed, "base_exact_match": base, "exact_match": 0.5, "tail_loss": 1.0,
@@ -268,7 +294,7 @@ def test_the_fine_tune_report_gives_the_base_score_per_seed():
 
 
 def test_the_fine_tune_report_compares_a_repeated_run_with_its_first_and_counts_it_once():
-    from bench.accuracy_finetune_8bit import report
+    from bench.studies.accuracy_finetune_8bit import report
 
     def record(kind, tail, curve, seconds=10.0):
         return {"kind": kind, "seed": 1, "exact_match": 0.5, "tail_loss": tail, "loss_every_10_steps": curve,
@@ -285,7 +311,7 @@ def test_the_fine_tune_report_compares_a_repeated_run_with_its_first_and_counts_
 def test_the_kernel_null_is_fp32_adamw_through_the_8bit_kernel(tmp_path):
     """fp32_kernel (the fine-tuning study's null): every group keeps fp32 states (the run
     checks it), and the losses follow fp32's to rounding."""
-    from bench.optim_convergence import run
+    from bench.studies.optim_convergence import run
 
     fp32 = run("fp32", 5, tmp_path / "a", seed=1, overrides=("data.heldout_size=2",))
     null = run("fp32_kernel", 5, tmp_path / "b", seed=1, overrides=("data.heldout_size=2",))
@@ -358,51 +384,43 @@ def test_live_tensors_names_what_still_holds_the_largest_tensors():
     del fake
 
 
-def test_accuracy_finetune_8bit_jobs_fine_tune_in_processes_of_their_own(tmp_path):
-    subprocess.run([sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "2",
-                    "--finetune-steps", "2", "--heldout", "1", "--seeds", "1", "2", "--kinds", "fp32", "--jobs", "2",
-                    "--device", "cpu", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
-    # one record file, one report and one archive of the per-run files and logs; nothing else
-    (path,) = tmp_path.glob("finetune_8bit_tiny_*.json")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [path.name, path.with_suffix(".md").name, f"{path.stem}_runs.tgz"])
-    with tarfile.open(tmp_path / f"{path.stem}_runs.tgz") as tar:
-        names = {Path(n).name for n in tar.getnames()}
-    assert {"pretrain.log", "fp32_s1.log", "fp32_s2.log"} <= names
-    records = json.loads(path.read_text())
-    assert [(r["kind"], r["seed"]) for r in records] == [("fp32", 1), ("fp32", 2)]
-    assert len({(r["pretrain_seed"], r["pretrain_exact_match"]) for r in records}) == 1  # one base model
-    assert records[0]["loss_every_10_steps"] != records[1]["loss_every_10_steps"]  # each process its own seed
-    assert all(r["cpu_threads"] == max(1, len(os.sched_getaffinity(0)) // 2) for r in records)
-
-
-def test_accuracy_finetune_8bit_runs_lists_the_fine_tunes_and_keeps_the_pretraining_seed(tmp_path):
-    """``--runs KIND:SEED`` completes a study across calls: exactly those fine-tunes, from the kept
-    pretraining of ``--pretrain-seed``; a kept pretraining of another seed is refused."""
+def test_accuracy_finetune_8bit_jobs_fine_tune_in_processes_of_their_own(tmp_path, capsys):
+    """``--jobs``: the pretraining and each fine-tune in a process of its own (``python -m
+    bench.studies...``); ``--runs KIND:SEED`` completes a study across calls: exactly those
+    fine-tunes, from the kept pretraining of ``--pretrain-seed``; a kept pretraining of another
+    seed is refused."""
     base = tmp_path / "base"
-    common = [sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "2",
-              "--finetune-steps", "2", "--heldout", "1", "--device", "cpu", "--pretrained", str(base)]
-    subprocess.run([*common, "--pretrain-seed", "1", "--runs", "hybrid8bit:4", "fp32:3", "--jobs", "2",
-                    "--out", str(tmp_path / "a")], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    common = ["--pretrain-steps", "2", "--finetune-steps", "2", "--heldout", "1", "--pretrained", str(base)]
+    finetune_8bit(*common, "--pretrain-seed", "1", "--runs", "fp32:1", "hybrid8bit:4", "fp32:2", "--jobs", "2",
+                  "--out", str(tmp_path / "a"))
+    # one record file, one report and one archive of the per-run files and logs; nothing else
     (path,) = (tmp_path / "a").glob("finetune_8bit_tiny_*.json")
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted(
+        [path.name, path.with_suffix(".md").name, f"{path.stem}_runs.tgz"])
+    with tarfile.open(tmp_path / "a" / f"{path.stem}_runs.tgz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {"pretrain.log", "fp32_s1.log", "hybrid8bit_s4.log", "fp32_s2.log"} <= names
     records = json.loads(path.read_text())
-    assert sorted((r["kind"], r["seed"]) for r in records) == [("fp32", 3), ("hybrid8bit", 4)]
+    assert sorted((r["kind"], r["seed"]) for r in records) == [("fp32", 1), ("fp32", 2), ("hybrid8bit", 4)]
     assert {r["pretrain_seed"] for r in records} == {1}
-    assert "--runs hybrid8bit:4 fp32:3" in path.with_suffix(".md").read_text()
-    other = subprocess.run([*common, "--pretrain-seed", "2", "--runs", "fp32:3", "--jobs", "1",
-                            "--out", str(tmp_path / "b")], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                           check=False)
+    assert len({(r["pretrain_seed"], r["pretrain_exact_match"]) for r in records}) == 1  # one base model
+    fp32 = {r["seed"]: r for r in records if r["kind"] == "fp32"}
+    assert fp32[1]["loss_every_10_steps"] != fp32[2]["loss_every_10_steps"]  # each process its own seed
+    assert all(r["cpu_threads"] == max(1, len(os.sched_getaffinity(0)) // 2) for r in records)
+    assert "--runs fp32:1 hybrid8bit:4 fp32:2" in path.with_suffix(".md").read_text()
+
+    finetune_8bit(*common, "--pretrain-seed", "2", "--runs", "fp32:3", "--jobs", "1", "--out", str(tmp_path / "b"))
     (log,) = (tmp_path / "b").glob("*_runs.tgz")
     with tarfile.open(log) as tar:
         text = "".join(tar.extractfile(m).read().decode() for m in tar.getmembers() if m.name.endswith("fp32_s3.log"))
-    assert "pretrained with seed 1, this study asks for --pretrain-seed 2" in text, other.stdout
-    bad = subprocess.run([*common, "--runs", "adam:1", "--jobs", "1"], cwd=ROOT, capture_output=True, text=True,
-                         check=False)
-    assert bad.returncode == 2 and "give KIND:SEED" in bad.stderr
+    assert "pretrained with seed 1, this study asks for --pretrain-seed 2" in text, capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:
+        finetune_8bit(*common, "--runs", "adam:1", "--jobs", "1")
+    assert bad.value.code == 2 and "give KIND:SEED" in capsys.readouterr().err
 
 
 def test_accuracy_finetune_8bit_jobs_stop_at_the_time_limit(tmp_path):
-    from bench.accuracy_finetune_8bit import Job, run_jobs
+    from bench.studies.accuracy_finetune_8bit import Job, run_jobs
 
     def sleeper(name, kind, seconds=0.0, code=0):
         return Job(name, kind, [sys.executable, "-c", f"import sys, time; time.sleep({seconds}); sys.exit({code})"], 1)
@@ -430,9 +448,10 @@ def test_embed_grad_cost_on_the_cpu_times_both_sums_against_a_step(tmp_path):
     step = tmp_path / "steps.json"
     step.write_text(json.dumps([{"name": "tiny_solved", "date": "2026-01-01", "device": device_name(torch.device("cpu")),
                                  "policy": "solved", "batch_size": 4, "seq_len": 256, "step_time_s": 0.5}]))
-    subprocess.run([sys.executable, "bench/embed_grad_cost.py", "--model", "tiny", "--batch", "4", "--seq", "256",
-                    "--device", "cpu", "--warmup", "1", "--repeats", "3", "--step-record", str(step),
-                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    from bench.studies import embed_grad_cost
+
+    embed_grad_cost.main(["--model", "tiny", "--batch", "4", "--seq", "256", "--device", "cpu", "--warmup", "1",
+                          "--repeats", "3", "--step-record", str(step), "--out", str(tmp_path)])
     (path,) = tmp_path.glob("embed_grad_cost_tiny_*.json")
     (record,) = json.loads(path.read_text())
     assert record["autograd_bf16_ms"] > 0 and record["fp32_sum_ms"] > 0 and record["reference_name"] == "tiny_solved"
@@ -443,7 +462,7 @@ def test_embed_grad_cost_on_the_cpu_times_both_sums_against_a_step(tmp_path):
 
 
 def test_embed_grad_cost_compares_with_the_newest_uncapped_h200_step():
-    from bench.embed_grad_cost import step_time_reference
+    from bench.studies.embed_grad_cost import step_time_reference
 
     path, record = step_time_reference("qwen2.5-7b", 64, 1024, "NVIDIA H200")
     others = [r for p in path.parent.glob("plan_qwen2.5-7b_*.json") for r in json.loads(p.read_text())
@@ -510,11 +529,9 @@ def test_a_largest_batch_try_re_solves_a_solved_plan_with_less_memory_before_wal
 def test_accuracy_finetune_8bit_pretrains_through_plain_pytorch(tmp_path):
     """--pretrain-runner torch: the base is trained by the HF model + torch AdamW on the device
     and saved as a folder LazyTrain fine-tunes from (the same weights the records' digest names)."""
-    subprocess.run([sys.executable, "bench/accuracy_finetune_8bit.py", "--shape", "tiny", "--pretrain-steps", "3",
-                    "--finetune-steps", "2", "--heldout", "2", "--seeds", "1", "--kinds", "fp32",
-                    "--pretrain-runner", "torch", "--pretrained", str(tmp_path / "base"), "--device", "cpu",
-                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
-    from bench.accuracy_finetune_8bit import weights_digest
+    finetune_8bit("--pretrain-steps", "3", "--finetune-steps", "2", "--heldout", "2", "--seeds", "1", "--kinds", "fp32",
+                  "--pretrain-runner", "torch", "--pretrained", str(tmp_path / "base"), "--out", str(tmp_path))
+    from bench.studies.accuracy_finetune_8bit import weights_digest
 
     (record,) = json.loads(next(tmp_path.glob("finetune_8bit_tiny_*.json")).read_text())
     assert record["pretrain_runner"] == "torch"
@@ -527,9 +544,10 @@ def test_accuracy_reference_trains_each_kind_on_the_cpu(tmp_path):
     """The references of the accuracy study (HF model + torch AdamW + clip_grad_norm_) and
     LazyTrain, a few steps each: one record per kind, the same first loss (same init, same
     batch, fp32 on the CPU)."""
-    subprocess.run([sys.executable, "bench/accuracy_reference.py", "--kinds", "lazytrain", "torch_fp32",
-                    "torch_bf16_master", "--steps", "3", "--heldout", "2", "--tail", "2", "--device", "cpu",
-                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    from bench.studies import accuracy_reference
+
+    accuracy_reference.main(["--kinds", "lazytrain", "torch_fp32", "torch_bf16_master", "--steps", "3", "--heldout",
+                             "2", "--tail", "2", "--device", "cpu", "--out", str(tmp_path)])
     records = [r for p in tmp_path.glob("accuracy_reference*.json") for r in json.loads(p.read_text())]
     by_kind = {r["kind"]: r for r in records}
     assert set(by_kind) == {"lazytrain", "torch_fp32", "torch_bf16_master"}
@@ -543,9 +561,10 @@ def test_layer_breakdown_on_the_cpu_splits_the_layers_time(tmp_path):
     """One tiny layer's forward + backward, with lean ops (their elementwise parts compiled) and
     HF's modules: records and a report with the operators' time by category, the matmuls among
     them."""
-    subprocess.run([sys.executable, "bench/layer_breakdown.py", "--model", "tiny", "--batch", "2", "--seq", "64",
-                    "--device", "cpu", "--variants", "lean-compiled", "hf", "--out", str(tmp_path)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    from bench.studies import layer_breakdown
+
+    layer_breakdown.main(["--model", "tiny", "--batch", "2", "--seq", "64", "--device", "cpu", "--variants",
+                          "lean-compiled", "hf", "--out", str(tmp_path)])
     (path,) = tmp_path.glob("layer_breakdown_tiny_*.json")
     records = json.loads(path.read_text())
     assert [(r["lean_ops"], r["fused_ops"]) for r in records] == [(True, "compiled"), (False, "eager")]
@@ -555,24 +574,19 @@ def test_layer_breakdown_on_the_cpu_splits_the_layers_time(tmp_path):
     assert "| lean ops, compiled elementwise |" in path.with_suffix(".md").read_text()
 
 
-def test_plan_bench_times_a_plan_with_the_update_skipped(tmp_path):
+def test_plan_bench_times_a_plan_with_the_update_skipped(tiny_study):
     """``--update cpu skipped``: each run twice; the skipped one is planned and predicted as if the
-    update cost nothing (the 'free CPU update' row of bench/ceiling_bound.py)."""
-    import dataclasses
-
+    update cost nothing (the 'free CPU update' row of bench/studies/ceiling_bound.py)."""
     from lazytrain.plan.costs import CostTable
     from lazytrain.plan.plan import Plan
     from lazytrain.plan.simulate import simulate
 
-    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
-                    "--seq", "32", "--runs", "solved", "--update", "cpu", "skipped", "--split-master", "off",
-                    "--warmup", "1", "--steps", "1", "--out", str(tmp_path)], cwd=ROOT, check=True,
-                   capture_output=True, timeout=300)
-    (path,) = tmp_path.glob("plan_tiny_*.json")
+    (path,) = tiny_study.glob("plan_tiny_*.json")
     records = json.loads(path.read_text())
     costs = CostTable.from_dict(next(r["costs"] for r in records if r["name"] == "costs"))
-    runs = [r for r in records if "tokens_per_s" in r]
-    assert [(r["update"], r["name"].endswith("_update-skipped")) for r in runs] == [("cpu", False), ("skipped", True)]
+    runs = [r for r in records if "tokens_per_s" in r and r["name"].startswith("tiny_solved_b2_s32_")
+            and r["name"].endswith("_ow1") and "_host" not in r["name"]]
+    assert [(r["update"], "_update-skipped" in r["name"]) for r in runs] == [("cpu", False), ("skipped", True)]
     assert costs.optimizer_ns_per_param > 0
     # the skipped run stepped SkippedUpdate, not the session's optimizer
     assert runs[1]["cpu_optimizer_s"] < 0.2 * runs[0]["cpu_optimizer_s"]
@@ -601,9 +615,14 @@ def test_a_skipped_update_leaves_the_weights_and_the_real_one_changes_them():
 
 
 def test_optim_bench_records_one_row_per_thread_count_with_the_host_copy_bandwidth(tmp_path):
-    subprocess.run([sys.executable, "bench/optim_bench.py", "--numel", "262144", "--threads", "1", "2",
-                    "--steps", "1", "--warmup", "0", "--kernel", "torch", "--out", str(tmp_path)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    from bench import optim_bench
+
+    threads = torch.get_num_threads()
+    try:
+        optim_bench.main(["--numel", "262144", "--threads", "1", "2", "--steps", "1", "--warmup", "0", "--kernel",
+                          "torch", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)  # the bench sets each count in turn
     (path,) = tmp_path.glob("optim_*.json")
     records = json.loads(path.read_text())
     assert [r["threads"] for r in records] == [1, 2]
@@ -612,9 +631,10 @@ def test_optim_bench_records_one_row_per_thread_count_with_the_host_copy_bandwid
 
 
 def test_device_layers_search_times_the_search_with_and_without_the_tolerance(tmp_path):
-    subprocess.run([sys.executable, "-m", "bench.device_layers_search", "--layers", "8", "--tolerances", "0", "0.005",
-                    "--update-ns-per-param", "0.2", "0.4", "--out", str(tmp_path)], cwd=ROOT, check=True,
-                   capture_output=True, timeout=300)
+    from bench.studies import device_layers_search
+
+    device_layers_search.main(["--layers", "8", "--tolerances", "0", "0.005", "--update-ns-per-param", "0.2", "0.4",
+                               "--costs", str(ROOT / device_layers_search.DEFAULT_COSTS), "--out", str(tmp_path)])
     (path,) = tmp_path.glob("device_layers_search_*.json")
     records = json.loads(path.read_text())
     assert [(r["optimizer_ns_per_param"], r["tolerance"]) for r in records] == [(0.2, 0.0), (0.2, 0.005), (0.4, 0.0),
@@ -632,7 +652,7 @@ def test_device_layers_search_times_the_search_with_and_without_the_tolerance(tm
 
 
 def test_compute_only_puts_each_run_against_its_own_layers_and_its_process_s_head(tmp_path):
-    from bench import compute_only
+    from bench.studies import compute_only
 
     def run(name, layers_s, steps, **extra):
         return {"name": name, "date": "2026-12-05", "device": "H200", "step_time_s": sorted(steps)[len(steps) // 2],
@@ -707,7 +727,7 @@ def test_a_recalibration_round_that_runs_out_of_memory_leaves_its_own_plan_to_th
 
 
 def test_offload_window_simulates_each_measured_plan_and_its_host_layers_variants(tmp_path):
-    from bench import offload_window
+    from bench.studies import offload_window
     from lazytrain.plan.plan import LayerPlan, Plan
     from lazytrain.plan.simulate import simulate
     from lazytrain.plan.synthetic import random_cost_table
@@ -743,31 +763,26 @@ def test_offload_window_simulates_each_measured_plan_and_its_host_layers_variant
 
 def test_plan_bench_refuses_a_missing_cost_table_before_building_the_model(tmp_path):
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "qwen2.5-7b", "--device", "cpu",
+    done = subprocess.run([sys.executable, "-m", "bench.plan_bench", "--model", "qwen2.5-7b", "--device", "cpu",
                            "--costs", str(tmp_path / "nowhere.json"), "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2 and "there is no file" in done.stderr and "nowhere.json" in done.stderr
     assert "model qwen2.5-7b" not in done.stdout and time.perf_counter() - t0 < 60  # no 7B model built
 
 
-def test_plan_bench_runs_the_solved_plan_once_per_offload_window(tmp_path):
+def test_plan_bench_runs_the_solved_plan_once_per_offload_window(tiny_study):
     from lazytrain.plan.plan import Plan
 
-    subprocess.run([sys.executable, "bench/plan_bench.py", "--model", "tiny", "--device", "cpu", "--batch", "2",
-                    "--seq", "32", "--runs", "solved", "megatrain", "--offload-window", "1", "2", "--split-master",
-                    "off", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)], cwd=ROOT, check=True,
-                   capture_output=True, timeout=300)
-    (path,) = tmp_path.glob("plan_tiny_*.json")
-    runs = {r["name"]: r for r in json.loads(path.read_text()) if "tokens_per_s" in r}
+    runs = {r["name"]: r for r in runs_of(tiny_study) if r["update"] == "cpu" and "_host" not in r["name"]}
     assert sorted(runs) == ["tiny_megatrain_b2_s32", "tiny_solved_b2_s32_ow1", "tiny_solved_b2_s32_ow2"]
     assert [Plan.from_dict(runs[f"tiny_solved_b2_s32_ow{w}"]["plan"]).offload_window for w in (1, 2)] == [1, 2]
     assert Plan.from_dict(runs["tiny_megatrain_b2_s32"]["plan"]).offload_window == 1
 
 
 def test_device_step_times_each_piece_size_and_writes_records(tmp_path, monkeypatch):
-    """bench/device_step.py on the CPU (the step's pieces eager): a record per group and piece
+    """bench/studies/device_step.py on the CPU (the step's pieces eager): a record per group and piece
     size, the pieces counted, the report written."""
-    from bench import device_step
+    from bench.studies import device_step
     from lazytrain.optim import hybrid8bit
 
     monkeypatch.setattr(hybrid8bit, "_compiled_piece", hybrid8bit._device_piece)

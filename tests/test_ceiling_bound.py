@@ -1,4 +1,4 @@
-"""bench/ceiling_bound.py: each scenario frees one resource of a cost table and re-solves; a
+"""bench/studies/ceiling_bound.py: each scenario frees one resource of a cost table and re-solves; a
 freed resource never makes the predicted step longer, and with everything free but the card's
 memory only recompute separates the step from compute-only."""
 
@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from bench.ceiling_bound import FAST, LARGE, compute_only_s, row, scenarios, with_recompute_ms
+from bench.studies.ceiling_bound import (
+    FAST,
+    LARGE,
+    compute_only_s,
+    row,
+    scenarios,
+    with_recompute_ms,
+)
 from lazytrain.plan.milp import min_gpu_bytes
 from lazytrain.plan.plan import Plan, keep_all_plan
 from lazytrain.plan.simulate import simulate

@@ -1,5 +1,5 @@
 """The simulator's GPU memory per stage against the H200's: recorded plan runs (committed JSON,
-``bench/stage_memory_check.py``) and each term the executor holds, on tables alone."""
+``bench/studies/stage_memory_check.py``) and each term the executor holds, on tables alone."""
 
 import json
 from dataclasses import replace
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.stage_memory_check import check_file
+from bench.studies.stage_memory_check import check_file
 from lazytrain.plan.costs import CostTable
 from lazytrain.plan.plan import LayerPlan, Plan, checkpoint_all_plan
 from lazytrain.plan.simulate import simulate

@@ -229,7 +229,7 @@ class OptimizerConfig(AdamWConfig):
     untied LM head), as bitsandbytes advises for embeddings. Costs 6 B more per parameter of
     those groups: Qwen2.5-7B (2 x 545 M of 7.6 B parameters) goes from 2.06 to 2.91 B/param,
     a tied model of the same shape (one 545 M matrix of 7.1 B) to 2.52. On the built-in default
-    it measured no closer to fp32 than all-8-bit states (``bench/optim_convergence_seeds.py``)."""
+    it measured no closer to fp32 than all-8-bit states (``bench/studies/optim_convergence_seeds.py``)."""
     state_rounding: Literal["auto", "nearest", "stochastic"] = "auto"
     """hybrid8bit only: how sqrt(v) is requantized each step. nearest: the nearest code.
     stochastic: one of the two codes around it, drawn so that its expected value is sqrt(v)
@@ -330,7 +330,7 @@ class PlanConfig:
     out within the next stage (1), or spread over up to this many stages, its GPU memory held
     meanwhile, so that the planner may send a layer's MLP activations to the host where a
     layer's forward is too short to copy them (recomputing less). Predicted on the H200 at 7B
-    (2026-12-05 tables, 8 resident layers, `bench/offload_window.py --solve`): 2.2-2.6% faster
+    (2026-12-05 tables, 8 resident layers, `bench/studies/offload_window.py --solve`): 2.2-2.6% faster
     steps at 2, 2.4-3.3% at 3; not yet measured, so 1 stays the default. The executor runs every plan alike (it waits for no
     offload)."""
     recalibrate_after: int = 4

@@ -1,7 +1,7 @@
 """The elementwise parts of a decoder layer, eager or compiled into fused kernels.
 
 A Qwen2.5-7B layer at 64 x 1024 tokens spends 45 of its 176 ms of GPU time outside matmuls and
-attention (`bench/layer_breakdown.py`, H200, 2026-12-03): RMSNorm in fp32 (casts, squares,
+attention (`bench/studies/layer_breakdown.py`, H200, 2026-12-03): RMSNorm in fp32 (casts, squares,
 means and products, each a pass over the activations), SwiGLU's ``silu(gate) * up`` and its
 backward, five passes over [tokens, intermediate] tensors. Each pass is memory-bound, so doing
 the same arithmetic in one kernel per function saves most of that time. Rotary embedding of the

@@ -32,7 +32,7 @@ holds such values where they were; stochastic codes follow them on average. The 
 of each element is a hash of the seed, the group, the step and the element's index in its
 group (``quant.rounding_uniforms``): runs repeat exactly, resume exactly, and a data-parallel
 shard draws what the whole group would. m keeps nearest codes (rounding it stochastically too
-measured farther from fp32 along a run, ``bench/optim_update_error.py``).
+measured farther from fp32 along a run, ``bench/studies/optim_update_error.py``).
 
 A split master (``split.py``) is joined to fp32, stepped and split again inside the same pass
 (kernel) or chunk (torch path), so the masters it holds are bit-for-bit those of an unsplit
@@ -215,7 +215,7 @@ at 1 << 23 the GPU kept up with that: on the H200 (7B, 2026-12-04/05) the update
 queued the embedding's, head's and 8 layers' steps (354 pieces of 1 << 23) in 0.061-0.087 s of
 host time, the GPU 4-9 ms behind it when the next step was called (it had waited for the
 launches), 0.05-0.10 s of each step. At 1 << 26 a layer is 4 pieces, the head 9 (not yet timed
-on a GPU: `bench/device_step.py`). The temporaries grow with the piece: 67.6 MB measured at
+on a GPU: `bench/studies/device_step.py`). The temporaries grow with the piece: 67.6 MB measured at
 1 << 23 (8 bytes per element), so ~0.54 GB (`CostTable.device_step_work_bytes`, measured)."""
 
 

@@ -36,7 +36,7 @@ import torch
 BLOCK = 128
 """Elements per quantization block (one fp32 absmax each): 2 + 8 / 128 = 2.0625 bytes of state
 per parameter. bitsandbytes uses 256; along a training run of the built-in model, 128 halves
-how far 8-bit updates drift from fp32 ones (``bench/optim_update_error.py``)."""
+how far 8-bit updates drift from fp32 ones (``bench/studies/optim_update_error.py``)."""
 
 TINY = torch.finfo(torch.float32).tiny
 """Blocks with a smaller absmax are stored as zero."""

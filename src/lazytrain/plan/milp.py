@@ -849,7 +849,7 @@ bisects between the best and its neighbours."""
 DEVICE_LAYER_TOLERANCE = 0.001
 """The search does not bisect toward a neighbour predicted within this fraction of the best: near
 the optimum the step changes by tenths of a percent per layer, and each MILP solve takes seconds
-(`bench/device_layers_search.py` on 2 cores, the 12-05 7B table: 20 s at the profiled update rate
+(`bench/studies/device_layers_search.py` on 2 cores, the 12-05 7B table: 20 s at the profiled update rate
 whatever the tolerance, 78 s at 0.2715 ns/param against 63 s at 0.005, 87 against 82 at 0.313).
 0.005 until 2026-12-05: on the H200 at 7B a recalibration (0.2715 ns/param) kept k = 4 (5.331 s
 predicted) with k = 8 0.35% behind and never tried 5-7 (5: 5.312 s; 6: 5.317); measured in that

@@ -187,7 +187,7 @@ def simulate(plan: Plan, costs: CostTable, optimizer_overlap: bool | None = None
     out, issued in the stage after its layer's) may take before a stage waits for it, its GPU
     memory counted through stage ``W - 1`` after its own (with 1, the block counts in its own
     stage only, the allocator reusing it once the copy is done), and never past the head: the
-    MILP's model of `Plan.offload_window`, or a what-if (`bench/offload_window.py`). NVMe-tier
+    MILP's model of `Plan.offload_window`, or a what-if (`bench/studies/offload_window.py`). NVMe-tier
     offloads, which a disk write follows, keep 1. The executor
     waits for no offload (its GPU block is reused once the copy is done), so its timing is
     nearer a long window; on the H200 (2026-12-05) a plan the model gave 0.333 s of exposed D2H

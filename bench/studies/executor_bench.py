@@ -2,7 +2,7 @@
 
 One process, one model in host memory, every policy run through the same executor:
 
-    python bench/executor_bench.py --model qwen2.5-7b --seq 1024 \
+    python -m bench.studies.executor_bench --model qwen2.5-7b --seq 1024 \
         --runs megatrain:32 megatrain:64 keep_all:max --out bench/results
 
 ``POLICY:BATCH`` runs that plan at that batch; ``keep_all:max`` tries batches from
@@ -180,7 +180,7 @@ def markdown(records: list[dict], args) -> str:
         "",
         (f"{head['date']}, {head['device']}, torch {head['torch']}, optimizer {args.optimizer} "
         f"(overlapped: {not args.serial_optimizer}), {args.warmup} warm-up + {args.steps} measured "
-        f"steps (median), random tokens, no padding. Command: `python bench/executor_bench.py "
+        f"steps (median), random tokens, no padding. Command: `python -m bench.studies.executor_bench "
         f"--model {args.model} --seq {args.seq} --runs {' '.join(args.runs)}`"),
         "",
         ("| run | tokens/s | TFLOPS 6NT | TFLOPS model | step s | fwd+bwd s | GPU compute s | "

@@ -5,7 +5,7 @@ holds ~83 GB of host memory, so never both at once): once as a plain process, on
 ``torchrun --nproc-per-node 1`` (process group, sharded host store, per-group publish of the
 updated weights, global token counts), and reports the step-time ratio:
 
-    python bench/dp_bench.py --model qwen2.5-7b --seq 1024 --batch 64 --steps 6 \\
+    python -m bench.studies.dp_bench --model qwen2.5-7b --seq 1024 --batch 64 --steps 6 \\
         --costs bench/results/costs_qwen2.5-7b_h200_2026-11-29_s1024_b64.json --out "$OUT"
 
 Data: random printable text (the built-in byte tokenizer: one token per character), every
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import random
 import socket
 import statistics
@@ -32,6 +31,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from bench.common import child_env
 
 FIELDS = ("tokens_per_s", "tflops_6nt", "tflops_model", "step_time_s", "predicted_step_time_s",
           "peak_gpu_alloc_gb", "peak_gpu_reserved_gb", "host_rss_gb")
@@ -121,17 +122,17 @@ def main() -> None:
     work.mkdir(exist_ok=True)
     data = work / "data.jsonl"
     write_data(data, args.batch * (args.steps + 1), args.seq)
-    script = str(Path(__file__).resolve())
+    module = ["-m", "bench.studies.dp_bench"]
     passthrough = [
         "--model", args.model, "--optimizer", args.optimizer, "--seq", str(args.seq), "--batch", str(args.batch),
         "--steps", str(args.steps), "--policy", args.policy, "--device", args.device, "--data", str(data),
         *(["--costs", args.costs] if args.costs else []), *(["--set", *args.set] if args.set else []),
     ]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {k: v for k, v in child_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     commands = {
-        "single": [sys.executable, script],
+        "single": [sys.executable, *module],
         "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                     "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script],
+                     "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *module],
     }
     date = datetime.date.today().isoformat()
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") and torch.cuda.is_available() else "cpu"
@@ -150,7 +151,7 @@ def main() -> None:
         (out / f"{stem}.json").write_text(json.dumps(records, indent=1))
     single, dp = records
     ratio = single["step_time_s"] / dp["step_time_s"]
-    command_line = "python bench/dp_bench.py " + " ".join(sys.argv[1:])
+    command_line = "python -m bench.studies.dp_bench " + " ".join(sys.argv[1:])
     lines = [
         f"# Data parallel at world size 1 vs single process: {args.model}, seq {args.seq}, batch {args.batch}",
         "",

@@ -40,7 +40,7 @@ Compute-only (the issue-19 denominator) is taken from the table as each layer's 
 backward plus the head and the embedding (``bench/plan_bench.py`` measures it with the weights
 resident instead: at 7B b64 4.34 + 0.50 s against this table's 4.29 + 0.50).
 
-    python bench/ceiling_bound.py bench/results/costs_qwen2.5-7b_h200_2026-12-03_s1024_b64_fused.json
+    python -m bench.studies.ceiling_bound bench/results/costs_qwen2.5-7b_h200_2026-12-03_s1024_b64_fused.json
 
 JSON records and a Markdown report go to ``--out`` as ``ceiling_bound_<table stem>``.
 """
@@ -150,7 +150,7 @@ def markdown(records: list[dict], table: str, options: str = "") -> str:
     lines = [f"# Where the step's distance from compute-only goes: {Path(table).stem}", "",
              (f"The planner's model (MILP + simulator) on `{table}` (batch {head['batch_size']} x seq "
              f"{head['seq_len']}, {head['device']}), each row one resource made free or changed "
-             f"(`python bench/ceiling_bound.py {table}{options}`). Compute-only from the table: "
+             f"(`python -m bench.studies.ceiling_bound {table}{options}`). Compute-only from the table: "
              f"{head['compute_only_s']:.3f} s."), "",
              ("| scenario | predicted step s | / compute-only | GPU compute s | of it recompute and extra s | "
              "exposed H2D + D2H s | CPU wait + other idle s | the profiled plan s | layer modes |"),

@@ -15,8 +15,8 @@ plan, uncapped; ``--step-record`` names another file), the peak GPU bytes each a
 allocated before it, and how far the two gradients land apart. Issue 20's budget for the fix
 is 2% of the 7B step. Writes OUT/embed_grad_cost_<model>_<device>_<date>.json and a report:
 
-    python bench/embed_grad_cost.py                                    # qwen2.5-7b, b64 x s1024
-    python bench/embed_grad_cost.py --model tiny --batch 2 --seq 64   # the CPU smoke test
+    python -m bench.studies.embed_grad_cost                                    # qwen2.5-7b, b64 x s1024
+    python -m bench.studies.embed_grad_cost --model tiny --batch 2 --seq 64   # the CPU smoke test
 """
 
 from __future__ import annotations
@@ -30,13 +30,11 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, device_tag, run_header, today, write_results
+from bench.common import RESULTS, ROOT, device_tag, run_header, today, write_results
 from lazytrain.data.pipeline import load_tokenizer
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import model_config
 from lazytrain.runtime.device import device_name, resolve_device
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def measure(device: torch.device, setup: Callable[[], object], op: Callable[[object], torch.Tensor],
@@ -74,7 +72,7 @@ def step_time_reference(model: str, batch: int, seq: int, device: str,
     ``(batch, seq)`` on this ``device`` (its name), uncapped, on one GPU, in ``path`` or the
     newest committed record file that has one; of several there, the fastest (the smallest
     step makes the largest fraction)."""
-    files = [path] if path else sorted((ROOT / "bench" / "results").glob(f"plan_{model}_*.json"))
+    files = [path] if path else sorted(RESULTS.glob(f"plan_{model}_*.json"))
     found = []
     for file in files:
         for r in json.loads(file.read_text()):
@@ -166,7 +164,7 @@ def report(r: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-7b", help="a built-in shape (lazytrain.model.shapes)")
     parser.add_argument("--batch", type=int, default=64)
@@ -178,9 +176,9 @@ def main() -> None:
     parser.add_argument("--step-record", default=None, help="record file with the step time to compare with")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--tag", default="")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     record = run(args)
-    command = (f"python bench/embed_grad_cost.py --model {args.model} --batch {args.batch} --seq {args.seq} "
+    command = (f"python -m bench.studies.embed_grad_cost --model {args.model} --batch {args.batch} --seq {args.seq} "
                f"--device {args.device} --warmup {args.warmup} --repeats {args.repeats}")
     text = report(record, command)
     write_results([record], f"embed_grad_cost_{args.model}_{device_tag(record['device'])}_{today()}{args.tag}",

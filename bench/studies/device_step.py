@@ -1,6 +1,6 @@
 """The GPU optimizer step by piece size: the calling thread's time, the GPU's, and the step's.
 
-    python bench/device_step.py --model qwen2.5-7b --chunks 21 22 23 24 25 26 27 --out bench/results
+    python -m bench.studies.device_step --model qwen2.5-7b --chunks 21 22 23 24 25 26 27 --out bench/results
 
 `device_step_8bit`, the compiled 8-bit AdamW step that `plan.const_update=device`,
 `plan.device_layers` and `plan.device_steps` run on the GPU, on scratch groups the size of the
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         del group
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    command = "python bench/device_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.studies.device_step " + " ".join(argv if argv is not None else sys.argv[1:])
     stem = f"device_step_{args.model}_{device_tag(device)}_{today()}{args.tag}"
     write_results(records, stem, report(records, command), args.out)
     return records

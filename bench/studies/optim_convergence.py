@@ -5,7 +5,7 @@ equal: fp32 states, 8-bit states, and 8-bit states with the embedding's kept in 
 (``optimizer.fp32_embedding_states``). Compares the mean loss of the last ``--tail`` steps and
 the exact match on the built-in held-out split. Writes a JSON record and a Markdown report.
 
-    python bench/optim_convergence.py --steps 1000 --out bench/results
+    python -m bench.studies.optim_convergence --steps 1000 --out bench/results
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def main() -> None:
         f"# 8-bit vs fp32 AdamW states on the built-in default ({args.steps} steps)",
         "",
         (f"{date}, {record['device']}, torch {record['torch']}, 8-bit backend "
-         f"{record['optimizer_backend_8bit']}. Command: `python bench/optim_convergence.py --steps {args.steps}`"),
+         f"{record['optimizer_backend_8bit']}. Command: `python -m bench.studies.optim_convergence --steps {args.steps}`"),
         "",
         *([args.note, ""] if args.note else []),
         "| | fp32 states | 8-bit states | 8-bit, embedding fp32 |",

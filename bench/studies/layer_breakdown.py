@@ -8,7 +8,7 @@ One layer of a built-in shape with random weights on the device, as the profiler
 The matmul rate is the layer's matmul FLOPs (2 x its parameters x tokens forward, twice that
 backward, no attention) over the matmul kernels' time. Example::
 
-    python bench/layer_breakdown.py --model qwen2.5-7b --batch 64 --seq 1024 --out bench/results
+    python -m bench.studies.layer_breakdown --model qwen2.5-7b --batch 64 --seq 1024 --out bench/results
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def markdown(records: list[dict], args) -> str:
              "",
              (f"torch {records[0]['torch']}, transformers {records[0]['transformers']}; batch {args.batch} x seq "
               f"{args.seq}, layer 0 with random weights, median of {args.repeats} for the step, one profiled step "
-              f"for the kernels. Command: `python bench/layer_breakdown.py --model {args.model} --batch {args.batch} "
+              f"for the kernels. Command: `python -m bench.studies.layer_breakdown --model {args.model} --batch {args.batch} "
               f"--seq {args.seq}`"),
              "",
              "| layer | fwd+bwd ms | matmul ms | attention ms | other ms | matmul TFLOPS (own time) | layer TFLOPS |",
@@ -126,7 +126,7 @@ def markdown(records: list[dict], args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--batch", type=int, default=64)
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     records = [breakdown(variant, args, device) for variant in args.variants]
     for r in records:

@@ -8,7 +8,7 @@ slot and rotary tables excluded) with HF's modules and with `model/lean.py`'s, a
 sequence on any device. Saved bytes are linear in tokens (sdpa saves a per-row logsumexp, not
 the scores), so bytes per token carry over to the H200 shape; times are not measured.
 
-    python bench/saved_bytes.py --shapes qwen2.5-7b qwen3.5-9b --seq 512
+    python -m bench.studies.saved_bytes --shapes qwen2.5-7b qwen3.5-9b --seq 512
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def main() -> None:
               "profiler's (`saved_tensor_bytes`): distinct storages autograd saves, the layer input included, "
               "weights and rotary tables not; a lean norm's output counts as its input (the executor stores that "
               "and recomputes the output in backward). \"+ up recomputed\": the layer kept with "
-              "`recompute=mlp_up`. Command: `python bench/saved_bytes.py --shapes "
+              "`recompute=mlp_up`. Command: `python -m bench.studies.saved_bytes --shapes "
               f"{' '.join(args.shapes)} --batch {args.batch} --seq {args.seq} --dtype {args.dtype}`")
     columns = ("| shape | layer type | HF KB/token | lean KB/token | lean / HF | HF GB at 64 x 1024 | lean GB at 64 x 1024 "
                "| lean + up recomputed KB/token | GB at 64 x 1024 |")

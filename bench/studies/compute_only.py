@@ -7,7 +7,7 @@ median step and its range over it (the JSON also the first step's), next to what
 (recompute, compute slowed by copies), the GPU waiting for the CPU update, and the update's rate
 inside the step.
 
-    python bench/compute_only.py bench/results/plan_qwen2.5-7b_h200_2026-12-05_as_trained.json
+    python -m bench.studies.compute_only bench/results/plan_qwen2.5-7b_h200_2026-12-05_as_trained.json
 
 A record file holds one or more processes, each starting with its ``costs`` record (as
 `bench/merge_results.py` keeps them); "process" numbers them in file order. The rows go to
@@ -99,7 +99,7 @@ def markdown(table: list[dict], source: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("records", type=Path, help="a plan_bench record file (JSON list)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     args = parser.parse_args(argv)
     table = rows(json.loads(args.records.read_text()))
     if not table:

@@ -2,7 +2,7 @@
 
 Per seed: train a built-in shape from scratch on one built-in tier with fp32 states, then
 fine-tune that model on another tier at a fine-tuning learning rate with each optimizer kind
-(``bench/optim_convergence.py``'s kinds: ``fp32``; the nulls, the same fp32 AdamW math with
+(``bench/studies/optim_convergence.py``'s kinds: ``fp32``; the nulls, the same fp32 AdamW math with
 other float rounding: ``fp32_kernel`` (LazyTrain's fused kernel with fp32 states for every
 group; on the H200, 301-353 s per 0.5B fine-tune against 238-254 s for torch's fused fp32, two
 or three runs sharing the host) and ``fp32_unfused`` (torch's single-tensor loop, 2-3x fp32's
@@ -18,8 +18,8 @@ and ``mul`` 0% of add2's exact match after 300 steps. The report gives 8-bit's a
 deviation from fp32 along the loss curve, tail loss and exact match against fp32 with 90%
 intervals from resampling the seeds.
 
-    python bench/accuracy_finetune_8bit.py --shape qwen2.5-0.5b --seeds 1 2 3     # the H200 study
-    python bench/accuracy_finetune_8bit.py --shape tiny --pretrain-steps 5 --finetune-steps 5 --heldout 4
+    python -m bench.studies.accuracy_finetune_8bit --shape qwen2.5-0.5b --seeds 1 2 3     # the H200 study
+    python -m bench.studies.accuracy_finetune_8bit --shape tiny --pretrain-steps 5 --finetune-steps 5 --heldout 4
 
 ``--jobs N``: the shared pretraining runs in a process of its own, then each (kind, seed)
 fine-tune in its own process, N at once on the one device with ``cores // N`` CPU threads
@@ -29,8 +29,8 @@ archive. The runs go seed by seed, each seed's kinds together, ``fp32_unfused`` 
 for) after all of them: the CPU step (host memory bandwidth, not the GPU) bounds these runs,
 and that null's is two to three times fp32's (torch's single-tensor loop makes several passes).
 
-    python bench/accuracy_finetune_8bit.py --shape qwen2.5-0.5b --seeds 1 2 3 4 5 --jobs 3 --time-limit 480
-    python bench/accuracy_finetune_8bit.py --merge RUNS/*.json --tag _h200    # what a cut-off run left
+    python -m bench.studies.accuracy_finetune_8bit --shape qwen2.5-0.5b --seeds 1 2 3 4 5 --jobs 3 --time-limit 480
+    python -m bench.studies.accuracy_finetune_8bit --merge RUNS/*.json --tag _h200    # what a cut-off run left
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, run_header, today, write_results
-from bench.optim_convergence import run
-from bench.optim_convergence_seeds import interval, points, ratio
+from bench.common import RESULTS, child_env, run_header, today, write_results
+from bench.studies.optim_convergence import run
+from bench.studies.optim_convergence_seeds import interval, points, ratio
 from lazytrain.runtime.device import resolve_device
 
 KINDS = ("fp32", "fp32_kernel", "fp32_unfused", "hybrid8bit", "hybrid8bit_sr")
@@ -112,7 +112,7 @@ def pretrain_torch(steps: int, out_dir: Path, seed: int, overrides: tuple[str, .
     model, torch AdamW there, bf16 autocast on a GPU, fp32 on the CPU), saved where `run` would
     have saved LazyTrain's: on the H200 this takes a fraction of LazyTrain's 375 s, whose CPU
     AdamW over 0.5B parameters (not under study in the pretraining) bounds each step."""
-    from bench.accuracy_reference import train_torch
+    from bench.studies.accuracy_reference import train_torch
     from lazytrain.config import load_config
 
     start = time.perf_counter()
@@ -223,7 +223,7 @@ def run_jobs(jobs: list[Job], at_once: int, logs: Path, deadline: float,
                 settle(job, f"not started: {deadline - now:.0f} s left, the quickest run (or --expect) took {quickest:.0f} s")
                 continue
             log = open(logs / f"{job.name}.log", "w")  # noqa: SIM115 (closed when the run ends)
-            env = {**os.environ, "OMP_NUM_THREADS": str(job.threads), "PYTHONUNBUFFERED": "1"}  # a killed run keeps its log
+            env = child_env(OMP_NUM_THREADS=str(job.threads), PYTHONUNBUFFERED="1")  # a killed run keeps its log
             running[job] = (subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, env=env), now, log)
             print(f"{time.strftime('%H:%M:%S')} {job.name}: started ({job.threads} threads)", flush=True)
         time.sleep(0.5)
@@ -245,7 +245,7 @@ def parallel_study(args: argparse.Namespace) -> Path | None:
     threads = max(1, cores // args.jobs)
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
         shared = args.pretrained or tmp
-        script = [sys.executable, str(Path(__file__).resolve()), *study_arguments(args), "--pretrained", shared,
+        script = [sys.executable, "-m", "bench.studies.accuracy_finetune_8bit", *study_arguments(args), "--pretrained", shared,
                   *(["--scratch", args.scratch] if args.scratch else [])]
         pretrain_threads = args.pretrain_threads or cores
         first = [Job("pretrain", "pretrain", [*script, "--pretrain-only",
@@ -324,7 +324,7 @@ def command_line(args: argparse.Namespace) -> str:
     extra += ["--expect " + " ".join(f"{k}={v:g}" for k, v in args.expect)] if args.expect else []
     which = [f"--runs {' '.join(f'{k}:{s}' for k, s in args.runs)}"] if args.runs else [
         f"--seeds {' '.join(map(str, args.seeds))}", f"--kinds {' '.join(args.kinds)}"]
-    return " ".join(["python bench/accuracy_finetune_8bit.py", *study_arguments(args), *which, *extra])
+    return " ".join(["python -m bench.studies.accuracy_finetune_8bit", *study_arguments(args), *which, *extra])
 
 
 def merge(files: list[Path], stem: str, command: str, out: Path | str, notes: list[str] = ()) -> Path:
@@ -429,7 +429,7 @@ def deviation(curve: list[float], base: list[float]) -> float:
     return statistics.fmean(abs(a / b - 1) for a, b in zip(curve, base))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen2.5-0.5b")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1])
@@ -478,7 +478,7 @@ def main() -> None:
     parser.add_argument("--merge", nargs="+", help="record files to report as one (no training)")
     parser.add_argument("--note", action="append", default=[],
                         help="with --merge: a line for the report (how the merged runs were made), repeatable")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.pretrain_seed is None:
         args.pretrain_seed = args.seeds[0]
     if args.runs and not args.jobs:
@@ -492,7 +492,7 @@ def main() -> None:
     if args.merge:
         first = json.loads(Path(args.merge[0]).read_text())[0]
         merge([Path(f) for f in args.merge], f"finetune_8bit_{first['model'].split(':')[-1]}_{today()}{args.tag}",
-              f"python bench/accuracy_finetune_8bit.py --merge {' '.join(args.merge)}"
+              f"python -m bench.studies.accuracy_finetune_8bit --merge {' '.join(args.merge)}"
               + (f" --tag {args.tag}" if args.tag else "") + "".join(f" --note {shlex.quote(n)}" for n in args.note),
               args.out, args.note)
     elif args.jobs:

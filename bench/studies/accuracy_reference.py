@@ -14,8 +14,8 @@ Each run is evaluated on the built-in held-out split with greedy generation in i
 precision (LazyTrain: its streamed generation over the bf16 or fp32 host weights). One record
 per (kind, seed) goes to OUT/accuracy_reference[TAG].json and a Markdown report beside it:
 
-    python bench/accuracy_reference.py --kinds lazytrain torch_bf16_master --seeds 1 2 3
-    python bench/accuracy_reference.py --merge OUT/a.json OUT/b.json --tag _h200   # one report
+    python -m bench.studies.accuracy_reference --kinds lazytrain torch_bf16_master --seeds 1 2 3
+    python -m bench.studies.accuracy_reference --merge OUT/a.json OUT/b.json --tag _h200   # one report
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def report(records: list[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -257,13 +257,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--tag", default="")
     parser.add_argument("--merge", nargs="+", help="record files to report as one (no training)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.merge:
         records = [r for f in args.merge for r in json.loads(Path(f).read_text())]
-        command = f"python bench/accuracy_reference.py --merge {' '.join(args.merge)}"
+        command = f"python -m bench.studies.accuracy_reference --merge {' '.join(args.merge)}"
     else:
         records = [run(kind, seed, args) for kind in args.kinds for seed in args.seeds]
-        command = "python bench/accuracy_reference.py " + " ".join(
+        command = "python -m bench.studies.accuracy_reference " + " ".join(
             [f"--kinds {' '.join(args.kinds)}", f"--seeds {' '.join(map(str, args.seeds))}", f"--steps {args.steps}",
              f"--heldout {args.heldout}", f"--device {args.device}", f"--dtype {args.dtype}"]
             + ([f"--set {' '.join(args.set)}"] if args.set else [])

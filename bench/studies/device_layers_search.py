@@ -9,7 +9,7 @@ number of solves at once (`milp.search_workers`; default: what the planner takes
 wall time, the k chosen, each k tried with its predicted step. Writes
 ``bench/results/device_layers_search_<cpu>_<date><tag>.json`` and a Markdown report beside it.
 
-    python -m bench.device_layers_search [--costs FILE] [--layers 28 48 64] [--tolerances 0 0.005]
+    python -m bench.studies.device_layers_search [--costs FILE] [--layers 28 48 64] [--tolerances 0 0.005]
         [--update-ns-per-param 0.27 0.31] [--workers 1 2] [--tag _workers]
 """
 
@@ -81,7 +81,7 @@ def markdown(records: list[dict], args) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--costs", default=DEFAULT_COSTS)
     parser.add_argument("--layers", type=int, nargs="+", default=[28, 48, 64])
@@ -92,7 +92,7 @@ def main() -> None:
                         help="solves at once (default: milp.search_workers(), the cores here up to 8)")
     parser.add_argument("--tag", default="", help="appended to the result files' name")
     parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if any(n < 1 for n in args.layers) or any(t < 0 for t in args.tolerances):
         raise SystemExit(f"--layers must be >= 1 and --tolerances >= 0, got {args.layers} and {args.tolerances}")
     if any(w < 1 for w in args.workers):

@@ -9,7 +9,7 @@ whether the current simulator still gives the recorded predictions, the worst st
 kind (embed, kept fwd/bwd per recompute option, checkpointed fwd/bwd, head, embed bwd) the
 measured - predicted error in GB and per token.
 
-    python bench/stage_memory_check.py bench/results/plan_qwen3.5-9b_h200_2026-12-02_s1024_max.json \
+    python -m bench.studies.stage_memory_check bench/results/plan_qwen3.5-9b_h200_2026-12-02_s1024_max.json \
         --out bench/results
 """
 

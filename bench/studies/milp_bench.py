@@ -4,7 +4,7 @@ Acceptance (issue 4): L = 64 solves to optimality in under 1 s on the CPU that r
 planner. Writes ``bench/results/milp_<cpu>_<date>.json`` (a list of records) and a Markdown
 report beside it.
 
-    python bench/milp_bench.py [--repeats 3] [--batch 4] [--seq 4096]
+    python -m bench.studies.milp_bench [--repeats 3] [--batch 4] [--seq 4096]
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def markdown(records: list[dict]) -> str:
             f"CPU: {r0['device']} ({r0['cpu_count']} cores visible, 1-minute load "
             f"{r0['load_avg_1m']:.1f} at the start), scipy {r0['scipy']} (HiGHS)."
         ),
-        f"Model: {r0['model']}, {r0['num_layers']} layers. Produced by `bench/milp_bench.py`.",
+        f"Model: {r0['model']}, {r0['num_layers']} layers. Produced by `bench/studies/milp_bench.py`.",
         "",
         (
             "| case | batch x seq | overlap | binaries | rows | status | gap | solve s (median) | "

@@ -7,7 +7,7 @@ rows of documents of ``--doc`` tokens as the profiler packs them; forward + back
 attention op alone, the median of ``--repeats`` after a warm-up, and the bytes autograd saves.
 Needs CUDA (the varlen kernel is flash attention's). Example::
 
-    python bench/packed_attention_bench.py --shapes 1024x64 32768x2 --out bench/results
+    python -m bench.studies.packed_attention_bench --shapes 1024x64 32768x2 --out bench/results
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def main() -> None:
     lines = [f"# Packed rows' attention: mask against varlen ({today()}, {records[0]['device']})", "",
              (f"torch {torch.__version__}; attention alone, bf16, {args.heads} query / {args.kv_heads} key-value "
               f"heads of {args.head_dim}; rows of documents of ~{args.doc} tokens; forward + backward, median of "
-              f"{args.repeats}. Command: `python bench/packed_attention_bench.py --shapes {' '.join(args.shapes)}`"),
+              f"{args.repeats}. Command: `python -m bench.studies.packed_attention_bench --shapes {' '.join(args.shapes)}`"),
              "",
              "| seq x batch | kernel | fwd+bwd ms | saved GB | mask GB | varlen vs mask output (rel.) |",
              "|---|---|---|---|---|---|"]

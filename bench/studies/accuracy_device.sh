@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Issue 20's GPU measurements in one call that returns within END seconds (default 525), all
 # under OUT_DIR:
-#   bench/accuracy_device.sh OUT_DIR
-# 1. bench/embed_grad_cost.py: the fp32 embedding-gradient sum against bf16 autograd at the
+#   bench/studies/accuracy_device.sh OUT_DIR
+# 1. bench/studies/embed_grad_cost.py: the fp32 embedding-gradient sum against bf16 autograd at the
 #    Qwen2.5-7B shape (b64 x s1024), the device to itself (seconds).
 # 2. At once:
-#    - the built-in accuracy study (bench/accuracy_seeds.sh: A_KINDS x A_SEEDS, one process and
+#    - the built-in accuracy study (bench/studies/accuracy_seeds.sh: A_KINDS x A_SEEDS, one process and
 #      one thread each, niced so that it takes the cores the pretraining leaves);
-#    - the 8-bit fine-tuning study (bench/accuracy_finetune_8bit.py --jobs): the shared
+#    - the 8-bit fine-tuning study (bench/studies/accuracy_finetune_8bit.py --jobs): the shared
 #      pretraining (PRETRAIN_THREADS threads), then JOBS fine-tunes at once, the paired fp32 and
 #      8-bit runs seed by seed first, the null last, stopped 20 s before END.
 # Each study ends as one record file + report; per-run files and logs are packed in .tgz files.
@@ -20,11 +20,11 @@
 # same, still warm machine, which then only fine-tunes. The CPU test:
 #   END=200 TAG=_cpu JOBS=2 PRETRAIN_THREADS=1 EMBED_ARGS="--model tiny --batch 2 --seq 64 --device cpu" \
 #   A_KINDS="lazytrain torch_fp32" A_SEEDS="0 1" A_ARGS="--steps 5 --heldout 4 --device cpu" B_SEEDS="1 2" \
-#   B_ARGS="--shape tiny --pretrain-steps 5 --finetune-steps 5 --heldout 4 --device cpu" bench/accuracy_device.sh OUT
+#   B_ARGS="--shape tiny --pretrain-steps 5 --finetune-steps 5 --heldout 4 --device cpu" bench/studies/accuracy_device.sh OUT
 set -uo pipefail
 mkdir -p "$1"
 out=$(cd "$1" && pwd)
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHON=${PYTHON:-python3}
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 end=${END:-525} tag=${TAG:-_h200}
@@ -38,7 +38,7 @@ if [[ ${EMBED:-1} == 0 ]]; then
 else
   note "embed_grad_cost"
   # shellcheck disable=SC2086
-  timeout -k 5 90 "$PYTHON" bench/embed_grad_cost.py ${EMBED_ARGS:-} --out "$out" > "$out/embed_grad_cost.log" 2>&1 \
+  timeout -k 5 90 "$PYTHON" -m bench.studies.embed_grad_cost ${EMBED_ARGS:-} --out "$out" > "$out/embed_grad_cost.log" 2>&1 \
     || note "embed_grad_cost: exit $?"
 fi
 
@@ -48,7 +48,7 @@ if [[ -n $a_kinds ]]; then
   note "accuracy study, built-in default (background)"
   read -ra seeds <<< "${A_SEEDS:-0 1 2 3 4}"
   # shellcheck disable=SC2086
-  TIME_LIMIT=$(($(left) - 30)) nice -n 10 bash bench/accuracy_seeds.sh "$out" "${tag}_s${seeds[0]}-${seeds[-1]}" \
+  TIME_LIMIT=$(($(left) - 30)) nice -n 10 bash bench/studies/accuracy_seeds.sh "$out" "${tag}_s${seeds[0]}-${seeds[-1]}" \
     "$a_kinds" "${seeds[*]}" ${A_ARGS:-} > "$out/accuracy_seeds.log" 2>&1 &
   accuracy=$!
 else
@@ -58,7 +58,7 @@ fi
 note "8-bit fine-tuning study"
 limit=$(($(left) - 20))
 # shellcheck disable=SC2086
-timeout -k 5 $((limit + 10)) "$PYTHON" bench/accuracy_finetune_8bit.py --shape qwen2.5-0.5b --seeds ${B_SEEDS:-1 2 3 4 5} \
+timeout -k 5 $((limit + 10)) "$PYTHON" -m bench.studies.accuracy_finetune_8bit --shape qwen2.5-0.5b --seeds ${B_SEEDS:-1 2 3 4 5} \
   --jobs "${JOBS:-3}" --time-limit "$limit" --pretrain-threads "${PRETRAIN_THREADS:-$([[ -n $accuracy ]] && echo 8 || nproc)}" --scratch "$scratch" \
   --out "$out" --tag "$tag" ${B_ARGS:-} > "$out/finetune_8bit.log" 2>&1 || note "finetune_8bit: exit $?"
 for runs in "$out"/finetune_8bit_*_runs; do  # left by a study stopped from outside: merge what it finished
@@ -66,7 +66,7 @@ for runs in "$out"/finetune_8bit_*_runs; do  # left by a study stopped from outs
   shopt -s nullglob
   records=("$runs"/*.json)
   if ((${#records[@]})); then
-    "$PYTHON" bench/accuracy_finetune_8bit.py --merge "${records[@]}" --tag "$tag" --out "$out" >> "$out/finetune_8bit.log" 2>&1
+    "$PYTHON" -m bench.studies.accuracy_finetune_8bit --merge "${records[@]}" --tag "$tag" --out "$out" >> "$out/finetune_8bit.log" 2>&1
   fi
   tar czf "$runs.tgz" -C "$out" "$(basename "$runs")" && rm -rf "$runs"
 done

@@ -16,7 +16,7 @@ simulated on its process's table at the CPU update rate its prediction was made 
 recalibration's planned rate, which a kept plan was not re-solved for; else the table's), at each
 window. Predictions, not measurements (the measured step is beside them).
 
-    python -m bench.offload_window bench/results/plan_qwen2.5-7b_h200_2026-12-05_margin.json [--windows 1 2 3 8]
+    python -m bench.studies.offload_window bench/results/plan_qwen2.5-7b_h200_2026-12-05_margin.json [--windows 1 2 3 8]
         [--solve 1 2 3]
 
 Writes ``<records stem>_offload_window.{json,md}`` beside the records (``--out`` to change).
@@ -102,7 +102,7 @@ def studies(records: list[dict], windows: list[int], solve: list[int] = ()) -> l
 
 def markdown(rows: list[dict], windows: list[int], source: str, solve: list[int] = ()) -> str:
     lines = [f"# Offloads waited for later: `{source}`", "",
-             "`python -m bench.offload_window " + source + " --windows " + " ".join(map(str, windows))
+             "`python -m bench.studies.offload_window " + source + " --windows " + " ".join(map(str, windows))
              + (" --solve " + " ".join(map(str, solve)) if solve else "") + "`. "
              "Each measured run's plan (and the same plan with its host-tier layers recomputing another block), "
              "simulated on its process's cost table at the update rate it was predicted on, a stage waiting for "

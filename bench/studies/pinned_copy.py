@@ -1,6 +1,6 @@
 """Host-to-GPU and GPU-to-host copy speed of host memory pinned in different ways.
 
-    python bench/pinned_copy.py --gb 2 --out bench/results
+    python -m bench.studies.pinned_copy --gb 2 --out bench/results
 
 The activation store's buffers (`memory.nvme.aligned_empty(pin=True)`) and the host store's
 arenas are page-locked in place with cudaHostRegister (`memory.host_store.pin_in_place`).
@@ -120,7 +120,7 @@ def main() -> None:
     header = run_header(torch.device("cuda"))
     records = [{"name": f"pinned_copy_{r['pinning']}", **header, **r} for r in rows]
     lines = [f"# Copy speed by way of pinning host memory ({today()}, {header['device']})", "",
-             f"`python bench/pinned_copy.py --gb {args.gb:g} --repeats {args.repeats}` (median of the repeats)", "",
+             f"`python -m bench.studies.pinned_copy --gb {args.gb:g} --repeats {args.repeats}` (median of the repeats)", "",
              "| pinning | H2D GB/s | D2H GB/s |", "|---|---|---|"]
     lines += [f"| {r['pinning']} | {r['h2d_gbps']:.1f} | {r['d2h_gbps']:.1f} |" for r in rows]
     write_results(records, f"pinned_copy_{today()}", "\n".join(lines) + "\n", args.out)

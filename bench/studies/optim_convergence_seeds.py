@@ -5,13 +5,13 @@ held-out problems, one run's figures move with the seed (model init and data ord
 trains each kind with several seeds and reports mean, spread and range, so an 8-bit gap can be
 read against the fp32 runs' own variation:
 
-    python bench/optim_convergence_seeds.py --seeds 1 2 3 --kinds fp32 fp32_unfused hybrid8bit
+    python -m bench.studies.optim_convergence_seeds --seeds 1 2 3 --kinds fp32 fp32_unfused hybrid8bit
 
 Against fp32 it computes the issue's check (tail loss within 2%, exact match within 2 points,
 on the means over the seeds) with 90% intervals from resampling the seeds, and, from the loss
 curves the records keep, the loss ratio along the run. ``fp32_unfused`` is the same fp32 AdamW
 math with other float rounding: its row shows what the check can resolve at a given length.
-``bench/parallel_seeds.sh`` runs one process per (kind, seed) on a many-core host; ``--merge``
+``bench/studies/parallel_seeds.sh`` runs one process per (kind, seed) on a many-core host; ``--merge``
 reports records of different seeds and kinds as one.
 """
 
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from bench.common import cpu_run_device, today
-from bench.optim_convergence import RUNS, run
+from bench.studies.optim_convergence import RUNS, run
 
 
 def summary(values: list[float]) -> dict:
@@ -168,7 +168,7 @@ def main() -> None:
     stem = f"optim_convergence_seeds_{date}{args.tag}"
     (out / f"{stem}.json").write_text(json.dumps([record], indent=1))
     lines = [f"# Seed spread on the built-in default ({args.steps} steps, seeds {' '.join(map(str, args.seeds))})", "",
-             f"{date}, {record['device']}, torch {record['torch']}. Command: `python bench/optim_convergence_seeds.py "
+             f"{date}, {record['device']}, torch {record['torch']}. Command: `python -m bench.studies.optim_convergence_seeds "
              + (f"--steps {args.steps} --seeds {' '.join(map(str, args.seeds))} --kinds {' '.join(args.kinds)}"
                 + (f" --fp32-from {args.fp32_from}" if args.fp32_from else "")
                 + (f" --set {' '.join(args.set)}" if args.set else "")

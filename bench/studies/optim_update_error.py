@@ -12,7 +12,7 @@ gradient, and computes the update it would have made from the same weights. Per 
   unbiased one averages out);
 * the same per group (embedding, layers, head) in the JSON record.
 
-    python bench/optim_update_error.py --steps 1000 --seed 3
+    python -m bench.studies.optim_update_error --steps 1000 --seed 3
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def main() -> None:
     (out / f"{stem}.json").write_text(json.dumps([record], indent=1))
     n_groups = len(next(iter(results.values()))["groups"])
     lines = [f"# 8-bit state schemes against fp32 AdamW along one fp32 run ({args.steps} steps, seed {args.seed})",
-             "", (f"{date}, {record['device']}, torch {record['torch']}. Command: `python bench/optim_update_error.py "
+             "", (f"{date}, {record['device']}, torch {record['torch']}. Command: `python -m bench.studies.optim_update_error "
              f"--steps {args.steps} --seed {args.seed} --schemes {' '.join(args.schemes)}`"), "",
              "| scheme | step error | drift | drift, embedding (group 0) | drift, worst group |",
              "| --- | --- | --- | --- | --- |"]
