@@ -74,6 +74,15 @@ def test_cited_records_and_scripts_exist():
     assert not missing, "\n".join(missing)
 
 
+def test_every_cited_record_is_indexed_in_docs_benchmarks():
+    """docs/benchmarks.md names the study of every record the README and docs cite (the record,
+    or its report: the same name with another extension)."""
+    index = (ROOT / "docs" / "benchmarks.md").read_text()
+    unindexed = sorted({f"{page.name}: {cited}" for page in PAGES for cited in RESULT.findall(page.read_text())
+                        if "*" not in cited and Path(cited.rstrip(".")).stem not in index})
+    assert not unindexed, "\n".join(unindexed)
+
+
 def test_every_docs_page_is_linked_from_the_readme():
     linked = {(README.parent / t.partition("#")[0]).resolve() for t in LINK.findall(README.read_text())}
     orphans = [p.name for p in PAGES[1:] if p.resolve() not in linked]
