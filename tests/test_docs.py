@@ -15,7 +15,7 @@ NOTES = sorted((ROOT / "bench" / "results").glob("*_notes.md"))  # study reports
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 RESULT = re.compile(r"bench/results/[\w.+\-*]+")
-SCRIPT = re.compile(r"\bbench/[\w/]+\.(?:py|sh)\b")
+SCRIPT = re.compile(r"\b(?:bench|tests|src/lazytrain)/[\w/]+\.(?:py|sh)\b")
 PLACEHOLDER = re.compile(r"\b[A-Z]{3,}\b")  # bench/NAME.py, python -m bench.NAME
 MODULE = re.compile(r"python -m (bench(?:\.\w+)+)")
 FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
