@@ -1,19 +1,23 @@
-"""The README's headline table, written from the committed records of ``bench/peers.py``.
+"""The README's headline tables, written from committed records.
 
-    python bench/readme_table.py           # rewrite the block between the markers in README.md
-    python bench/readme_table.py --check   # exit 1 when README.md's block is not what the records give
+    python bench/readme_table.py           # rewrite the blocks between the markers in README.md
+    python bench/readme_table.py --check   # exit 1 when README.md's blocks are not what the records give
 
-The block is everything between ``<!-- peers-table:start -->`` and ``<!-- peers-table:end -->``;
-it is generated only, so the numbers in the README are always those of a results file in the
-repo (``tests/test_peers.py`` checks that README.md is current). Records come from
-``bench/results/peers_*.json`` (or the files given); where several runs have the same model,
-run, batch and device, the newest date wins.
+The peers block is everything between ``<!-- peers-table:start -->`` and
+``<!-- peers-table:end -->``, from ``bench/results/peers_*.json`` (or the files given; where
+several runs have the same model, run, batch and device, the newest date wins). The plan block,
+between ``<!-- plan-table:start -->`` and ``<!-- plan-table:end -->`` (rewritten where the file
+has it), is the solved plan as trained against its compute-only time, from the
+``*_compute_only.json`` rows that ``bench/compute_only.py`` made of the ``PLAN_RECORDS``. Both
+are generated only, so the numbers in the README are always those of a results file in the repo
+(``tests/test_peers.py`` checks that README.md is current).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -21,6 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
 START, END = "<!-- peers-table:start -->", "<!-- peers-table:end -->"
+PLAN_START, PLAN_END = "<!-- plan-table:start -->", "<!-- plan-table:end -->"
+# the planner's headline runs: the Qwen2.5-7B shape at batch 64 x 1024 on the H200, 8-bit states,
+# split master, embedding, head and the first k layers stepped on the GPU, recalibrated after 4
+# steps (the trainer's defaults); rows from `python bench/compute_only.py RECORDS.json`
+PLAN_RECORDS = (
+    "plan_qwen2.5-7b_h200_2026-12-05_as_trained_compute_only.json",
+    "plan_qwen2.5-7b_h200_2026-12-05_margin_compute_only.json",
+)
 ORDER = ("lazytrain:hybrid8bit", "lazytrain:fp32", "deepspeed_zero3_offload", "fsdp2_cpu_offload", "pytorch_gpu")
 LABEL = {
     "lazytrain:hybrid8bit": "LazyTrain, 8-bit states",
@@ -149,24 +161,60 @@ def table(records: list[dict]) -> str:
     ])
 
 
-def rewrite(text: str, block: str) -> str:
+def plan_table(paths: list[Path]) -> str:
+    """The block's Markdown: each run as trained (its CPU update not skipped) against its
+    compute-only time and its prediction, then one line over all of them."""
+    lines = [("| record | process | resident layers k | tokens/s | TFLOPS 6NT | step s (range) | predicted s "
+              "(error) | step / compute-only |"),
+             "|---|---|---|---|---|---|---|---|"]
+    ratios, errors = [], []
+    for path in paths:
+        tag = path.name.removesuffix("_compute_only.json")
+        for r in json.loads(path.read_text()):
+            if r["update"] != "cpu":
+                continue
+            error = r["predicted_step_time_s"] / r["step_time_s"] - 1
+            ratios.append(r["step_over_compute_only"])
+            errors.append(error)
+            k = ("auto: " if "_dlauto" in r["name"] else "") + str(r["device_layers"])
+            lines.append(
+                f"| {tag} | {r['process']} | {k}{' (re-planned)' if r['replanned'] else ''} | "
+                f"{r['tokens_per_s']:,.0f} | {r['tflops_6nt']:.1f} | {r['step_time_s']:.2f} "
+                f"({r['step_min_s']:.2f}-{r['step_max_s']:.2f}) | {r['predicted_step_time_s']:.2f} ({error:+.1%}) | "
+                f"{r['step_over_compute_only']:.3f}x |")
+    if not ratios:
+        return "No plan_bench run has been recorded against its compute-only time yet."
+    return "\n".join(lines + [
+        "",
+        (f"{len(ratios)} runs: step / compute-only median {statistics.median(ratios):.3f}x ({min(ratios):.3f}-"
+         f"{max(ratios):.3f}x); predicted step time {min(errors):+.1%} to {max(errors):+.1%} of the measured one."),
+        "",
+        (f"From {', '.join(f'`bench/results/{p.name}`' for p in paths)} (`python bench/readme_table.py`). "
+         "Compute-only: the run's own forward + backward of one layer with its weights resident, times the "
+         "layers, plus the profiled head and loss; k: the decoder layers kept and stepped on the GPU."),
+    ])
+
+
+def rewrite(text: str, block: str, start: str = START, end: str = END) -> str:
     """``text`` with everything between the markers replaced by ``block``."""
-    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
-        raise SystemExit(f"README.md needs exactly one {START} ... {END} block")
-    head, rest = text.split(START)
-    _, tail = rest.split(END)
-    return f"{head}{START}\n{block}\n{END}{tail}"
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        raise SystemExit(f"README.md needs exactly one {start} ... {end} block")
+    head, rest = text.split(start)
+    _, tail = rest.split(end)
+    return f"{head}{start}\n{block}\n{end}{tail}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("records", nargs="*", type=Path, help="peers_*.json files (default: bench/results)")
     parser.add_argument("--readme", type=Path, default=README)
-    parser.add_argument("--check", action="store_true", help="exit 1 if the README's block is out of date")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the README's blocks are out of date")
     args = parser.parse_args()
     paths = args.records or sorted(RESULTS.glob("peers_*.json"))
     text = args.readme.read_text()
     updated = rewrite(text, table(load(paths)))
+    if PLAN_START in text:
+        updated = rewrite(updated, plan_table([RESULTS / name for name in PLAN_RECORDS]), PLAN_START, PLAN_END)
     if args.check:
         if updated != text:
             sys.exit(f"{args.readme}: the peers table is out of date; run python bench/readme_table.py")

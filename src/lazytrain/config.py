@@ -134,7 +134,7 @@ class TrainingConfig:
     steps: int = 1500
     """Optimizer steps. 1500: at 1000 the built-in default's slowest seeds were still learning
     (loss falling; held-out exact match down to 72% in fp32, 93.5% in bf16); at 1500 LazyTrain's
-    bf16 runs reach >= 99.5% on every seed tried on the H200 (README, accuracy)."""
+    bf16 runs reach >= 99.5% on every seed tried on the H200 (docs/optimizer.md, bf16)."""
     batch_size: int = 32
     """Sequences per step (the plan may be solved for it)."""
     max_grad_norm: float = 1.0
@@ -236,7 +236,7 @@ class OptimizerConfig(AdamWConfig):
     (reproducible: a hash of training.seed, the group, the step and the element), so that
     small changes of v are not rounded away. auto: stochastic when fine-tuning (weights loaded
     from model.source), nearest when training a built-in shape from its random init.
-    Measured (README, 8-bit states): fine-tuning a 0.5B model on the H200 (5 seeds), stochastic
+    Measured (docs/optimizer.md): fine-tuning a 0.5B model on the H200 (5 seeds), stochastic
     codes end 0.06% above fp32's tail loss and the null (fp32 in another rounding order) 0.04%,
     nearest codes 0.13%, outside the null's interval; along the run all three are within the
     null's spread. Training the built-in model from scratch, stochastic codes ended worse on
@@ -477,7 +477,7 @@ class Config:
         """optimizer.state_rounding resolved (kept as given in the config, so that a saved
         config still says auto): auto is stochastic for hybrid8bit states fine-tuning weights
         loaded from model.source, nearest for a built-in shape's random init and for fp32
-        states (README, 8-bit states when fine-tuning)."""
+        states (docs/optimizer.md, rounding of the 8-bit states)."""
         rounding = self.optimizer.state_rounding
         if rounding != "auto":
             return rounding

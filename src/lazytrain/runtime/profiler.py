@@ -270,7 +270,7 @@ def _bandwidths(host: torch.Tensor, device: torch.device, repeats: int,
     the run's shape) under copies both ways against alone, where given; the slowdown of
     8192^3 bf16 matmuls under H2D copies (``copy_slowdown_matmuls``; the table's figure until
     2026-12-05) overstated it: 1.099 on the H200, where the runs' GPU compute at 7B implied
-    ~1.03 (README).
+    ~1.03 (bench/results/plan_qwen2.5-7b_h200_notes.md).
     """
     nbytes = host.numel() * host.element_size()
     if device.type != "cuda":
