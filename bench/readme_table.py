@@ -8,7 +8,7 @@ The peers block is everything between ``<!-- peers-table:start -->`` and
 several runs have the same model, run, batch and device, the newest date wins). The plan block,
 between ``<!-- plan-table:start -->`` and ``<!-- plan-table:end -->`` (rewritten where the file
 has it), is the solved plan as trained against its compute-only time, from the
-``*_compute_only.json`` rows that ``bench/compute_only.py`` made of the ``PLAN_RECORDS``. Both
+``*_compute_only.json`` rows that ``bench/studies/compute_only.py`` made of the ``PLAN_RECORDS``. Both
 are generated only, so the numbers in the README are always those of a results file in the repo
 (``tests/test_peers.py`` checks that README.md is current).
 """
@@ -28,7 +28,7 @@ START, END = "<!-- peers-table:start -->", "<!-- peers-table:end -->"
 PLAN_START, PLAN_END = "<!-- plan-table:start -->", "<!-- plan-table:end -->"
 # the planner's headline runs: the Qwen2.5-7B shape at batch 64 x 1024 on the H200, 8-bit states,
 # split master, embedding, head and the first k layers stepped on the GPU, recalibrated after 4
-# steps (the trainer's defaults); rows from `python bench/compute_only.py RECORDS.json`
+# steps (the trainer's defaults); rows from `python bench/studies/compute_only.py RECORDS.json`
 PLAN_RECORDS = (
     "plan_qwen2.5-7b_h200_2026-12-05_as_trained_compute_only.json",
     "plan_qwen2.5-7b_h200_2026-12-05_margin_compute_only.json",

@@ -108,7 +108,7 @@ def pretrain(args: argparse.Namespace, common: list[str], folder: Path, seed: in
 
 
 def pretrain_torch(steps: int, out_dir: Path, seed: int, overrides: tuple[str, ...]) -> dict:
-    """The pretraining through plain PyTorch on the device (`bench.accuracy_reference`: the HF
+    """The pretraining through plain PyTorch on the device (`bench.studies.accuracy_reference`: the HF
     model, torch AdamW there, bf16 autocast on a GPU, fp32 on the CPU), saved where `run` would
     have saved LazyTrain's: on the H200 this takes a fraction of LazyTrain's 375 s, whose CPU
     AdamW over 0.5B parameters (not under study in the pretraining) bounds each step."""

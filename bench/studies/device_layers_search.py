@@ -61,7 +61,7 @@ def markdown(records: list[dict], args) -> str:
         (f"{head['date']}, {head['device']}, torch {head['torch']}, scipy {head['scipy']}. The table's layer "
          f"repeated to each count, `solve_plan(device_layers=None, optimizer_overlap=True)` (host and device "
          f"solved), each MILP solve limited to 10 s, `workers` solves at once. Command: `python -m "
-         f"bench.device_layers_search --costs {args.costs} --layers {' '.join(map(str, args.layers))} --tolerances "
+         f"bench.studies.device_layers_search --costs {args.costs} --layers {' '.join(map(str, args.layers))} --tolerances "
          f"{' '.join(map(str, args.tolerances))}"
          + (f" --update-ns-per-param {' '.join(map(str, args.update_ns_per_param))}" if args.update_ns_per_param
             else "")
