@@ -38,6 +38,7 @@ from lazytrain.plan.policies import (
 from lazytrain.plan.render import format_plan_table
 from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
 from lazytrain.plan.simulate import simulate
+from lazytrain.plan.synthetic import MachineGuess, estimated_cost_table, layer_shape
 
 if TYPE_CHECKING:
     from lazytrain.config import PlanConfig
@@ -94,12 +95,13 @@ def keep_all_bytes(hidden_size: int, num_layers: int, batch_size: int, seq_len: 
     return 56 * hidden_size * dtype_bytes * batch_size * seq_len * num_layers
 
 
-def costs_from_file(path: str, batch_size: int, seq_len: int, *, layer_types: list[str], attention: str,
-                    elementwise: str, optimizer: str, device_step_chunk: int | None) -> CostTable:
+def costs_from_file(path: str, batch_size: int, seq_len: int, *, layer_types: list[str], attention: str | None,
+                    elementwise: str | None, optimizer: str, device_step_chunk: int | None) -> CostTable:
     """The cost table saved at ``path`` (``plan.costs``) at this run's batch shape, checked
     against this run's model (``layer_types``), batches (``attention``), elementwise ops and CPU
-    optimizer (`CostTableMismatch` otherwise), its GPU step's temporaries rescaled to this
-    version's ``device_step_chunk`` (with a warning). Capacities stay the profiled machine's
+    optimizer (`CostTableMismatch` otherwise; None: the table's is taken, as where the training
+    machine decides), its GPU step's temporaries rescaled to this version's
+    ``device_step_chunk`` (with a warning). Capacities stay the profiled machine's
     (`with_capacities`)."""
     source = f"plan.costs={path}"
     try:
@@ -107,8 +109,10 @@ def costs_from_file(path: str, batch_size: int, seq_len: int, *, layer_types: li
     except (OSError, json.JSONDecodeError) as error:
         raise ConfigError(f"{source}: not a readable costs.json ({error}); write one with `lazytrain profile`") from None
     costs.check_layers(layer_types, source)
-    costs.check_attention(attention, source)
-    costs.check_elementwise(elementwise, source)
+    if attention is not None:
+        costs.check_attention(attention, source)
+    if elementwise is not None:
+        costs.check_elementwise(elementwise, source)
     costs.check_optimizer(optimizer, source)
     rescaled = costs.for_device_step_chunk(device_step_chunk)
     if rescaled is not costs:
@@ -127,6 +131,29 @@ def with_capacities(costs: CostTable, *, host_bytes: int | None = None, gpu_gb: 
     if gpu_gb:
         costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(gpu_gb * GiB)))
     return costs
+
+
+def estimated_costs(layer_types: list[str], layer_params: dict[str, list[tuple[str, tuple[int, ...]]]], *,
+                    hidden: int, vocab: int, embed_params: int, final_params: int, batch_size: int, seq_len: int,
+                    head_chunk_tokens: int = 4096, gpu_gb: float | None = None) -> tuple[CostTable, str]:
+    """The built-in estimate of a cost table (`synthetic.estimated_cost_table`) for a model whose
+    layer types have the parameters ``layer_params`` (name, shape), on the machine
+    `synthetic.MachineGuess` assumes (its GPU, or one of ``gpu_gb`` GiB), and a line saying so.
+    Its ``host_bytes`` is the assumed host's memory, before the model state."""
+    machine = MachineGuess()
+    shapes = {kind: layer_shape(params, hidden, quadratic=kind != "linear_attention")
+              for kind, params in layer_params.items()}
+    table = estimated_cost_table(layer_types, shapes, vocab=vocab, embed_params=embed_params,
+                                 final_params=final_params, batch_size=batch_size, seq_len=seq_len, machine=machine,
+                                 head_chunk_tokens=head_chunk_tokens)
+    capacity = int(gpu_gb * GiB) if gpu_gb else machine.gpu_bytes
+    table = dataclasses.replace(table, gpu_bytes=usable_gpu_bytes(capacity))
+    return table, (
+        f"built-in estimate, not measured: {machine.device}, {capacity / GiB:.0f} GiB of GPU memory"
+        f"{' (memory.gpu_gb)' if gpu_gb else ''}, {machine.matmul_tflops:.0f} TFLOPS sustained bf16, PCIe "
+        f"{machine.h2d_gbps:.0f} GB/s each way, CPU optimizer {machine.optimizer_ns_per_param} ns/param, no GPU "
+        "optimizer step; for a measured plan run `lazytrain profile` on the training machine and pass "
+        "plan.costs=OUTPUT_DIR/costs.json")
 
 
 class Planner:
