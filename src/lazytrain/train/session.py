@@ -1,9 +1,11 @@
 """What every command builds from a config before it trains, profiles or plans.
 
 `build_session` is the one place that turns the config into a device, a tokenizer, a
-streamed model (adapter + host store), the CPU optimizer and the NVMe tier; `Session.plan`
-is the one place that turns ``plan.*`` into the `Plan` to run. ``lazytrain train``,
-``profile``, ``plan`` and the benchmarks all go through them.
+streamed model (adapter + host store), the CPU optimizer and the NVMe tier. Which plan runs
+is the `Planner`'s (`Session.planner`, ``plan.*``); the session hands it what it measures (the
+cost table: ``plan.costs`` or profiled now, this run's memory). ``lazytrain train``,
+``profile`` and the benchmarks go through them; ``lazytrain plan`` builds no session
+(`lazytrain.train.plan_ahead`).
 """
 
 from __future__ import annotations
