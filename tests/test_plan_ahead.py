@@ -87,3 +87,23 @@ def test_the_estimate_of_a_qwen2_layer_is_the_synthetic_tables():
         synthetic.const_params, synthetic.head_params, pytest.approx(synthetic.head_ms))
     with pytest.raises(ValueError, match="not a decoder layer"):
         layer_shape(params[:6], h, quadratic=True)
+
+
+def test_a_cost_table_measured_elsewhere_plans_for_that_machine(tmp_path, capsys, no_model):
+    """plan.costs from a GPU machine, planned on this CPU one: its capacities and bf16 state."""
+    import dataclasses
+
+    from lazytrain.config import load_config
+    from lazytrain.train.plan_ahead import plan_ahead
+
+    common = ["model.source=builtin:tiny", "training.batch_size=2", "data.max_seq_len=64", "memory.gpu_gb=4"]
+    estimate = plan_ahead(load_config(None, common)).costs
+    table = dataclasses.replace(estimate, device="NVIDIA H200", host_bytes=3 * 2**30, optimizer="fp32")
+    table.save(tmp_path / "costs.json")
+    ahead = plan_ahead(load_config(None, [*common, f"plan.costs={tmp_path / 'costs.json'}"]))
+    assert ahead.source == f"plan.costs={tmp_path / 'costs.json'} (measured on NVIDIA H200)"
+    assert ahead.costs.host_bytes == 3 * 2**30  # the profiled machine's room, not this one's
+    assert ahead.host.limit == ahead.host.machine == 3 * 2**30 + ahead.host.state.total
+    assert ahead.host.state.weights == 2 * ahead.num_params  # bf16, as on the GPU
+    with pytest.raises(Exception, match="timed the CPU optimizer as fp32, this run steps hybrid8bit/nearest"):
+        plan_ahead(load_config(None, [*common, f"plan.costs={tmp_path / 'costs.json'}", "optimizer.kind=hybrid8bit"]))

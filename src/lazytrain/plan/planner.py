@@ -135,11 +135,13 @@ def with_capacities(costs: CostTable, *, host_bytes: int | None = None, gpu_gb: 
 
 def estimated_costs(layer_types: list[str], layer_params: dict[str, list[tuple[str, tuple[int, ...]]]], *,
                     hidden: int, vocab: int, embed_params: int, final_params: int, batch_size: int, seq_len: int,
-                    head_chunk_tokens: int = 4096, gpu_gb: float | None = None) -> tuple[CostTable, str]:
+                    head_chunk_tokens: int = 4096, gpu_gb: float | None = None,
+                    gpu_source: str = "memory.gpu_gb") -> tuple[CostTable, str]:
     """The built-in estimate of a cost table (`synthetic.estimated_cost_table`) for a model whose
     layer types have the parameters ``layer_params`` (name, shape), on the machine
-    `synthetic.MachineGuess` assumes (its GPU, or one of ``gpu_gb`` GiB), and a line saying so.
-    Its ``host_bytes`` is the assumed host's memory, before the model state."""
+    `synthetic.MachineGuess` assumes (its GPU, or one of ``gpu_gb`` GiB, which ``gpu_source``
+    names), and a line saying so. Its ``host_bytes`` is the assumed host's memory, before the
+    model state."""
     machine = MachineGuess()
     shapes = {kind: layer_shape(params, hidden, quadratic=kind != "linear_attention")
               for kind, params in layer_params.items()}
@@ -150,7 +152,7 @@ def estimated_costs(layer_types: list[str], layer_params: dict[str, list[tuple[s
     table = dataclasses.replace(table, gpu_bytes=usable_gpu_bytes(capacity))
     return table, (
         f"built-in estimate, not measured: {machine.device}, {capacity / GiB:.0f} GiB of GPU memory"
-        f"{' (memory.gpu_gb)' if gpu_gb else ''}, {machine.matmul_tflops:.0f} TFLOPS sustained bf16, PCIe "
+        f"{f' ({gpu_source})' if gpu_gb else ''}, {machine.matmul_tflops:.0f} TFLOPS sustained bf16, PCIe "
         f"{machine.h2d_gbps:.0f} GB/s each way, CPU optimizer {machine.optimizer_ns_per_param} ns/param, no GPU "
         "optimizer step; for a measured plan run `lazytrain profile` on the training machine and pass "
         "plan.costs=OUTPUT_DIR/costs.json")

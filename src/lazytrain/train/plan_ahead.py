@@ -9,8 +9,10 @@ which. So a 27B model plans on a laptop before a GPU is rented.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +23,7 @@ from lazytrain.memory import budget
 from lazytrain.memory.host_store import activation_room, default_host_limit
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import model_config
-from lazytrain.optim.factory import describe, fp32_state_groups, make_optimizer
+from lazytrain.optim.factory import describe_config, fp32_state_groups
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import Planner, costs_from_file, estimated_costs, with_capacities
 from lazytrain.runtime.device import resolve_device, resolve_dtype
@@ -74,12 +76,16 @@ def plan_ahead(config: Config) -> PlanAhead:
         costs, described = _measured(config, adapter, batch, seq)
         elsewhere = costs.host_bytes + state  # the profiled machine's room for activations beside this state
     else:
+        gpu_gb, gpu_source = config.memory.gpu_gb, "memory.gpu_gb"
+        if gpu_gb is None and here.type == "cuda":  # this machine's card, at the estimate's speeds
+            gpu_gb = torch.cuda.get_device_properties(here).total_memory / GiB
+            gpu_source = f"this machine's {torch.cuda.get_device_name(here)}"
         costs, described = estimated_costs(
             adapter.layer_types, {kind: [(n, tuple(p.shape)) for n, p in t.named_parameters()]
                                   for kind, t in adapter.templates.items()},
             hidden=adapter.hidden_size, vocab=adapter.vocab_size, embed_params=numels[0], final_params=numels[-1],
             batch_size=batch, seq_len=seq, head_chunk_tokens=config.plan.head_chunk_tokens,
-            gpu_gb=config.memory.gpu_gb)
+            gpu_gb=gpu_gb, gpu_source=gpu_source)
         elsewhere = costs.host_bytes  # the assumed machine's
     # the host budget: memory.host_limit_gb, else this machine's where it trains here, else the
     # table's machine's
@@ -107,12 +113,12 @@ def plan_ahead(config: Config) -> PlanAhead:
 
 
 def _table_device(path: str) -> str | None:
-    import json
-
+    """The device the table at ``path`` was profiled on (None where it cannot be read:
+    `costs_from_file` then says what is wrong with it)."""
     try:
-        return json.loads(open(path).read()).get("device")
-    except (OSError, ValueError):
-        return None  # costs_from_file says what is wrong with it
+        return json.loads(Path(path).read_text()).get("device")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _measured(config: Config, adapter: ModelAdapter, batch: int, seq: int) -> tuple[CostTable, str]:
@@ -122,10 +128,8 @@ def _measured(config: Config, adapter: ModelAdapter, batch: int, seq: int) -> tu
     attention = "causal"
     if config.data.packing:
         attention = {"varlen": "packed_varlen", "mask": "packed"}.get(config.model.packed_attention)
-    # an optimizer over no groups: what this run's would be, without its state
-    optimizer = make_optimizer(config.optimizer, [], [], rounding=config.state_rounding())
+    optimizer, chunk = describe_config(config.optimizer, config.state_rounding())
     table = costs_from_file(config.plan.costs, batch, seq, layer_types=adapter.layer_types, attention=attention,
                             elementwise=None if config.model.fused_ops == "auto" else config.model.fused_ops,
-                            optimizer=describe(optimizer),
-                            device_step_chunk=optimizer.device_step_chunk)
+                            optimizer=optimizer, device_step_chunk=chunk)
     return table, f"plan.costs={config.plan.costs} (measured on {table.device})"
