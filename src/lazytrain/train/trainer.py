@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -40,9 +41,13 @@ from lazytrain.train.schedule import learning_rate
 from lazytrain.train.session import build_session
 from lazytrain.train.signals import StopRequest, TrainingInterrupted
 
+if TYPE_CHECKING:
+    from lazytrain.plan.costs import CostTable
+
 log = logging.getLogger(__name__)
 
 __all__ = ["OutOfGpuMemory", "Trainer"]  # the run's error when no smaller plan fits, the planner's
+
 
 class Trainer:
     """Full-parameter SFT of a streamed model.
@@ -104,7 +109,7 @@ class Trainer:
         return self.planner.plan
 
     @property
-    def costs(self):
+    def costs(self) -> CostTable | None:
         """The cost table the running plan is predicted with (None: none), the planner's."""
         return self.planner.costs
 
