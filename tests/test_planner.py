@@ -83,3 +83,18 @@ def test_recalibration_is_due_after_the_timed_updates_and_corrects_the_table_onc
     # measured once per plan: a switch starts the count again, a kept plan is not re-checked
     assert not planner.recalibration_due()
     assert planner.update_seconds == ([] if notes.changed else [9.0, 1.0, 2.0])
+
+
+def test_a_plan_file_runs_as_saved_with_the_configured_prefetch_or_is_refused_clearly(tmp_path):
+    from lazytrain.config import ConfigError
+    from lazytrain.plan.plan import megatrain_plan
+
+    megatrain_plan(4, 2, 64, every=2).save(tmp_path / "plan.json")
+    planner = Planner(PlanConfig(file=str(tmp_path / "plan.json"), weight_prefetch=2))
+    policy = planner.resolve_policy(on_gpu=True)
+    plan, _ = planner.initial(policy, None, 4, 2, 64)
+    assert (plan.policy, plan.weight_prefetch, planner.costs) == ("megatrain", 2, None)
+    assert not planner.recalibration_due()
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match=f"plan.file={tmp_path / 'bad.json'}: not a readable plan.json"):
+        Planner(PlanConfig(file=str(tmp_path / "bad.json"))).initial("file", None, 4, 2, 64)
