@@ -62,3 +62,36 @@ def test_config_imports_nothing_from_optim_and_no_torch():
     assert not upward_imports("config", "optim")
     code = "import sys, lazytrain.config; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+FRONT_DOOR = {"lazytrain.plan.planner": None, "lazytrain.plan.plan": {"Plan"}}
+"""What the trainer, the session and ``lazytrain plan`` may import from plan/: the planner (its
+module is the front door) and `Plan` (None: any name)."""
+
+
+def runtime_imports(path: Path) -> list[tuple[str, set[str]]]:
+    """(module, names) of each import that runs (those under ``if TYPE_CHECKING:`` are types only)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(alias.name, set()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append((node.module, {alias.name for alias in node.names}))
+    return found
+
+
+def test_the_trainer_and_the_session_plan_through_the_planner_alone():
+    offenders = []
+    for name in ("train/trainer.py", "train/session.py", "train/plan_ahead.py"):
+        for module, names in runtime_imports(SRC / name):
+            if module != "lazytrain.plan" and not module.startswith("lazytrain.plan."):
+                continue
+            allowed = FRONT_DOOR.get(module, set())
+            if module not in FRONT_DOOR or (allowed is not None and not names <= allowed):
+                offenders.append(f"{name} imports {sorted(names) or module} from {module}")
+    assert not offenders, offenders

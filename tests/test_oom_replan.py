@@ -201,7 +201,7 @@ def test_an_update_that_runs_out_of_gpu_memory_is_finished_on_the_cpu(tmp_path, 
     if policy == "solved":
         assert trainer.executor is not first and trainer.costs.gpu_bytes < budget
         assert "ran out of its memory (found after step 3)" in caplog.text and "try 1 of" in caplog.text
-        assert getattr(trainer, "_oom_replans", 0) == 0  # the steps' own tries untouched
+        assert trainer.planner.oom_replans == 0  # the steps' own tries untouched
         assert calls == [1, 1, 1]  # updates 1 and 2 (failed); 3 on the new plan's executor
     else:
         assert trainer.executor is first and trainer.executor.streamed_steps == frozenset()

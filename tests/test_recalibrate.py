@@ -10,10 +10,10 @@ import logging
 import pytest
 from test_oom_replan import _failing, _losses, _trainer, fixed_costs  # noqa: F401 (a fixture)
 
+from lazytrain.plan import planner as planner_module
 from lazytrain.plan.plan import megatrain_plan
 from lazytrain.plan.policies import UPDATE_RATE_MARGIN, Recalibration
 from lazytrain.plan.simulate import simulate
-from lazytrain.train import trainer as trainer_module
 
 
 def _records(folder):
@@ -27,14 +27,14 @@ def test_the_measured_rate_is_recorded_and_a_faster_plan_taken_without_changing_
     seen = []
 
     def recalibrate(plan, costs, measured, options):
-        seen.append((plan, costs, measured, list(trainer._update_seconds)))
+        seen.append((plan, costs, measured, list(trainer.planner.update_seconds)))
         other = megatrain_plan(plan.num_layers, plan.batch_size, plan.seq_len, every=2)
         other.policy = "solved"
         seen.append(other)
         return Recalibration(costs=dataclasses.replace(costs, optimizer_ns_per_param=measured), plan=other,
                              changed=True, current_s=2.0, resolved_s=1.0)
 
-    monkeypatch.setattr(trainer_module, "recalibrate", recalibrate)
+    monkeypatch.setattr(planner_module, "recalibrate", recalibrate)
     trainer = _trainer(tmp_path / "re", "plan.policy=solved", "plan.recalibrate_after=3", fixed_costs)
     first = trainer.executor
     with caplog.at_level(logging.INFO, logger="lazytrain"):
@@ -48,7 +48,7 @@ def test_the_measured_rate_is_recorded_and_a_faster_plan_taken_without_changing_
     params = sum(w.numel() for w in trainer.store.weights)
     measured = max(timed[1:3]) * 1e9 / params
     assert planned == pytest.approx(measured * (1 + UPDATE_RATE_MARGIN))  # the slowest, with the margin
-    assert len(trainer._update_seconds) == 1  # the new plan's own, measured afresh
+    assert len(trainer.planner.update_seconds) == 1  # the new plan's own, measured afresh
     assert trainer.executor is not first and trainer.plan is other and trainer.executor.plan is other
     assert trainer.costs.optimizer_ns_per_param == planned
     assert "switching to it" in caplog.text and f"{measured:.3f} ns/param in the plan's updates 2-3" in caplog.text
@@ -76,7 +76,7 @@ def test_each_plan_a_recalibration_switched_to_is_measured_again_planning_for_th
     seen = []
 
     def recalibrate(plan, costs, planned, options):  # switches every time it is asked
-        seen.append((planned, costs.optimizer_ns_per_param, len(trainer._update_seconds)))
+        seen.append((planned, costs.optimizer_ns_per_param, len(trainer.planner.update_seconds)))
         other = megatrain_plan(plan.num_layers, plan.batch_size, plan.seq_len, every=1 + len(seen) % 2)
         other.policy = "solved"
         # the first re-solve's table says the update is very slow: the next ones plan for that
@@ -84,7 +84,7 @@ def test_each_plan_a_recalibration_switched_to_is_measured_again_planning_for_th
         return Recalibration(costs=dataclasses.replace(costs, optimizer_ns_per_param=rate), plan=other,
                              changed=True, current_s=2.0, resolved_s=1.0)
 
-    monkeypatch.setattr(trainer_module, "recalibrate", recalibrate)
+    monkeypatch.setattr(planner_module, "recalibrate", recalibrate)
     trainer = _trainer(tmp_path, "plan.policy=solved", "plan.recalibrate_after=2", fixed_costs)
     expected = _losses(_trainer(tmp_path / "plain", "plan.policy=solved", "plan.recalibrate_after=0", fixed_costs),
                        14)
@@ -125,11 +125,11 @@ def test_later_recalibrations_plan_for_the_slower_of_the_measured_and_the_tables
 
 def test_a_plan_started_after_running_out_of_memory_is_timed_afresh(tmp_path, monkeypatch, fixed_costs):  # noqa: F811
     seen = []
-    monkeypatch.setattr(trainer_module, "recalibrate",
-                        lambda plan, costs, planned, options: seen.append((planned, list(trainer._update_seconds))))
+    monkeypatch.setattr(planner_module, "recalibrate",
+                        lambda plan, costs, planned, options: seen.append((planned, list(trainer.planner.update_seconds))))
     trainer = _trainer(tmp_path, "plan.policy=solved", "plan.recalibrate_after=3", fixed_costs)
     _losses(trainer, 3)
-    before = list(trainer._update_seconds)
+    before = list(trainer.planner.update_seconds)
     assert len(before) == 2 and not seen
     _failing(monkeypatch, times=1)  # the next forward runs out: the plan is re-solved smaller
     first = trainer.executor
@@ -145,7 +145,7 @@ def test_a_plan_started_after_running_out_of_memory_is_timed_afresh(tmp_path, mo
 
 def test_no_recalibration_when_the_rate_is_right_or_it_is_off(tmp_path, monkeypatch, fixed_costs):  # noqa: F811
     calls = []
-    monkeypatch.setattr(trainer_module, "recalibrate", lambda *a: calls.append(a))
+    monkeypatch.setattr(planner_module, "recalibrate", lambda *a: calls.append(a))
     for after in (0, 3):
         trainer = _trainer(tmp_path / str(after), "plan.policy=solved", f"plan.recalibrate_after={after}",
                            fixed_costs)

@@ -17,12 +17,8 @@ from typing import Literal
 
 import yaml
 
-from lazytrain.errors import LazyTrainError
+from lazytrain.errors import ConfigError
 from lazytrain.plan.plan import DEVICE_STEPPED, RECOMPUTE, is_offload_window
-
-
-class ConfigError(LazyTrainError, ValueError):
-    pass
 
 
 def check_fields(obj, section: str) -> None:

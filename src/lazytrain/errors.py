@@ -9,3 +9,7 @@ raises its own subclass; they also derive from the builtin they refine (``ValueE
 
 class LazyTrainError(Exception):
     """A bad input, an unusable machine or a run that cannot go on: the message says what to do."""
+
+
+class ConfigError(LazyTrainError, ValueError):
+    """A config key holds a value LazyTrain cannot use (the message names the key)."""

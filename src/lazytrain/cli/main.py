@@ -113,24 +113,22 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from lazytrain.plan.policies import comparison_plans, policy_plan
+    from lazytrain.plan.policies import comparison_plans
     from lazytrain.plan.render import format_plan_table, render_plan_png
     from lazytrain.plan.simulate import simulate
-    from lazytrain.train.session import build_session
+    from lazytrain.train.plan_ahead import plan_ahead
 
     path, overrides = _split_args(args.items)
     config = load_config(path, overrides)
-    session = build_session(config)
-    costs = session.cost_table()
-    options = session.policy_options()
-    plan = policy_plan("solved", costs, options)
+    ahead = plan_ahead(config)  # from the model's shape: no weights read or allocated
+    plan, costs = ahead.plan, ahead.costs
     overlap = config.plan.overlap_optimizer
     sim = simulate(plan, costs, optimizer_overlap=overlap)
+    print(f"{ahead.arch}, {ahead.num_params / 1e9:.2f}B parameters; cost table: {ahead.source}\n")
     print(format_plan_table(plan, sim, costs))
-    print(f"\nhost memory (model state + this plan's host-tier activations):\n"
-          f"{session.host_memory(sim.peak_host_bytes, costs).table()}")
+    print(f"\nhost memory (model state + this plan's host-tier activations):\n{ahead.host.table()}")
     print("\nbaselines (same cost table, same simulator):")
-    for baseline in comparison_plans(costs.num_layers, costs.batch_size, costs.seq_len, options):
+    for baseline in comparison_plans(costs.num_layers, costs.batch_size, costs.seq_len, ahead.planner.options):
         result = simulate(baseline, costs, optimizer_overlap=overlap)
         verdict = "fits" if result.feasible else "does not fit: " + "; ".join(result.violations)
         print(f"  {baseline.policy:16s} {result.step_time_s:8.3f} s  peak GPU "
@@ -185,8 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="measure this machine and model: writes OUTPUT_DIR/costs.json",
                           epilog="the configuration keys: `lazytrain train --help` or `lazytrain config`")
     prof.add_argument("items", nargs="*", help="[config.yaml] [section.key=value ...]")
-    plan = sub.add_parser("plan", help="solve the per-layer plan (MILP): prints it, writes plan.json, plan.png")
-    plan.add_argument("items", nargs="*", help="[config.yaml] [section.key=value ...] (plan.costs=costs.json)")
+    plan = sub.add_parser("plan", help="solve the per-layer plan (MILP) from the model's shape, without loading "
+                          "weights: prints it, writes plan.json, plan.png",
+                          epilog="the configuration keys: `lazytrain train --help` or `lazytrain config`")
+    plan.add_argument("items", nargs="*", help="[config.yaml] [section.key=value ...] (plan.costs=costs.json from "
+                      "`lazytrain profile`; without it a built-in estimate)")
     ev = sub.add_parser("eval", help="exact-match evaluation of a saved model (the eval config section)",
                         formatter_class=listing, epilog=_keys_epilog(("eval",)))
     ev.add_argument("items", nargs="*", help="[config.yaml] [eval.key=value ...] (eval.model defaults to "

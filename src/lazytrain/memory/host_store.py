@@ -152,7 +152,8 @@ def host_headroom() -> int:
     return max(int(total * HOST_HEADROOM_FRACTION), HOST_HEADROOM_MIN)
 
 
-def activation_room(state_bytes: int, limit: int | None = None, ranks: int = 1, staging: int = 0) -> int:
+def activation_room(state_bytes: int, limit: int | None = None, ranks: int = 1, staging: int = 0,
+                    allocated: bool = True) -> int:
     """Host bytes one process may pin for activations: its share of what the budget (``limit``,
     default `default_host_limit`) leaves after its ``state_bytes`` of model state, and no more
     than its share of what the machine has available now less `host_headroom`, less its
@@ -161,11 +162,12 @@ def activation_room(state_bytes: int, limit: int | None = None, ranks: int = 1, 
     activations. The second bound counts what the budget's
     components do not: the processes' own memory (torch, the CUDA context, the data), other
     processes, the kernel. Called once every rank's model state is allocated, so the
-    available memory no longer includes it."""
+    available memory no longer includes it; ``allocated`` False: before (``lazytrain plan``),
+    the state then comes off the available memory too."""
     room = (limit or default_host_limit()) // ranks - state_bytes
     available = host_memory_available()
     if available is not None:
-        room = min(room, (available - host_headroom()) // ranks)
+        room = min(room, (available - host_headroom() - (0 if allocated else state_bytes)) // ranks)
     return max(room - staging, 0)
 
 

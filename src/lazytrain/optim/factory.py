@@ -32,6 +32,17 @@ def describe(optimizer: HostOptimizer) -> str:
     return f"{kind}/{rounding}" if rounding else kind
 
 
+def describe_config(config: OptimizerConfig, rounding: str) -> tuple[str, int | None]:
+    """`describe` of the optimizer `make_optimizer` makes from ``config`` and ``rounding``, and
+    the elements per piece of its GPU step (`HostOptimizer.device_step_chunk`), without making
+    one (8-bit states load the C++ kernel, a minute when it is built)."""
+    if config.kind != "hybrid8bit":
+        return config.kind, None
+    from lazytrain.optim.hybrid8bit import _device_chunk
+
+    return f"hybrid8bit/{rounding}", _device_chunk()
+
+
 def make_optimizer(
     config: OptimizerConfig, masters: list[torch.Tensor], decay_numel: list[int],
     group_numels: list[int] | None = None, group_offsets: list[int] | None = None, seed: int = 0,

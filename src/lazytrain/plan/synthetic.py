@@ -7,7 +7,9 @@ Llama/Qwen2-style decoder layer saves for backward with fused (flash) attention.
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable, LayerCosts, RecomputeCosts, ShapeFit
@@ -275,3 +277,103 @@ def random_cost_table(seed: int, num_layers: int, *, uniform: bool = False, opti
         table.const_update_ms = const_params * dev.uniform(1e-9, 5e-8)
         table.const_update_bytes = int(const_params * dev.uniform(2, 6))
     return table
+
+
+@dataclass(kw_only=True, slots=True)
+class LayerShape:
+    """One decoder layer type's widths, as its parameters' shapes give them (`layer_shape`)."""
+
+    params: int
+    hidden: int
+    intermediate: int
+    mixer_in: int
+    """Widths the attention (or linear-attention) block projects its input to (q, k, v, gates):
+    what it saves for backward besides its input."""
+    mixer_out: int
+    """Width its output projection takes (the attention output it saves)."""
+    quadratic: bool
+    """Full attention: its score FLOPs grow with the sequence (linear attention's state update
+    is ~1% of a layer's matmul FLOPs per token, left out)."""
+
+
+OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight")
+"""The names that end an attention block's output projection in the supported families."""
+
+
+def layer_shape(params: Sequence[tuple[str, tuple[int, ...]]], hidden: int, quadratic: bool) -> LayerShape:
+    """The widths of a decoder layer of ``params`` (name, shape) in a model of width ``hidden``
+    (matrices are HF ``(out, in)``; ``mlp.`` names the MLP)."""
+    matrices = [(n, s) for n, s in params if len(s) == 2]
+    mixer = [(n, s) for n, s in matrices if not n.startswith("mlp.")]
+    mlp_in = [s[0] for n, s in matrices if n.startswith("mlp.") and s[1] == hidden]
+    outputs = [s for n, s in mixer if n.endswith(OUTPUT_PROJECTIONS)]
+    if not mlp_in or len(outputs) != 1:
+        raise ValueError(f"not a decoder layer with one attention output projection and an MLP: "
+                         f"{[n for n, _ in matrices]}")
+    return LayerShape(
+        params=sum(math.prod(s) for _, s in params), hidden=hidden, intermediate=max(mlp_in),
+        mixer_in=sum(s[0] for n, s in mixer if s[1] == hidden and not n.endswith(OUTPUT_PROJECTIONS)),
+        mixer_out=outputs[0][1], quadratic=quadratic,
+    )
+
+
+def _estimated_layer(shape: LayerShape, tokens: int, seq_len: int, rate: float, dtype_bytes: int) -> LayerCosts:
+    """`synthetic_cost_table`'s layer for any widths: the same saved tensors (the lean ops'),
+    with the block's own projections in place of q, k, v and the attention output."""
+    h, i, mixed = shape.hidden, shape.intermediate, shape.mixer_in + shape.mixer_out
+    attention_flops = 2 * seq_len * shape.mixer_out if shape.quadratic else 0
+    forward_ms = tokens * (2 * shape.params + attention_flops) / rate + 0.2  # + launch overhead
+    mlp_flops = 2 * 2 * h * i
+    mixer_flops = 2 * (shape.params - 3 * h * i) + attention_flops
+    b = dtype_bytes
+    options = {
+        "mlp": RecomputeCosts(saved_bytes=tokens * (2 * h + mixed) * b, recompute_ms=tokens * mlp_flops / rate,
+                              backward_work_bytes=tokens * (6 * i + 4 * h) * b),
+        "attention": RecomputeCosts(saved_bytes=tokens * (2 * h + 2 * i) * b,
+                                    recompute_ms=tokens * mixer_flops / rate,
+                                    backward_work_bytes=tokens * (4 * i + 5 * h + shape.mixer_in) * b),
+        "mlp_up": RecomputeCosts(saved_bytes=tokens * (2 * h + mixed + i) * b, recompute_ms=tokens * 2 * h * i / rate,
+                                 backward_work_bytes=tokens * (5 * i + 4 * h) * b),
+    }
+    return LayerCosts(
+        params=shape.params, weight_bytes=shape.params * b, forward_ms=forward_ms, backward_ms=2 * forward_ms,
+        recompute_ms=1.05 * forward_ms, input_bytes=tokens * h * b, saved_bytes=tokens * (2 * h + mixed + 2 * i) * b,
+        forward_work_bytes=tokens * (3 * i + h) * b, backward_work_bytes=tokens * (4 * i + 4 * h) * b,
+        recompute_options=options,
+    )
+
+
+def estimated_cost_table(layer_types: Sequence[str], shapes: dict[str, LayerShape], *, vocab: int,
+                         embed_params: int, final_params: int, batch_size: int, seq_len: int,
+                         machine: MachineGuess | None = None, head_chunk_tokens: int = 4096) -> CostTable:
+    """An estimated `CostTable` for a model of any supported family, without profiling: each layer
+    type's `LayerShape` (``shapes``), the embedding's and the final group's (norm, untied head)
+    parameters, at (batch_size, seq_len) on ``machine``: times from FLOPs at its matmul rate,
+    sizes from the tensors the lean ops save (bf16). No GPU optimizer step is estimated (the
+    embedding and head are stepped on the host)."""
+    mc = machine or MachineGuess()
+    tokens = batch_size * seq_len
+    rate = mc.matmul_tflops * 1e12 / 1e3  # FLOPs per ms
+    h = next(iter(shapes.values())).hidden
+    bf16 = 2
+    per_type = {kind: _estimated_layer(shape, tokens, seq_len, rate, bf16) for kind, shape in shapes.items()}
+    mean_params = sum(per_type[k].params for k in layer_types) / len(layer_types)
+    time_fit = ShapeFit(per_token=2 * mean_params / rate, per_token_seq=2 * h / rate, const=0.2)
+    const = embed_params + final_params
+    chunk = min(head_chunk_tokens, tokens)
+    return CostTable.from_types(
+        layer_types, per_type, batch_size=batch_size, seq_len=seq_len,
+        embed_forward_ms=0.5 + tokens * h * bf16 / 2e9, embed_backward_ms=1.0 + tokens * h * 4 / 1e9,
+        head_ms=6 * vocab * h * tokens / rate,
+        head_work_bytes=chunk * vocab * 6 + tokens * h * 12, head_token_bytes=h * 12,
+        embed_backward_work_bytes=(tokens * bf16 + min(tokens, vocab) * 4 + min(tokens, 8192) * 4) * h,
+        head_chunk_tokens=head_chunk_tokens, const_params=const, head_params=final_params,
+        const_weight_bytes=const * bf16, const_grad_bytes=const * bf16,
+        h2d_gbps=mc.h2d_gbps, d2h_gbps=mc.d2h_gbps, bidir_gbps=mc.bidir_gbps,
+        nvme_read_gbps=mc.nvme_read_gbps, nvme_write_gbps=mc.nvme_write_gbps,
+        optimizer_ns_per_param=mc.optimizer_ns_per_param, copy_slowdown=mc.copy_slowdown,
+        gpu_bytes=mc.gpu_bytes, gpu_fixed_bytes=2 * const * bf16 + mc.gpu_reserve_bytes,
+        host_bytes=mc.host_bytes, nvme_bytes=mc.nvme_bytes,
+        fits={"forward_ms": time_fit, "backward_ms": time_fit, "recompute_ms": time_fit},
+        device=mc.device, notes={"estimate": True, "matmul_tflops": mc.matmul_tflops},
+    )

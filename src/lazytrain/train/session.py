@@ -1,20 +1,21 @@
 """What every command builds from a config before it trains, profiles or plans.
 
 `build_session` is the one place that turns the config into a device, a tokenizer, a
-streamed model (adapter + host store), the CPU optimizer and the NVMe tier; `Session.plan`
-is the one place that turns ``plan.*`` into the `Plan` to run. ``lazytrain train``,
-``profile``, ``plan`` and the benchmarks all go through them.
+streamed model (adapter + host store), the CPU optimizer and the NVMe tier. Which plan runs
+is the `Planner`'s (`Session.planner`, ``plan.*``); the session hands it what it measures (the
+cost table: ``plan.costs`` or profiled now, this run's memory). ``lazytrain train``,
+``profile`` and the benchmarks go through them; ``lazytrain plan`` builds no session
+(`lazytrain.train.plan_ahead`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,9 +36,8 @@ from lazytrain.optim.factory import (
     make_optimizer,
     state_bytes_per_param,
 )
-from lazytrain.plan.costs import OLD_DEVICE_STEP_CHUNK, CostTable, usable_gpu_bytes
 from lazytrain.plan.plan import Plan
-from lazytrain.plan.policies import PolicyOptions, baseline_plan, policy_plan
+from lazytrain.plan.planner import Planner, costs_from_file, keep_all_bytes, with_capacities
 from lazytrain.runtime.device import (
     cap_gpu_memory,
     free_memory,
@@ -46,6 +46,10 @@ from lazytrain.runtime.device import (
     resolve_dtype,
 )
 from lazytrain.runtime.distributed import DataParallel, local_batch_size, rank_info_from_env
+
+if TYPE_CHECKING:
+    from lazytrain.plan.costs import CostTable
+    from lazytrain.plan.policies import PolicyOptions
 
 log = logging.getLogger(__name__)
 
@@ -75,26 +79,21 @@ class Session:
         """Another optimizer of the configured kind (the profiler times one on scratch groups)."""
         return make_optimizer(self.config.optimizer, masters, decay_numel, rounding=self.config.state_rounding())
 
+    _planner: Planner | None = field(default=None, init=False, repr=False)
+
+    @property
+    def planner(self) -> Planner:
+        """This run's planner (the ``plan`` section, for a data-parallel run or not, with an NVMe
+        tier or not): the one place that decides which plan runs. Made at first use, which
+        raises `ConfigError` for plan choices this run cannot make."""
+        if self._planner is None:
+            self._planner = Planner(self.config.plan, data_parallel=self.parallel is not None,
+                                    nvme_tier=self.nvme is not None)
+        return self._planner
+
     def policy_options(self) -> PolicyOptions:
-        pc = self.config.plan
-        if self.parallel is not None and (pc.const_update == "device" or pc.device_layers or pc.device_steps):
-            raise ConfigError("plan.const_update=device, plan.device_layers and plan.device_steps step the "
-                              "embedding, head and first layers on one GPU; a data-parallel run shards them over "
-                              "its ranks' CPU optimizers: set plan.const_update=auto or host and "
-                              "plan.device_layers=plan.device_steps=0")
-        if pc.offload_window > 1 and self.nvme is not None:
-            raise ConfigError(f"plan.offload_window={pc.offload_window} models host-tier offloads only, and "
-                              "memory.nvme_dir lets the plan use the NVMe tier: set plan.offload_window=1 or leave "
-                              "memory.nvme_dir unset")
-        return PolicyOptions(
-            megatrain_every=pc.megatrain_every, checkpoint_tier=pc.checkpoint_tier,
-            head_chunk_tokens=pc.head_chunk_tokens, weight_prefetch=pc.weight_prefetch,
-            tiers=("gpu", "host", "nvme") if self.nvme is not None else ("gpu", "host"),
-            optimizer_overlap=pc.overlap_optimizer, recompute=tuple(pc.recompute_blocks),
-            const_update=pc.const_update, device_layers=0 if self.parallel is not None else pc.device_layers,
-            device_steps=0 if self.parallel is not None else pc.device_steps,
-            offload_window=pc.offload_window,
-        )
+        """The ``plan`` section as the policies take it (`Planner.options`)."""
+        return self.planner.options
 
     def host_memory(self, activations: int = 0, costs: CostTable | None = None) -> budget.HostBudget:
         """This run's host bytes per component, with ``activations`` bytes on the host tier (and,
@@ -109,26 +108,19 @@ class Session:
                                   activations=activations, staging=staging, limit=host_limit_bytes(self.config))
 
     def cost_table(self) -> CostTable:
-        """The cost table of ``plan.costs`` at the training shape, or one profiled now."""
+        """The cost table of ``plan.costs`` at the training shape (checked against this run),
+        or one profiled now."""
         cfg = self.config
         batch, seq = self.batch_size, cfg.data.max_seq_len
         attention = "causal"  # padded rows take the causal path
         if cfg.data.packing:
             attention = "packed_varlen" if self.adapter.packed_attention == "varlen" else "packed"
         if cfg.plan.costs:
-            costs = CostTable.load(cfg.plan.costs).at(batch, seq)
-            costs.check_layers(self.adapter.layer_types, f"plan.costs={cfg.plan.costs}")
-            costs.check_attention(attention, f"plan.costs={cfg.plan.costs}")
-            costs.check_elementwise(self.adapter.pointwise.kind, f"plan.costs={cfg.plan.costs}")
-            costs.check_optimizer(describe(self.optimizer), f"plan.costs={cfg.plan.costs}")
-            rescaled = costs.for_device_step_chunk(self.optimizer.device_step_chunk)
-            if rescaled is not costs:
-                log.warning("plan.costs=%s measured the GPU optimizer step's temporaries in pieces of %d elements, "
-                            "this version steps %d at a time: %.2f GB scaled to %.2f GB (profile again to measure "
-                            "them)", cfg.plan.costs, costs.device_step_chunk or OLD_DEVICE_STEP_CHUNK,
-                            rescaled.device_step_chunk, costs.device_step_work_bytes / 1e9,
-                            rescaled.device_step_work_bytes / 1e9)
-            costs = self.for_this_run(rescaled)
+            costs = costs_from_file(cfg.plan.costs, batch, seq, layer_types=self.adapter.layer_types,
+                                    attention=attention, elementwise=self.adapter.pointwise.kind,
+                                    optimizer=describe(self.optimizer),
+                                    device_step_chunk=self.optimizer.device_step_chunk)
+            costs = self.for_this_run(costs)
         else:
             from lazytrain.runtime.profiler import profile
 
@@ -151,8 +143,7 @@ class Session:
     def for_this_run(self, costs: CostTable) -> CostTable:
         """A saved table with this run's capacities: the room for host activations is this
         run's (`activation_room`: its model state, its host budget, the memory available now),
-        not the profiled one's; the GPU is
-        ``memory.gpu_gb`` when set."""
+        not the profiled one's; the GPU is ``memory.gpu_gb`` when set."""
         ranks = 1
         if self.parallel is not None:
             ranks = self.parallel.info.local_world_size
@@ -160,48 +151,20 @@ class Session:
         # this rank's model state and, with an NVMe tier, its staging buffers, as the profiler counts them
         room = activation_room(self.store.bytes(self.optimizer.state_bytes()).total, host_limit_bytes(self.config),
                                ranks, self.host_memory(costs=costs).staging)
-        costs = dataclasses.replace(costs, host_bytes=room)
-        if self.config.memory.gpu_gb:
-            costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(self.config.memory.gpu_gb * GiB)))
-        return costs
-
-    def resolved_policy(self) -> str:
-        """``plan.policy`` with ``auto`` decided: solved on a GPU; on the CPU keep_all when its
-        activations (estimated) fit in half the memory budget, else megatrain."""
-        policy = self.config.plan.policy
-        if policy != "auto":
-            return policy
-        if self.device.type == "cuda":
-            return "solved"
-        batch, seq = self.batch_size, self.config.data.max_seq_len
-        need = keep_all_bytes(self.adapter, batch, seq, self.dtype.itemsize)
-        policy = "keep_all" if need < free_memory(self.device) // 2 else "megatrain"
-        log.info("plan.policy=auto: %s (keep_all would hold ~%.1f GiB of activations)", policy, need / GiB)
-        return policy
+        return with_capacities(costs, host_bytes=room, gpu_gb=self.config.memory.gpu_gb)
 
     def plan(self) -> tuple[Plan, CostTable | None]:
-        """The plan to run and, where there is one, the cost table it is predicted with."""
-        cfg = self.config
-        if cfg.plan.file:
-            try:
-                plan = Plan.load(cfg.plan.file)
-            except (OSError, ValueError, TypeError) as error:
-                raise ConfigError(f"plan.file={cfg.plan.file}: not a readable plan.json ({error})") from None
-            plan.weight_prefetch = cfg.plan.weight_prefetch
-            return plan, (self.cost_table() if cfg.plan.costs else None)
-        policy = self.resolved_policy()
-        if policy == "solved":
-            costs = self.cost_table()
-            return policy_plan("solved", costs, self.policy_options()), costs
-        plan = baseline_plan(policy, self.adapter.num_layers, self.batch_size, cfg.data.max_seq_len,
-                             self.policy_options())
-        return plan, (self.cost_table() if cfg.plan.costs else None)
-
-
-def keep_all_bytes(adapter: ModelAdapter, batch: int, seq_len: int, dtype_bytes: int) -> int:
-    """Activations keep_all holds: ~56 hidden-sized values per token and layer (measured on
-    Qwen2.5-7B at bf16: 0.2 MB per token per layer)."""
-    return 56 * adapter.hidden_size * dtype_bytes * batch * seq_len * adapter.num_layers
+        """The plan to run and, where there is one, the cost table it is predicted with (the
+        planner's first plan: `Planner.initial`)."""
+        planner, batch, seq = self.planner, self.batch_size, self.config.data.max_seq_len
+        on_gpu = self.device.type == "cuda"
+        policy = planner.resolve_policy(
+            on_gpu=on_gpu, keep_all_bytes=keep_all_bytes(self.adapter.hidden_size, self.adapter.num_layers, batch, seq,
+                                                         self.dtype.itemsize),
+            free_bytes=0 if on_gpu else free_memory(self.device))
+        costs = self.cost_table() if planner.needs_costs(policy) else None
+        plan, _ = planner.initial(policy, costs, self.adapter.num_layers, batch, seq)
+        return plan, costs
 
 
 def host_limit_bytes(config: Config) -> int | None:

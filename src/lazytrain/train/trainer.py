@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -27,22 +28,9 @@ from tqdm import tqdm
 from lazytrain.config import Config
 from lazytrain.data.dataset import Batch
 from lazytrain.data.pipeline import heldout_samples, resolve_template, training_batches
-from lazytrain.errors import LazyTrainError
 from lazytrain.model.loading import save_hf
-from lazytrain.plan.costs import CostTable
-from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.plan import Plan
-from lazytrain.plan.policies import (
-    MAX_RECALIBRATIONS,
-    RECALIBRATE_TOLERANCE,
-    measured_update_rate,
-    planned_update_rate,
-    policy_plan,
-    recalibrate,
-)
-from lazytrain.plan.render import format_plan_table
-from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
-from lazytrain.plan.simulate import simulate
+from lazytrain.plan.planner import OutOfGpuMemory
 from lazytrain.runtime.device import oom_need_bytes, release_failed_step
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.update import HostUpdater
@@ -53,10 +41,12 @@ from lazytrain.train.schedule import learning_rate
 from lazytrain.train.session import build_session, check_inputs
 from lazytrain.train.signals import StopRequest, TrainingInterrupted
 
+if TYPE_CHECKING:
+    from lazytrain.plan.costs import CostTable
+
 log = logging.getLogger(__name__)
 
-class OutOfGpuMemory(LazyTrainError, MemoryError):
-    pass
+__all__ = ["OutOfGpuMemory", "Trainer"]  # the run's error when no smaller plan fits, the planner's
 
 
 class Trainer:
@@ -96,10 +86,8 @@ class Trainer:
             cfg.data, self.tokenizer, self.template, batch_size=tc.batch_size, seed=tc.seed,
             pad_to_multiple_of=8 if self.device.type == "cuda" else 1,
         )
-        self.plan, self.costs = session.plan()
-        self._recalibrations = 0  # re-solves on a measured update rate in this process
-        self._oom_replans = 0  # re-solves after a step ran out of GPU memory
-        self._update_oom_replans = 0  # ... after an optimizer step planned on the GPU did (counted apart)
+        self.planner = session.planner
+        session.plan()
         self._start_plan()
         self.checkpoint_bytes = self.checkpointer.size_bytes(self.store.masters, self.optimizer.state_dict())
         if resume_from is None and tc.overwrite and self.is_main:
@@ -116,26 +104,32 @@ class Trainer:
             cfg.save(self.out_dir / "lazytrain_config.yaml")
             self.template.save(self.out_dir)
 
+    @property
+    def plan(self) -> Plan:
+        """The running plan (the planner's)."""
+        return self.planner.plan
+
+    @property
+    def costs(self) -> CostTable | None:
+        """The cost table the running plan is predicted with (None: none), the planner's."""
+        return self.planner.costs
+
+    @property
+    def predicted(self) -> dict[str, float]:
+        """The planner's prediction for the running plan, logged beside the measured figures."""
+        return self.planner.predicted
+
     def _start_plan(self) -> None:
-        """Executor and CPU updater for ``self.plan``, with the planner's prediction for it."""
-        cfg, session = self.config, self.session
-        # what the planner predicts for this plan, logged beside the measured figures each step
-        if self.costs is not None:
-            sim = simulate(self.plan, self.costs, optimizer_overlap=cfg.plan.overlap_optimizer)
-            self.predicted = sim.metrics()
-            log.info("plan:\n%s", format_plan_table(self.plan, sim, self.costs))
-        else:
-            self.predicted = {"predicted_step_time_s": self.plan.predicted_step_time_s}
+        """Executor and CPU updater for the planner's plan."""
+        session = self.session
+        if self.planner.table:
+            log.info("plan:\n%s", self.planner.table)
         host = session.host_memory(int(self.predicted.get("predicted_act_host_gb", 0.0) * 1e9), self.costs)
         log.info("host memory with the plan's activations:\n%s", host.table())
         self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=session.nvme,
                                  parallel=self.parallel)
         self.executor.trace.enabled = self.device.type == "cuda"
-        self.updater = HostUpdater(self.executor, self.optimizer, overlap=cfg.plan.overlap_optimizer)
-        # every plan's update is timed afresh (its rate per parameter is not another plan's, and
-        # its first update warms up) and recalibrated on, up to the cap
-        self._update_seconds: list[float] = []  # this plan's CPU updates, in order
-        self._recalibrate_due = self._recalibrations < MAX_RECALIBRATIONS  # not yet measured by a recalibration
+        self.updater = HostUpdater(self.executor, self.optimizer, overlap=self.config.plan.overlap_optimizer)
 
     def _drop_executor(self) -> None:
         """Finish the CPU update and let go of the executor (before another plan starts)."""
@@ -144,78 +138,15 @@ class Trainer:
         del self.executor, self.updater
 
     def _recalibrate(self) -> None:
-        """Re-solve the plan with the CPU update rate its steps measured, with a margin
-        (`policies.recalibrate`, `policies.planned_update_rate`; after an earlier re-solve, never
-        faster than the table's); switch to the new plan when it is predicted faster. Each
-        plan started (a switch, an out-of-memory re-plan) is measured in turn, up to
-        `MAX_RECALIBRATIONS` re-solves in a process (`_start_plan`)."""
-        self._recalibrate_due = False
-        measured = measured_update_rate(self._update_seconds, self.updater.cpu_params)
-        if measured is None:
-            return
-        planned = planned_update_rate(measured, self.costs, earlier=self._recalibrations > 0)
-        self._recalibrations += 1
-        table = self.costs.optimizer_ns_per_param
-        timed = len(self._update_seconds)
-        started = time.perf_counter()
-        found = recalibrate(self.plan, self.costs, planned, self.session.policy_options())
-        if found is None:
-            log.info("recalibration %d: the CPU update ran at %.3f ns/param in the plan's updates 2-%d, planned for "
-                     "%.3f, within %.0f%% of the cost table's %.3f: the plan kept", self._recalibrations, measured,
-                     timed, planned, 100 * RECALIBRATE_TOLERANCE, table)
-            return
-        self.costs = found.costs
-        self._write({"step": self.step, "recalibration": self._recalibrations, "update_ns_per_param_measured": measured,
-                     "update_ns_per_param_planned": planned, "update_ns_per_param_table": table,
-                     "replanned": found.changed, "predicted_step_s_current_plan": found.current_s,
-                     "predicted_step_s_resolved_plan": found.resolved_s})
-        log.info(
-            "recalibration %d: the CPU update ran at %.3f ns/param in the plan's updates 2-%d against %.3f in the "
-            "cost table%s; on that rate the current plan is predicted at %.3f s and the plan re-solved for it at "
-            "%.3f s (solved in %.0f s): %s", self._recalibrations, measured, timed, table,
-            f" (planned for {planned:.3f})",
-            found.current_s, found.resolved_s, time.perf_counter() - started,
-            "switching to it" if found.changed else "keeping the current one",
-        )
-        if found.changed:
+        """Re-plan on the CPU update rate this plan's steps measured (`Planner.recalibrate`)."""
+        _, notes = self.planner.recalibrate(self.updater.cpu_params)
+        if notes.record:
+            self._write({"step": self.step, **notes.record})
+        if notes.message:
+            log.info("%s", notes.message)
+        if notes.changed:
             self._drop_executor()
-            self.plan = found.plan
             self._start_plan()
-        else:
-            self.predicted = simulate(self.plan, self.costs,
-                                      optimizer_overlap=self.config.plan.overlap_optimizer).metrics()
-
-    def _not_resolved(self, tries: int) -> str | None:
-        """Why this run's plan is not re-solved after running out of GPU memory (``tries``
-        times re-solved already for that cause), or None."""
-        if self.parallel is not None:
-            return "data parallel: the other ranks are in the step too"
-        if self.costs is None or self.plan.policy != "solved" or self.config.plan.file is not None:
-            return f"plan {self.plan.policy!r} is not re-solved"
-        if tries >= MAX_OOM_REPLANS:
-            return f"{MAX_OOM_REPLANS} smaller plans did not fit either"
-        return None
-
-    def _smaller_budget(self, error: torch.OutOfMemoryError) -> tuple[CostTable, str]:
-        """The cost table with the GPU budget `gpu_budget_after_oom` gives after ``error`` (read
-        before the failed executor is dropped: it reads the allocator's peak), and a line for
-        the log."""
-        predicted = int(self.predicted.get("predicted_peak_gpu_gb", 0.0) * 1e9)
-        seen = oom_need_bytes(error, self.device)
-        lower = gpu_budget_after_oom(self.costs.gpu_bytes, predicted, seen)
-        line = (f"the solved plan was predicted to peak at {predicted / 1e9:.1f} GB and needed {seen / 1e9:.1f} GB "
-                f"(allocated + the allocation that failed); re-solving with {max(lower, 0) / 1e9:.1f} GB instead of "
-                f"{self.costs.gpu_bytes / 1e9:.1f} GB for the planner")
-        return dataclasses.replace(self.costs, gpu_bytes=max(lower, 0)), line
-
-    def _solve(self, costs: CostTable) -> tuple[Plan | None, str | None]:
-        """The solved plan for ``costs``, or None and why there is none."""
-        if costs.gpu_bytes <= 0:
-            return None, "no GPU memory left to plan with"
-        try:
-            return policy_plan("solved", costs, self.session.policy_options()), None
-        except PlanInfeasible as infeasible:
-            return None, str(infeasible)
 
     def _release(self, error: torch.OutOfMemoryError) -> None:
         """Drop the executor (its update finished first) and what ``error`` still holds."""
@@ -225,59 +156,28 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _replan_after_oom(self, error: torch.OutOfMemoryError) -> None:
-        """Re-solve the plan with less GPU memory after a step ran out of it, or raise.
-
-        A solved plan, in one process, is re-solved with the budget `gpu_budget_after_oom`
-        gives and the step run again: the failed step changed no weights, optimizer state or
-        data position.
-        """
-        tries = self._oom_replans
-        why = self._not_resolved(tries)
-        if why is not None:
-            raise OutOfGpuMemory(
-                f"the step ran out of GPU memory with plan {self.plan.policy!r} at batch {self.plan.batch_size} x "
-                f"seq {self.plan.seq_len} ({why}): {str(error).splitlines()[0]}. Lower training.batch_size or "
-                "data.max_seq_len, use plan.policy=megatrain, or give the planner less with memory.gpu_gb"
-            ) from None
-        self._oom_replans = tries + 1
-        costs, line = self._smaller_budget(error)
-        self._release(error)  # before the solve: the last update's CPU work is done, the GPU memory back
-        plan, why = self._solve(costs)
-        if plan is None:
-            raise OutOfGpuMemory(
-                f"the step ran out of GPU memory with plan 'solved' at batch {self.plan.batch_size} x seq "
-                f"{self.plan.seq_len}, and no plan fits the {costs.gpu_bytes / 1e9:.1f} GB left after it ({why}): "
-                f"{str(error).splitlines()[0]}. Lower training.batch_size or data.max_seq_len, or use "
-                "plan.policy=megatrain"
-            ) from None
-        log.warning("step %d ran out of GPU memory: %s (try %d of %d) and running the step again", self.step + 1,
-                    line, tries + 1, MAX_OOM_REPLANS)
-        self.costs, self.plan = costs, plan
+        """Run the step again on the plan the planner re-solves with less GPU memory
+        (`Planner.after_oom`), or raise `OutOfGpuMemory`. The need is read before the failed
+        executor is dropped (it reads the allocator's peak)."""
+        need = oom_need_bytes(error, self.device)
+        _, notes = self.planner.after_oom(need, str(error).splitlines()[0], release=lambda: self._release(error))
+        log.warning("step %d ran out of GPU memory: %s and running the step again", self.step + 1, notes.message)
         self._start_plan()
 
     def _after_update_oom(self) -> None:
         """The GPU ran out of memory for an optimizer step planned there (`HostUpdater`): those
         groups were stepped on the CPU instead, the same update, and stay there while this plan
-        runs. A solved plan is re-solved with less GPU memory as after a step that ran out
-        (`_replan_after_oom`; the step is not run again: it is done), counted apart from those
-        (the update's tries do not use up the steps'); any other plan, or one with no smaller
-        plan, goes on as it is."""
+        runs; the planner re-solves a solved plan with less GPU memory (`Planner.after_update_oom`;
+        the step is not run again: it is done), any other goes on as it is."""
         error, self.updater.out_of_memory = self.updater.out_of_memory, None
-        tries = self._update_oom_replans
-        why = self._not_resolved(tries)
-        if why is None:
-            self._update_oom_replans = tries + 1
-            costs, line = self._smaller_budget(error)
-            self.updater.finish()  # its CPU work done before the solve, not beside it
-            plan, why = self._solve(costs)
-        if why is not None:
+        _, notes = self.planner.after_update_oom(oom_need_bytes(error, self.device), before_solve=self.updater.finish)
+        if not notes.changed:
             log.warning("an optimizer step planned on the GPU ran out of its memory (found after step %d) and went "
-                        "to the CPU; the run goes on with the plan as it is (%s)", self.step, why)
+                        "to the CPU; %s", self.step, notes.message)
             return
-        log.warning("an optimizer step planned on the GPU ran out of its memory (found after step %d): %s (try %d "
-                    "of %d)", self.step, line, tries + 1, MAX_OOM_REPLANS)
+        log.warning("an optimizer step planned on the GPU ran out of its memory (found after step %d): %s",
+                    self.step, notes.message)
         self._release(error)
-        self.costs, self.plan = costs, plan
         self._start_plan()
 
     # -- the loop ---------------------------------------------------------------------------
@@ -351,7 +251,7 @@ class Trainer:
                 clip = min(1.0, tc.max_grad_norm / (stats.grad_norm + 1e-6))
             self.updater.start(clip, lr)
             if self.updater.last_step_seconds > 0:  # the last finished update (the step before's, overlapped)
-                self._update_seconds.append(self.updater.last_step_seconds)
+                self.planner.timed_update(self.updater.last_step_seconds)
         self.step += 1
         now = time.perf_counter()
         step_time, self._step_start = now - self._step_start, now
@@ -367,9 +267,7 @@ class Trainer:
         if self.updater.out_of_memory is not None:  # this update, or the forward before it
             self._after_update_oom()
             self._step_start = time.perf_counter()  # the re-solve is not the next step's time
-        after = self.config.plan.recalibrate_after
-        if (after and len(self._update_seconds) >= after and self._recalibrate_due and self.costs is not None
-                and self.parallel is None and self.config.plan.file is None):
+        if self.planner.recalibration_due():
             self._recalibrate()
             self._step_start = time.perf_counter()  # the re-solve is not the next step's time
         return record

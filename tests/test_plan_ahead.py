@@ -1,0 +1,109 @@
+"""``lazytrain plan`` from a model's shape: no weights read or allocated, the cost table from a
+file or a built-in estimate, and the output says which."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lazytrain.cli.main import main
+from lazytrain.model.shapes import SHAPES
+from lazytrain.plan.plan import Plan
+from lazytrain.plan.synthetic import (
+    QWEN25_32B,
+    estimated_cost_table,
+    layer_shape,
+    synthetic_cost_table,
+)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Building the model (or any host store) fails the test."""
+    from lazytrain.memory import host_store
+    from lazytrain.model import build
+    from lazytrain.train import session
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("lazytrain plan built the model")
+
+    monkeypatch.setattr(build, "build_model", refuse)
+    monkeypatch.setattr(session, "build_model", refuse)
+    monkeypatch.setattr(host_store.HostStore, "__init__", refuse)
+
+
+def test_plan_from_a_config_json_folder_and_a_builtin_shape(tmp_path, capsys, no_model):
+    folder = tmp_path / "model"
+    folder.mkdir()  # config.json alone: no weights, no tokenizer
+    (folder / "config.json").write_text(json.dumps({**SHAPES["tiny"], "vocab_size": 1000}))
+    common = ["training.batch_size=2", "data.max_seq_len=64", "memory.gpu_gb=4", "memory.host_limit_gb=2"]
+    assert main(["plan", f"model.source={folder}", f"training.output_dir={tmp_path / 'a'}", *common]) == 0
+    printed = capsys.readouterr().out
+    assert "cost table: built-in estimate, not measured: synthetic H200" in printed
+    assert "4 GiB of GPU memory (memory.gpu_gb)" in printed and "host memory 2 GiB (memory.host_limit_gb)" in printed
+    assert "plan 'solved': batch 2 x seq 64" in printed and "megatrain" in printed
+    plan = Plan.load(tmp_path / "a" / "plan.json")
+    assert plan.num_layers == 2 and plan.batch_size == 2
+
+    assert main(["plan", "model.source=builtin:tiny-hybrid", f"training.output_dir={tmp_path / 'b'}", *common]) == 0
+    printed = capsys.readouterr().out
+    assert "linear_attention" in printed and "full_attention" in printed and "built-in estimate" in printed
+    assert Plan.load(tmp_path / "b" / "plan.json").num_layers == 4
+
+
+def test_a_folder_without_config_json_is_refused(tmp_path, capsys):
+    assert main(["plan", f"model.source={tmp_path}", f"training.output_dir={tmp_path / 'out'}"]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+
+
+def test_the_estimate_of_a_qwen2_layer_is_the_synthetic_tables():
+    """The estimate reads a layer's widths from its parameters' shapes; for a Qwen2 layer those
+    are `synthetic_cost_table`'s dimensions, and so are its costs."""
+    s = QWEN25_32B
+    h, i, kv = s.hidden, s.intermediate, s.kv_dim
+    params = [("self_attn.q_proj.weight", (h, h)), ("self_attn.q_proj.bias", (h,)),
+              ("self_attn.k_proj.weight", (kv, h)), ("self_attn.k_proj.bias", (kv,)),
+              ("self_attn.v_proj.weight", (kv, h)), ("self_attn.v_proj.bias", (kv,)),
+              ("self_attn.o_proj.weight", (h, h)), ("mlp.gate_proj.weight", (i, h)), ("mlp.up_proj.weight", (i, h)),
+              ("mlp.down_proj.weight", (h, i)), ("input_layernorm.weight", (h,)),
+              ("post_attention_layernorm.weight", (h,))]
+    shape = layer_shape(params, h, quadratic=True)
+    assert (shape.params, shape.intermediate, shape.mixer_in, shape.mixer_out) == (s.layer_params, i, h + 2 * kv, h)
+    final = s.head_params
+    estimate = estimated_cost_table(["full_attention"] * s.num_layers, {"full_attention": shape}, vocab=s.vocab,
+                                    embed_params=s.const_params - final, final_params=final, batch_size=2,
+                                    seq_len=1024)
+    synthetic = synthetic_cost_table(s, 2, 1024)
+    mine, theirs = estimate.layers[0], synthetic.layers[0]
+    for name in ("params", "forward_ms", "backward_ms", "input_bytes", "saved_bytes", "forward_work_bytes",
+                 "backward_work_bytes"):
+        assert getattr(mine, name) == pytest.approx(getattr(theirs, name), rel=1e-9), name
+    for block, option in theirs.recompute_options.items():
+        assert mine.recompute_options[block].saved_bytes == option.saved_bytes
+        assert mine.recompute_options[block].backward_work_bytes == option.backward_work_bytes
+        assert mine.recompute_options[block].recompute_ms == pytest.approx(option.recompute_ms, rel=1e-3)
+    assert (estimate.const_params, estimate.head_params, estimate.head_ms) == (
+        synthetic.const_params, synthetic.head_params, pytest.approx(synthetic.head_ms))
+    with pytest.raises(ValueError, match="not a decoder layer"):
+        layer_shape(params[:6], h, quadratic=True)
+
+
+def test_a_cost_table_measured_elsewhere_plans_for_that_machine(tmp_path, capsys, no_model):
+    """plan.costs from a GPU machine, planned on this CPU one: its capacities and bf16 state."""
+    import dataclasses
+
+    from lazytrain.config import load_config
+    from lazytrain.train.plan_ahead import plan_ahead
+
+    common = ["model.source=builtin:tiny", "training.batch_size=2", "data.max_seq_len=64", "memory.gpu_gb=4"]
+    estimate = plan_ahead(load_config(None, common)).costs
+    table = dataclasses.replace(estimate, device="NVIDIA H200", host_bytes=3 * 2**30, optimizer="fp32")
+    table.save(tmp_path / "costs.json")
+    ahead = plan_ahead(load_config(None, [*common, f"plan.costs={tmp_path / 'costs.json'}"]))
+    assert ahead.source == f"plan.costs={tmp_path / 'costs.json'} (measured on NVIDIA H200)"
+    assert ahead.costs.host_bytes == 3 * 2**30  # the profiled machine's room, not this one's
+    assert ahead.host.limit == ahead.host.machine == 3 * 2**30 + ahead.host.state.total
+    assert ahead.host.state.weights == 2 * ahead.num_params  # bf16, as on the GPU
+    with pytest.raises(Exception, match="timed the CPU optimizer as fp32, this run steps hybrid8bit/nearest"):
+        plan_ahead(load_config(None, [*common, f"plan.costs={tmp_path / 'costs.json'}", "optimizer.kind=hybrid8bit"]))
