@@ -273,300 +273,483 @@ def _build(
     and the next ``device_steps`` streamed but stepped there (`Plan.device_steps`).
     ``fixed`` pins every decision to that plan's (evaluation). ``offload_window``
     (`Plan.offload_window`): a host-tier offload's copy may be split over that many stages
-    after its layer's (never past the head), its GPU memory counted through all but the last."""
-    c = costs
-    L = c.num_layers
-    m = _Model()
-    lay = c.layers
-    # weights as streamed: a resident layer's are on the GPU all along (in the fixed part)
-    w = [0.0 if i < device_layers else lc.weight_bytes / GB for i, lc in enumerate(lay)]
-    on_gpu = device_layers + device_steps  # layers below it are stepped on the GPU
-    resident_grads = [lc.weight_bytes / GB * c.grad_share if i < device_layers else 0.0 for i, lc in enumerate(lay)]
-    x = [lc.input_bytes / GB for lc in lay]
-    a = [lc.saved_bytes / GB for lc in lay]
-    wf = [lc.forward_work_bytes / GB for lc in lay]
-    wb = [lc.backward_work_bytes / GB for lc in lay]
-    fw = [lc.forward_ms for lc in lay]
-    ch, cd, cbi = 1e3 / c.h2d_gbps, 1e3 / c.d2h_gbps, 1e3 / c.bidir_gbps
-    cnr, cnw = 1e3 / c.nvme_read_gbps, 1e3 / c.nvme_write_gbps
-    kappa = 1.0 - 1.0 / c.copy_slowdown
-    time_cost = 0.0 if minimize_gpu else 1.0
+    after its layer's (never past the head), its GPU memory counted through all but the last.
+    ``memory=False`` leaves out the memory rows; ``minimize_gpu`` minimises the GPU memory
+    (``gpu_var``) instead of the step time."""
+    prog = _Program(costs, tiers=tiers, overlap=overlap, max_segment=max_segment, device=device,
+                    device_layers=device_layers, device_steps=device_steps, fixed=fixed,
+                    minimize_gpu=minimize_gpu, recompute=recompute, offload_window=offload_window)
+    _add_partition_rows(prog)
+    _add_checkpoint_tier_rows(prog)
+    _add_offload_rows(prog)
+    t_embed, t_fwd = _add_forward_stage_rows(prog)
+    _add_head_stage_rows(prog)
+    _add_backward_stage_rows(prog)
+    _add_update_rows(prog, t_embed, t_fwd)
+    gpu_var = None
+    if memory:
+        budget = _gpu_budget(prog, gpu_bytes, minimize_gpu)
+        kept_before = _add_forward_memory_rows(prog, budget)
+        _add_head_memory_rows(prog, budget, kept_before)
+        _add_backward_memory_rows(prog, budget, kept_before)
+        _add_tier_capacity_rows(prog)
+        gpu_var = budget.gpu_var
+    return _Built(model=prog.m, layer_modes=prog.modes, variants=prog.variants, segments=prog.seg,
+                  gpu_var=gpu_var, num_binaries=prog.num_binaries)
 
-    def span(values: list[float], lo: int, hi: int) -> float:
-        """sum(values[lo..hi]), inclusive; 0 when empty."""
-        return float(sum(values[lo : hi + 1]))
 
-    # -- decisions --------------------------------------------------------------------------
-    # Per layer: keep on GPU (f) / host (o); as a checkpoint start, its tier (g, p, n).
-    # Per segment [s, e) (a checkpoint at s followed by e-s-1 drop layers; e-s = 1 is a lone
-    # checkpoint): a binary. The segments and keeps partition the layers, so the shape of every
-    # recompute segment is explicit and every cost below is linear without big-M rows.
-    allowed = [_allowed(c, tiers, i) for i in range(L)]
-    # per layer, the ways to keep it: "none" (all saved tensors) and each block it may recompute
-    options = [["none", *(k for k in recompute if k in lc.recompute_options)] for lc in lay]
-    kept = [{k: lc.kept(k) for k in options[i]} for i, lc in enumerate(lay)]
-    fixed_letter: list[str | None] = [None] * L
-    fixed_option: list[str] = ["none"] * L
-    fixed_segments: set[tuple[int, int]] = set()
-    if fixed is not None:
-        for i, lp in enumerate(fixed.layers):
-            fixed_letter[i] = layer_mode(lp)
-            fixed_option[i] = lp.recompute
-            if fixed_letter[i] not in allowed[i] or lp.recompute not in options[i]:
-                raise ValueError(
-                    f"layer {i}: {lp.mode}/{lp.tier} recomputing {lp.recompute!r} is not a mode "
-                    "the MILP offers there"
-                )
-        fixed_segments = {
-            (s, e) for s, e in fixed.segments() if fixed.layers[s].mode == "checkpoint"
-        }
-        max_segment = max([e - s for s, e in fixed_segments] + [1])
+def _span(values: list[float], lo: int, hi: int) -> float:
+    """sum(values[lo..hi]), inclusive; 0 when empty."""
+    return float(sum(values[lo : hi + 1]))
 
-    nbin = 0
 
-    def binary(ok: bool, pinned: bool | None) -> _Expr:
-        nonlocal nbin
+def _total(terms) -> _Expr:
+    return sum(terms, _Expr())
+
+
+class _Program:
+    """The program as `_build` makes it, in ms and GB: the model, the table's numbers per layer,
+    the decisions and the expressions the families of rows share. Columns and rows are numbered
+    as they are made, so the ``_add_*_rows`` functions run in `_build`'s order.
+
+    Notation of the row families' docstrings (layer i, segment [a, e)): ``w_i`` weights as
+    streamed (0 for a resident layer), ``x_i`` input, ``A_i`` saved bytes of a whole kept layer,
+    ``A_i,r`` / ``R_i,r`` / ``Wf_i,r`` / ``Wb_i,r`` saved bytes / block re-forward / forward
+    and backward working sets of keep variant r ("none" or a block it recomputes), ``Wf_i`` /
+    ``Wb_i`` the whole layer's, ``F_i`` / ``Bw_i`` / ``Rc_i`` forward / backward / re-forward ms;
+    binaries ``f_i,r``, ``o_i,r`` (f_i, o_i their sums), ``g_i``, ``p_i``, ``n_i``, ``s[a,e]``;
+    ``B_h``, ``B_d``, ``B_bi``, ``B_nr``, ``B_nw`` the H2D, D2H, both-ways, NVMe read and write
+    rates; ``sigma`` the compute slowdown under copies, ``kappa = 1 - 1/sigma``."""
+
+    def __init__(
+        self,
+        costs: CostTable,
+        *,
+        tiers: tuple[str, ...],
+        overlap: bool,
+        max_segment: int,
+        device: bool,
+        device_layers: int,
+        device_steps: int,
+        fixed: Plan | None,
+        minimize_gpu: bool,
+        recompute: tuple[str, ...],
+        offload_window: int,
+    ) -> None:
+        c = self.c = costs
+        L = self.L = c.num_layers
+        self.m = _Model()
+        lay = self.lay = c.layers
+        self.overlap, self.device, self.offload_window = overlap, device, offload_window
+        self.device_layers, self.device_steps = device_layers, device_steps
+        # weights as streamed: a resident layer's are on the GPU all along (in the fixed part)
+        self.w = [0.0 if i < device_layers else lc.weight_bytes / GB for i, lc in enumerate(lay)]
+        self.on_gpu = device_layers + device_steps  # layers below it are stepped on the GPU
+        self.resident_grads = [lc.weight_bytes / GB * c.grad_share if i < device_layers else 0.0
+                               for i, lc in enumerate(lay)]
+        self.x = [lc.input_bytes / GB for lc in lay]
+        self.a = [lc.saved_bytes / GB for lc in lay]
+        self.wf = [lc.forward_work_bytes / GB for lc in lay]
+        self.wb = [lc.backward_work_bytes / GB for lc in lay]
+        self.fw = [lc.forward_ms for lc in lay]
+        self.ch, self.cd, self.cbi = 1e3 / c.h2d_gbps, 1e3 / c.d2h_gbps, 1e3 / c.bidir_gbps
+        self.cnr, self.cnw = 1e3 / c.nvme_read_gbps, 1e3 / c.nvme_write_gbps
+        self.kappa = 1.0 - 1.0 / c.copy_slowdown
+        self.time_cost = 0.0 if minimize_gpu else 1.0
+        self.allowed = [_allowed(c, tiers, i) for i in range(L)]
+        # per layer, the ways to keep it: "none" (all saved tensors) and each block it may recompute
+        self.options = [["none", *(k for k in recompute if k in lc.recompute_options)] for lc in lay]
+        self.kept = [{k: lc.kept(k) for k in self.options[i]} for i, lc in enumerate(lay)]
+        self.max_segment = max_segment
+        self.fixed = fixed
+        self.fixed_letter: list[str | None] = [None] * L
+        self.fixed_option: list[str] = ["none"] * L
+        self.fixed_segments: set[tuple[int, int]] = set()
+        if fixed is not None:
+            for i, lp in enumerate(fixed.layers):
+                self.fixed_letter[i] = layer_mode(lp)
+                self.fixed_option[i] = lp.recompute
+                if self.fixed_letter[i] not in self.allowed[i] or lp.recompute not in self.options[i]:
+                    raise ValueError(
+                        f"layer {i}: {lp.mode}/{lp.tier} recomputing {lp.recompute!r} is not a mode "
+                        "the MILP offers there"
+                    )
+            self.fixed_segments = {
+                (s, e) for s, e in fixed.segments() if fixed.layers[s].mode == "checkpoint"
+            }
+            self.max_segment = max([e - s for s, e in self.fixed_segments] + [1])
+        self.num_binaries = 0
+        # the decisions (`_add_partition_rows`)
+        self.variants: list[dict[tuple[str, str], _Expr]] = []
+        """Per layer, (f or o, recompute option) -> its binary."""
+        self.modes: list[dict[str, _Expr]] = []
+        self.f: list[_Expr] = []
+        self.o: list[_Expr] = []
+        self.g: list[_Expr] = []
+        self.p: list[_Expr] = []
+        self.n: list[_Expr] = []
+        self.seg: dict[tuple[int, int], _Expr] = {}
+        self.covering: list[list[tuple[int, int]]] = []
+        """Per layer, the segments it is in."""
+        self.ending: list[list[tuple[int, int]]] = []
+        """Per e in 0..L, the segments [a, e)."""
+        # products of a segment and its checkpoint's tier (`_add_checkpoint_tier_rows`)
+        self.held: dict[tuple[int, int], _Expr] = {}
+        self.on_nvme: dict[tuple[int, int], _Expr] = {}
+        # the forward's offloads (`_add_offload_rows`)
+        self.d2h_in: list[_Expr] = []
+        """D2H bytes of each forward stage i (1..L-1) and the head (L)."""
+        self.held_on: list[_Expr] = []
+        """Host-tier offloads still on the GPU at forward stage i beyond their own (the window)."""
+
+    # -- decisions and the expressions over them --------------------------------------------
+
+    def binary(self, ok: bool, pinned: bool | None) -> _Expr:
+        """A decision: 0 where not ``ok``, the constant ``pinned`` where given, else a binary."""
         if not ok:
             return _Expr()
         if pinned is not None:
             return _Expr(const=float(pinned))
-        nbin += 1
-        return m.var(0, 1, integer=True)
+        self.num_binaries += 1
+        return self.m.var(0, 1, integer=True)
 
-    def pin(i: int, letter: str, option: str = "none") -> bool | None:
-        if fixed_letter[i] is None:
+    def pin(self, i: int, letter: str, option: str = "none") -> bool | None:
+        if self.fixed_letter[i] is None:
             return None
-        return fixed_letter[i] == letter and fixed_option[i] == option
+        return self.fixed_letter[i] == letter and self.fixed_option[i] == option
 
-    # keep variants (letter f or o, option): f_i and o_i are their sums
-    variants = [
-        {(k, opt): binary(k in allowed[i], pin(i, k, opt)) for k in "fo" for opt in options[i]}
-        for i in range(L)
-    ]
-    modes = [
-        {
-            **{k: sum((v for (kk, _), v in variants[i].items() if kk == k), _Expr()) for k in "fo"},
-            **{k: binary(k in allowed[i], pin(i, k)) for k in "gpn"},
-        }
-        for i in range(L)
-    ]
-    f, o, g, p, n = ([modes[i][k] for i in range(L)] for k in "fogpn")
-
-    def by_option(i: int, letters: str, value) -> _Expr:
+    def by_option(self, i: int, letters: str, value) -> _Expr:
         """Sum over layer i's keep variants with a letter in ``letters`` of their binary times
         ``value`` of the variant's `RecomputeCosts`."""
-        return total(v * value(kept[i][opt]) for (k, opt), v in variants[i].items() if k in letters)
+        return _total(v * value(self.kept[i][opt]) for (k, opt), v in self.variants[i].items() if k in letters)
 
-    def total(terms) -> _Expr:
-        return sum(terms, _Expr())
-
-    def saved(i: int, letters: str) -> _Expr:
+    def saved(self, i: int, letters: str) -> _Expr:
         """GB kept by layer i when it is kept with a letter in ``letters``."""
-        return by_option(i, letters, lambda r: r.saved_bytes / GB)
+        return self.by_option(i, letters, lambda r: r.saved_bytes / GB)
 
-    seg: dict[tuple[int, int], _Expr] = {}
-    for s in range(L):
-        if not allowed[s] & {"g", "p", "n"}:
-            continue
-        for e in range(s + 1, min(L, s + max_segment) + 1):
-            if any("d" not in allowed[i] for i in range(s + 1, e)):
-                break
-            seg[s, e] = binary(True, None if fixed is None else (s, e) in fixed_segments)
-    covering: list[list[tuple[int, int]]] = [[] for _ in range(L)]
-    ending: list[list[tuple[int, int]]] = [[] for _ in range(L + 1)]
-    for s, e in seg:
-        ending[e].append((s, e))
-        for i in range(s, e):
-            covering[i].append((s, e))
-    for i in range(L):
-        m.eq(f[i] + o[i] + sum((seg[u] for u in covering[i]), _Expr()), 1.0)
-        m.eq(g[i] + p[i] + n[i], sum((seg[u] for u in seg if u[0] == i), _Expr()))
-    # Off-GPU checkpoint of a segment (tier host or nvme), and its NVMe part: products of a
-    # segment and its start's tier, bounded from below (they only ever cost).
-    held: dict[tuple[int, int], _Expr] = {}
-    on_nvme: dict[tuple[int, int], _Expr] = {}
-    for (s, e), v in seg.items():
-        held[s, e] = _Expr()
-        on_nvme[s, e] = _Expr()
-        if not (p[s].is_zero() and n[s].is_zero()):
-            held[s, e] = m.var()
-            m.ge(held[s, e], v - g[s])
-        if not n[s].is_zero():
-            on_nvme[s, e] = m.var()
-            m.ge(on_nvme[s, e], v - g[s] - p[s])
+    def not_keep(self, i: int) -> _Expr:
+        return 1.0 - self.f[i] - self.o[i]
 
-    not_keep = [1.0 - f[i] - o[i] for i in range(L)]
-    gpu_kept = [saved(i, "f") + g[i] * x[i] for i in range(L)]
-    offload = [saved(i, "o") + (p[i] + n[i]) * x[i] for i in range(L)]
-    # D2H bytes of each forward stage i (1..L-1) and the head (L): the offload of layer i - 1, or
-    # with a longer window a host-tier offload's parts over the stages it may span (continuous
-    # splits: a FIFO copy stream meets the same deadlines whenever any split does)
-    d2h_in: list[_Expr] = [_Expr()] + [offload[i - 1] for i in range(1, L + 1)]
-    held_on: list[_Expr] = [_Expr() for _ in range(L + 1)]
-    """Host-tier offloads still on the GPU at forward stage i beyond their own (the window)."""
-    if offload_window > 1:
-        d2h_in = [_Expr() for _ in range(L + 1)]
-        for j in range(L):
-            host_out = saved(j, "o") + p[j] * x[j]
-            d2h_in[j + 1] = d2h_in[j + 1] + n[j] * x[j]
-            span_j = min(offload_window, L - j)
-            if host_out.is_zero() or span_j == 1:
-                d2h_in[j + 1] = d2h_in[j + 1] + host_out
-                continue
-            parts = [m.var() for _ in range(span_j)]
-            m.eq(total(parts), host_out)
-            for k, part in enumerate(parts):
-                d2h_in[j + 1 + k] = d2h_in[j + 1 + k] + part
-            for i in range(j + 1, j + span_j):
-                held_on[i] = held_on[i] + host_out
+    def gpu_kept(self, i: int) -> _Expr:
+        """GB layer i holds on the GPU from its forward to its backward."""
+        return self.saved(i, "f") + self.g[i] * self.x[i]
 
-    def unit_bytes(i: int) -> _Expr:
+    def offload(self, i: int) -> _Expr:
+        """GB layer i sends to the host or NVMe in its forward."""
+        return self.saved(i, "o") + (self.p[i] + self.n[i]) * self.x[i]
+
+    def unit_bytes(self, i: int) -> _Expr:
         """Weights + host/NVMe tensors of the unit ending at layer i-1 (fetched before it)."""
-        keep = (f[i - 1] + o[i - 1]) * w[i - 1] + saved(i - 1, "o")
-        return keep + total(seg[u] * span(w, u[0], i - 1) + held[u] * x[u[0]] for u in ending[i])
+        w = self.w
+        keep = (self.f[i - 1] + self.o[i - 1]) * w[i - 1] + self.saved(i - 1, "o")
+        return keep + _total(self.seg[u] * _span(w, u[0], i - 1) + self.held[u] * self.x[u[0]]
+                             for u in self.ending[i])
 
-    def unit_nvme(i: int) -> _Expr:
+    def unit_nvme(self, i: int) -> _Expr:
         """NVMe bytes of the unit ending at layer i-1."""
-        return total(on_nvme[u] * x[u[0]] for u in ending[i])
+        return _total(self.on_nvme[u] * self.x[u[0]] for u in self.ending[i])
 
-    def rebuild_ms(i: int) -> _Expr:
+    def rebuild_ms(self, i: int) -> _Expr:
         """Re-forward of a segment ending at layer i, paid by its first backward stage."""
-        return total(seg[u] * span(fw, u[0], i - 1) for u in ending[i + 1])
+        return _total(self.seg[u] * _span(self.fw, u[0], i - 1) for u in self.ending[i + 1])
 
-    # -- stage times ------------------------------------------------------------------------
-    def _named(e: _Expr | float) -> _Expr:
+    def unit_options(self, i: int) -> list[tuple[_Expr, float, float]]:
+        """(indicator, H2D bytes, bytes already counted) per way the unit ending at layer i-1
+        can look; the indicators are exclusive (the held parts refine their segment's)."""
+        w = self.w
+        opts = [(self.f[i - 1], w[i - 1], 0.0)]
+        opts += [
+            (v, w[i - 1] + self.kept[i - 1][opt].saved_bytes / GB, 0.0)
+            for (k, opt), v in self.variants[i - 1].items()
+            if k == "o"
+        ]
+        for u in self.ending[i]:
+            weights = _span(w, u[0], i - 1)
+            opts.append((self.seg[u], weights, 0.0))
+            opts.append((self.held[u], weights + self.x[u[0]], weights))
+        return [opt for opt in opts if not opt[0].is_zero()]
+
+    # -- stage times --------------------------------------------------------------------------
+
+    def head_upload(self) -> float:
+        """GB of the head's new weights (`CostTable.const_split`) copied in the last forward
+        stage: overlapped and stepped on the host, they are copied then, as a layer's are in
+        the stage before its own (0 otherwise)."""
+        return self.c.const_split()[1][1] / GB if self.overlap and not self.device else 0.0
+
+    def named(self, e: _Expr | float) -> _Expr:
         """A column equal to e when e has several terms: each appears in up to nine rows."""
         e = _Expr() + e
         if len(e.terms) <= 1:
             return e
-        v = m.var()
-        m.eq(v, e)
+        v = self.m.var()
+        self.m.eq(v, e)
         return v
 
     def stage(
-        compute: _Expr | float, h2d: _Expr | float, d2h: _Expr | float, nvme_ms: _Expr | float = 0.0
+        self, compute: _Expr | float, h2d: _Expr | float, d2h: _Expr | float, nvme_ms: _Expr | float = 0.0
     ) -> _Expr:
-        t = m.var(cost=time_cost)
-        h2d, d2h, compute = (_named(e) for e in (h2d, d2h, compute))
+        """A stage's time ``t`` (objective coefficient 1, or 0 when minimising GPU memory), with
+        ``h`` = ``h2d`` and ``d`` = ``d2h`` GB copied and ``C`` = ``compute`` ms::
+
+            t >= C,  t >= nvme_ms,  and for each copy term X:  t >= X,  t >= C + kappa X
+
+        X: h/B_h and d/B_d, and where both copy, h/B_bi + (d-h)/B_d and d/B_bi + (h-d)/B_h."""
+        m = self.m
+        t = m.var(cost=self.time_cost)
+        h2d, d2h, compute = (self.named(e) for e in (h2d, d2h, compute))
         copies: list[_Expr] = []
         if not h2d.is_zero():
-            copies.append(h2d * ch)
+            copies.append(h2d * self.ch)
         if not d2h.is_zero():
-            copies.append(d2h * cd)
+            copies.append(d2h * self.cd)
         if len(copies) == 2:
-            copies.append(h2d * cbi + (d2h - h2d) * cd)
-            copies.append(d2h * cbi + (h2d - d2h) * ch)
+            copies.append(h2d * self.cbi + (d2h - h2d) * self.cd)
+            copies.append(d2h * self.cbi + (h2d - d2h) * self.ch)
         for term in copies:
             m.ge(t, term)
-            if kappa > 0:
-                m.ge(t, compute + kappa * term)
+            if self.kappa > 0:
+                m.ge(t, compute + self.kappa * term)
         m.ge(t, compute)
         m.ge(t, nvme_ms)
         return t
 
-    def stage_ms(compute: float, h2d: float, d2h: float) -> float:
+    def stage_ms(self, compute: float, h2d: float, d2h: float) -> float:
         """Exact time of one stage whose streams start together (numbers, GB)."""
+        ch, cd, cbi = self.ch, self.cd, self.cbi
         if h2d > 0 and d2h > 0:
             copy = max(
                 h2d * ch, d2h * cd, h2d * cbi + (d2h - h2d) * cd, d2h * cbi + (h2d - d2h) * ch
             )
         else:
             copy = h2d * ch + d2h * cd
-        return max(compute + kappa * copy, copy) if copy > 0 else compute
+        return max(compute + self.kappa * copy, copy) if copy > 0 else compute
 
-    def unit_options(i: int) -> list[tuple[_Expr, float, float]]:
-        """(indicator, H2D bytes, bytes already counted) per way the unit ending at layer i-1
-        can look; the indicators are exclusive (the held parts refine their segment's)."""
-        opts = [(f[i - 1], w[i - 1], 0.0)]
-        opts += [
-            (v, w[i - 1] + kept[i - 1][opt].saved_bytes / GB, 0.0)
-            for (k, opt), v in variants[i - 1].items()
-            if k == "o"
-        ]
-        for u in ending[i]:
-            weights = span(w, u[0], i - 1)
-            opts.append((seg[u], weights, 0.0))
-            opts.append((held[u], weights + x[u[0]], weights))
-        return [opt for opt in opts if not opt[0].is_zero()]
-
-    def hull(t: _Expr, base: _Expr | float, ref_ms: float, options, d2h: float) -> None:
+    def hull(self, t: _Expr, base: _Expr | float, ref_ms: float, options, d2h: float) -> None:
         """t >= base + the exact extra time each option's copy adds to a stage computing at
         least ref_ms. Valid for any plan, exact at integer points with compute ref_ms, and much
         tighter than the max rows in the LP relaxation (a fraction of an offload cannot hide in
         a stage's slack)."""
         extra = _Expr() + base
         for ind, nbytes, counted in options:
-            gain = stage_ms(ref_ms, nbytes, d2h) - stage_ms(ref_ms, counted, d2h)
+            gain = self.stage_ms(ref_ms, nbytes, d2h) - self.stage_ms(ref_ms, counted, d2h)
             extra = extra + ind * gain
-        m.ge(t, extra)
+        self.m.ge(t, extra)
 
+
+def _add_partition_rows(prog: _Program) -> None:
+    """The decisions, and the rows that make each layer take exactly one mode::
+
+        f_i = sum_r f_i,r,  o_i = sum_r o_i,r
+        f_i + o_i + sum_{[a,e) containing i} s[a,e] = 1
+        g_i + p_i + n_i = sum_e s[i,e]
+
+    A segment [a, e) (a checkpoint at a, then e-a-1 drop layers) exists for e - a <= max_segment
+    where a may be a checkpoint and a+1..e-1 may drop. Pinned decisions (``fixed``) are
+    constants."""
+    L, allowed, options, m = prog.L, prog.allowed, prog.options, prog.m
+    # keep variants (letter f or o, option): f_i and o_i are their sums
+    prog.variants = [
+        {(k, opt): prog.binary(k in allowed[i], prog.pin(i, k, opt)) for k in "fo" for opt in options[i]}
+        for i in range(L)
+    ]
+    prog.modes = [
+        {
+            **{k: sum((v for (kk, _), v in prog.variants[i].items() if kk == k), _Expr()) for k in "fo"},
+            **{k: prog.binary(k in allowed[i], prog.pin(i, k)) for k in "gpn"},
+        }
+        for i in range(L)
+    ]
+    prog.f, prog.o, prog.g, prog.p, prog.n = ([prog.modes[i][k] for i in range(L)] for k in "fogpn")
+    seg = prog.seg
+    for s in range(L):
+        if not allowed[s] & {"g", "p", "n"}:
+            continue
+        for e in range(s + 1, min(L, s + prog.max_segment) + 1):
+            if any("d" not in allowed[i] for i in range(s + 1, e)):
+                break
+            seg[s, e] = prog.binary(True, None if prog.fixed is None else (s, e) in prog.fixed_segments)
+    prog.covering = [[] for _ in range(L)]
+    prog.ending = [[] for _ in range(L + 1)]
+    for s, e in seg:
+        prog.ending[e].append((s, e))
+        for i in range(s, e):
+            prog.covering[i].append((s, e))
+    f, o, g, p, n = prog.f, prog.o, prog.g, prog.p, prog.n
+    for i in range(L):
+        m.eq(f[i] + o[i] + sum((seg[u] for u in prog.covering[i]), _Expr()), 1.0)
+        m.eq(g[i] + p[i] + n[i], sum((seg[u] for u in seg if u[0] == i), _Expr()))
+
+
+def _add_checkpoint_tier_rows(prog: _Program) -> None:
+    """The off-GPU checkpoint of a segment (tier host or NVMe) and its NVMe part: products of a
+    segment and its start's tier, bounded from below (they only ever cost)::
+
+        held[a,e] >= s[a,e] - g_a,  on_nvme[a,e] >= s[a,e] - g_a - p_a  (both >= 0)"""
+    m, g, p, n = prog.m, prog.g, prog.p, prog.n
+    for (s, e), v in prog.seg.items():
+        prog.held[s, e] = _Expr()
+        prog.on_nvme[s, e] = _Expr()
+        if not (p[s].is_zero() and n[s].is_zero()):
+            prog.held[s, e] = m.var()
+            m.ge(prog.held[s, e], v - g[s])
+        if not n[s].is_zero():
+            prog.on_nvme[s, e] = m.var()
+            m.ge(prog.on_nvme[s, e], v - g[s] - p[s])
+
+
+def _add_offload_rows(prog: _Program) -> None:
+    """The D2H bytes of each forward stage i (1..L-1) and the head (L), ``d2h_i``: with
+    ``offload_window`` 1 the offload of layer i-1, ``O_{i-1} + n_{i-1} x_{i-1}`` where
+    ``O_j = sum_r o_j,r A_j,r + p_j x_j`` is its host-tier part. With a window W > 1 a host-tier
+    offload's copy is split over the stages it may span (continuous splits: a FIFO copy stream
+    meets the same deadlines whenever any split does)::
+
+        sum_{k < W_j} part_j,k = O_j,  W_j = min(W, L - j)
+        d2h_i = n_{i-1} x_{i-1} + sum_{j + 1 + k = i} part_j,k
+
+    and ``O_j`` stays on the GPU through forward stages j+1 .. j+W_j-1 (``held_on``)."""
+    L, m, p, n, x = prog.L, prog.m, prog.p, prog.n, prog.x
+    held_on = prog.held_on = [_Expr() for _ in range(L + 1)]
+    if prog.offload_window == 1:
+        prog.d2h_in = [_Expr()] + [prog.offload(i - 1) for i in range(1, L + 1)]
+        return
+    d2h_in = prog.d2h_in = [_Expr() for _ in range(L + 1)]
+    for j in range(L):
+        host_out = prog.saved(j, "o") + p[j] * x[j]
+        d2h_in[j + 1] = d2h_in[j + 1] + n[j] * x[j]
+        span_j = min(prog.offload_window, L - j)
+        if host_out.is_zero() or span_j == 1:
+            d2h_in[j + 1] = d2h_in[j + 1] + host_out
+            continue
+        parts = [m.var() for _ in range(span_j)]
+        m.eq(_total(parts), host_out)
+        for k, part in enumerate(parts):
+            d2h_in[j + 1 + k] = d2h_in[j + 1 + k] + part
+        for i in range(j + 1, j + span_j):
+            held_on[i] = held_on[i] + host_out
+
+
+def _add_forward_stage_rows(prog: _Program) -> tuple[_Expr, list[_Expr]]:
+    """The embedding's and each layer's forward stage (`_Program.stage`); returns their times.
+
+    Embedding: C = its forward (+ the GPU step of the device groups, with ``optimizer_overlap``),
+    h = w_0. Layer i: C = F_i, h = w_{i+1} (the next layer's prefetch; none after the last),
+    d = d2h_i, NVMe = n_{i-2} x_{i-2}/B_nw (the write behind the copy out) and, in the last
+    layer's stage, the reads of the head's unit. With ``offload_window`` 1 a hull row gives each
+    offload of layer i-1 its exact extra time (T: `_Program.stage_ms`)::
+
+        t_i >= T(F_i, w_{i+1}, 0) + (p_{i-1} + n_{i-1}) (T(F_i, w_{i+1}, x_{i-1}) - T(F_i, w_{i+1}, 0))
+                                  + sum_r o_{i-1,r} (T(F_i, w_{i+1}, A_{i-1,r}) - T(F_i, w_{i+1}, 0))"""
+    c, L, w, x, fw, n = prog.c, prog.L, prog.w, prog.x, prog.fw, prog.n
     # stepped on the GPU with the overlap, the embedding and head go ahead of the embedding forward
     # (the stage's copies start with them: the executor does not wait for the GPU step)
-    device_ms = c.device_update_ms(device_layers) if device else 0.0
-    t_embed = stage(c.embed_forward_ms + (device_ms if overlap else 0.0), w[0], 0.0)
-    # overlapped and stepped on the host, the head's new weights (`CostTable.const_split`) are
-    # copied in the last forward stage, as a layer's are in the stage before its own
-    head_upload = c.const_split()[1][1] / GB if overlap and not device else 0.0
+    device_ms = c.device_update_ms(prog.device_layers) if prog.device else 0.0
+    t_embed = prog.stage(c.embed_forward_ms + (device_ms if prog.overlap else 0.0), w[0], 0.0)
+    head_upload = prog.head_upload()
     t_fwd = []
     for i in range(L):
-        nvme_ms = n[i - 2] * (x[i - 2] * cnw) if i >= 2 else _Expr()
+        nvme_ms = n[i - 2] * (x[i - 2] * prog.cnw) if i >= 2 else _Expr()
         if i == L - 1:
-            nvme_ms = nvme_ms + unit_nvme(L) * cnr
+            nvme_ms = nvme_ms + prog.unit_nvme(L) * prog.cnr
         h2d = w[i + 1] if i + 1 < L else head_upload
-        t_fwd.append(stage(fw[i], h2d, d2h_in[i] if i > 0 else 0.0, nvme_ms))
-        if i > 0 and offload_window == 1:  # (with splits an offload need not land in one stage)
-            base = stage_ms(fw[i], h2d, 0.0)
-            offloads = [(p[i - 1] + n[i - 1], x[i - 1])]
+        t_fwd.append(prog.stage(fw[i], h2d, prog.d2h_in[i] if i > 0 else 0.0, nvme_ms))
+        if i > 0 and prog.offload_window == 1:  # (with splits an offload need not land in one stage)
+            base = prog.stage_ms(fw[i], h2d, 0.0)
+            offloads = [(prog.p[i - 1] + n[i - 1], x[i - 1])]
             offloads += [
-                (v, kept[i - 1][opt].saved_bytes / GB)
-                for (k, opt), v in variants[i - 1].items()
+                (v, prog.kept[i - 1][opt].saved_bytes / GB)
+                for (k, opt), v in prog.variants[i - 1].items()
                 if k == "o"
             ]
-            m.ge(
+            prog.m.ge(
                 t_fwd[-1],
-                base + total(ind * (stage_ms(fw[i], h2d, nbytes) - base) for ind, nbytes in offloads),
+                base + _total(ind * (prog.stage_ms(fw[i], h2d, nbytes) - base) for ind, nbytes in offloads),
             )
-    head_nvme = unit_nvme(L - 1) * cnr + (n[L - 2] * (x[L - 2] * cnw) if L >= 2 else 0.0)
-    t_head = stage(c.head_ms, unit_bytes(L), d2h_in[L], head_nvme)
-    if offload[L - 1].is_zero():
-        hull(t_head, c.head_ms, c.head_ms, unit_options(L), 0.0)
-    prefetch = [_Expr()] + [unit_bytes(i) for i in range(1, L)]
+    return t_embed, t_fwd
+
+
+def _add_head_stage_rows(prog: _Program) -> None:
+    """The head's stage: C = the final norm + head + loss, h = the last unit's bytes
+    (`_Program.unit_bytes`: the backward's first prefetch), d = d2h_L, NVMe = the unit's reads
+    and layer L-2's write. Where the last layer offloads nothing, a hull row over the unit's
+    shapes (`_Program.unit_options`)."""
+    c, L, n, x = prog.c, prog.L, prog.n, prog.x
+    head_nvme = prog.unit_nvme(L - 1) * prog.cnr + (n[L - 2] * (x[L - 2] * prog.cnw) if L >= 2 else 0.0)
+    t_head = prog.stage(c.head_ms, prog.unit_bytes(L), prog.d2h_in[L], head_nvme)
+    if prog.offload(L - 1).is_zero():
+        prog.hull(t_head, c.head_ms, c.head_ms, prog.unit_options(L), 0.0)
+
+
+def _add_backward_stage_rows(prog: _Program) -> None:
+    """Each layer's backward stage, and the embedding's. Layer i::
+
+        C = Bw_i + Rc_i (1 - f_i - o_i) + sum_r (f_i,r + o_i,r) R_i,r
+            + sum_{[a, i+1), a < i} s[a,i+1] (F_a + ... + F_{i-1})     (a segment's rebuild)
+        h = U_i (the next unit's weights and off-GPU tensors, `_Program.unit_bytes`; none at 0)
+        d = w_{i+1} grad_share (the gradient of the layer after it),  NVMe = the unit's reads
+
+    with hull rows over the unit's shapes (`_Program.hull`) at the computes a stage that
+    prefetches can have: Bw_i + its largest re-forward, Bw_i, and Bw_i + each block's. The embedding's: its backward, d = (w_0 + the
+    head's and embedding's gradients, where stepped on the host) grad_share."""
+    c, L, lay, w, options, kept = prog.c, prog.L, prog.lay, prog.w, prog.options, prog.kept
+    prefetch = [_Expr()] + [prog.unit_bytes(i) for i in range(1, L)]
     for i in range(L):
         bw, rc = lay[i].backward_ms, lay[i].recompute_ms
-        block_ms = by_option(i, "fo", lambda r: r.recompute_ms)
-        compute = bw + rc * not_keep[i] + block_ms + rebuild_ms(i)
+        not_keep = prog.not_keep(i)
+        block_ms = prog.by_option(i, "fo", lambda r: r.recompute_ms)
+        compute = bw + rc * not_keep + block_ms + prog.rebuild_ms(i)
         grad_out = w[i + 1] * c.grad_share if i + 1 < L else 0.0
-        nvme_ms = unit_nvme(i - 1) * cnr if i >= 2 else 0.0
-        t = stage(compute, prefetch[i], grad_out, nvme_ms)
+        nvme_ms = prog.unit_nvme(i - 1) * prog.cnr if i >= 2 else 0.0
+        t = prog.stage(compute, prefetch[i], grad_out, nvme_ms)
         if i > 0:
             # A stage that prefetches ends its unit (a unit of one layer: no rebuild): it
             # computes bw, bw + a block's re-forward (keep) or bw + rc. Each hull holds for a
             # compute up to its reference.
             most = max(rc, *(kept[i][opt].recompute_ms for opt in options[i]))
-            hull(t, compute, bw + most, unit_options(i), grad_out)
-            hull(t, compute - rc * not_keep[i] - block_ms, bw, unit_options(i), grad_out)
+            prog.hull(t, compute, bw + most, prog.unit_options(i), grad_out)
+            prog.hull(t, compute - rc * not_keep - block_ms, bw, prog.unit_options(i), grad_out)
             for opt in options[i][1:]:
                 # exact for a kept layer recomputing opt; below the truth for the others
-                ind = total(v for (_, k), v in variants[i].items() if k == opt)
+                ind = _total(v for (_, k), v in prog.variants[i].items() if k == opt)
                 r = kept[i][opt].recompute_ms
                 if not ind.is_zero():
-                    base = compute - rc * not_keep[i] - block_ms + r * ind
-                    hull(t, base, bw + r, unit_options(i), grad_out)
-    const_grads = 0.0 if device else c.const_grad_bytes / GB  # stepped on the GPU: no copy out
-    stage(c.embed_backward_ms, 0.0, (w[0] + const_grads) * c.grad_share)
+                    base = compute - rc * not_keep - block_ms + r * ind
+                    prog.hull(t, base, bw + r, prog.unit_options(i), grad_out)
+    const_grads = 0.0 if prog.device else c.const_grad_bytes / GB  # stepped on the GPU: no copy out
+    prog.stage(c.embed_backward_ms, 0.0, (w[0] + const_grads) * c.grad_share)
 
-    if overlap:
-        # The previous step's CPU update runs first: the embedding, then layer 0, 1, ..., then
-        # the final norm + head (`CostTable.const_split`; stepped on the GPU, the layers only);
-        # layer j's weights are copied only after its update, the head's before the head runs.
-        # Resident layers take no CPU time, and their forward waits for nothing.
+
+def _add_update_rows(prog: _Program, t_embed: _Expr, t_fwd: list[_Expr]) -> None:
+    """The optimizer step's share of the step time (``objective_const``) and, with
+    ``optimizer_overlap``, the rows that make the forward wait for it. The previous step's CPU
+    update runs first: the embedding, then layer 0, 1, ..., then the final norm + head
+    (`CostTable.const_split`; stepped on the GPU, the layers only); layer j's weights are copied
+    only after its update, the head's before the head runs. With ``ns`` the update's ms per
+    parameter, ``start`` = ns P_embedding + its weights / B_h (the constant)::
+
+        t_embed + t_fwd_0 + ... + t_fwd_{j-1} >= ns (P_emb + the CPU-stepped P_0 .. P_j) + w_j/B_h - start
+        (a layer stepped on the GPU but streamed: its bytes back on the host instead,
+        `_streamed_steps_done`)
+        t_embed + sum_j t_fwd_j >= ns (P_emb + sum_j P_j + P_head) + w_head/B_h - start
+
+    Resident layers take no CPU time, and their forward waits for nothing. Without the overlap
+    the update follows the step: the CPU's optimizer time and the weights of the embedding and
+    head back, or (``const_update="device"``) the CPU's layers beside the GPU's steps."""
+    c, L, lay, w, m = prog.c, prog.L, prog.lay, prog.w, prog.m
+    device, device_layers, device_steps = prog.device, prog.device_layers, prog.device_steps
+    if prog.overlap:
         ns = c.optimizer_ns_per_param * 1e-6
         (first_params, first_bytes), (head_params, head_bytes) = (
             ((0, 0.0), (0, 0.0)) if device else c.const_split()
         )
         opt_done = ns * first_params
-        start = opt_done + first_bytes / GB * ch
+        start = opt_done + first_bytes / GB * prog.ch
         m.objective_const = start
+
+        ch, cd, cbi, fw, overlap = prog.ch, prog.cd, prog.cbi, prog.fw, prog.overlap
+        device_ms = c.device_update_ms(device_layers) if device else 0.0
+        head_upload = prog.head_upload()
 
         def ready(before: _Expr, at: _Expr, done_ms: float, h: float, d: _Expr, early: float) -> None:
             # The stage from ``before`` to ``at`` (ms after ``start``) copies h GB in once the
@@ -586,136 +769,203 @@ def _build(
         elapsed, before = t_embed, _Expr()
         # the soonest each stage may start (ms after ``start``): its predecessors' compute and
         # copies in alone
-        early = [0.0, stage_ms(c.embed_forward_ms + (device_ms if overlap else 0.0), w[0], 0.0)]
+        early = [0.0, prog.stage_ms(c.embed_forward_ms + (device_ms if overlap else 0.0), w[0], 0.0)]
         for i in range(L):
-            early.append(early[-1] + stage_ms(fw[i], w[i + 1] if i + 1 < L else head_upload, 0.0))
+            early.append(early[-1] + prog.stage_ms(fw[i], w[i + 1] if i + 1 < L else head_upload, 0.0))
         streamed_done = _streamed_steps_done(c, device_layers, device_steps)
         for j in range(L):
-            out = d2h_in[j - 1] if j else _Expr()  # the copy out of the stage before fwd j
-            if j >= on_gpu:
+            out = prog.d2h_in[j - 1] if j else _Expr()  # the copy out of the stage before fwd j
+            if j >= prog.on_gpu:
                 opt_done += ns * lay[j].params
                 ready(before, elapsed, opt_done, w[j], out, early[j])
             elif j >= device_layers:
                 ready(before, elapsed, streamed_done[j - device_layers], w[j], out, early[j])
-            before, elapsed = elapsed, _named(elapsed + t_fwd[j])
+            before, elapsed = elapsed, prog.named(elapsed + t_fwd[j])
         if head_params:
-            ready(before, elapsed, opt_done + ns * head_params, head_bytes / GB, d2h_in[L - 1], early[L])
+            ready(before, elapsed, opt_done + ns * head_params, head_bytes / GB, prog.d2h_in[L - 1], early[L])
     elif device:
         # the CPU steps the layers, then the GPU the embedding and head (`HostUpdater.start`)
         streamed = _streamed_steps_done(c, device_layers, device_steps)
+        device_ms = c.device_update_ms(device_layers)
         # the streamed steps on their own streams, beside the embedding's and head's
-        m.objective_const = (c.optimizer_ns_per_param * sum(lc.params for lc in lay[on_gpu:]) * 1e-6
+        m.objective_const = (c.optimizer_ns_per_param * sum(lc.params for lc in lay[prog.on_gpu:]) * 1e-6
                              + max(device_ms, streamed[-1] if streamed else 0.0))
     else:
-        m.objective_const = c.optimizer_ms + c.const_weight_bytes / GB * ch
+        m.objective_const = c.optimizer_ms + c.const_weight_bytes / GB * prog.ch
 
-    # -- memory -----------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _GpuBudget:
+    """What every GPU memory row shares, in GB."""
+
+    cap: _Expr | float
+    """The budget less `_MARGIN_GB`, or the column minimised (``gpu_var``)."""
+    gpu_var: _Expr | None
+    step_fixed: float
+    """Bytes held through the step (`CostTable.step_fixed_bytes`, the device groups')."""
+    forward_fixed: float
+    """... through the forward (`CostTable.forward_fixed_bytes`, the device groups')."""
+    scratch: float
+    """The streamed GPU steps' slots, until the last of them is stepped (in its forward)."""
+    grads: float
+    """The backward's gradient buffers."""
+
+
+def _gpu_budget(prog: _Program, gpu_bytes: float | None, minimize_gpu: bool) -> _GpuBudget:
+    c = prog.c
     gpu_var = None
-    if memory:
-        if minimize_gpu:
-            gpu_var = m.var(cost=1.0)
-            cap: _Expr | float = gpu_var
-        else:
-            cap = (c.gpu_bytes if gpu_bytes is None else gpu_bytes) / GB - _MARGIN_GB
-        device_gb = (c.const_update_bytes + c.device_resident_bytes(device_layers)) / GB if device else 0.0
-        fixed_gb = c.step_fixed_bytes / GB + device_gb
-        forward_fixed_gb = c.forward_fixed_bytes / GB + device_gb
-        # the streamed steps' scratch slots, until the last of them is stepped (in its forward)
-        scratch_gb = _streamed_scratch_bytes(c, device_layers, device_steps) / GB
-        grads = c.grad_buffers * max(lc.weight_bytes for lc in lay) / GB
-        # GPU-kept bytes of layers < i, as running-sum columns (keeps the matrix sparse).
-        kept_before = [_Expr()]
-        for i in range(L):
-            total_i = m.var()
-            m.eq(total_i, kept_before[-1] + gpu_kept[i])
-            kept_before.append(total_i)
+    if minimize_gpu:
+        gpu_var = prog.m.var(cost=1.0)
+        cap: _Expr | float = gpu_var
+    else:
+        cap = (c.gpu_bytes if gpu_bytes is None else gpu_bytes) / GB - _MARGIN_GB
+    device_gb = (c.const_update_bytes + c.device_resident_bytes(prog.device_layers)) / GB if prog.device else 0.0
+    return _GpuBudget(
+        cap=cap,
+        gpu_var=gpu_var,
+        step_fixed=c.step_fixed_bytes / GB + device_gb,
+        forward_fixed=c.forward_fixed_bytes / GB + device_gb,
+        scratch=_streamed_scratch_bytes(c, prog.device_layers, prog.device_steps) / GB,
+        grads=c.grad_buffers * max(lc.weight_bytes for lc in prog.lay) / GB,
+    )
 
-        # before the head: no gradients of the embedding and head; an offloaded tensor's GPU
-        # copy is freed in its own stage
-        # the embedding's output; stepped on the GPU, before it the update with their gradients
-        held_grads = c.const_grad_bytes / GB + sum(resident_grads) if device else 0.0
-        m.le(forward_fixed_gb + scratch_gb + w[0] + max(x[0], held_grads), cap)
-        for i in range(L):
-            current = x[i] + saved(i, "fo") - (f[i] + o[i]) * x[i]
-            m.le(
-                forward_fixed_gb
-                + (scratch_gb if i < on_gpu else 0.0)
-                + w[i]
-                + (w[i + 1] if i + 1 < L else 0.0)
-                + kept_before[i]
-                + current
-                + held_on[i]
-                # the forward's transient: a kept variant's own (under autograd, beyond its saved
-                # tensors), else the no-grad forward's
-                + not_keep[i] * wf[i]
-                + by_option(i, "fo", lambda r: r.forward_work_bytes / GB),
-                cap,
-            )
+
+def _add_forward_memory_rows(prog: _Program, budget: _GpuBudget) -> list[_Expr]:
+    """GPU memory at the embedding and at each forward stage; returns ``K_i``, the GPU-kept
+    bytes of layers < i (i = 0..L), as running-sum columns (keeps the matrix sparse)::
+
+        K_{i+1} = K_i + sum_r f_i,r A_i,r + g_i x_i
+        embedding:  fixed + scratch + w_0 + max(x_0, device groups' gradients) <= cap
+        layer i:    fixed + scratch (while GPU steps are ahead) + w_i + w_{i+1} + K_i
+                    + x_i + sum_r (f_i,r + o_i,r) (A_i,r - x_i)     (its input and saved tensors)
+                    + held_on_i + (1 - f_i - o_i) Wf_i + sum_r (f_i,r + o_i,r) Wf_i,r  <= cap
+
+    Before the head no gradients of the embedding and head are held, and an offloaded tensor's
+    GPU copy is freed in its own stage (or, with a window, at its copy's last stage)."""
+    m, L, w, x, cap = prog.m, prog.L, prog.w, prog.x, budget.cap
+    kept_before = [_Expr()]
+    for i in range(L):
+        total_i = m.var()
+        m.eq(total_i, kept_before[-1] + prog.gpu_kept(i))
+        kept_before.append(total_i)
+    # the embedding's output; stepped on the GPU, before it the update with their gradients
+    held_grads = prog.c.const_grad_bytes / GB + sum(prog.resident_grads) if prog.device else 0.0
+    m.le(budget.forward_fixed + budget.scratch + w[0] + max(x[0], held_grads), cap)
+    for i in range(L):
+        current = x[i] + prog.saved(i, "fo") - (prog.f[i] + prog.o[i]) * x[i]
         m.le(
-            forward_fixed_gb
-            + kept_before[L]
-            + x[L - 1]
-            + c.head_work_bytes / GB
-            + unit_bytes(L),
+            budget.forward_fixed
+            + (budget.scratch if i < prog.on_gpu else 0.0)
+            + w[i]
+            + (w[i + 1] if i + 1 < L else 0.0)
+            + kept_before[i]
+            + current
+            + prog.held_on[i]
+            # the forward's transient: a kept variant's own (under autograd, beyond its saved
+            # tensors), else the no-grad forward's
+            + prog.not_keep(i) * prog.wf[i]
+            + prog.by_option(i, "fo", lambda r: r.forward_work_bytes / GB),
             cap,
         )
-        if not minimize_gpu:
-            # Cardinality cut from the head row (every GPU-kept tensor is live there): at most
-            # k layers fit kept on the GPU, k from the k smallest saved sizes. Valid, and it
-            # spares the solver proving it by branching over interchangeable layers.
-            room = cap - forward_fixed_gb - x[L - 1] - c.head_work_bytes / GB - w[L - 1]
-            sizes = sorted(
-                min(kept[i][opt].saved_bytes for opt in options[i]) / GB
-                for i in range(L)
-                if not f[i].is_zero()
-            )
-            k = int(np.searchsorted(np.cumsum(sizes), room, side="right"))
-            if k < len(sizes):
-                m.le(total(f), float(k))
-        for i in range(L):
-            weights = (f[i] + o[i]) * w[i] + total(seg[u] * span(w, u[0], i) for u in covering[i])
-            cache = total(
-                seg[u] * span(x, u[0] + 1, i - 1) + held[u] * x[u[0]]
-                for u in covering[i]
-                if u[0] < i
-            )
-            # a kept layer's backward holds its option's saved bytes and working set
-            kept_work = by_option(i, "fo", lambda r: (r.saved_bytes + r.backward_work_bytes) / GB)
-            kept_work = kept_work - (f[i] + o[i]) * (a[i] + wb[i])
-            # resident layers' gradients, from their backward on
-            grads_i = grads + sum(resident_grads[i:])
-            m.le(
-                fixed_gb
-                + kept_before[i]
-                + cache
-                + a[i]
-                + wb[i]
-                + kept_work
-                + weights
-                + grads_i
-                + prefetch[i],
-                cap,
-            )
-            rebuilds = [u for u in ending[i + 1] if u[0] < i]
-            if rebuilds:
-                # Each re-forward j of the rebuild: inputs rebuilt so far + its working set,
-                # with every weight of the segment loaded.
-                peak = total(
-                    seg[u]
-                    * (max(span(x, u[0] + 1, j) + wf[j] for j in range(u[0], i)) + span(w, u[0], i))
-                    + held[u] * x[u[0]]
-                    for u in rebuilds
-                )
-                m.le(fixed_gb + kept_before[i] + peak + grads_i, cap)
-        m.le(fixed_gb + grads + sum(resident_grads) + c.embed_backward_work_bytes / GB, cap)
-        m.le(
-            total(saved(i, "o") + p[i] * x[i] for i in range(L)),
-            max(c.host_bytes / GB - _MARGIN_GB, 0.0),
-        )
-        m.le(total(n[i] * x[i] for i in range(L)), max(c.nvme_bytes / GB - _MARGIN_GB, 0.0))
+    return kept_before
 
-    return _Built(model=m, layer_modes=modes, variants=variants, segments=seg, gpu_var=gpu_var,
-                  num_binaries=nbin)
+
+def _add_head_memory_rows(prog: _Program, budget: _GpuBudget, kept_before: list[_Expr]) -> None:
+    """GPU memory at the head, where every GPU-kept tensor is live::
+
+        fixed + K_L + x_{L-1} + the head's working set + U_L <= cap
+
+    and, under a cap, a cardinality cut from it: at most k layers fit kept on the GPU, k from
+    the k smallest saved sizes (``sum_i f_i <= k``). Valid, and it spares the solver proving
+    it by branching over interchangeable layers."""
+    c, L, x, cap = prog.c, prog.L, prog.x, budget.cap
+    prog.m.le(
+        budget.forward_fixed
+        + kept_before[L]
+        + x[L - 1]
+        + c.head_work_bytes / GB
+        + prog.unit_bytes(L),
+        cap,
+    )
+    if budget.gpu_var is None:
+        room = cap - budget.forward_fixed - x[L - 1] - c.head_work_bytes / GB - prog.w[L - 1]
+        sizes = sorted(
+            min(prog.kept[i][opt].saved_bytes for opt in prog.options[i]) / GB
+            for i in range(L)
+            if not prog.f[i].is_zero()
+        )
+        k = int(np.searchsorted(np.cumsum(sizes), room, side="right"))
+        if k < len(sizes):
+            prog.m.le(_total(prog.f), float(k))
+
+
+def _add_backward_memory_rows(prog: _Program, budget: _GpuBudget, kept_before: list[_Expr]) -> None:
+    """GPU memory at each layer's backward stage, at each re-forward of a segment's rebuild,
+    and at the embedding's backward. With ``G_i`` = the gradient buffers + the gradients of
+    resident layers >= i (held from their backward on)::
+
+        layer i:   fixed + K_i + cache_i + A_i + Wb_i
+                   + sum_r (f_i,r + o_i,r) (A_i,r + Wb_i,r) - (f_i + o_i) (A_i + Wb_i)
+                   + weights_i + G_i + U_i <= cap
+        cache_i    = sum_{[a,e) containing i, a < i} s[a,e] (x_{a+1} + ... + x_{i-1}) + held[a,e] x_a
+        weights_i  = (f_i + o_i) w_i + sum_{[a,e) containing i} s[a,e] (w_a + ... + w_i)
+        rebuild of [a, i+1), a < i: fixed + K_i + G_i
+            + sum s[a,i+1] (max_{a <= j < i} (x_{a+1} + ... + x_j + Wf_j) + w_a + ... + w_i)
+            + held[a,i+1] x_a <= cap
+        embedding: fixed + the gradient buffers and all resident layers' + its working set <= cap"""
+    c, L, m, cap = prog.c, prog.L, prog.m, budget.cap
+    w, x, a, wf, wb = prog.w, prog.x, prog.a, prog.wf, prog.wb
+    f, o, seg, held = prog.f, prog.o, prog.seg, prog.held
+    prefetch = [_Expr()] + [prog.unit_bytes(i) for i in range(1, L)]
+    for i in range(L):
+        weights = (f[i] + o[i]) * w[i] + _total(seg[u] * _span(w, u[0], i) for u in prog.covering[i])
+        cache = _total(
+            seg[u] * _span(x, u[0] + 1, i - 1) + held[u] * x[u[0]]
+            for u in prog.covering[i]
+            if u[0] < i
+        )
+        # a kept layer's backward holds its option's saved bytes and working set
+        kept_work = prog.by_option(i, "fo", lambda r: (r.saved_bytes + r.backward_work_bytes) / GB)
+        kept_work = kept_work - (f[i] + o[i]) * (a[i] + wb[i])
+        # resident layers' gradients, from their backward on
+        grads_i = budget.grads + sum(prog.resident_grads[i:])
+        m.le(
+            budget.step_fixed
+            + kept_before[i]
+            + cache
+            + a[i]
+            + wb[i]
+            + kept_work
+            + weights
+            + grads_i
+            + prefetch[i],
+            cap,
+        )
+        rebuilds = [u for u in prog.ending[i + 1] if u[0] < i]
+        if rebuilds:
+            # Each re-forward j of the rebuild: inputs rebuilt so far + its working set,
+            # with every weight of the segment loaded.
+            peak = _total(
+                seg[u]
+                * (max(_span(x, u[0] + 1, j) + wf[j] for j in range(u[0], i)) + _span(w, u[0], i))
+                + held[u] * x[u[0]]
+                for u in rebuilds
+            )
+            m.le(budget.step_fixed + kept_before[i] + peak + grads_i, cap)
+    m.le(budget.step_fixed + budget.grads + sum(prog.resident_grads) + c.embed_backward_work_bytes / GB, cap)
+
+
+def _add_tier_capacity_rows(prog: _Program) -> None:
+    """Host and NVMe bytes within their totals (all offloaded tensors are resident at the
+    head)::
+
+        sum_i (sum_r o_i,r A_i,r + p_i x_i) <= host,   sum_i n_i x_i <= NVMe"""
+    c, L, x = prog.c, prog.L, prog.x
+    prog.m.le(
+        _total(prog.saved(i, "o") + prog.p[i] * x[i] for i in range(L)),
+        max(c.host_bytes / GB - _MARGIN_GB, 0.0),
+    )
+    prog.m.le(_total(prog.n[i] * x[i] for i in range(L)), max(c.nvme_bytes / GB - _MARGIN_GB, 0.0))
 
 
 def _streamed_steps_done(c: CostTable, device_layers: int, device_steps: int) -> list[float]:

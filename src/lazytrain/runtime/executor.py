@@ -122,6 +122,39 @@ class _ConstRef:
     offset: int
 
 
+@dataclass(slots=True, eq=False)
+class _StepState:
+    """What the pieces of one step (`Executor._forward`, `_head`, `_backward`) hand each other.
+    A piece lets go of a tensor (sets its field to None) where the step is done with it: held
+    longer, it would sit in stages the simulator prices without it."""
+
+    ids: torch.Tensor
+    """The input ids, on the device."""
+    valid: torch.Tensor
+    """The flat positions with a target (the head's rows)."""
+    targets: torch.Tensor
+    num_targets: int
+    """This rank's target tokens."""
+    global_targets: int
+    """The global batch's target tokens: the loss's denominator."""
+    global_tokens: int
+    global_slots: int
+    mask: dict
+    """Per layer type, its mask (`ModelAdapter.layer_masks`)."""
+    rope: tuple[torch.Tensor, torch.Tensor]
+    embed_leaf: dict[str, torch.Tensor] | None = None
+    """The embedding's weights (a tied head's too)."""
+    saved: list = field(default_factory=list)
+    """Per layer, what its backward needs: a keep layer's (input, output, weights, stored
+    handles), a checkpoint's stored input; None once its backward is done."""
+    hidden: torch.Tensor | None = None
+    """The last layer's output, from the forward to the head."""
+    grad: torch.Tensor | None = None
+    """The gradient of the hidden state, from the head back to the embedding."""
+    head_grad: torch.Tensor | None = None
+    """A tied head's weight gradient, added to the embedding's (None when untied)."""
+    loss_sum: torch.Tensor | None = None
+
 
 def chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                         denominator: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +175,7 @@ def chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         probs = logits.sub_(lse[:, None]).exp_()
         probs[torch.arange(len(targets), device=targets.device), targets] -= 1.0
         return loss, probs.mul_(1.0 / denominator).to(weight.dtype)
+
 
 class Executor:
     """Runs forward + backward of one batch under ``plan``; the optimizer is separate."""
@@ -522,8 +556,18 @@ class Executor:
             raise
 
     def _forward_backward(self, input_ids, labels, attention_mask, position_ids, document_ids) -> StepStats:
-        adapter, plan = self.adapter, self.plan
-        batch, seq = input_ids.shape
+        step = self._start_step(input_ids, labels, attention_mask, position_ids, document_ids)
+        self._forward(step)
+        self._head(step)
+        self._backward(step)
+        return self._finish_step(step)
+
+    @staticmethod
+    def _targets(labels: torch.Tensor, attention_mask: torch.Tensor | None, document_ids: torch.Tensor | None,
+                 batch: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """On the CPU: the padding mask (``document_ids != 0`` where given), the flat targets
+        (position t predicts ``labels[t + 1]``; -100: none) and the flat positions with one.
+        Rejects a mask that disagrees with ``document_ids`` and a target predicted from padding."""
         if document_ids is not None:
             real = (document_ids != 0).long()
             if attention_mask is not None and not torch.equal(attention_mask.long(), real):
@@ -534,7 +578,6 @@ class Executor:
         targets_cpu[:, :-1] = labels[:, 1:]
         targets_cpu = targets_cpu.reshape(-1)
         valid_cpu = (targets_cpu != -100).nonzero().squeeze(1)
-        num_targets = int(valid_cpu.numel())
         if attention_mask is not None:
             # a target after a padding position (left padding, labelled first real token) would
             # be predicted from that padding position, which sees no real token
@@ -546,6 +589,15 @@ class Executor:
                     f"position {pos} (left padding with a label on the first real token); set the "
                     "labels of each row's first real token to -100, or pad on the right"
                 )
+        return attention_mask, targets_cpu, valid_cpu
+
+    def _start_step(self, input_ids, labels, attention_mask, position_ids, document_ids) -> _StepState:
+        """The batch checked and counted, its inputs, targets, masks and rotary embeddings on
+        the device, and the step's bookkeeping reset."""
+        adapter, plan = self.adapter, self.plan
+        batch, seq = input_ids.shape
+        attention_mask, targets_cpu, valid_cpu = self._targets(labels, attention_mask, document_ids, batch, seq)
+        num_targets = int(valid_cpu.numel())
         num_tokens = int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
         # the loss is the mean over the global batch's target tokens: with data parallel each
         # rank divides its sum by the global count, so the ranks' gradients sum to its gradient
@@ -576,7 +628,6 @@ class Executor:
             position_ids = position_ids.to(dev, non_blocking=True)
         cos, sin = adapter.rotary_embeddings(position_ids, self.dtype)
         self._consts = [cos, sin, *mask_tensors(mask)]
-        rope = (cos, sin)
         self.trace.start_step()
         if self.step_started is not None:
             self.step_started()
@@ -587,22 +638,25 @@ class Executor:
         # after the first step the measured peak is checked too)
         nvme_inputs = sum(1 for lp in plan.layers if lp.tier == "nvme") * batch * seq * adapter.hidden_size
         self.activations.start_step(nvme_inputs * self.dtype.itemsize)
-        layouts = adapter.layouts
-        L = adapter.num_layers
+        return _StepState(ids=ids, valid=valid, targets=targets, num_targets=num_targets,
+                          global_targets=global_targets, global_tokens=global_tokens, global_slots=global_slots,
+                          mask=mask, rope=(cos, sin))
 
-        # forward: embedding
-        embed_leaf = layouts[0].leaves(self._resident_weights(0))
+    def _forward(self, step: _StepState) -> None:
+        """The embedding's and every decoder layer's forward, each layer leaving in
+        ``step.saved`` what its plan keeps for backward; the last output in ``step.hidden``."""
+        adapter, plan, layouts = self.adapter, self.plan, self.adapter.layouts
+        rope, mask = step.rope, step.mask
+        step.embed_leaf = layouts[0].leaves(self._resident_weights(0))
         # with device layers, the first streamed layer's copy (which waits for its CPU update)
         # starts at its acquire, after the embedding's and the device layers' forwards are queued
         self.weights.begin(self._schedule(), prefetch=not plan.device_layers)
-        embed_w = embed_leaf["embed_tokens.weight"]
         with torch.no_grad():
-            x = adapter.embed(embed_w, ids)
+            x = adapter.embed(step.embed_leaf["embed_tokens.weight"], step.ids)
         self._stage_done("embed")
 
-        # forward: decoder layers
-        saved: list = [None] * L
-        for i in range(L):
+        saved = step.saved = [None] * adapter.num_layers
+        for i in range(adapter.num_layers):
             lp = plan.layers[i]
             slot = self._acquire(i)
             span = self.trace.begin()
@@ -630,22 +684,28 @@ class Executor:
             self.trace.end("compute", span)
             self._release(i)
             self._stage_done(f"fwd {i}")
+        step.hidden = x
 
-        # final norm + chunked LM head + loss, backward per chunk
+    def _head(self, step: _StepState) -> None:
+        """The final norm + chunked LM head + loss, backward per chunk (`head_loss_backward`):
+        ``step.loss_sum``, ``step.grad`` (of the last hidden state, which is let go here), the
+        norm's and head's gradients emitted (a tied head's kept in ``step.head_grad``)."""
+        adapter, layouts = self.adapter, self.adapter.layouts
         final = self.num_groups - 1
         final_leaf = layouts[final].leaves(self._resident_weights(final))
-        head_w = adapter.head_weight(embed_leaf, final_leaf)
+        head_w = adapter.head_weight(step.embed_leaf, final_leaf)
         final_flat = None
         if final in self.device_groups and not adapter.tied:  # the head's gradient where the optimizer reads it
-            final_flat = torch.empty(layouts[final].numel, dtype=self.dtype, device=dev)
-        span = self.trace.begin()
-        g, g_norm, head_grad, loss_sum = self.head_loss_backward(
-            x, final_leaf["model.norm.weight"], head_w, valid, targets, num_targets, global_targets,
-            None if final_flat is None else layouts[final].views(final_flat)["lm_head.weight"],
-        )
-        # the last hidden state is not needed past the head: held by ``x`` it stayed on the GPU
+            final_flat = torch.empty(layouts[final].numel, dtype=self.dtype, device=self.device)
+        # the last hidden state is not needed past the head: held on, it stayed on the GPU
         # through the whole backward, one batch x seq x hidden tensor the simulator counts in
         # the head only (a keep last layer's saved output still holds it until its backward)
+        x, step.hidden = step.hidden, None
+        span = self.trace.begin()
+        g, g_norm, head_grad, step.loss_sum = self.head_loss_backward(
+            x, final_leaf["model.norm.weight"], head_w, step.valid, step.targets, step.num_targets,
+            step.global_targets, None if final_flat is None else layouts[final].views(final_flat)["lm_head.weight"],
+        )
         del x
         self.trace.end("compute", span)
         final_grads = {"model.norm.weight": g_norm}
@@ -653,90 +713,116 @@ class Executor:
             final_grads["lm_head.weight"] = head_grad
         self._emit_grads(final, final_grads, final_flat)
         del final_grads, final_flat
-        if not adapter.tied:
-            head_grad = None  # held by the copy out (or the GPU step) as long as they need it
+        # untied, held by the copy out (or the GPU step) as long as they need it
+        step.head_grad = head_grad if adapter.tied else None
+        del head_grad
+        step.grad = g
         self._stage_done("head")
 
-        # backward: segments from the last; tensors on a slower tier are fetched back on the
-        # H2D stream `prefetch` segments ahead of their use
-        order = list(reversed(plan.segments()))
+    def _backward(self, step: _StepState) -> None:
+        """Backward of the segments from the last (tensors on a slower tier fetched back on the
+        H2D stream ``prefetch`` segments ahead of their use), then of the embedding."""
+        order = list(reversed(self.plan.segments()))
         for k, (start, end) in enumerate(order):
-            for ahead in range(k, min(k + 1 + max(lp.prefetch for lp in plan.layers), len(order))):
-                first = order[ahead][0]
-                if ahead - k <= plan.layers[first].prefetch and saved[first] is not None:
-                    # no local names saved[first]: one bound here held a kept layer's
-                    # output (and inputs) past its backward, to the end of the step
-                    keep = plan.layers[first].mode == "keep"
-                    for handle in saved[first][3] if keep else [saved[first]]:
-                        self.activations.prefetch(handle)
-            if plan.layers[start].mode == "keep":
-                slot = self._acquire(start)
-                x_in, out, leaves, handles = saved[start]
-                self._bwd_slot[start] = slot
-                names = list(leaves)
-                span = self.trace.begin()
-                grads = torch.autograd.grad(out, [x_in, *leaves.values()], g)
-                self.trace.end("compute", span)
-                del self._bwd_slot[start], out, x_in  # the output's storage must not outlive this stage
-                for h in handles:
-                    self.activations.free(h)
-                saved[start] = None
-                g = grads[0]
-                self._emit_grads(start + 1, dict(zip(names, grads[1:])))
-                self._release(start)
-                self._stage_done(f"bwd {start}")
-                continue
-            slots = [self._acquire(j) for j in range(start, end)]
-            handle = saved[start]
-            inputs = [self.activations.get(handle)]
-            span = self.trace.begin()
-            with torch.no_grad():
-                for j in range(start, end - 1):
-                    inputs.append(
-                        adapter.layer_forward(j, layouts[j + 1].views(slots[j - start]), inputs[-1], rope, mask)
-                    )
-            self.trace.end("compute", span)
-            for j in reversed(range(start, end)):
-                x_in = inputs[j - start].detach().requires_grad_()
-                leaves = layouts[j + 1].leaves(slots[j - start])
-                span = self.trace.begin()
-                with torch.enable_grad():
-                    out = adapter.layer_forward(j, leaves, x_in, rope, mask)
-                    grads = torch.autograd.grad(out, [x_in, *leaves.values()], g)
-                self.trace.end("compute", span)
-                g = grads[0]
-                inputs[j - start] = None
-                self._emit_grads(j + 1, dict(zip(leaves, grads[1:])))
-                self._release(j)
-                del out, x_in
-                self._stage_done(f"bwd {j}")
-            self.activations.free(handle)
-            saved[start] = None
+            self._prefetch_saved(step, order, k)
+            if self.plan.layers[start].mode == "keep":
+                self._backward_kept_layer(step, start)
+            else:
+                self._backward_segment(step, start, end)
 
         # embedding (and the tied head), summed in fp32 and rounded once
         span = self.trace.begin()
-        g_embed = adapter.embed_backward(ids, g, head_grad if head_grad is not None else torch.zeros_like(embed_w))
+        embed_w = step.embed_leaf["embed_tokens.weight"]
+        g_embed = self.adapter.embed_backward(
+            step.ids, step.grad, step.head_grad if step.head_grad is not None else torch.zeros_like(embed_w))
         self.trace.end("compute", span)
         self._emit_grads(0, {"embed_tokens.weight": g_embed})
-        del g, g_embed
+        step.grad = None
+        del g_embed
         self._stage_done("embed bwd")
 
+    def _prefetch_saved(self, step: _StepState, order: list[tuple[int, int]], k: int) -> None:
+        """Start fetching back the stored tensors of the segments ``order[k]`` and as far
+        ahead as their layers' ``prefetch`` reaches."""
+        plan = self.plan
+        for ahead in range(k, min(k + 1 + max(lp.prefetch for lp in plan.layers), len(order))):
+            first = order[ahead][0]
+            if ahead - k <= plan.layers[first].prefetch and step.saved[first] is not None:
+                # no local names saved[first]: one bound here held a kept layer's
+                # output (and inputs) past its backward, to the end of the step
+                keep = plan.layers[first].mode == "keep"
+                for handle in step.saved[first][3] if keep else [step.saved[first]]:
+                    self.activations.prefetch(handle)
+
+    def _backward_kept_layer(self, step: _StepState, layer: int) -> None:
+        """A keep layer's backward through its saved graph (its saved weights read from the
+        slot acquired now, `_unpack`)."""
+        slot = self._acquire(layer)
+        x_in, out, leaves, handles = step.saved[layer]
+        self._bwd_slot[layer] = slot
+        names = list(leaves)
+        span = self.trace.begin()
+        grads = torch.autograd.grad(out, [x_in, *leaves.values()], step.grad)
+        self.trace.end("compute", span)
+        del self._bwd_slot[layer], out, x_in  # the output's storage must not outlive this stage
+        for h in handles:
+            self.activations.free(h)
+        step.saved[layer] = None
+        step.grad = grads[0]
+        self._emit_grads(layer + 1, dict(zip(names, grads[1:])))
+        self._release(layer)
+        self._stage_done(f"bwd {layer}")
+
+    def _backward_segment(self, step: _StepState, start: int, end: int) -> None:
+        """A checkpoint's segment [start, end): its inputs rebuilt from the checkpoint without
+        autograd (the segment cache), then each layer, last first, re-run with autograd and
+        differentiated, on the same weight copies."""
+        adapter, layouts, rope, mask = self.adapter, self.adapter.layouts, step.rope, step.mask
+        slots = [self._acquire(j) for j in range(start, end)]
+        handle = step.saved[start]
+        inputs = [self.activations.get(handle)]
+        span = self.trace.begin()
+        with torch.no_grad():
+            for j in range(start, end - 1):
+                inputs.append(
+                    adapter.layer_forward(j, layouts[j + 1].views(slots[j - start]), inputs[-1], rope, mask)
+                )
+        self.trace.end("compute", span)
+        for j in reversed(range(start, end)):
+            x_in = inputs[j - start].detach().requires_grad_()
+            leaves = layouts[j + 1].leaves(slots[j - start])
+            span = self.trace.begin()
+            with torch.enable_grad():
+                out = adapter.layer_forward(j, leaves, x_in, rope, mask)
+                grads = torch.autograd.grad(out, [x_in, *leaves.values()], step.grad)
+            self.trace.end("compute", span)
+            step.grad = grads[0]
+            inputs[j - start] = None
+            self._emit_grads(j + 1, dict(zip(leaves, grads[1:])))
+            self._release(j)
+            del out, x_in
+            self._stage_done(f"bwd {j}")
+        self.activations.free(handle)
+        step.saved[start] = None
+
+    def _finish_step(self, step: _StepState) -> StepStats:
+        """The loss and gradient norm read back (summed over ranks), and the step's counts."""
         if self.parallel is not None:
             if self.parallel.world_size > 1:
                 # the shards' norms are written on the D2H stream, after their collectives
                 self.streams.wait(self.grad_ready[0])
-            stats = self.parallel.sum_(torch.stack([loss_sum, self.grad_norm_sq.sum()])).cpu()
+            stats = self.parallel.sum_(torch.stack([step.loss_sum, self.grad_norm_sq.sum()])).cpu()
         else:
-            stats = torch.stack([loss_sum, self.grad_norm_sq.sum()]).cpu()
+            stats = torch.stack([step.loss_sum, self.grad_norm_sq.sum()]).cpu()
         loss_value = float(stats[0])
         grad_norm = math.sqrt(float(stats[1])) if math.isfinite(float(stats[1])) else float("nan")
         self._consts = []
         return StepStats(
             loss=loss_value,
             grad_norm=grad_norm,
-            num_tokens=global_tokens,
-            num_target_tokens=global_targets,
-            num_slots=global_slots,
+            num_tokens=step.global_tokens,
+            num_target_tokens=step.global_targets,
+            num_slots=step.global_slots,
             h2d_weight_bytes=self.weights.h2d_bytes,
             peak_activation_bytes=dict(self.activations.peak_by_tier),
         )
