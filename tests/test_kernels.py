@@ -36,8 +36,9 @@ def test_cpu_binds_the_torch_references(caplog):
 
 def test_cuda_without_fla_warns_once_with_the_install_command(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_CHOSEN", {})  # a new process: a CUDA test before may have chosen
-    monkeypatch.setitem(sys.modules, "fla", None)
-    monkeypatch.setitem(sys.modules, "causal_conv1d", None)
+    # where fla is installed, transformers has imported its submodules already: block them all
+    for name in ["fla", "causal_conv1d", *(m for m in sys.modules if m.startswith(("fla.", "causal_conv1d.")))]:
+        monkeypatch.setitem(sys.modules, name, None)
     with caplog.at_level("WARNING", logger="lazytrain.model.kernels"):
         choice = select_linear_attention_kernels(CUDA)
         select_linear_attention_kernels(CUDA)
