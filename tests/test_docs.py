@@ -73,6 +73,9 @@ def test_cited_records_and_scripts_exist():
         for cited in RESULT.findall(text) + SCRIPT.findall(text):
             if not PLACEHOLDER.search(cited) and not any(ROOT.glob(cited.rstrip("."))):
                 missing.append(f"{page.name}: {cited}")
+        for script in re.findall(r"python (bench/[\w/]+\.py)", text):  # bench is not installed:
+            if re.search(r"^\s*(from|import) bench\b", (ROOT / script).read_text(), re.MULTILINE):
+                missing.append(f"{page.name}: python {script} (imports bench: run it as python -m)")
         for module in MODULE.findall(text):
             if not PLACEHOLDER.search(module) and not (ROOT / (module.replace(".", "/") + ".py")).exists():
                 missing.append(f"{page.name}: python -m {module}")

@@ -206,7 +206,7 @@ def recalibrate(plan: Plan, costs: CostTable, planned_ns_per_param: float,
     it slower).
 
     The profile times the update alone; inside a step it shares the host's memory bus with the
-    PCIe copies and ran up to 1.5x slower on the H200 (README), which moves the best plan (how
+    PCIe copies and ran up to 1.5x slower on the H200 (docs/planning.md), which moves the best plan (how
     many layers the GPU steps, what is offloaded to the host). The table's GPU budget stays as
     it is (a budget lowered after an out-of-memory stays lowered)."""
     from lazytrain.plan.simulate import simulate
