@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import os
 
+# Bit-for-bit tests compare runs across processes (a killed CLI child against an in-process
+# reference). MKL may pick fewer threads under load (MKL_DYNAMIC) and, on Intel CPUs, kernels
+# whose summation order depends on them: one CI run's child differed from the in-process run by
+# one ulp at step 1. Fixed here, before torch loads MKL; child processes inherit both.
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 import pytest
 import torch
 import transformers
