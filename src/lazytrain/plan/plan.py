@@ -30,6 +30,9 @@ from lazytrain.errors import LazyTrainError
 MODES = ("keep", "checkpoint", "drop")
 TIERS = ("gpu", "host", "nvme")
 RECOMPUTE = ("none", "mlp", "attention", "mlp_up")
+GRAD_PLACES = ("host", "gpu")
+"""Where a streamed layer's gradient waits from its backward to its optimizer step
+(`LayerPlan.grad`)."""
 DEVICE_STEPPED = {
     "device_layers": "steps layers on the GPU beside the embedding and head",
     "device_steps": "steps streamed layers on the GPU beside the embedding and head",
@@ -58,6 +61,14 @@ class LayerPlan:
     """keep layers: none | mlp | attention, a block whose saved tensors are not kept but
     recomputed in the layer's backward from its inputs (which are kept, on ``tier``); mlp_up,
     the MLP's up projection recomputed so."""
+    grad: str = "host"
+    """Where the layer's gradient waits from its backward until the step's clip coefficient is
+    known (`GRAD_PLACES`): ``host``, copied out in the backward to its pinned host buffer (as
+    until 2026-12-06); ``gpu``, held on the GPU, then stepped there (a ``device_steps`` layer:
+    no copy in) or copied home through a small pinned ring and stepped by the CPU worker. A layer
+    whose gradient is held on the GPU has no host gradient buffer. Resident ``device_layers``
+    hold theirs on the GPU whatever this says. Exact either way: the same gradient bits reach
+    the same step."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -68,6 +79,8 @@ class LayerPlan:
             raise ValueError(f"prefetch distance must be >= 1, got {self.prefetch}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"layer recompute {self.recompute!r} is not one of {RECOMPUTE}")
+        if self.grad not in GRAD_PLACES:
+            raise ValueError(f"layer grad {self.grad!r} is not one of {GRAD_PLACES}")
         if self.recompute != "none" and self.mode != "keep":
             raise ValueError(
                 f"recompute={self.recompute!r} is for 'keep' layers; a {self.mode!r} layer "
