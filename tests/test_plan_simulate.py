@@ -9,7 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lazytrain.plan.costs import CostTable, LayerCosts
-from lazytrain.plan.milp import MODE_LAYER, NVME_TAIL, milp_evaluate
+from lazytrain.plan.milp import MODE_LAYER, NVME_TAIL, PlanInfeasible, milp_evaluate, solve_plan
 from lazytrain.plan.plan import (
     LayerPlan,
     Plan,
@@ -27,6 +27,7 @@ def random_plan(seed: int, num_layers: int, batch: int, seq: int, milp_only: boo
     layers recompute one of the blocks ``table`` has costs for, or none."""
     rng = random.Random(seed)
     sub = random.Random(seed + 1)
+    where = random.Random(seed + 2)  # each gradient's place (`LayerPlan.grad`), apart from the draws before it
     layers = []
     for i in range(num_layers):
         letters = ["f", "g"] + (["d"] if i > 0 and layers[-1].mode != "keep" else [])
@@ -39,7 +40,8 @@ def random_plan(seed: int, num_layers: int, batch: int, seq: int, milp_only: boo
             tier = "nvme"
         prefetch = 1 if milp_only else rng.choice([1, 1, 2, 3])
         options = ["none", *table.layers[i].recompute_options] if table is not None and mode == "keep" else ["none"]
-        layers.append(LayerPlan(mode=mode, tier=tier, prefetch=prefetch, recompute=sub.choice(options)))
+        layers.append(LayerPlan(mode=mode, tier=tier, prefetch=prefetch, recompute=sub.choice(options),
+                                grad=where.choice(["host", "gpu"])))
     if not milp_only:
         # NVMe needs a few stages between the write and the read: keep the tail off NVMe.
         for lp in layers[-3:]:
@@ -406,3 +408,56 @@ def test_a_plan_solved_with_an_offload_window_keeps_it_and_is_predicted_by_the_s
         solve_plan(table, offload_window=2)  # the NVMe tier among the default tiers
     with pytest.raises(ValueError, match="offload_window"):
         replace(plan, offload_window=0)
+
+
+def _with_grads(plan: Plan, *places: str) -> Plan:
+    for lp, where in zip(plan.layers, places):
+        lp.grad = where
+    return plan
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_gradient_held_on_the_gpu_is_there_from_its_backward_to_its_update(overlap):
+    """`_round_table`'s 1 MB gradients, both held: layer 1's from its backward (stage 4) and,
+    with the overlapped update, through the next step's embedding and layer 0 forwards (0, 1);
+    layer 0's from stage 5 and through the embedding's. No copy out in the backward; with the
+    host's room shared (`CostTable.host_grads` False) each one left on the host counts there.
+    The MILP agrees on the peak (tables whose peak is a held gradient's stage)."""
+    table = replace(_round_table(0.2), host_grads=False)
+    host = simulate(_with_grads(keep_all_plan(2, 1, 8), "host", "host"), table, optimizer_overlap=overlap)
+    held_plan = _with_grads(keep_all_plan(2, 1, 8), "gpu", "gpu")
+    held = simulate(held_plan, table, optimizer_overlap=overlap)
+    diff = [b - a for a, b in zip(host.gpu_bytes_by_stage, held.gpu_bytes_by_stage)]
+    fwd = [2 * 10**6, 10**6, 0] if overlap else [0, 0, 0]
+    assert diff == [*fwd, 0, 10**6, 2 * 10**6, 2 * 10**6]
+    assert host.peak_host_bytes == 2 * 10**6 and held.peak_host_bytes == 0
+    assert host.busy_s["d2h"] - held.busy_s["d2h"] == pytest.approx(2 * 10**6 / 10e9)
+    # 0.5 GB gradients: the held ones make the peak
+    heavy = replace(table, layers=[replace(lc, weight_bytes=5 * 10**8) for lc in table.layers])
+    for plan in (_with_grads(keep_all_plan(2, 1, 8), "gpu", "host"), held_plan):
+        sim = simulate(plan, heavy, optimizer_overlap=overlap)
+        step_s, peak = milp_evaluate(plan, heavy, optimizer_overlap=overlap)
+        assert peak == pytest.approx(sim.peak_gpu_bytes, abs=4096)
+        assert_milp_within_its_bound(step_s, sim, plan, heavy, overlap)
+
+
+def test_the_solver_places_gradients_where_the_memory_is():
+    """``gradients=auto``: with no host room beside the state every gradient is held on the
+    GPU; with a GPU too small to hold them, they go to the host; ``host`` where the host cannot
+    take them is refused, naming memory.gradients. Every solved plan fits per the simulator."""
+    table = replace(_round_table(0.2), host_grads=False, layers=[
+        replace(lc, weight_bytes=5 * 10**8) for lc in _round_table(0.2).layers])
+    no_host = replace(table, host_bytes=0)
+    plan = solve_plan(no_host, gradients="auto", optimizer_overlap=True, tiers=("gpu", "host"))
+    assert [lp.grad for lp in plan.layers] == ["gpu", "gpu"]
+    assert simulate(plan, no_host, optimizer_overlap=True).violations == []
+    with pytest.raises(PlanInfeasible, match="memory.gradients=auto or gpu"):
+        solve_plan(no_host, gradients="host", optimizer_overlap=True, tiers=("gpu", "host"))
+    hosted = simulate(_with_grads(keep_all_plan(2, 1, 8), "host", "host"), table, optimizer_overlap=True)
+    tight = replace(table, gpu_bytes=hosted.peak_gpu_bytes + 10**8)  # too little to hold both 0.5 GB gradients
+    assert simulate(_with_grads(keep_all_plan(2, 1, 8), "gpu", "gpu"), tight, optimizer_overlap=True).violations
+    plan = solve_plan(tight, gradients="auto", optimizer_overlap=True, tiers=("gpu", "host"), recompute=())
+    assert [lp.grad for lp in plan.layers] != ["gpu", "gpu"]
+    assert simulate(plan, tight, optimizer_overlap=True).violations == []
+    plan = solve_plan(table, gradients="gpu", optimizer_overlap=True, tiers=("gpu", "host"))
+    assert [lp.grad for lp in plan.layers] == ["gpu", "gpu"]

@@ -318,6 +318,11 @@ class CostTable:
     """Resident for the whole step: embedding, head, final norm, allocator reserve, ..."""
     host_bytes: int
     """Pinned host memory available for activations beyond the fixed model state."""
+    host_grads: bool = True
+    """Whether that fixed state holds a host gradient buffer for every streamed decoder layer
+    (True: as until 2026-12-06). False: the plan places them (`LayerPlan.grad`, the planner's
+    ``memory.gradients``): ``host_bytes`` is the room beside the rest of the state, and each
+    streamed layer whose gradient waits on the host takes its buffer from it."""
     nvme_bytes: int = 0
     """NVMe space for activations (0: no NVMe tier)."""
     head_chunk_tokens: int = 0
@@ -454,6 +459,11 @@ class CostTable:
     @property
     def tokens(self) -> int:
         return self.batch_size * self.seq_len
+
+    @property
+    def layer_grad_bytes(self) -> float:
+        """Bytes of this rank's host gradient buffers of every decoder layer."""
+        return sum(lc.weight_bytes for lc in self.layers) * self.grad_share
 
     @property
     def grad_share(self) -> float:

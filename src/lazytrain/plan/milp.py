@@ -90,7 +90,7 @@ from scipy.sparse import coo_matrix
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable
-from lazytrain.plan.plan import CONST_UPDATES, LayerPlan, Plan, is_offload_window
+from lazytrain.plan.plan import CONST_UPDATES, GRAD_PLACES, LayerPlan, Plan, is_offload_window
 from lazytrain.plan.simulate import STREAMED_STEP_SLOTS
 
 MODE_LAYER = {
@@ -109,6 +109,11 @@ DEFAULT_MAX_SEGMENT = 8
 """Longest recompute segment (checkpoint + drop layers) the solver considers."""
 _MARGIN_GB = 1e-6
 """Memory rows are tightened by this much so that solver tolerances never overshoot a cap."""
+
+
+GRADIENT_CHOICES = (*GRAD_PLACES, "auto")
+"""Where the CPU-stepped streamed layers' gradients wait (`solve_plan`'s ``gradients``): every
+one on the host or on the GPU, or each where the program puts it (``auto``)."""
 
 
 class PlanInfeasible(LazyTrainError, ValueError):
@@ -235,6 +240,8 @@ class _Built:
     segments: dict[tuple[int, int], _Expr]
     gpu_var: _Expr | None
     num_binaries: int
+    grads: list[_Expr]
+    """Per layer, 1 where its gradient is held on the GPU (`LayerPlan.grad`)."""
 
 
 def _allowed(costs: CostTable, tiers: tuple[str, ...], i: int) -> set[str]:
@@ -267,6 +274,7 @@ def _build(
     minimize_gpu: bool = False,
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
     offload_window: int = 1,
+    gradients: str = "host",
 ) -> _Built:
     """The MILP, in ms and GB. ``device``: the embedding and head stepped on the GPU
     (``const_update="device"``), with the first ``device_layers`` decoder layers resident there
@@ -275,11 +283,14 @@ def _build(
     (`Plan.offload_window`): a host-tier offload's copy may be split over that many stages
     after its layer's (never past the head), its GPU memory counted through all but the last.
     ``memory=False`` leaves out the memory rows; ``minimize_gpu`` minimises the GPU memory
-    (``gpu_var``) instead of the step time."""
+    (``gpu_var``) instead of the step time. ``gradients`` (`GRADIENT_CHOICES`): where the
+    CPU-stepped streamed layers' gradients wait (`_add_gradient_rows`)."""
     prog = _Program(costs, tiers=tiers, overlap=overlap, max_segment=max_segment, device=device,
                     device_layers=device_layers, device_steps=device_steps, fixed=fixed,
-                    minimize_gpu=minimize_gpu, recompute=recompute, offload_window=offload_window)
+                    minimize_gpu=minimize_gpu, recompute=recompute, offload_window=offload_window,
+                    gradients=gradients)
     _add_partition_rows(prog)
+    _add_gradient_rows(prog)
     _add_checkpoint_tier_rows(prog)
     _add_offload_rows(prog)
     t_embed, t_fwd = _add_forward_stage_rows(prog)
@@ -295,7 +306,7 @@ def _build(
         _add_tier_capacity_rows(prog)
         gpu_var = budget.gpu_var
     return _Built(model=prog.m, layer_modes=prog.modes, variants=prog.variants, segments=prog.seg,
-                  gpu_var=gpu_var, num_binaries=prog.num_binaries)
+                  gpu_var=gpu_var, num_binaries=prog.num_binaries, grads=prog.q)
 
 
 def _span(values: list[float], lo: int, hi: int) -> float:
@@ -317,7 +328,9 @@ class _Program:
     ``A_i,r`` / ``R_i,r`` / ``Wf_i,r`` / ``Wb_i,r`` saved bytes / block re-forward / forward
     and backward working sets of keep variant r ("none" or a block it recomputes), ``Wf_i`` /
     ``Wb_i`` the whole layer's, ``F_i`` / ``Bw_i`` / ``Rc_i`` forward / backward / re-forward ms;
-    binaries ``f_i,r``, ``o_i,r`` (f_i, o_i their sums), ``g_i``, ``p_i``, ``n_i``, ``s[a,e]``;
+    binaries ``f_i,r``, ``o_i,r`` (f_i, o_i their sums), ``g_i``, ``p_i``, ``n_i``, ``s[a,e]``,
+    ``q_i`` (layer i's gradient held on the GPU) with ``G_i`` its bytes and ``Q_i`` = sum_{j >= i}
+    q_j G_j (`_add_gradient_rows`);
     ``B_h``, ``B_d``, ``B_bi``, ``B_nr``, ``B_nw`` the H2D, D2H, both-ways, NVMe read and write
     rates; ``sigma`` the compute slowdown under copies, ``kappa = 1 - 1/sigma``."""
 
@@ -335,7 +348,11 @@ class _Program:
         minimize_gpu: bool,
         recompute: tuple[str, ...],
         offload_window: int,
+        gradients: str = "host",
     ) -> None:
+        if gradients not in GRADIENT_CHOICES:
+            raise ValueError(f"gradients must be one of {GRADIENT_CHOICES}, got {gradients!r}")
+        self.gradients = gradients
         c = self.c = costs
         L = self.L = c.num_layers
         self.m = _Model()
@@ -401,6 +418,12 @@ class _Program:
         """D2H bytes of each forward stage i (1..L-1) and the head (L)."""
         self.held_on: list[_Expr] = []
         """Host-tier offloads still on the GPU at forward stage i beyond their own (the window)."""
+        # the gradients (`_add_gradient_rows`)
+        self.grad_gb = [wi * c.grad_share for wi in self.w]
+        """G_i: GB of layer i's gradient (this rank's share; 0 for a resident layer, counted apart)."""
+        self.q: list[_Expr] = []
+        self.held_from: list[_Expr] = []
+        """Q_i for i = 0..L (Q_L = 0), running-sum columns."""
 
     # -- decisions and the expressions over them --------------------------------------------
 
@@ -525,16 +548,34 @@ class _Program:
             copy = h2d * ch + d2h * cd
         return max(compute + self.kappa * copy, copy) if copy > 0 else compute
 
-    def hull(self, t: _Expr, base: _Expr | float, ref_ms: float, options, d2h: float) -> None:
+    def hull(self, t: _Expr, base: _Expr | float, ref_ms: float, options, d2h: float,
+             relax: _Expr | None = None) -> None:
         """t >= base + the exact extra time each option's copy adds to a stage computing at
         least ref_ms. Valid for any plan, exact at integer points with compute ref_ms, and much
         tighter than the max rows in the LP relaxation (a fraction of an offload cannot hide in
-        a stage's slack)."""
+        a stage's slack). With ``relax`` (a binary) the row holds where it is 0: the largest
+        gain is taken off where it is 1 (the options exclude each other, and t >= base holds
+        anyway)."""
         extra = _Expr() + base
+        gains = []
         for ind, nbytes, counted in options:
             gain = self.stage_ms(ref_ms, nbytes, d2h) - self.stage_ms(ref_ms, counted, d2h)
+            gains.append(gain)
             extra = extra + ind * gain
+        if relax is not None:
+            extra = extra - relax * max(gains, default=0.0)
         self.m.ge(t, extra)
+
+    def grad_hulls(self, t: _Expr, base: _Expr | float, ref_ms: float, options, i: int) -> None:
+        """`hull` rows of backward stage i, whose copy out is layer i+1's gradient unless the
+        GPU holds it: one row for each case, each relaxed where the other holds."""
+        full = self.grad_gb[i + 1] if i + 1 < self.L else 0.0
+        q = self.q[i + 1] if i + 1 < self.L else _Expr()
+        if q.terms:
+            self.hull(t, base, ref_ms, options, full, relax=q)
+            self.hull(t, base, ref_ms, options, 0.0, relax=1.0 - q)
+        else:
+            self.hull(t, base, ref_ms, options, full * (1.0 - q.const))
 
 
 def _add_partition_rows(prog: _Program) -> None:
@@ -579,6 +620,49 @@ def _add_partition_rows(prog: _Program) -> None:
     for i in range(L):
         m.eq(f[i] + o[i] + sum((seg[u] for u in prog.covering[i]), _Expr()), 1.0)
         m.eq(g[i] + p[i] + n[i], sum((seg[u] for u in seg if u[0] == i), _Expr()))
+
+
+def _add_gradient_rows(prog: _Program) -> None:
+    """Where each CPU-stepped streamed layer's gradient waits until the clip coefficient is
+    known (`LayerPlan.grad`): ``q_i`` = 1 held on the GPU, 0 copied out to its host buffer in
+    the stage after its backward (0 for resident and GPU-stepped streamed layers, whose
+    gradients the device step places). A held gradient costs no copy out in the backward and,
+    where `CostTable.host_grads` is False, none of the host's room; on the GPU it lives from
+    its backward to the end of the step and, with the overlapped update, through the next
+    forward until its layer's update (the update copies it home through a small pinned ring,
+    `runtime.update`, in the forward's order: layer j's before layer j's forward runs)::
+
+        Q_i = q_i G_i + Q_{i+1},  Q_L = 0
+
+    The ring's copies run on the D2H stream during the next forward, which carries only the
+    forward's offloads, and a layer's CPU step waits for its own copy (G_j / B_d, ~14 ms for a
+    27B layer against its ~0.2 s step): neither this model nor the simulator times them."""
+    L, m = prog.L, prog.m
+    choice = prog.gradients
+    prog.q = []
+    for i in range(L):
+        if i < prog.on_gpu:
+            prog.q.append(_Expr())
+            continue
+        pinned = None if choice == "auto" else choice == "gpu"
+        if prog.fixed is not None:
+            pinned = prog.fixed.layers[i].grad == "gpu"
+        prog.q.append(prog.binary(pinned is not False, pinned))
+    if prog.fixed is not None:
+        for i in range(prog.device_layers, prog.on_gpu):
+            if prog.fixed.layers[i].grad == "gpu":
+                raise ValueError(f"layer {i}: a GPU-stepped streamed layer holding its gradient on the GPU is "
+                                 "not a placement the MILP offers")
+    held = [_Expr()]
+    for i in reversed(range(L)):
+        term = prog.q[i] * prog.grad_gb[i]
+        if term.is_zero():
+            held.append(held[-1])
+            continue
+        v = m.var()
+        m.eq(v, held[-1] + term)
+        held.append(v)
+    prog.held_from = held[::-1]
 
 
 def _add_checkpoint_tier_rows(prog: _Program) -> None:
@@ -687,19 +771,19 @@ def _add_backward_stage_rows(prog: _Program) -> None:
         C = Bw_i + Rc_i (1 - f_i - o_i) + sum_r (f_i,r + o_i,r) R_i,r
             + sum_{[a, i+1), a < i} s[a,i+1] (F_a + ... + F_{i-1})     (a segment's rebuild)
         h = U_i (the next unit's weights and off-GPU tensors, `_Program.unit_bytes`; none at 0)
-        d = w_{i+1} grad_share (the gradient of the layer after it),  NVMe = the unit's reads
+        d = (1 - q_{i+1}) G_{i+1} (the gradient of the layer after it, unless held),  NVMe = the unit's reads
 
     with hull rows over the unit's shapes (`_Program.hull`) at the computes a stage that
-    prefetches can have: Bw_i + its largest re-forward, Bw_i, and Bw_i + each block's. The embedding's: its backward, d = (w_0 + the
-    head's and embedding's gradients, where stepped on the host) grad_share."""
-    c, L, lay, w, options, kept = prog.c, prog.L, prog.lay, prog.w, prog.options, prog.kept
+    prefetches can have: Bw_i + its largest re-forward, Bw_i, and Bw_i + each block's. The embedding's: its backward, d = (1 - q_0) G_0 + the
+    head's and embedding's gradients (where stepped on the host) x grad_share."""
+    c, L, lay, options, kept = prog.c, prog.L, prog.lay, prog.options, prog.kept
     prefetch = [_Expr()] + [prog.unit_bytes(i) for i in range(1, L)]
     for i in range(L):
         bw, rc = lay[i].backward_ms, lay[i].recompute_ms
         not_keep = prog.not_keep(i)
         block_ms = prog.by_option(i, "fo", lambda r: r.recompute_ms)
         compute = bw + rc * not_keep + block_ms + prog.rebuild_ms(i)
-        grad_out = w[i + 1] * c.grad_share if i + 1 < L else 0.0
+        grad_out = (1.0 - prog.q[i + 1]) * prog.grad_gb[i + 1] if i + 1 < L else 0.0
         nvme_ms = prog.unit_nvme(i - 1) * prog.cnr if i >= 2 else 0.0
         t = prog.stage(compute, prefetch[i], grad_out, nvme_ms)
         if i > 0:
@@ -707,17 +791,17 @@ def _add_backward_stage_rows(prog: _Program) -> None:
             # computes bw, bw + a block's re-forward (keep) or bw + rc. Each hull holds for a
             # compute up to its reference.
             most = max(rc, *(kept[i][opt].recompute_ms for opt in options[i]))
-            prog.hull(t, compute, bw + most, prog.unit_options(i), grad_out)
-            prog.hull(t, compute - rc * not_keep - block_ms, bw, prog.unit_options(i), grad_out)
+            prog.grad_hulls(t, compute, bw + most, prog.unit_options(i), i)
+            prog.grad_hulls(t, compute - rc * not_keep - block_ms, bw, prog.unit_options(i), i)
             for opt in options[i][1:]:
                 # exact for a kept layer recomputing opt; below the truth for the others
                 ind = _total(v for (_, k), v in prog.variants[i].items() if k == opt)
                 r = kept[i][opt].recompute_ms
                 if not ind.is_zero():
                     base = compute - rc * not_keep - block_ms + r * ind
-                    prog.hull(t, base, bw + r, prog.unit_options(i), grad_out)
+                    prog.grad_hulls(t, base, bw + r, prog.unit_options(i), i)
     const_grads = 0.0 if prog.device else c.const_grad_bytes / GB  # stepped on the GPU: no copy out
-    prog.stage(c.embed_backward_ms, 0.0, (w[0] + const_grads) * c.grad_share)
+    prog.stage(c.embed_backward_ms, 0.0, (1.0 - prog.q[0]) * prog.grad_gb[0] + const_grads * c.grad_share)
 
 
 def _add_update_rows(prog: _Program, t_embed: _Expr, t_fwd: list[_Expr]) -> None:
@@ -835,13 +919,15 @@ def _add_forward_memory_rows(prog: _Program, budget: _GpuBudget) -> list[_Expr]:
     bytes of layers < i (i = 0..L), as running-sum columns (keeps the matrix sparse)::
 
         K_{i+1} = K_i + sum_r f_i,r A_i,r + g_i x_i
-        embedding:  fixed + scratch + w_0 + max(x_0, device groups' gradients) <= cap
-        layer i:    fixed + scratch (while GPU steps are ahead) + w_i + w_{i+1} + K_i
+        embedding:  fixed + scratch + w_0 + max(x_0, device groups' gradients) + Q_0 <= cap
+        layer i:    fixed + scratch (while GPU steps are ahead) + w_i + w_{i+1} + K_i + Q_{i+1}
                     + x_i + sum_r (f_i,r + o_i,r) (A_i,r - x_i)     (its input and saved tensors)
                     + held_on_i + (1 - f_i - o_i) Wf_i + sum_r (f_i,r + o_i,r) Wf_i,r  <= cap
 
     Before the head no gradients of the embedding and head are held, and an offloaded tensor's
-    GPU copy is freed in its own stage (or, with a window, at its copy's last stage)."""
+    GPU copy is freed in its own stage (or, with a window, at its copy's last stage). Held
+    gradients (the Q terms) are there only with the overlapped update (without it the update
+    ends before the step starts)."""
     m, L, w, x, cap = prog.m, prog.L, prog.w, prog.x, budget.cap
     kept_before = [_Expr()]
     for i in range(L):
@@ -850,7 +936,8 @@ def _add_forward_memory_rows(prog: _Program, budget: _GpuBudget) -> list[_Expr]:
         kept_before.append(total_i)
     # the embedding's output; stepped on the GPU, before it the update with their gradients
     held_grads = prog.c.const_grad_bytes / GB + sum(prog.resident_grads) if prog.device else 0.0
-    m.le(budget.forward_fixed + budget.scratch + w[0] + max(x[0], held_grads), cap)
+    held = prog.held_from if prog.overlap else [_Expr()] * (L + 1)
+    m.le(budget.forward_fixed + budget.scratch + w[0] + max(x[0], held_grads) + held[0], cap)
     for i in range(L):
         current = x[i] + prog.saved(i, "fo") - (prog.f[i] + prog.o[i]) * x[i]
         m.le(
@@ -861,6 +948,7 @@ def _add_forward_memory_rows(prog: _Program, budget: _GpuBudget) -> list[_Expr]:
             + kept_before[i]
             + current
             + prog.held_on[i]
+            + held[i + 1]
             # the forward's transient: a kept variant's own (under autograd, beyond its saved
             # tensors), else the no-grad forward's
             + prog.not_keep(i) * prog.wf[i]
@@ -902,7 +990,7 @@ def _add_head_memory_rows(prog: _Program, budget: _GpuBudget, kept_before: list[
 def _add_backward_memory_rows(prog: _Program, budget: _GpuBudget, kept_before: list[_Expr]) -> None:
     """GPU memory at each layer's backward stage, at each re-forward of a segment's rebuild,
     and at the embedding's backward. With ``G_i`` = the gradient buffers + the gradients of
-    resident layers >= i (held from their backward on)::
+    resident layers >= i (held from their backward on) + Q_i (the held gradients)::
 
         layer i:   fixed + K_i + cache_i + A_i + Wb_i
                    + sum_r (f_i,r + o_i,r) (A_i,r + Wb_i,r) - (f_i + o_i) (A_i + Wb_i)
@@ -928,7 +1016,7 @@ def _add_backward_memory_rows(prog: _Program, budget: _GpuBudget, kept_before: l
         kept_work = prog.by_option(i, "fo", lambda r: (r.saved_bytes + r.backward_work_bytes) / GB)
         kept_work = kept_work - (f[i] + o[i]) * (a[i] + wb[i])
         # resident layers' gradients, from their backward on
-        grads_i = budget.grads + sum(prog.resident_grads[i:])
+        grads_i = budget.grads + sum(prog.resident_grads[i:]) + prog.held_from[i]
         m.le(
             budget.step_fixed
             + kept_before[i]
@@ -952,17 +1040,21 @@ def _add_backward_memory_rows(prog: _Program, budget: _GpuBudget, kept_before: l
                 for u in rebuilds
             )
             m.le(budget.step_fixed + kept_before[i] + peak + grads_i, cap)
-    m.le(budget.step_fixed + budget.grads + sum(prog.resident_grads) + c.embed_backward_work_bytes / GB, cap)
+    m.le(budget.step_fixed + budget.grads + sum(prog.resident_grads) + prog.held_from[0]
+         + c.embed_backward_work_bytes / GB, cap)
 
 
 def _add_tier_capacity_rows(prog: _Program) -> None:
     """Host and NVMe bytes within their totals (all offloaded tensors are resident at the
-    head)::
+    head), where `CostTable.host_grads` is False with the host gradient buffers of the streamed
+    layers whose gradients are not held on the GPU::
 
-        sum_i (sum_r o_i,r A_i,r + p_i x_i) <= host,   sum_i n_i x_i <= NVMe"""
+        sum_i (sum_r o_i,r A_i,r + p_i x_i) [+ sum_{i streamed} (1 - q_i) G_i] <= host,
+        sum_i n_i x_i <= NVMe"""
     c, L, x = prog.c, prog.L, prog.x
+    grads = _Expr() if c.host_grads else _total((1.0 - prog.q[i]) * prog.grad_gb[i] for i in range(L))
     prog.m.le(
-        _total(prog.saved(i, "o") + prog.p[i] * x[i] for i in range(L)),
+        _total(prog.saved(i, "o") + prog.p[i] * x[i] for i in range(L)) + grads,
         max(c.host_bytes / GB - _MARGIN_GB, 0.0),
     )
     prog.m.le(_total(prog.n[i] * x[i] for i in range(L)), max(c.nvme_bytes / GB - _MARGIN_GB, 0.0))
@@ -1060,8 +1152,9 @@ def _decode(built: _Built, sol: np.ndarray, num_layers: int) -> list[LayerPlan]:
     if not all(letters):
         raise RuntimeError(f"MILP solution leaves layers without a mode: {letters}")
     return [
-        LayerPlan(mode=MODE_LAYER[k][0], tier=MODE_LAYER[k][1], prefetch=1, recompute=r)
-        for k, r in zip(letters, recompute)
+        LayerPlan(mode=MODE_LAYER[k][0], tier=MODE_LAYER[k][1], prefetch=1, recompute=r,
+                  grad="gpu" if _value(q, sol) > 0.5 else "host")
+        for k, r, q in zip(letters, recompute, built.grads)
     ]
 
 
@@ -1155,6 +1248,7 @@ def solve_plan(
     device_layers: int | None = 0,
     device_steps: int | None = 0,
     offload_window: int = 1,
+    gradients: str = "host",
 ) -> Plan:
     """The plan with the least predicted step time at ``costs``' batch shape.
 
@@ -1175,7 +1269,9 @@ def solve_plan(
     ``optimizer_overlap``). The plan is optimal within ``mip_rel_gap`` (relative), or the
     best found in ``time_limit_s`` per solve (``notes["milp"]["status"] == "time limit"``, with
     its gap). ``offload_window`` (`Plan.offload_window`): how many stages a host-tier offload's
-    copy may take. Raises `PlanInfeasible` when no plan fits.
+    copy may take. ``gradients`` (`GRADIENT_CHOICES`): where the CPU-stepped streamed layers'
+    gradients wait, each placed by the program with ``auto`` (`LayerPlan.grad`). Raises
+    `PlanInfeasible` when no plan fits.
     """
     _check_offload_window(offload_window, tiers)
     start = time.perf_counter()
@@ -1206,6 +1302,7 @@ def solve_plan(
             device_steps=s,
             recompute=recompute,
             offload_window=offload_window,
+            gradients=gradients,
         )
         res = built.model.solve(time_limit_s, mip_rel_gap)
         if res.x is None and res.status != 2:
@@ -1226,7 +1323,7 @@ def solve_plan(
     if not fits:
         raise PlanInfeasible(
             _infeasible_message(costs, gpu_bytes, tiers, max_segment, recompute, const_update, device_layers,
-                                offload_window)
+                                offload_window, gradients)
         )
     # the fewest resident layers on a tie
     best = {choice: min((key for key in fits if key[0] == choice), key=lambda key: (fits[key], key[1]), default=None)
@@ -1384,6 +1481,7 @@ def milp_evaluate(
         "device_steps": plan.device_steps,
         "fixed": plan,
         "offload_window": plan.offload_window,
+        "gradients": "auto",  # each layer's as the plan has it
     }
     timed = _build(unbounded, memory=False, **kw)
     res = timed.model.solve(30.0, 1e-9)
@@ -1404,6 +1502,7 @@ def min_gpu_bytes(
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
     const_update: str | None = None,
     offload_window: int = 1,
+    gradients: str = "host",
 ) -> int:
     """The least GPU memory (fixed part included) any plan needs at ``costs``' batch shape,
     within the host and NVMe capacities, with the embedding and head stepped where
@@ -1420,8 +1519,19 @@ def min_gpu_bytes(
         minimize_gpu=True,
         recompute=recompute,
         offload_window=offload_window,
+        gradients=gradients,
     )
     res = built.model.solve(time_limit_s, 1e-6)
+    if res.x is None and res.status == 2:  # infeasible whatever the GPU holds: the host rows
+        grads = 0.0 if costs.host_grads or gradients == "gpu" else costs.layer_grad_bytes
+        raise PlanInfeasible(
+            f"host memory: no plan fits batch {costs.batch_size} x seq {costs.seq_len} in the "
+            f"{costs.host_bytes / GiB:.2f} GiB of host memory the model state leaves"
+            + (f", which the streamed layers' gradient buffers ({grads / GiB:.2f} GiB, memory.gradients="
+               f"{gradients}) must share: set memory.gradients=auto or gpu to hold gradients on the GPU"
+               if grads else "")
+            + "; raise memory.host_limit_gb, or make the model state smaller (`lazytrain plan` lists it)"
+        )
     if res.x is None:
         raise RuntimeError(f"MILP solver failed while minimising GPU memory: {res.message}")
     return math.ceil((_value(built.gpu_var, res.x) + _MARGIN_GB) * GB)
@@ -1436,10 +1546,11 @@ def _infeasible_message(
     const_update: str | None,
     device_layers: int | None = 0,
     offload_window: int = 1,
+    gradients: str = "host",
 ) -> str:
     budget = costs.gpu_bytes if gpu_bytes is None else gpu_bytes
     need = min_gpu_bytes(costs, tiers=tiers, max_segment=max_segment, recompute=recompute,
-                         const_update=const_update, offload_window=offload_window)
+                         const_update=const_update, offload_window=offload_window, gradients=gradients)
     device = ""
     if const_update == "device":
         device = (f", or step the embedding and head on the host (const_update=host: their GPU step "

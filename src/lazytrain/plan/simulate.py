@@ -25,6 +25,13 @@ Executor rules the dependencies encode (a stage "waits" = its compute does not s
 - Backward fetches them back ``LayerPlan.prefetch`` stages before the unit's first stage (an
   NVMe read one stage before that copy; the stage issuing the copy waits for the read).
 - Each layer's gradient goes D2H in the stage after its backward; the stage after that waits.
+  Unless the plan holds it on the GPU (`LayerPlan.grad` ``gpu``): then it lives there from its
+  backward to the end of the step and, with the overlapped update, through the next forward up
+  to the stage before its layer's (where its update, which copies it home through the
+  executor's pinned ring, is done); a GPU-stepped streamed layer's is not copied in at its
+  step. The ring's copies are not timed (`milp._add_gradient_rows` says why). Where
+  `CostTable.host_grads` is False, each streamed layer's gradient left on the host counts in
+  host memory for the whole step.
 - The CPU optimizer runs after backward, or (``optimizer_overlap``) during the next step's
   forward: then layer j's weights are copied only after its update, and the embedding/head
   after theirs (so this model's step starts with the previous step's optimizer).
@@ -326,8 +333,16 @@ class _StepModel:
         w_max = max(lc.weight_bytes for lc in layers)
         self.gpu.append((c.grad_buffers * w_max, st.bwd(L - 1), st.embed_bwd))
         for j in streamed:
+            grad = layers[j].weight_bytes * c.grad_share
+            if plan.layers[j].grad == "gpu":
+                self.gpu.append((grad, st.bwd(j), st.embed_bwd))
+                if self.overlap:  # until its update, before its next forward
+                    self.gpu.append((grad, st.embed, max(st.embed, st.fwd(j) - 1)))
+                continue
+            if not c.host_grads:
+                self.host.append((grad, 0, st.embed_bwd))
             issue = st.bwd(j) + 1
-            op = self._copy("d2h", layers[j].weight_bytes * c.grad_share, f"grad {j}", issue)
+            op = self._copy("d2h", grad, f"grad {j}", issue)
             self._wait(issue + 1, op)
         for j in self.resident:
             self.gpu.append((layers[j].weight_bytes * c.grad_share, st.bwd(j), st.embed_bwd))
@@ -384,7 +399,9 @@ class _StepModel:
             # then each with the weight copy STREAMED_LOOKAHEAD layers before it
             ahead = j - STREAMED_LOOKAHEAD
             issue = None if ahead < self.dsteps.start else max(st.embed, st.fwd(ahead) - self.plan.weight_prefetch)
-            up = self._copy("h2d_opt", c.streamed_in_bytes(j), f"state {j} in", issue, order=j, after=(slot_free,))
+            held = c.layers[j].weight_bytes * c.grad_share if self.plan.layers[j].grad == "gpu" else 0.0
+            up = self._copy("h2d_opt", c.streamed_in_bytes(j) - held, f"state {j} in", issue, order=j,
+                            after=(slot_free,))
             step = _Op(stream="gpu_opt", work=c.streamed_step_ms(j), label=f"step {j}", issue=None,
                        key=(-1, 0, j, -1), after=[up])
             self.gpu_opt_ops.append(step)
