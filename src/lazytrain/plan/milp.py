@@ -275,6 +275,7 @@ def _build(
     recompute: tuple[str, ...] = RECOMPUTE_OPTIONS,
     offload_window: int = 1,
     gradients: str = "host",
+    hold_grads: tuple[int, ...] = (),
 ) -> _Built:
     """The MILP, in ms and GB. ``device``: the embedding and head stepped on the GPU
     (``const_update="device"``), with the first ``device_layers`` decoder layers resident there
@@ -284,11 +285,12 @@ def _build(
     after its layer's (never past the head), its GPU memory counted through all but the last.
     ``memory=False`` leaves out the memory rows; ``minimize_gpu`` minimises the GPU memory
     (``gpu_var``) instead of the step time. ``gradients`` (`GRADIENT_CHOICES`): where the
-    CPU-stepped streamed layers' gradients wait (`_add_gradient_rows`)."""
+    CPU-stepped streamed layers' gradients wait (`_add_gradient_rows`); ``hold_grads``: layers
+    whose gradients must be held on the GPU (they have no host buffer)."""
     prog = _Program(costs, tiers=tiers, overlap=overlap, max_segment=max_segment, device=device,
                     device_layers=device_layers, device_steps=device_steps, fixed=fixed,
                     minimize_gpu=minimize_gpu, recompute=recompute, offload_window=offload_window,
-                    gradients=gradients)
+                    gradients=gradients, hold_grads=hold_grads)
     _add_partition_rows(prog)
     _add_gradient_rows(prog)
     _add_checkpoint_tier_rows(prog)
@@ -349,10 +351,11 @@ class _Program:
         recompute: tuple[str, ...],
         offload_window: int,
         gradients: str = "host",
+        hold_grads: tuple[int, ...] = (),
     ) -> None:
         if gradients not in GRADIENT_CHOICES:
             raise ValueError(f"gradients must be one of {GRADIENT_CHOICES}, got {gradients!r}")
-        self.gradients = gradients
+        self.gradients, self.hold_grads = gradients, frozenset(hold_grads)
         c = self.c = costs
         L = self.L = c.num_layers
         self.m = _Model()
@@ -645,6 +648,8 @@ def _add_gradient_rows(prog: _Program) -> None:
             prog.q.append(_Expr())
             continue
         pinned = None if choice == "auto" else choice == "gpu"
+        if i in prog.hold_grads:
+            pinned = True
         if prog.fixed is not None:
             pinned = prog.fixed.layers[i].grad == "gpu"
         prog.q.append(prog.binary(pinned is not False, pinned))
@@ -1249,6 +1254,7 @@ def solve_plan(
     device_steps: int | None = 0,
     offload_window: int = 1,
     gradients: str = "host",
+    hold_grads: tuple[int, ...] = (),
 ) -> Plan:
     """The plan with the least predicted step time at ``costs``' batch shape.
 
@@ -1270,7 +1276,8 @@ def solve_plan(
     best found in ``time_limit_s`` per solve (``notes["milp"]["status"] == "time limit"``, with
     its gap). ``offload_window`` (`Plan.offload_window`): how many stages a host-tier offload's
     copy may take. ``gradients`` (`GRADIENT_CHOICES`): where the CPU-stepped streamed layers'
-    gradients wait, each placed by the program with ``auto`` (`LayerPlan.grad`). Raises
+    gradients wait, each placed by the program with ``auto`` (`LayerPlan.grad`), those of
+    ``hold_grads`` on the GPU in any case (a run whose layers have no host buffer). Raises
     `PlanInfeasible` when no plan fits.
     """
     _check_offload_window(offload_window, tiers)
@@ -1303,6 +1310,7 @@ def solve_plan(
             recompute=recompute,
             offload_window=offload_window,
             gradients=gradients,
+            hold_grads=hold_grads,
         )
         res = built.model.solve(time_limit_s, mip_rel_gap)
         if res.x is None and res.status != 2:

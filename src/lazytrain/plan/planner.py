@@ -64,10 +64,11 @@ class Notes:
     """The plan is another than the one running: start an executor for it."""
 
 
-def policy_options(settings: PlanConfig, *, data_parallel: bool = False, nvme_tier: bool = False) -> PolicyOptions:
+def policy_options(settings: PlanConfig, *, data_parallel: bool = False, nvme_tier: bool = False,
+                   gradients: str = "host") -> PolicyOptions:
     """The ``plan`` section as the policies take it, for a run that is data parallel or not and
-    has an NVMe tier (``memory.nvme_dir``) or not; raises `ConfigError` for choices that run cannot
-    make."""
+    has an NVMe tier (``memory.nvme_dir``) or not, its gradients placed as ``gradients`` says
+    (``memory.gradients``); raises `ConfigError` for choices that run cannot make."""
     pc = settings
     if data_parallel and (pc.const_update == "device" or pc.device_layers or pc.device_steps):
         raise ConfigError("plan.const_update=device, plan.device_layers and plan.device_steps step the "
@@ -85,7 +86,7 @@ def policy_options(settings: PlanConfig, *, data_parallel: bool = False, nvme_ti
         optimizer_overlap=pc.overlap_optimizer, recompute=tuple(pc.recompute_blocks),
         const_update=pc.const_update, device_layers=0 if data_parallel else pc.device_layers,
         device_steps=0 if data_parallel else pc.device_steps,
-        offload_window=pc.offload_window,
+        offload_window=pc.offload_window, gradients=gradients,
     )
 
 
@@ -123,11 +124,16 @@ def costs_from_file(path: str, batch_size: int, seq_len: int, *, layer_types: li
     return rescaled
 
 
-def with_capacities(costs: CostTable, *, host_bytes: int | None = None, gpu_gb: float | None = None) -> CostTable:
-    """``costs`` with this run's capacities: ``host_bytes`` of room for host activations, and a
-    GPU of ``gpu_gb`` GiB (``memory.gpu_gb``; its usable part); None keeps the table's."""
+def with_capacities(costs: CostTable, *, host_bytes: int | None = None, gpu_gb: float | None = None,
+                    host_grads: bool | None = None) -> CostTable:
+    """``costs`` with this run's capacities: ``host_bytes`` of room for host activations (and,
+    ``host_grads`` False, for the streamed layers' gradient buffers the plan leaves on the host:
+    `CostTable.host_grads`), and a GPU of ``gpu_gb`` GiB (``memory.gpu_gb``; its usable part);
+    None keeps the table's."""
     if host_bytes is not None:
         costs = dataclasses.replace(costs, host_bytes=host_bytes)
+    if host_grads is not None:
+        costs = dataclasses.replace(costs, host_grads=host_grads)
     if gpu_gb:
         costs = dataclasses.replace(costs, gpu_bytes=usable_gpu_bytes(int(gpu_gb * GiB)))
     return costs
@@ -168,10 +174,12 @@ class Planner:
     plan file without ``plan.costs``) and the simulator's prediction for it.
     """
 
-    def __init__(self, settings: PlanConfig, *, data_parallel: bool = False, nvme_tier: bool = False):
+    def __init__(self, settings: PlanConfig, *, data_parallel: bool = False, nvme_tier: bool = False,
+                 gradients: str = "host"):
         self.settings = settings
         self.data_parallel = data_parallel
-        self.options = policy_options(settings, data_parallel=data_parallel, nvme_tier=nvme_tier)
+        self.options = policy_options(settings, data_parallel=data_parallel, nvme_tier=nvme_tier,
+                                      gradients=gradients)
         self.plan: Plan | None = None
         self.costs: CostTable | None = None
         self.predicted: dict[str, float] = {}
@@ -184,6 +192,19 @@ class Planner:
         self.oom_replans = 0  # re-solves after a step ran out of GPU memory
         self.update_oom_replans = 0  # ... after an optimizer step planned on the GPU did (counted apart)
         self._recalibrate_due = False
+
+    @property
+    def places_gradients(self) -> bool:
+        """Whether plans may hold streamed layers' gradients on the GPU (``memory.gradients``
+        auto or gpu): the host's room for the plan is then measured without their host buffers
+        (`with_capacities`' ``host_grads``)."""
+        return self.options.gradients != "host"
+
+    def hold_gradients(self, layers) -> None:
+        """The run made no host gradient buffer for ``layers`` (its first plan holds them on the
+        GPU): every later plan (a re-plan after running out of memory, a recalibration) holds
+        them there too."""
+        self.options = dataclasses.replace(self.options, hold_grads=tuple(sorted(layers)))
 
     # -- the first plan ---------------------------------------------------------------------
 

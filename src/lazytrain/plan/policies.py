@@ -17,6 +17,7 @@ from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable
 from lazytrain.plan.plan import (
     CONST_UPDATES,
     DEVICE_STEPPED,
+    GRAD_PLACES,
     Plan,
     checkpoint_all_plan,
     keep_all_plan,
@@ -54,12 +55,19 @@ class PolicyOptions:
     baseline, none)."""
     offload_window: int = 1
     """Stages a host-tier offload's copy may take in the solved plan's model (`Plan.offload_window`)."""
+    gradients: str = "host"
+    """Where the CPU-stepped streamed layers' gradients wait (`LayerPlan.grad`, ``memory.gradients``):
+    host, gpu, or auto (the solved plan places each one; a baseline, host)."""
+    hold_grads: tuple[int, ...] = ()
+    """Layers whose gradients every plan holds on the GPU: the run made them no host buffer."""
 
     def __post_init__(self) -> None:
         if self.const_update not in ("auto", *CONST_UPDATES):
             raise ValueError(
                 f"const_update {self.const_update!r} is not one of auto, {', '.join(CONST_UPDATES)}"
             )
+        if self.gradients not in ("auto", *GRAD_PLACES):
+            raise ValueError(f"gradients {self.gradients!r} is not one of auto, {', '.join(GRAD_PLACES)}")
         for name, what in DEVICE_STEPPED.items():
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -90,6 +98,10 @@ def baseline_plan(name: str, num_layers: int, batch_size: int, seq_len: int,
     plan.const_update = "host" if o.const_update == "auto" else o.const_update
     plan.device_layers = (o.device_layers or 0) if plan.const_update == "device" else 0
     plan.device_steps = min(o.device_steps or 0, num_layers - plan.device_layers) if plan.const_update == "device" else 0
+    first = plan.device_layers + plan.device_steps  # the CPU-stepped layers (`milp._add_gradient_rows`)
+    for i, lp in enumerate(plan.layers):
+        if i >= first and (o.gradients == "gpu" or i in o.hold_grads):
+            lp.grad = "gpu"
     return plan
 
 
@@ -108,7 +120,8 @@ def policy_plan(name: str, costs: CostTable, options: PolicyOptions | None = Non
                       head_chunk_tokens=o.head_chunk_tokens, recompute=o.recompute,
                       const_update=None if o.const_update == "auto" else o.const_update,
                       device_layers=o.device_layers, device_steps=o.device_steps,
-                      offload_window=o.offload_window)
+                      offload_window=o.offload_window, gradients=o.gradients,
+                      hold_grads=o.hold_grads)
     plan.weight_prefetch = o.weight_prefetch
     return plan
 
