@@ -143,6 +143,42 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
     return "\n".join(lines)
 
 
+COMPONENT_ROWS = (
+    ("weights", "weights", "weights"),
+    ("masters", None, "masters"),
+    ("gradients", "gradients", "gradients"),
+    ("optimizer states", None, "optimizer"),
+    ("resident groups", "resident", None),
+    ("GPU optimizer step", "optimizer step", None),
+    ("activations", "activations", "activations"),
+    ("staging", None, "staging"),
+)
+"""The rows of `format_memory_components`: (label, the simulator's GPU component, the host
+budget's component)."""
+
+
+def format_memory_components(sim: SimResult, host: dict[str, int] | None = None) -> str:
+    """GiB on the GPU (at the plan's peak stage), the host and NVMe by component: the model
+    state's host parts from ``host`` (`memory.budget.HostBudget.components`, which count the
+    plan's host-tier activations and gradients), the GPU's and NVMe's from the simulator. The
+    GPU's "resident groups" are the embedding, the final norm and head and the allocator's
+    reserve (with the device update also their masters and states, and the resident layers')."""
+    gpu = sim.peak_gpu_components
+    lines = [f"{'memory (GiB)':<20}  {'GPU':>8}  {'host':>8}  {'NVMe':>8}   (GPU at its peak, {sim.peak_gpu_stage})"]
+
+    def cell(value: float | None) -> str:
+        return f"{value / GiB:8.2f}" if value else f"{'-':>8}"
+
+    for label, on_gpu, on_host in COMPONENT_ROWS:
+        nvme = sim.peak_nvme_bytes if label == "activations" else None
+        row = (gpu.get(on_gpu) if on_gpu else None, (host or {}).get(on_host) if on_host else None, nvme)
+        if any(row):
+            lines.append(f"{label:<20}  {cell(row[0])}  {cell(row[1])}  {cell(row[2])}")
+    host_total = sum((host or {}).values())
+    lines.append(f"{'total':<20}  {cell(sim.peak_gpu_bytes)}  {cell(host_total)}  {cell(sim.peak_nvme_bytes)}")
+    return "\n".join(lines)
+
+
 def render_plan_png(plan: Plan, sim: SimResult, path: str | Path, costs: CostTable | None = None) -> None:
     """Per-layer decision strip (with each layer's type above it for a mixed stack, given
     ``costs``), GPU memory by stage and a stream timeline, as a PNG."""

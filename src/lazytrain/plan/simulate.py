@@ -87,6 +87,11 @@ STREAMED_LOOKAHEAD = 2
 """How far ahead of the forward's weight copies the executor queues the streamed GPU steps
 (`runtime.update.STREAMED_LOOKAHEAD`)."""
 GiB = 2**30
+MEMORY_COMPONENTS = ("resident", "weights", "gradients", "optimizer step", "activations")
+"""What GPU memory holds: the fixed part (embedding, head, allocator reserve, mask; with the
+device update their and the resident layers' weights, masters and states), streamed weight
+slots, gradients, the streamed GPU steps' slots and temporaries, activations (kept tensors,
+checkpoints, working sets)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -107,6 +112,11 @@ class SimResult:
     stage_start_s: list[float]
     """When each stage's compute started."""
     gpu_bytes_by_stage: list[int]
+    peak_gpu_components: dict[str, float] = field(default_factory=dict)
+    """The peak stage's GPU bytes by component (`MEMORY_COMPONENTS`; they add up to the peak)."""
+    peak_host_components: dict[str, float] = field(default_factory=dict)
+    """... the host's, of what the plan places there (activations; gradients where
+    `CostTable.host_grads` is False): the model state's other parts are `memory.budget`'s."""
     timeline: list[tuple[str, float, float, str]]
     """(stream, start_s, end_s, label) of every op."""
     gpu_capacity_bytes: int = 0
@@ -235,10 +245,12 @@ class _StepModel:
         """Compute ops whose start marks a stage's issue where that is not the stage's own compute."""
         self.transfers: list[_Op] = []
         self.waits: dict[int, list[_Op]] = defaultdict(list)
-        self.gpu: list[tuple[int, int, int]] = []
-        self.host: list[tuple[int, int, int]] = []
-        self.nvme: list[tuple[int, int, int]] = []
-        self.phases: dict[int, list[int]] = defaultdict(list)
+        # buffers: (bytes, first stage, last stage, component); phases: (bytes, component), of
+        # which each stage holds the largest
+        self.gpu: list[tuple[int, int, int, str]] = []
+        self.host: list[tuple[int, int, int, str]] = []
+        self.nvme: list[tuple[int, int, int, str]] = []
+        self.phases: dict[int, list[tuple[int, str]]] = defaultdict(list)
         self._build()
 
     # -- building ---------------------------------------------------------------------------
@@ -316,36 +328,36 @@ class _StepModel:
                     "h2d", layers[j].weight_bytes, f"w {j}", issue, order=st.fwd(j), after=(opt_ops[j],)
                 )
                 self._wait(st.fwd(j), op)
-                self.gpu.append((layers[j].weight_bytes, issue, st.fwd(j)))
+                self.gpu.append((layers[j].weight_bytes, issue, st.fwd(j), "weights"))
             lp = plan.layers[j]
             # a kept layer's forward runs under autograd: its own transient beyond what it saves
             work = (layers[j].kept(lp.recompute).forward_work_bytes if lp.mode == "keep"
                     else layers[j].forward_work_bytes)
-            self.phases[st.fwd(j)].append(work + (layers[j].input_bytes if lp.mode == "drop" else 0))
+            self.phases[st.fwd(j)].append((work + (layers[j].input_bytes if lp.mode == "drop" else 0), "activations"))
 
-        self.phases[st.embed].append(layers[0].input_bytes)  # the embedding's output
-        self.phases[st.head].append(layers[L - 1].input_bytes + c.head_work_bytes)
-        self.phases[st.embed_bwd].append(c.embed_backward_work_bytes)
+        self.phases[st.embed].append((layers[0].input_bytes, "activations"))  # the embedding's output
+        self.phases[st.head].append((layers[L - 1].input_bytes + c.head_work_bytes, "activations"))
+        self.phases[st.embed_bwd].append((c.embed_backward_work_bytes, "activations"))
 
         for start, end in units(plan):
             self._unit(start, end, compute_ms)
 
         w_max = max(lc.weight_bytes for lc in layers)
-        self.gpu.append((c.grad_buffers * w_max, st.bwd(L - 1), st.embed_bwd))
+        self.gpu.append((c.grad_buffers * w_max, st.bwd(L - 1), st.embed_bwd, "gradients"))
         for j in streamed:
             grad = layers[j].weight_bytes * c.grad_share
             if plan.layers[j].grad == "gpu":
-                self.gpu.append((grad, st.bwd(j), st.embed_bwd))
+                self.gpu.append((grad, st.bwd(j), st.embed_bwd, "gradients"))
                 if self.overlap:  # until its update, before its next forward
-                    self.gpu.append((grad, st.embed, max(st.embed, st.fwd(j) - 1)))
+                    self.gpu.append((grad, st.embed, max(st.embed, st.fwd(j) - 1), "gradients"))
                 continue
             if not c.host_grads:
-                self.host.append((grad, 0, st.embed_bwd))
+                self.host.append((grad, 0, st.embed_bwd, "gradients"))
             issue = st.bwd(j) + 1
             op = self._copy("d2h", grad, f"grad {j}", issue)
             self._wait(issue + 1, op)
         for j in self.resident:
-            self.gpu.append((layers[j].weight_bytes * c.grad_share, st.bwd(j), st.embed_bwd))
+            self.gpu.append((layers[j].weight_bytes * c.grad_share, st.bwd(j), st.embed_bwd, "gradients"))
         if not self.device:
             self._wait(
                 st.embed_bwd + 1,
@@ -354,7 +366,7 @@ class _StepModel:
         else:
             # their gradients (and the resident layers') wait on the GPU for the next step's
             # update, which runs before the embedding's output exists
-            self.phases[st.embed].append(c.const_grad_bytes + self._resident_grad_bytes())
+            self.phases[st.embed].append((c.const_grad_bytes + self._resident_grad_bytes(), "gradients"))
 
         for stage, ms in compute_ms.items():
             self.compute[stage] = _Op(
@@ -412,7 +424,8 @@ class _StepModel:
             slots = min(STREAMED_STEP_SLOTS, len(self.dsteps))
             largest = max(c.streamed_in_bytes(j) for j in self.dsteps)
             # and the step's temporaries, on its own stream, while the steps run
-            self.gpu.append((slots * largest + c.device_step_work_bytes, st.embed, st.fwd(self.dsteps.stop - 1)))
+            self.gpu.append((slots * largest + c.device_step_work_bytes, st.embed, st.fwd(self.dsteps.stop - 1),
+                             "optimizer step"))
         return ins, outs
 
     def _host_const_update(self, ns: float) -> None:
@@ -454,10 +467,10 @@ class _StepModel:
         for j in range(start, end):
             if keep:
                 ms = layers[j].backward_ms + kept.recompute_ms
-                self.phases[st.bwd(j)].append(kept.saved_bytes + kept.backward_work_bytes)
+                self.phases[st.bwd(j)].append((kept.saved_bytes + kept.backward_work_bytes, "activations"))
             else:
                 ms = layers[j].backward_ms + layers[j].recompute_ms
-                self.phases[st.bwd(j)].append(layers[j].saved_bytes + layers[j].backward_work_bytes)
+                self.phases[st.bwd(j)].append((layers[j].saved_bytes + layers[j].backward_work_bytes, "activations"))
             compute_ms[st.bwd(j)] = ms
 
         if end - start >= 2:
@@ -466,38 +479,38 @@ class _StepModel:
             compute_ms[first] += sum(layers[j].forward_ms for j in range(start, end - 1))
             cache = [layers[j].input_bytes for j in range(start + 1, end - 1)]
             self.phases[first] = [
-                sum(cache) + layers[end - 1].saved_bytes + layers[end - 1].backward_work_bytes
+                (sum(cache) + layers[end - 1].saved_bytes + layers[end - 1].backward_work_bytes, "activations")
             ]
             for j in range(start, end - 1):
                 built = sum(layers[i].input_bytes for i in range(start + 1, j + 1))
-                self.phases[first].append(built + layers[j].forward_work_bytes)
+                self.phases[first].append((built + layers[j].forward_work_bytes, "activations"))
             for j in range(start + 1, end - 2):
-                self.gpu.append((layers[j].input_bytes, first + 1, st.bwd(j) - 1))
+                self.gpu.append((layers[j].input_bytes, first + 1, st.bwd(j) - 1, "activations"))
 
         issue_w = max(st.head, first - plan.weight_prefetch)
         for j in range(max(start, len(self.resident)), end):
             op = self._copy("h2d", layers[j].weight_bytes, f"w {j} bwd", issue_w, order=first)
             self._wait(first, op)
-            self.gpu.append((layers[j].weight_bytes, issue_w, st.bwd(j)))
+            self.gpu.append((layers[j].weight_bytes, issue_w, st.bwd(j), "weights"))
 
         nbytes = kept.saved_bytes if keep else layers[start].input_bytes
         what = "acts" if keep else "ckpt"
         fwd = st.fwd(start)
         last_gpu = st.bwd(start) - 1
         if lp.tier == "gpu":
-            self.gpu.append((nbytes, fwd, last_gpu))
+            self.gpu.append((nbytes, fwd, last_gpu, "activations"))
             return
         # the GPU copy is freed in its own stage, once the layer's forward is queued (the copy
         # out, on the D2H stream, keeps the block from reuse until it is done); a host-tier copy
         # may take up to the window's stages, never past the head, the block counted through
         # all but the last
         window = min(self.window, st.head - fwd) if lp.tier == "host" else 1
-        self.gpu.append((nbytes, fwd, fwd + window - 1))
+        self.gpu.append((nbytes, fwd, fwd + window - 1, "activations"))
         out = self._copy("d2h", nbytes, f"{what} {start}", fwd + 1, order=fwd)
         self._wait(fwd + 1 + window, out)
         if lp.tier == "host":
             fetch_at = max(first - lp.prefetch, st.head, fwd + 1)
-            self.host.append((nbytes, fwd + 1, fetch_at))
+            self.host.append((nbytes, fwd + 1, fetch_at, "activations"))
             fetch = self._copy(
                 "h2d", nbytes, f"{what} {start}", fetch_at, prio=1, order=first, after=(out,)
             )
@@ -521,7 +534,7 @@ class _StepModel:
             )
             self._wait(write_at + 1, write)
             read_at = max(fetch_at - 1, write_at)
-            self.nvme.append((nbytes, write_at, read_at))
+            self.nvme.append((nbytes, write_at, read_at, "activations"))
             read = self._copy(
                 "nvme", nbytes, f"read {what} {start}", read_at, prio=1, order=first, after=(write,)
             )
@@ -531,7 +544,7 @@ class _StepModel:
                 "h2d", nbytes, f"{what} {start}", fetch_at, prio=1, order=first, after=(read,)
             )
         self._wait(first, fetch)
-        self.gpu.append((nbytes, fetch_at, last_gpu))
+        self.gpu.append((nbytes, fetch_at, last_gpu, "activations"))
 
     # -- running ----------------------------------------------------------------------------
 
@@ -661,20 +674,24 @@ class _StepModel:
             blame(t, step_ms, max(ops, key=lambda o: o.end))
         return exposed
 
-    def _memory(self) -> tuple[list[int], list[int], list[int]]:
+    def _memory(self) -> tuple[list[dict[str, float]], list[dict[str, float]], list[dict[str, float]]]:
+        """Per stage, GPU, host and NVMe bytes by component (`MEMORY_COMPONENTS`)."""
         n = self.st.embed_bwd + 1
         c = self.costs
-        # the embedding's and the head's gradients exist from the head on
-        fixed = [c.forward_fixed_bytes if s <= self.st.head else c.step_fixed_bytes for s in range(n)]
-        if self.device:
-            resident = c.device_resident_bytes(len(self.resident))
-            fixed = [f + c.const_update_bytes + resident for f in fixed]
-        gpu = [fixed[s] + max(self.phases.get(s, [0])) for s in range(n)]
-        host, nvme = [0] * n, [0] * n
+        gpu: list[dict[str, float]] = [defaultdict(float) for _ in range(n)]
+        host: list[dict[str, float]] = [defaultdict(float) for _ in range(n)]
+        nvme: list[dict[str, float]] = [defaultdict(float) for _ in range(n)]
+        for s in range(n):
+            # the embedding's and the head's gradients exist from the head on
+            gpu[s]["resident"] += c.forward_fixed_bytes if s <= self.st.head else c.step_fixed_bytes
+            if self.device:
+                gpu[s]["resident"] += c.const_update_bytes + c.device_resident_bytes(len(self.resident))
+            nbytes, component = max(self.phases.get(s, [(0, "activations")]), key=lambda phase: phase[0])
+            gpu[s][component] += nbytes
         for buffers, out in ((self.gpu, gpu), (self.host, host), (self.nvme, nvme)):
-            for nbytes, first, last in buffers:
+            for nbytes, first, last, component in buffers:
                 for s in range(first, last + 1):
-                    out[s] += nbytes
+                    out[s][component] += nbytes
         return gpu, host, nvme
 
     def run(self) -> SimResult:
@@ -684,9 +701,11 @@ class _StepModel:
         for op in ops:
             busy[op.stream] += (op.end - op.start) * 1e-3
         exposed = {k: v * 1e-3 for k, v in self._exposure(ops, step_ms).items()}
-        gpu, host, nvme = self._memory()
+        gpu_parts, host_parts, nvme_parts = self._memory()
+        gpu, host, nvme = ([sum(parts.values()) for parts in stages] for stages in (gpu_parts, host_parts, nvme_parts))
         names = self.st.names()
         peak_stage = max(range(len(gpu)), key=gpu.__getitem__)
+        host_peak = max(range(len(host)), key=host.__getitem__)
         c = self.costs
         violations = []
         for tier, peak, cap in (
@@ -712,6 +731,8 @@ class _StepModel:
             stage_names=[names[s] for s in stages],
             stage_start_s=[self.compute[s].start * 1e-3 for s in stages],
             gpu_bytes_by_stage=gpu,
+            peak_gpu_components=dict(gpu_parts[peak_stage]),
+            peak_host_components=dict(host_parts[host_peak]),
             timeline=[
                 (op.stream, op.start * 1e-3, op.end * 1e-3, op.label)
                 for op in sorted(ops, key=lambda o: (o.start, STREAMS.index(o.stream)))
