@@ -35,7 +35,7 @@ def _run(folder, const_update: str, dtype: torch.dtype, split: bool, device=CPU,
     NaN, so any step that still read them would show it (a streamed device layer, too).
     ``prepare(optimizer, executor, updater)`` runs once before the first step."""
     adapter = ModelAdapter(load_hf_config(folder), device, dtype)
-    store = HostStore(adapter.layouts, dtype, pin=False, split_master=split)
+    store = HostStore(adapter.layouts, dtype, pin=False, master="split" if split else "fp32")
     load_safetensors(adapter, store, folder)
     plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 3, 12, every=2), const_update=const_update,
                                device_layers=device_layers, device_steps=device_steps)
@@ -103,7 +103,7 @@ def test_device_groups_train_as_on_the_host(tmp_path, family, dtype, split):
         _assert_same(host, _run(tmp_path, "device", dtype, split, poison=True, device_layers=device_layers,
                                 device_steps=device_steps))
     # and they trained: the embedding moved
-    fresh = HostStore(ModelAdapter(load_hf_config(tmp_path), CPU, dtype).layouts, dtype, pin=False, split_master=split)
+    fresh = HostStore(ModelAdapter(load_hf_config(tmp_path), CPU, dtype).layouts, dtype, pin=False, master="split" if split else "fp32")
     load_safetensors(ModelAdapter(load_hf_config(tmp_path), CPU, dtype), fresh, tmp_path)
     assert not torch.equal(fresh.master_fp32(0), device[1].master_fp32(0))
 
@@ -316,7 +316,7 @@ def test_device_groups_and_layers_train_on_the_gpu_as_on_the_host(tmp_path, devi
     make_hf_model("qwen2", seed=1, layers=4).save_pretrained(tmp_path)
     cuda = torch.device("cuda")
     adapter = ModelAdapter(load_hf_config(tmp_path), CPU, torch.bfloat16)
-    start = HostStore(adapter.layouts, torch.bfloat16, pin=False, split_master=True)
+    start = HostStore(adapter.layouts, torch.bfloat16, pin=False, master="split")
     load_safetensors(adapter, start, tmp_path)
     host = _run(tmp_path, "host", torch.bfloat16, True, device=cuda, rounding="nearest")
     dev = _run(tmp_path, "device", torch.bfloat16, True, device=cuda, rounding="nearest", poison=True,

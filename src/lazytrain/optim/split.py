@@ -106,8 +106,15 @@ class SplitMaster:
         split.assign(master)
         return split
 
+    dtype = torch.float32
+    """The precision of the value held (a checkpoint saves it as such)."""
+
     def numel(self) -> int:
         return self.weight.numel()
+
+    def stored(self) -> torch.Tensor:
+        """The value in its own precision: the exact fp32 master (a new tensor)."""
+        return self.fp32()
 
     def fp32(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The exact fp32 master (in ``out`` if given)."""
