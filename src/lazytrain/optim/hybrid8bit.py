@@ -36,11 +36,20 @@ measured farther from fp32 along a run, ``bench/studies/optim_update_error.py``)
 
 A split master (``split.py``) is joined to fp32, stepped and split again inside the same pass
 (kernel) or chunk (torch path), so the masters it holds are bit-for-bit those of an unsplit
-run fed the same gradients; its weight half is the streamed weight, written in that pass.
+run fed the same gradients; its weight half is the streamed weight, written in that pass. A
+bf16 master (``master.py``) is the streamed weight alone: widened to fp32, stepped with the
+same math, and written back with stochastic rounding drawn from a hash of (seed, group, step,
+element index) under its own key (``quant.weight_rounding_key``), in the same pass. It is
+NOT exact: unbiased, but each step adds up to a bf16 ulp of rounding noise. The kernel and
+the torch path draw the same bits, so they differ only where their fp32 values (about an ulp
+apart, below) fall on either side of a draw's threshold: one bf16 ulp, on ~2**-16 of the
+weights per float32 ulp of difference. The load and the store of every form are
+``master.master_chunk`` / ``master.store_master_chunk`` here and ``load_master`` /
+``store_master`` in the kernel: a step of another state format calls them the same way.
 
 A group may be stepped on a device instead (`Hybrid8bitAdamW.to_device`: the embedding and
 the final norm + head, whose weights the executor keeps on the GPU): its remainder (or fp32
-master) and state are copied there, and the torch path runs there on the device's gradient,
+master; nothing for a bf16 master, which is the weights there) and state are copied there, and the torch path runs there on the device's gradient,
 in pieces (``COMPILED_CHUNK`` elements), writing the executor's copy of the weights; `to_host`
 copies them back. The same float32 math as the host's torch path, compiled: Triton fuses
 multiply-adds, so, like the C++ kernel, it differs from that path by about an ulp (a value on a
