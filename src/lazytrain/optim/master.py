@@ -8,8 +8,9 @@
 * ``bf16``: the streamed bf16 weight alone (`Bf16Master`), 0 B per parameter. Not exact: the
   step computes the new value in fp32, as for the others, and rounds it to one of its two
   bf16 neighbours stochastically (`stochastic_bf16`), so that updates smaller than half a
-  bf16 ulp (2**-9 of the weight: at lr 1e-5 most of a fine-tune's updates) move the weight
-  on average instead of being rounded away; each rounding adds noise of up to an ulp, which
+  bf16 ulp (2**-9 to 2**-8 of the weight; AdamW's updates are about lr, so at lr 1e-5 those
+  of every weight above 0.005 in magnitude) move the weight on average instead of being
+  rounded away; each rounding adds noise of up to an ulp, which
   an fp32 master does not have. What that costs in accuracy is measured, not claimed here.
 
 The rounding draws from a hash of (seed, group, step, element index in the group), as the

@@ -255,6 +255,9 @@ def build_session(config: Config) -> Session:
     decay = [g.decay_numel for g in adapter.layouts]
     started = time.perf_counter()
     rounding = config.state_rounding()
+    if store.master_mode == "bf16":
+        log.info("masters: the bf16 weights themselves, updated with stochastic rounding (memory.master=bf16: "
+                 "0 B/param, not exact)")
     if config.optimizer.kind == "hybrid8bit":
         log.info("8-bit states: sqrt(v) rounded to the %s code (optimizer.state_rounding=%s)",
                  "stochastically drawn" if rounding == "stochastic" else "nearest", config.optimizer.state_rounding)
