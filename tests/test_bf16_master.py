@@ -198,19 +198,21 @@ def test_kernel_and_device_step_agree_with_the_torch_path(other, monkeypatch):
         assert float(diff.max()) <= 1.0 and float((diff > 0).double().mean()) < 1e-3
 
 
-def test_bf16_training_resumes_exactly(tmp_path):
-    """bf16 compute on the CPU, 8-bit states, bf16 master: 8 steps equal 4 + 4 resumed bit for
-    bit (weights, states, losses: the stochastic draws repeat), and the checkpoint holds the
-    masters as bf16 (2 B per parameter)."""
+@pytest.mark.parametrize("kind", ["hybrid8bit", "fp32"])
+def test_bf16_training_resumes_exactly(tmp_path, kind):
+    """bf16 compute on the CPU, 8-bit (stochastic) or fp32 states, bf16 master: 8 steps equal
+    4 + 4 resumed bit for bit (weights, states, losses: the stochastic draws repeat), and the
+    checkpoint holds the masters as bf16 (2 B per parameter)."""
     from safetensors import safe_open
 
     from lazytrain.train.checkpoint import Checkpointer
 
     a, b = tmp_path / "a", tmp_path / "b"
-    main(["train", "training.steps=8", f"training.output_dir={a}", "memory.master=bf16", *COMMON])
-    main(["train", "training.steps=4", f"training.output_dir={b}", "memory.master=bf16", *COMMON])
+    common = [*COMMON, f"optimizer.kind={kind}", *(["optimizer.state_rounding=nearest"] if kind == "fp32" else [])]
+    main(["train", "training.steps=8", f"training.output_dir={a}", "memory.master=bf16", *common])
+    main(["train", "training.steps=4", f"training.output_dir={b}", "memory.master=bf16", *common])
     main(["train", "training.steps=8", f"training.output_dir={b}", "memory.master=bf16", "training.resume=true",
-          *COMMON])
+          *common])
     assert _losses(a) == _losses(b) and len(_losses(a)) == 8
     paths = [Checkpointer(run).latest().path for run in (a, b)]
     for name in ("masters.safetensors", "optimizer.safetensors"):
