@@ -18,6 +18,7 @@ from lazytrain.model.loading import load_safetensors
 from lazytrain.optim.adamw import FusedAdamW
 from lazytrain.optim.base import AdamWConfig
 from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
+from lazytrain.optim.master import Bf16Master
 from lazytrain.optim.split import SplitMaster
 from lazytrain.plan.plan import megatrain_plan
 from lazytrain.runtime.executor import Executor
@@ -28,14 +29,14 @@ OPT = AdamWConfig(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 STEPS = 6
 
 
-def _run(folder, const_update: str, dtype: torch.dtype, split: bool, device=CPU, poison: bool = False,
+def _run(folder, const_update: str, dtype: torch.dtype, master: str, device=CPU, poison: bool = False,
          rounding: str = "stochastic", device_layers: int = 0, device_steps: int = 0, prepare=None):
     """Train STEPS steps; returns (losses, store, optimizer state). ``poison``: after the first
     update, the host copies of the device groups' gradients and weights are overwritten with
     NaN, so any step that still read them would show it (a streamed device layer, too).
     ``prepare(optimizer, executor, updater)`` runs once before the first step."""
     adapter = ModelAdapter(load_hf_config(folder), device, dtype)
-    store = HostStore(adapter.layouts, dtype, pin=False, split_master=split)
+    store = HostStore(adapter.layouts, dtype, pin=False, master=master)
     load_safetensors(adapter, store, folder)
     plan = dataclasses.replace(megatrain_plan(adapter.num_layers, 3, 12, every=2), const_update=const_update,
                                device_layers=device_layers, device_steps=device_steps)
@@ -87,23 +88,24 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen2-tied"])
-@pytest.mark.parametrize("dtype,split", [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16-split"])
-def test_device_groups_train_as_on_the_host(tmp_path, family, dtype, split):
+@pytest.mark.parametrize("dtype,master", [(torch.float32, "fp32"), (torch.bfloat16, "split"), (torch.bfloat16, "bf16")],
+                         ids=["fp32", "bf16-split", "bf16-master"])
+def test_device_groups_train_as_on_the_host(tmp_path, family, dtype, master):
     make_hf_model(family, seed=1, layers=4).save_pretrained(tmp_path)
-    host = _run(tmp_path, "host", dtype, split)
-    device = _run(tmp_path, "device", dtype, split, poison=True)
+    host = _run(tmp_path, "host", dtype, master)
+    device = _run(tmp_path, "device", dtype, master, poison=True)
     _assert_same(host, device)
     # the first layers resident and stepped there too (one segment of the plan inside them,
     # one across their end: every=2 checkpoints layers 0 and 2)
     for device_layers in (1, 3):
-        _assert_same(host, _run(tmp_path, "device", dtype, split, poison=True, device_layers=device_layers))
+        _assert_same(host, _run(tmp_path, "device", dtype, master, poison=True, device_layers=device_layers))
     # streamed layers stepped there too, with their states copied in and out: after none, one
     # or three resident ones, and up to the last layer
     for device_layers, device_steps in ((0, 2), (1, 1), (1, 3)):
-        _assert_same(host, _run(tmp_path, "device", dtype, split, poison=True, device_layers=device_layers,
+        _assert_same(host, _run(tmp_path, "device", dtype, master, poison=True, device_layers=device_layers,
                                 device_steps=device_steps))
     # and they trained: the embedding moved
-    fresh = HostStore(ModelAdapter(load_hf_config(tmp_path), CPU, dtype).layouts, dtype, pin=False, split_master=split)
+    fresh = HostStore(ModelAdapter(load_hf_config(tmp_path), CPU, dtype).layouts, dtype, pin=False, master=master)
     load_safetensors(ModelAdapter(load_hf_config(tmp_path), CPU, dtype), fresh, tmp_path)
     assert not torch.equal(fresh.master_fp32(0), device[1].master_fp32(0))
 
@@ -316,10 +318,10 @@ def test_device_groups_and_layers_train_on_the_gpu_as_on_the_host(tmp_path, devi
     make_hf_model("qwen2", seed=1, layers=4).save_pretrained(tmp_path)
     cuda = torch.device("cuda")
     adapter = ModelAdapter(load_hf_config(tmp_path), CPU, torch.bfloat16)
-    start = HostStore(adapter.layouts, torch.bfloat16, pin=False, split_master=True)
+    start = HostStore(adapter.layouts, torch.bfloat16, pin=False, master="split")
     load_safetensors(adapter, start, tmp_path)
-    host = _run(tmp_path, "host", torch.bfloat16, True, device=cuda, rounding="nearest")
-    dev = _run(tmp_path, "device", torch.bfloat16, True, device=cuda, rounding="nearest", poison=True,
+    host = _run(tmp_path, "host", torch.bfloat16, "split", device=cuda, rounding="nearest")
+    dev = _run(tmp_path, "device", torch.bfloat16, "split", device=cuda, rounding="nearest", poison=True,
                device_layers=device_layers, device_steps=device_steps)
     (losses_h, store_h, _), (losses_d, store_d, _) = host, dev
     assert all(map(math.isfinite, losses_d))
@@ -366,9 +368,10 @@ def test_streamed_steps_are_stepped_by_the_caller_from_the_host_gradients_into_t
     assert updater._scratch == []  # given back once the last streamed step was queued
 
 
-def test_stream_in_and_out_round_trip_and_check_their_buffers():
+@pytest.mark.parametrize("make", [SplitMaster.of, lambda x: Bf16Master(x.bfloat16())], ids=["split", "bf16"])
+def test_stream_in_and_out_round_trip_and_check_their_buffers(make):
     n = 3000
-    master = SplitMaster.of(torch.randn(n))
+    master = make(torch.randn(n))
     optimizer = Hybrid8bitAdamW([master], [n], OPT, kernel="torch")
     optimizer.step_group(0, torch.randn(n).bfloat16(), 1.0, 1e-3, None)
     reference = Hybrid8bitAdamW([master.clone()], [n], OPT, kernel="torch")
@@ -467,7 +470,7 @@ def test_a_streamed_step_that_runs_out_of_gpu_memory_is_stepped_on_the_cpu(tmp_p
     group's update was lost (its device copy came home at `finish` as the update) and `finish`
     ran out again taking the slots."""
     make_hf_model("qwen2", seed=1, layers=4).save_pretrained(tmp_path)
-    host = _run(tmp_path, "host", torch.bfloat16, True)
+    host = _run(tmp_path, "host", torch.bfloat16, "split")
     update = 2 if when == "forward" else 3
     seen = {}
 
@@ -483,7 +486,7 @@ def test_a_streamed_step_that_runs_out_of_gpu_memory_is_stepped_on_the_cpu(tmp_p
             _failing_once(optimizer, method, lambda group, n: group == 2 and (calls.append(n) or len(calls) == update))
 
     with caplog.at_level(logging.WARNING, logger="lazytrain"):
-        device = _run(tmp_path, "device", torch.bfloat16, True, device_steps=3, prepare=prepare)
+        device = _run(tmp_path, "device", torch.bfloat16, "split", device_steps=3, prepare=prepare)
     _assert_same(host, device)
     updater, executor = seen["updater"], seen["executor"]
     assert isinstance(updater.out_of_memory, torch.OutOfMemoryError) and updater.out_of_memory.__traceback__ is None
@@ -500,7 +503,7 @@ def test_a_device_group_copied_to_the_gpu_that_runs_out_is_stepped_on_the_cpu(tm
     dropped and the head stepped on the CPU from the gradient the GPU held, its resident weights
     reloaded from the host; it stays on the CPU, and the run trains exactly as the host's."""
     make_hf_model("qwen2", seed=1, layers=4).save_pretrained(tmp_path)
-    host = _run(tmp_path, "host", torch.bfloat16, True)
+    host = _run(tmp_path, "host", torch.bfloat16, "split")
     placed = []
 
     def prepare(optimizer, executor, updater):
@@ -510,7 +513,7 @@ def test_a_device_group_copied_to_the_gpu_that_runs_out_is_stepped_on_the_cpu(tm
         optimizer.to_device = lambda group, weight: (placed.append(group), real(group, weight))[1]
 
     with caplog.at_level(logging.WARNING, logger="lazytrain"):
-        device = _run(tmp_path, "device", torch.bfloat16, True, prepare=prepare)
+        device = _run(tmp_path, "device", torch.bfloat16, "split", prepare=prepare)
     _assert_same(host, device)
     # update 1 (5 failed), then 4 after update 3's checkpoint: 5 not tried again
     assert placed == [0, 5, 0]

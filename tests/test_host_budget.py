@@ -29,23 +29,33 @@ def _numels(shape: str) -> list[int]:
 def test_qwen25_14b_takes_8_06_bytes_per_param_with_split_master_and_8bit_states():
     numels = _numels("qwen2.5-14b")
     assert sum(numels) == 14_770_033_664  # Qwen2.5-14B: 14.77 B parameters, 48 layers, untied head
-    split = host_budget(numels, HostSettings(torch.bfloat16, True, "hybrid8bit"), limit=125 * GIB)
-    whole = host_budget(numels, HostSettings(torch.bfloat16, False, "hybrid8bit"), limit=125 * GIB)
+    split = host_budget(numels, HostSettings(torch.bfloat16, "split", "hybrid8bit"), limit=125 * GIB)
+    whole = host_budget(numels, HostSettings(torch.bfloat16, "fp32", "hybrid8bit"), limit=125 * GIB)
     assert split.total / sum(numels) == pytest.approx(8.0625, abs=1e-3)
     assert whole.total / sum(numels) == pytest.approx(10.0625, abs=1e-3)
     assert split.fits and not whole.fits  # 110.9 GiB and 138.4 GiB against the H200 host's 125
+
+
+def test_the_master_takes_4_2_or_0_bytes_per_param_by_mode():
+    numels = _numels("qwen2.5-7b")
+    n = sum(numels)
+    masters = {mode: host_budget(numels, HostSettings(torch.bfloat16, mode, "hybrid8bit"), limit=GIB).state.masters
+               for mode in ("fp32", "split", "bf16")}
+    assert masters == {"fp32": 4 * n, "split": 2 * n, "bf16": 0}
+    with pytest.raises(ValueError, match=r"master form 'half' is not one of \['fp32', 'split', 'bf16'\]"):
+        host_budget(numels, HostSettings(torch.bfloat16, "half", "hybrid8bit"), limit=GIB)
 
 
 @pytest.mark.parametrize(
     ("settings", "limit_gib", "fix"),
     [
         # 7B, 8-bit states: the split master alone (exact, so tried first) brings 71.3 GiB to 57.2
-        (HostSettings(torch.bfloat16, False, "hybrid8bit"), 64, "memory.split_master=true"),
+        (HostSettings(torch.bfloat16, "fp32", "hybrid8bit"), 64, "memory.master=split"),
         # 7B, fp32 states: the split master alone is not enough (113 GiB); 8-bit states are
-        (HostSettings(torch.bfloat16, False, "fp32"), 80, "optimizer.kind=hybrid8bit"),
-        (HostSettings(torch.bfloat16, False, "fp32"), 60, "memory.split_master=true optimizer.kind=hybrid8bit"),
+        (HostSettings(torch.bfloat16, "fp32", "fp32"), 80, "optimizer.kind=hybrid8bit"),
+        (HostSettings(torch.bfloat16, "fp32", "fp32"), 60, "memory.master=split optimizer.kind=hybrid8bit"),
         # fp32 compute: no split master to offer
-        (HostSettings(torch.float32, False, "fp32"), 80, None),
+        (HostSettings(torch.float32, "fp32", "fp32"), 80, None),
     ],
 )
 def test_smallest_fix(settings, limit_gib, fix):
@@ -57,7 +67,7 @@ def test_smallest_fix(settings, limit_gib, fix):
 
 def test_host_activations_are_counted_and_the_fix_can_be_fewer_of_them():
     numels = _numels("qwen2.5-7b")
-    settings = HostSettings(torch.bfloat16, True, "hybrid8bit")
+    settings = HostSettings(torch.bfloat16, "split", "hybrid8bit")
     budget = host_budget(numels, settings, activations=20 * GIB, limit=64 * GIB)  # 57.2 + 20 GiB
     assert not budget.fits and "activations" in budget.table()
     assert smallest_fix(numels, settings, budget).startswith("no host-tier activations")
@@ -69,11 +79,11 @@ def test_a_model_that_does_not_fit_fails_before_allocating(tmp_path, capsys):
     """qwen2.5-7b in 60 GiB: stops at the pre-flight (nothing allocated: the run would need
     71 GiB) and names the split master."""
     code = main(["train", f"training.output_dir={tmp_path}", "model.source=builtin:qwen2.5-7b",
-                 "model.dtype=bf16", "optimizer.kind=hybrid8bit", "memory.split_master=false",
+                 "model.dtype=bf16", "optimizer.kind=hybrid8bit", "memory.master=fp32",
                  "memory.host_limit_gb=60", "training.progress=false"])
     err = capsys.readouterr().err
     assert code == 2
-    assert "smallest change that fits: set memory.split_master=true" in err
+    assert "smallest change that fits: set memory.master=split" in err
     assert "masters" in err and "B/param" in err
 
 
@@ -92,7 +102,7 @@ _RSS_SCRIPT = textwrap.dedent("""
 
     def run(source):
         adapter, store = build_model(source, torch.device("cpu"), torch.bfloat16, vocab_size=512,
-                                     split_master=True, pin=False, store_factory=HostStore)
+                                     master="split", pin=False, store_factory=HostStore)
         opt = Hybrid8bitAdamW(store.masters, [g.decay_numel for g in adapter.layouts], AdamWConfig())
         for g, grad in enumerate(store.grads):  # every buffer written, as a training step does
             grad.normal_(0, 1e-3)
@@ -109,7 +119,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     adapter, store, opt = run(sys.argv[1])
     grown = settle() - before
     numels = [g.numel for g in adapter.layouts]
-    predicted = host_budget(numels, HostSettings(torch.bfloat16, True, "hybrid8bit")).total
+    predicted = host_budget(numels, HostSettings(torch.bfloat16, "split", "hybrid8bit")).total
     print(json.dumps({"grown": grown, "predicted": predicted, "state": opt.state_bytes()}))
 """)
 

@@ -372,11 +372,16 @@ class MemoryConfig:
     and their pinned staging buffers together (default: RAM, or the cgroup limit, minus 5% and
     at least 4 GiB for the process itself). The solved plan keeps host activations within what
     is left after the model state."""
+    master: Literal["auto", "fp32", "split", "bf16"] = "auto"
+    """What holds the master weights AdamW updates (optim/master.py): fp32 (4 B per parameter,
+    exact); split (the streamed bf16 weight plus a 16-bit remainder: 2 B, exact, optim/split.py);
+    bf16 (the streamed bf16 weight alone, updated with stochastic rounding: 0 B, NOT exact: each
+    step rounds the fp32 update to bf16, so the weights carry rounding noise an fp32 master does
+    not); auto (split for bf16 runs on a GPU, else fp32). split and bf16 need model.dtype=bf16
+    and one process (not torchrun)."""
     split_master: Literal["auto", "true", "false"] = "auto"
-    """Hold each fp32 master as the streamed bf16 weight plus a 16-bit remainder (exact, 2 B
-    per parameter instead of 4; see optim/split.py): auto (on for bf16 runs on a GPU), true
-    (any bf16 run), false. Does not apply to fp32 compute (the weights are the masters' own
-    precision)."""
+    """Deprecated alias of memory.master: true is master=split, false is master=fp32, auto
+    defers to memory.master."""
     nvme_dir: str | None = None
     """Folder for the NVMe activation tier (files are removed when freed and at exit)."""
     gpu_gb: float | None = None
@@ -397,10 +402,26 @@ class MemoryConfig:
     def __post_init__(self) -> None:
         self.split_master = str(self.split_master).lower()  # YAML reads true/false as booleans
         check_fields(self, "memory")
+        alias = SPLIT_MASTER_ALIAS.get(self.split_master)
+        if alias is not None and self.master not in ("auto", alias):
+            raise ConfigError(
+                f"memory.split_master={self.split_master} (a deprecated alias of memory.master={alias}) contradicts "
+                f"memory.master={self.master}; drop memory.split_master and keep memory.master"
+            )
         for name in ("host_limit_gb", "gpu_gb"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"memory.{name} must be > 0 GiB (or unset), got {value}")
+
+
+    def master_setting(self) -> str:
+        """memory.master with the deprecated memory.split_master folded in (auto, fp32, split or
+        bf16; `train.session.resolve_master` resolves auto)."""
+        return SPLIT_MASTER_ALIAS.get(self.split_master, self.master) if self.master == "auto" else self.master
+
+
+SPLIT_MASTER_ALIAS = {"true": "split", "false": "fp32"}
+"""memory.split_master's values as memory.master (auto defers to memory.master)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -470,6 +491,12 @@ class Config:
                 f"plan.const_update=device steps the embedding and head on the GPU, which optimizer.kind="
                 f"{self.optimizer.kind} cannot (its step is CPU-only); set optimizer.kind=hybrid8bit or "
                 "plan.const_update=auto"
+            )
+        master = self.memory.master_setting()
+        if master in ("split", "bf16") and self.model.dtype == "fp32":
+            raise ConfigError(
+                f"memory.master={master} keeps the master in the streamed bf16 weights, and model.dtype=fp32 "
+                "streams fp32 weights (already the masters' precision); set model.dtype=bf16, or memory.master=fp32"
             )
         if self.training.eval_every and self.data.dataset != "builtin":
             raise ConfigError(

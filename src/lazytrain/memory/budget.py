@@ -1,7 +1,7 @@
 """Host memory, component by component, against the budget and the machine.
 
-Everything LazyTrain holds in host memory for a run: streamed weights, masters (fp32, or the
-remainders of a split master), gradients, optimizer states, host-tier activations and the
+Everything LazyTrain holds in host memory for a run: streamed weights, masters (fp32, the
+remainders of a split master, or nothing for a bf16 master), gradients, optimizer states, host-tier activations and the
 pinned staging buffers of the NVMe tier. The model state is known before anything is
 allocated, so a model that cannot fit fails there, naming the smallest change that makes it
 fit; the activations are the plan's (the solved plan keeps them within what the state leaves
@@ -39,7 +39,8 @@ class HostSettings:
     """The choices that set the model state's host bytes."""
 
     dtype: torch.dtype
-    split_master: bool
+    master: str
+    """fp32, split or bf16 (memory.master resolved: `train.session.resolve_master`)."""
     optimizer_kind: str
     fp32_groups: tuple[int, ...] = ()
 
@@ -89,7 +90,7 @@ def host_budget(
     limit: int | None = None,
 ) -> HostBudget:
     state = HostBytes.predict(
-        sum(numels), settings.dtype, settings.split_master,
+        sum(numels), settings.dtype, settings.master,
         optimizer_bytes_per_param(settings.optimizer_kind, numels, settings.fp32_groups),
     )
     return HostBudget(state=state, activations=activations, staging=staging,
@@ -102,15 +103,15 @@ def smallest_fix(numels: Sequence[int], settings: HostSettings, budget: HostBudg
     host activations), or None when none does."""
     options: list[tuple[str, HostSettings, bool]] = []
     bf16 = settings.dtype == torch.bfloat16
-    if bf16 and not settings.split_master:
-        options.append(("memory.split_master=true", replace(settings, split_master=True), False))
+    if bf16 and settings.master == "fp32":
+        options.append(("memory.master=split", replace(settings, master="split"), False))
     if settings.fp32_groups:
         options.append(("optimizer.fp32_embedding_states=false", replace(settings, fp32_groups=()), False))
     if settings.optimizer_kind != "hybrid8bit":
         options.append(("optimizer.kind=hybrid8bit", replace(settings, optimizer_kind="hybrid8bit"), False))
-        if bf16 and not settings.split_master:
-            options.append(("memory.split_master=true optimizer.kind=hybrid8bit",
-                            replace(settings, split_master=True, optimizer_kind="hybrid8bit"), False))
+        if bf16 and settings.master == "fp32":
+            options.append(("memory.master=split optimizer.kind=hybrid8bit",
+                            replace(settings, master="split", optimizer_kind="hybrid8bit"), False))
     if budget.activations:
         fewer = ("no host-tier activations (lower training.batch_size, or set memory.nvme_dir for the "
                  "NVMe tier)")

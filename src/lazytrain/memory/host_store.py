@@ -2,11 +2,13 @@
 
 Per parameter group (see ``model.adapter``) there is one flat weight buffer in the compute
 dtype (what crosses PCIe), one flat fp32 master, and one flat gradient buffer in the compute
-dtype (what comes back). With ``split_master`` (bf16 compute only) the master is not held
-whole: the streamed bf16 weight is its high half and an int16 remainder its low half
-(``optim/split.py``), 2 bytes per parameter instead of 4, reconstructed exactly by the
-optimizers; `master_fp32` and `load_master_fp32` give and take the exact fp32 master either
-way (checkpoints, exports). Weights and gradients are views into two large arenas that are
+dtype (what comes back). The master's form is ``master`` (``memory.master``, ``optim/master.py``):
+``fp32``; ``split`` (bf16 compute only): the streamed bf16 weight is its high half and an int16
+remainder its low half (``optim/split.py``), 2 bytes per parameter instead of 4, reconstructed
+exactly by the optimizers; ``bf16`` (bf16 compute only): the streamed weight is the master, 0
+bytes more, updated with stochastic rounding (not exact). `master_fp32` and `load_master_fp32`
+give and take the fp32 master in every form (checkpoints, exports): exact for fp32 and split,
+for bf16 the weight widened, and a loaded fp32 value rounded to the nearest bf16. Weights and gradients are views into two large arenas that are
 pinned once (page-locked in place, so the allocator's power-of-two rounding never applies),
 which is what makes every H2D/D2H copy asynchronous and full speed.
 """
@@ -24,6 +26,7 @@ import torch
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.model.adapter import GroupLayout, UnsupportedModelError
+from lazytrain.optim.master import MASTER_BYTES, MASTER_MODES, Bf16Master, Master
 from lazytrain.optim.split import SplitMaster
 
 log = logging.getLogger(__name__)
@@ -191,11 +194,19 @@ def default_host_limit() -> int:
     return max(total - max(int(total * HOST_RESERVE_FRACTION), HOST_RESERVE_MIN), total // 2)
 
 
+def master_bytes(master: str) -> int:
+    """Host bytes per parameter of a master of form ``master`` beside the streamed weight: fp32
+    4, split 2 (the remainder), bf16 0 (the weight is the master)."""
+    if master not in MASTER_BYTES:
+        raise ValueError(f"master form {master!r} is not one of {list(MASTER_MODES)} (memory.master)")
+    return MASTER_BYTES[master]
+
+
 @dataclass(slots=True)
 class HostBytes:
     weights: int
     masters: int
-    """fp32 masters, or with a split master their int16 remainders."""
+    """fp32 masters, with a split master their int16 remainders, with a bf16 master nothing."""
     grads: int
     optimizer: int
     pinned: int
@@ -217,13 +228,14 @@ class HostBytes:
 
     @classmethod
     def predict(
-        cls, num_params: int, dtype: torch.dtype, split_master: bool, optimizer_bytes_per_param: float
+        cls, num_params: int, dtype: torch.dtype, master: str, optimizer_bytes_per_param: float
     ) -> HostBytes:
-        """What a `HostStore` of ``num_params`` and its optimizer will hold."""
+        """What a `HostStore` of ``num_params``, masters of form ``master`` (fp32, split or bf16)
+        and its optimizer will hold."""
         esize = dtype.itemsize
         return cls(
             weights=num_params * esize,
-            masters=num_params * (2 if split_master else 4),
+            masters=num_params * master_bytes(master),
             grads=num_params * esize,
             optimizer=int(num_params * optimizer_bytes_per_param),
             pinned=2 * num_params * esize,
@@ -249,22 +261,24 @@ class HostStore:
         pin: bool = True,
         optimizer_bytes_per_param: float = 8.0,
         host_limit_bytes: int | None = None,
-        split_master: bool = False,
+        master: str = "fp32",
     ):
-        if split_master and dtype != torch.bfloat16:
-            raise ValueError(f"a split master needs bf16 streamed weights, got {dtype}")
+        master_bytes(master)  # a known form, or a clear error
+        if master != "fp32" and dtype != torch.bfloat16:
+            raise ValueError(f"a {master} master needs bf16 streamed weights, got {dtype}")
         self.layouts = layouts
         self.dtype = dtype
-        self.split_master = split_master
+        self.master_mode = master
+        """fp32, split or bf16: the form of every group's master."""
         sizes = [g.numel for g in layouts]
         total = sum(sizes)
-        need = HostBytes.predict(total, dtype, split_master, optimizer_bytes_per_param)
+        need = HostBytes.predict(total, dtype, master, optimizer_bytes_per_param)
         limit = host_limit_bytes or default_host_limit()
         if need.total > limit:
             raise HostMemoryError(
                 f"host memory: the model needs {need.total / 2**30:.1f} GiB ({need.describe()}), "
                 f"{limit / 2**30:.1f} GiB is usable; use optimizer.kind=hybrid8bit (about 2 B/param "
-                "of state instead of 8), memory.split_master=true (bf16), or a smaller model"
+                "of state instead of 8), memory.master=split (bf16, exact) or bf16 (not exact), or a smaller model"
             )
         self._weight_arena = torch.empty(total, dtype=dtype)
         self._grad_arena = torch.empty(total, dtype=dtype)
@@ -284,8 +298,10 @@ class HostStore:
             self.weights.append(self._weight_arena[offset : offset + n])
             self.grads.append(self._grad_arena[offset : offset + n])
             offset += n
-        self.masters: list[torch.Tensor | SplitMaster]
-        if split_master:
+        self.masters: list[Master]
+        if master == "bf16":
+            self.masters = [Bf16Master(w) for w in self.weights]
+        elif master == "split":
             self._remainder_arena = torch.empty(total, dtype=torch.int16)
             self.masters = [
                 SplitMaster(w, self._remainder_arena[off : off + n])
@@ -304,14 +320,15 @@ class HostStore:
 
     def pin_masters(self, groups: Iterable[int]) -> None:
         """Page-lock the masters of ``groups`` in place (split masters: the whole remainder
-        arena, once), for a GPU step that copies them in and out asynchronously
-        (`Plan.device_steps`); nothing without CUDA or with ``pin=False``."""
-        if not self._pin:
+        arena, once; bf16 masters are the weights, pinned already), for a GPU step that copies
+        them in and out asynchronously (`Plan.device_steps`); nothing without CUDA or with
+        ``pin=False``."""
+        if not self._pin or self.master_mode == "bf16":
             return
         for group in groups:
             if group in self._pinned_masters:
                 continue
-            if self.split_master:
+            if self.master_mode == "split":
                 if pin_in_place(self._remainder_arena):
                     self.pinned_bytes += self._remainder_arena.numel() * self._remainder_arena.element_size()
                 self._pinned_masters.update(range(len(self.masters)))
@@ -324,6 +341,16 @@ class HostStore:
     @property
     def pinned(self) -> bool:
         return self.pinned_bytes > 0
+
+    @property
+    def split_master(self) -> bool:
+        return self.master_mode == "split"
+
+    @property
+    def weights_are_masters(self) -> bool:
+        """The streamed weights hold the masters (split: their high halves; bf16: all of them), so
+        a step writes them with the master and nothing else may."""
+        return self.master_mode != "fp32"
 
     def set_param(self, group: int, name: str, value: torch.Tensor) -> None:
         """Write one parameter (any dtype/device) into the master and the streaming weights."""
@@ -340,43 +367,48 @@ class HostStore:
                 if isinstance(master, SplitMaster):
                     SplitMaster(master.weight[lo:hi], master.remainder[lo:hi]).assign(value)
                     return
+                if isinstance(master, Bf16Master):
+                    Bf16Master(master.weight[lo:hi]).assign(value)
+                    return
                 master[lo:hi].copy_(value.reshape(-1))
                 self.weights[group][lo:hi].copy_(master[lo:hi])
                 return
         raise KeyError(f"{layout.hf_prefix}{name} is not a parameter of group {layout.name}")
 
     def sync_weights_from_masters(self, group: int) -> None:
-        """Streamed weights from the fp32 master (a split master's weight already is one half)."""
+        """Streamed weights from the fp32 master (a split master's weight already is one half, a
+        bf16 master's the whole)."""
         master = self.masters[group]
-        if not isinstance(master, SplitMaster):
+        if isinstance(master, torch.Tensor):
             self.weights[group].copy_(master)
 
     def master_fp32(self, group: int) -> torch.Tensor:
-        """The exact fp32 master of ``group``: the master itself (not to be written), or, when
-        split, a new tensor joined from its halves."""
+        """The fp32 master of ``group``: the master itself (not to be written), or a new tensor:
+        a split master's halves joined (exact), a bf16 master widened (exact: it is its value)."""
         master = self.masters[group]
-        return master.fp32() if isinstance(master, SplitMaster) else master
+        return master if isinstance(master, torch.Tensor) else master.fp32()
 
     def load_master_fp32(self, group: int, value: torch.Tensor) -> None:
-        """Set ``group``'s master to the flat fp32 ``value`` and its streamed weights with it."""
+        """Set ``group``'s master to the flat fp32 ``value`` and its streamed weights with it (a
+        bf16 master: ``value`` rounded to the nearest bf16)."""
         master = self.masters[group]
         if value.numel() != master.numel() or value.dtype != torch.float32:
             raise ValueError(
                 f"group {group}: master of {master.numel()} fp32 elements, got {value.dtype} "
                 f"with {value.numel()}"
             )
-        if isinstance(master, SplitMaster):
-            master.assign(value)
-        else:
+        if isinstance(master, torch.Tensor):
             master.copy_(value.reshape(-1))
             self.weights[group].copy_(master)
+        else:
+            master.assign(value)
 
     def bytes(self, optimizer_state_bytes: int = 0) -> HostBytes:
         w = self._weight_arena.numel() * self._weight_arena.element_size()
         g = self._grad_arena.numel() * self._grad_arena.element_size()
         return HostBytes(
             weights=w,
-            masters=self.num_params * (2 if self.split_master else 4),
+            masters=self.num_params * master_bytes(self.master_mode),
             grads=g,
             optimizer=optimizer_state_bytes,
             pinned=self.pinned_bytes,

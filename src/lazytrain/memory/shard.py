@@ -157,7 +157,8 @@ class ShardedHostStore:
             offset += n
             grad_offset += r.numel
         self.masters = [torch.empty(r.numel, dtype=torch.float32) for r in self.ranges]
-        self.split_master = False  # a rank's masters are fp32 shards
+        self.master_mode = "fp32"  # a rank's masters are fp32 shards
+        self.split_master = self.weights_are_masters = False
         self.carried: dict[str, torch.Tensor] = {}
         self.build_seconds: dict[str, float] = {}
         """Seconds the build took per phase (`model.build.build_model` and the session fill it)."""

@@ -52,7 +52,7 @@ def build_model(
     pin: bool = True,
     optimizer_bytes_per_param: float | Callable[[list[int]], float] = 8.0,
     host_limit_bytes: int | None = None,
-    split_master: bool = False,
+    master: str = "fp32",
     preflight: Callable[[list[int]], None] | None = None,
     lean_ops: bool = True,
     fused_ops: str = "auto",
@@ -86,7 +86,7 @@ def build_model(
         pin=pin and device.type == "cuda",
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         host_limit_bytes=host_limit_bytes,
-        **({"split_master": True} if split_master else {}),  # a sharded store has no split master
+        **({"master": master} if master != "fp32" else {}),  # a sharded store's masters are fp32
     )
     allocated = time.perf_counter()
     if source.startswith("builtin:"):

@@ -4,7 +4,9 @@ torch's fused CPU AdamW needs parameter, gradient and states of one dtype, so a 
 gradient is cast into a reused fp32 buffer per worker, ``CHUNK`` elements at a time: no
 full-model (or full-group) fp32 gradient ever exists. A split master (``split.py``) is joined
 into a second such buffer, stepped by the same fused kernel and split back, chunk by chunk, so
-its masters stay bit-for-bit those of an unsplit run (the update is elementwise).
+its masters stay bit-for-bit those of an unsplit run (the update is elementwise). A bf16 master
+(``master.py``) is widened into that buffer, stepped, and rounded back stochastically under
+``seed`` (not exact).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 from torch.optim.adam import adam
 
 from lazytrain.optim.base import AdamWConfig, HostOptimizer
+from lazytrain.optim.master import Bf16Master, Master, store_master_chunk
+from lazytrain.optim.quant import weight_rounding_key
 from lazytrain.optim.split import SplitMaster
 
 CHUNK = 1 << 20
@@ -26,9 +30,11 @@ class FusedAdamW(HostOptimizer):
     """fp32 states (8 bytes per parameter); the comparison path for the 8-bit optimizer."""
 
     def __init__(
-        self, masters: list[torch.Tensor | SplitMaster], decay_numel: list[int], config: AdamWConfig
+        self, masters: list[Master], decay_numel: list[int], config: AdamWConfig, seed: int = 0
     ):
         super().__init__(masters, decay_numel, config)
+        self.seed = int(seed)
+        """Keys a bf16 master's stochastic rounding (``quant.weight_rounding_key``)."""
         self.exp_avg = [torch.zeros(m.numel()) for m in masters]
         self.exp_avg_sq = [torch.zeros(m.numel()) for m in masters]
         self._step_tensors = [torch.zeros((), dtype=torch.float32) for _ in masters]
@@ -67,6 +73,8 @@ class FusedAdamW(HostOptimizer):
             if isinstance(master, SplitMaster):
                 half = SplitMaster(master.weight[lo:hi], master.remainder[lo:hi])
                 chunk = half.fp32(master_buf[: hi - lo])
+            elif isinstance(master, Bf16Master):
+                chunk = master_buf[: hi - lo].copy_(master.weight[lo:hi])
             else:
                 chunk = master[lo:hi]
             g32 = grad_buf[: hi - lo]
@@ -93,6 +101,9 @@ class FusedAdamW(HostOptimizer):
             )
             if isinstance(master, SplitMaster):
                 half.assign(chunk)
+            elif isinstance(master, Bf16Master):
+                store_master_chunk(master, chunk, None, lo, hi,
+                                   (weight_rounding_key(self.seed, group, self.steps[group] + 1), 0))
             elif weight_out is not None:
                 weight_out[lo:hi].copy_(chunk)
         step.add_(1)

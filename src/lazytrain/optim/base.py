@@ -1,8 +1,10 @@
 """The interface between the executor and a CPU optimizer.
 
 The host store keeps, per parameter group (the embedding, each decoder layer, the final norm
-and head), one flat fp32 master tensor, or a ``SplitMaster`` (the streamed bf16 weight plus a
-16-bit remainder, ``split.py``) that the optimizer reconstructs exactly, steps and writes back. A group's parameters are laid out so that the ones
+and head), one flat fp32 master tensor, a ``SplitMaster`` (the streamed bf16 weight plus a
+16-bit remainder, ``split.py``) that the optimizer reconstructs exactly, steps and writes back,
+or a ``Bf16Master`` (the streamed bf16 weight alone, written with stochastic rounding; not
+exact: ``master.py``). A group's parameters are laid out so that the ones
 that take weight decay come first: ``decay_numel[g]`` elements with decay, then the rest
 (norms, biases) without.
 
@@ -10,8 +12,8 @@ The executor calls ``step_group`` once per group and step, in the order the next
 needs the groups, possibly from a worker thread. The optimizer reads the flat gradient (bf16
 or fp32, on the CPU), multiplies it by ``clip_coef``, updates the master and its own state,
 and writes the new weights, cast to ``weight_out.dtype``, into ``weight_out`` (the group's
-pinned streaming buffer). A split master's weight half is that buffer: it is written with the
-master, and ``weight_out`` must then be None or that same tensor.
+pinned streaming buffer). A split master's weight half, or a bf16 master, is that buffer: it
+is written with the master, and ``weight_out`` must then be None or that same tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from lazytrain.config import AdamWConfig
+from lazytrain.optim.master import Bf16Master, Master
 from lazytrain.optim.split import SplitMaster
 
 
@@ -28,7 +31,7 @@ class HostOptimizer(ABC):
     """AdamW over flat fp32 master groups on the CPU."""
 
     def __init__(
-        self, masters: list[torch.Tensor | SplitMaster], decay_numel: list[int], config: AdamWConfig
+        self, masters: list[Master], decay_numel: list[int], config: AdamWConfig
     ):
         if len(masters) != len(decay_numel):
             raise ValueError("one decay_numel per master group is needed")
@@ -36,8 +39,11 @@ class HostOptimizer(ABC):
             if isinstance(m, SplitMaster):
                 if m.weight.device.type != "cpu" or m.remainder.device.type != "cpu":
                     raise ValueError(f"split master group {g} must be on the CPU")
+            elif isinstance(m, Bf16Master):
+                if m.weight.device.type != "cpu":
+                    raise ValueError(f"bf16 master group {g} must be on the CPU")
             elif m.dtype != torch.float32 or m.dim() != 1 or m.device.type != "cpu":
-                raise ValueError(f"master group {g} must be a flat fp32 CPU tensor or a SplitMaster")
+                raise ValueError(f"master group {g} must be a flat fp32 CPU tensor, a SplitMaster or a Bf16Master")
             if not 0 <= d <= m.numel():
                 raise ValueError(f"decay_numel[{g}]={d} outside [0, {m.numel()}]")
         self.masters = list(masters)
@@ -49,12 +55,13 @@ class HostOptimizer(ABC):
 
     def _check_weight_out(self, group: int, weight_out: torch.Tensor | None) -> None:
         master = self.masters[group]
-        if isinstance(master, SplitMaster) and weight_out is not None and not (
+        if isinstance(master, (SplitMaster, Bf16Master)) and weight_out is not None and not (
             weight_out.data_ptr() == master.weight.data_ptr() and weight_out.numel() == master.numel()
         ):
+            what = "split, so its weight half" if isinstance(master, SplitMaster) else "bf16, so it"
             raise ValueError(
-                f"group {group}: the master is split, so its weight half is the streamed weight; "
-                "pass weight_out=None or that weight tensor"
+                f"group {group}: the master is {what} is the streamed weight; pass weight_out=None or that "
+                "weight tensor"
             )
 
     @abstractmethod

@@ -64,4 +64,4 @@ def make_optimizer(
                                group_offsets=group_offsets, rounding=rounding, seed=seed)
     from lazytrain.optim.adamw import FusedAdamW
 
-    return FusedAdamW(masters, decay_numel, config)
+    return FusedAdamW(masters, decay_numel, config, seed=seed)

@@ -36,11 +36,20 @@ measured farther from fp32 along a run, ``bench/studies/optim_update_error.py``)
 
 A split master (``split.py``) is joined to fp32, stepped and split again inside the same pass
 (kernel) or chunk (torch path), so the masters it holds are bit-for-bit those of an unsplit
-run fed the same gradients; its weight half is the streamed weight, written in that pass.
+run fed the same gradients; its weight half is the streamed weight, written in that pass. A
+bf16 master (``master.py``) is the streamed weight alone: widened to fp32, stepped with the
+same math, and written back with stochastic rounding drawn from a hash of (seed, group, step,
+element index) under its own key (``quant.weight_rounding_key``), in the same pass. It is
+NOT exact: unbiased, but each step adds up to a bf16 ulp of rounding noise. The kernel and
+the torch path draw the same bits, so they differ only where their fp32 values (about an ulp
+apart, below) fall on either side of a draw's threshold: one bf16 ulp, on ~2**-16 of the
+weights per float32 ulp of difference. The load and the store of every form are
+``master.master_chunk`` / ``master.store_master_chunk`` here and ``load_master`` /
+``store_master`` in the kernel: a step of another state format calls them the same way.
 
 A group may be stepped on a device instead (`Hybrid8bitAdamW.to_device`: the embedding and
 the final norm + head, whose weights the executor keeps on the GPU): its remainder (or fp32
-master) and state are copied there, and the torch path runs there on the device's gradient,
+master; nothing for a bf16 master, which is the weights there) and state are copied there, and the torch path runs there on the device's gradient,
 in pieces (``COMPILED_CHUNK`` elements), writing the executor's copy of the weights; `to_host`
 copies them back. The same float32 math as the host's torch path, compiled: Triton fuses
 multiply-adds, so, like the C++ kernel, it differs from that path by about an ulp (a value on a
@@ -63,6 +72,14 @@ import torch
 
 from lazytrain.optim.base import AdamWConfig, HostOptimizer
 from lazytrain.optim.kernel import kernel_choice, kernel_for
+from lazytrain.optim.master import (
+    Bf16Master,
+    Master,
+    master_chunk,
+    master_device,
+    stochastic_bf16_bits,
+    store_master_chunk,
+)
 from lazytrain.optim.quant import (
     BLOCK,
     QuantTables,
@@ -75,6 +92,7 @@ from lazytrain.optim.quant import (
     tables_on,
     uniforms_at,
     unsigned_tables,
+    weight_rounding_key,
 )
 from lazytrain.optim.split import SplitMaster, joined, split_halves
 
@@ -241,41 +259,26 @@ def _adam_update(
     return m, v
 
 
-def _master_chunk(master: torch.Tensor | SplitMaster, lo: int, hi: int) -> torch.Tensor:
-    """Elements [lo, hi) of the fp32 master: a view, or the join of a split master's halves."""
-    if isinstance(master, SplitMaster):
-        return SplitMaster(master.weight[lo:hi], master.remainder[lo:hi]).fp32()
-    return master[lo:hi]
-
-
-def _write_chunk(
-    master: torch.Tensor | SplitMaster, new: torch.Tensor, weight_out: torch.Tensor | None, lo: int, hi: int
-) -> None:
-    """After a chunk's step: split a split master's new values back, or copy the weights out."""
-    if isinstance(master, SplitMaster):
-        SplitMaster(master.weight[lo:hi], master.remainder[lo:hi]).assign(new)
-    elif weight_out is not None:
-        weight_out[lo:hi].copy_(new)
-
-
 def torch_step_8bit(
     grad: torch.Tensor,
-    master: torch.Tensor | SplitMaster,
+    master: Master,
     state: QuantizedState,
     weight_out: torch.Tensor | None,
     s: StepScalars,
     rounding: tuple[int, int] | None = None,
+    master_rounding: tuple[int, int] | None = None,
 ) -> None:
     """The kernel's step with torch ops on the tensors' device, a piece of `_chunk` elements at
     a time (on the CPU, the fallback where the kernel does not build). ``rounding``: (key, index
     of the first element in its whole group) to round sqrt(v) stochastically
-    (``quant.rounding_uniforms``)."""
+    (``quant.rounding_uniforms``); ``master_rounding``: the same for a bf16 master's weights
+    (``quant.weight_rounding_key``; needed for a `Bf16Master`)."""
     device = grad.device
     mt, vt = tables_on(True, device), tables_on(False, device)
     n, step = master.numel(), _chunk(device)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
-        chunk = _master_chunk(master, lo, hi)
+        chunk = master_chunk(master, lo, hi)
         blocks = slice(lo // BLOCK, num_blocks(hi))
         m_codes, v_codes = state.m_codes[lo:hi], state.v_codes[lo:hi]
         m_absmax, v_absmax = state.m_absmax[blocks], state.v_absmax[blocks]
@@ -291,26 +294,27 @@ def torch_step_8bit(
             new_codes, new_absmax = quantize_blockwise(x, tables, uniforms=u)
             codes.copy_(new_codes)
             absmax.copy_(new_absmax)
-        _write_chunk(master, chunk, weight_out, lo, hi)
+        store_master_chunk(master, chunk, weight_out, lo, hi, master_rounding)
 
 
 def torch_step_fp32(
     grad: torch.Tensor,
-    master: torch.Tensor | SplitMaster,
+    master: Master,
     state: Fp32State,
     weight_out: torch.Tensor | None,
     s: StepScalars,
+    master_rounding: tuple[int, int] | None = None,
 ) -> None:
     n = master.numel()
     step = n if grad.device.type == "cpu" else DEVICE_CHUNK  # a GPU's temporaries stay bounded
     for lo in range(0, n, step):
         hi = min(n, lo + step)
-        chunk = _master_chunk(master, lo, hi)
+        chunk = master_chunk(master, lo, hi)
         decay_numel = min(max(s.decay_numel - lo, 0), hi - lo)
         m, v = _adam_update(chunk, grad[lo:hi], state.exp_avg[lo:hi], state.exp_avg_sq[lo:hi], s, decay_numel)
         state.exp_avg[lo:hi].copy_(m)
         state.exp_avg_sq[lo:hi].copy_(v)
-        _write_chunk(master, chunk, weight_out, lo, hi)
+        store_master_chunk(master, chunk, weight_out, lo, hi, master_rounding)
 
 
 def _device_piece(grad: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor | None,
@@ -322,14 +326,16 @@ def _device_piece(grad: torch.Tensor, weight: torch.Tensor, remainder: torch.Ten
     340 ms on the H200). The per-step numbers come as tensors, so no step recompiles:
     ``scalars`` = (clip, beta1, 1 - beta1, beta2, 1 - beta2, eps, step_size, inv_bc2_sqrt, decay)
     (the differences taken in float64, as the eager path's Python floats are), ``ints`` = (index
-    of the piece's first element in its group, decay_numel, rounding key). ``remainder``: the
-    master is split (``weight`` its bf16 half), else ``weight`` is the fp32 master and
-    ``weight_out`` gets its cast. Decay is a multiply by ``decay`` or by 1 (exact) per element."""
+    of the piece's first element in its group, decay_numel, rounding key, a bf16 master's rounding
+    key). ``remainder``: the master is split (``weight`` its bf16 half); else a bf16 ``weight``
+    is a bf16 master (rounded stochastically), an fp32 one the fp32 master, ``weight_out``
+    getting its cast. Decay is a multiply by ``decay`` or by 1 (exact) per element."""
     device = grad.device
     clip, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_bc2_sqrt, decay = scalars.unbind()
     n = grad.numel()
     local = torch.arange(n, device=device)
-    master = weight if remainder is None else joined(weight, remainder)
+    bf16_master = remainder is None and weight.dtype == torch.bfloat16
+    master = joined(weight, remainder) if remainder is not None else weight.float() if bf16_master else weight
     m = dequantize_blockwise(m_codes, m_absmax, mt)
     root = dequantize_blockwise(v_codes, v_absmax, vt)
     g = grad.float() * clip
@@ -346,6 +352,8 @@ def _device_piece(grad: torch.Tensor, weight: torch.Tensor, remainder: torch.Ten
         high, low = split_halves(new)
         weight.view(torch.int16).copy_(high)
         remainder.copy_(low)
+    elif bf16_master:
+        weight.view(torch.int16).copy_(stochastic_bf16_bits(new, ints[3], local + ints[0]))
     else:
         weight.copy_(new)
         if weight_out is not None:
@@ -376,12 +384,13 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 
 def device_step_8bit(
     grad: torch.Tensor,
-    master: torch.Tensor | SplitMaster,
+    master: Master,
     state: QuantizedState,
     weight_out: torch.Tensor | None,
     s: StepScalars,
     rounding: tuple[int, int] | None = None,
     chunk: int | None = None,
+    master_rounding: tuple[int, int] | None = None,
 ) -> None:
     """`torch_step_8bit` on a GPU: the same math, `_device_piece` compiled, ``chunk`` elements
     at a time (default ``COMPILED_CHUNK``; ``DEVICE_CHUNK`` once the step runs eagerly) (a full
@@ -400,10 +409,13 @@ def device_step_8bit(
                          "quantization blocks, its absmax slices 16-byte aligned as compiled kernels assume of "
                          f"their inputs), got {chunk}")
     device = grad.device
-    split = isinstance(master, SplitMaster)
+    split, weight_is_master = isinstance(master, SplitMaster), isinstance(master, (SplitMaster, Bf16Master))
+    if isinstance(master, Bf16Master) and master_rounding is None:
+        raise ValueError("a bf16 master is written with stochastic rounding: pass master_rounding")
     scalars = _on_device([s.clip, s.beta1, 1.0 - s.beta1, s.beta2, 1.0 - s.beta2, s.eps, s.step_size,
                           s.inv_bc2_sqrt, s.decay], torch.float32, device)
     key, first = rounding if rounding is not None else (0, 0)
+    master_key, first = master_rounding if master_rounding is not None else (0, first)
     n = master.numel()
 
     def pieces(start: int, size: int) -> None:
@@ -411,15 +423,16 @@ def device_step_8bit(
         # every piece's numbers in one copy (rows of 4: each row 32-byte aligned, as compiled
         # kernels assume of their inputs): a copy per piece takes a pinned buffer each, which
         # the host allocator cannot reuse while the copies wait on a busy stream
-        all_ints = _on_device([v for lo in starts for v in (first + lo, s.decay_numel - lo, key, 0)], torch.int64,
-                              device).view(-1, 4)
+        all_ints = _on_device([v for lo in starts for v in (first + lo, s.decay_numel - lo, key, master_key)],
+                              torch.int64, device).view(-1, 4)
         for piece, lo in enumerate(starts):
             hi = min(n, lo + size)
             blocks = slice(lo // BLOCK, num_blocks(hi))
             args = (
-                grad[lo:hi], (master.weight if split else master)[lo:hi], master.remainder[lo:hi] if split else None,
+                grad[lo:hi], (master.weight if weight_is_master else master)[lo:hi],
+                master.remainder[lo:hi] if split else None,
                 state.m_codes[lo:hi], state.m_absmax[blocks], state.v_codes[lo:hi], state.v_absmax[blocks],
-                None if split or weight_out is None else weight_out[lo:hi], scalars, all_ints[piece, :3],
+                None if weight_is_master or weight_out is None else weight_out[lo:hi], scalars, all_ints[piece],
                 tables_on(True, device), tables_on(False, device), rounding is not None,
             )
             try:
@@ -475,7 +488,7 @@ class Hybrid8bitAdamW(HostOptimizer):
 
     def __init__(
         self,
-        masters: list[torch.Tensor | SplitMaster],
+        masters: list[Master],
         decay_numel: list[int],
         config: AdamWConfig,
         *,
@@ -510,7 +523,7 @@ class Hybrid8bitAdamW(HostOptimizer):
             else Fp32State.zeros(m.numel())
             for g, (m, size) in enumerate(zip(masters, sizes))
         ]
-        self._home: dict[int, tuple[torch.Tensor | SplitMaster, QuantizedState | Fp32State]] = {}
+        self._home: dict[int, tuple[Master, QuantizedState | Fp32State]] = {}
         """Groups on a device (`to_device`): their host master and state."""
         self._device_weight: dict[int, torch.Tensor] = {}
         """Groups on a device: the weights there each step writes."""
@@ -545,8 +558,8 @@ class Hybrid8bitAdamW(HostOptimizer):
         if not weight.is_contiguous():
             raise ValueError(f"group {group}: the device weights must be contiguous (a flat buffer), got "
                              f"strides {weight.stride()}")
-        if isinstance(master, SplitMaster) and weight.dtype != torch.bfloat16:
-            raise ValueError(f"group {group}: a split master's weight half is bf16, got {weight.dtype}")
+        if isinstance(master, (SplitMaster, Bf16Master)) and weight.dtype != torch.bfloat16:
+            raise ValueError(f"group {group}: a split or bf16 master's weight is bf16, got {weight.dtype}")
 
     def _place(self, group: int, weight: torch.Tensor, on: dict[str, torch.Tensor]) -> None:
         """Step ``group`` from the device tensors ``on`` (`_streamed_host`'s names) and
@@ -554,19 +567,20 @@ class Hybrid8bitAdamW(HostOptimizer):
         master, state = self.masters[group], self.states[group]
         self._home[group] = (master, state)
         self.masters[group] = (SplitMaster(weight.view(-1), on["master"]) if isinstance(master, SplitMaster)
-                               else on["master"])
+                               else Bf16Master(weight.view(-1)) if isinstance(master, Bf16Master) else on["master"])
         self.states[group] = type(state)(**{name: on[name] for name in state.tensors()})
         self._device_weight[group] = weight.view(-1)
 
     def _copy_home(self, group: int, non_blocking: bool) -> None:
-        """Copy device group ``group``'s master (a split master's two halves: the weight half
-        into the host store's weights) and state into its host tensors."""
+        """Copy device group ``group``'s master (a split master's two halves, a bf16 master: the
+        weight into the host store's weights) and state into its host tensors."""
         master, state = self._home[group]
         on, on_state = self.masters[group], self.states[group]
-        if isinstance(master, SplitMaster):
+        if isinstance(master, (SplitMaster, Bf16Master)):
             master.weight.copy_(on.weight, non_blocking=non_blocking)
+        if isinstance(master, SplitMaster):
             master.remainder.copy_(on.remainder, non_blocking=non_blocking)
-        else:
+        elif not isinstance(master, Bf16Master):
             master.copy_(on, non_blocking=non_blocking)
         for name, t in state.tensors().items():
             t.copy_(on_state.tensors()[name], non_blocking=non_blocking)
@@ -579,12 +593,15 @@ class Hybrid8bitAdamW(HostOptimizer):
         self._drop_device()
 
     def streamed_bytes(self, group: int) -> int:
-        """Device bytes `stream_in` carves for ``group``: its master remainder (or fp32 master)
-        and optimizer state, each aligned to `_ALIGN`."""
+        """Device bytes `stream_in` carves for ``group``: its master remainder (or fp32 master;
+        nothing for a bf16 master, which is the weight) and optimizer state, each aligned to
+        `_ALIGN`."""
         return sum(_aligned(t.numel() * t.element_size()) for t in self._streamed_host(group).values())
 
     def _streamed_host(self, group: int) -> dict[str, torch.Tensor]:
         master = self.masters[group]
+        if isinstance(master, Bf16Master):
+            return dict(self.states[group].tensors())
         return {"master": master.remainder if isinstance(master, SplitMaster) else master,
                 **self.states[group].tensors()}
 
@@ -594,7 +611,8 @@ class Hybrid8bitAdamW(HostOptimizer):
         `streamed_bytes` on the GPU) on the current stream, without waiting (its state tensors
         are moved to pinned memory first, once; the master's pinning is the host store's,
         `HostStore.pin_masters`). ``weight``: as for `to_device` (for a split master, its bf16
-        half holding the current weights). `stream_out` brings the group back."""
+        half holding the current weights; for a bf16 master, the master). `stream_out` brings
+        the group back."""
         self._check_device_weight(group, weight)
         state = self.states[group]
         if scratch.dtype != torch.uint8 or scratch.numel() < self.streamed_bytes(group):
@@ -615,7 +633,8 @@ class Hybrid8bitAdamW(HostOptimizer):
     def stream_out(self, group: int) -> None:
         """`to_host` for ``group`` alone, its copies queued on the current stream without waiting:
         the host tensors hold the step once the stream has run them. A split master's weight
-        half goes to the host store's weights (an fp32 master's bf16 weights are the caller's)."""
+        half, or a bf16 master, goes to the host store's weights (an fp32 master's bf16 weights
+        are the caller's)."""
         self._copy_home(group, non_blocking=True)
         self.discard_device(group)
 
@@ -651,7 +670,7 @@ class Hybrid8bitAdamW(HostOptimizer):
         if grad.numel() != n:
             raise ValueError(f"group {group}: gradient has {grad.numel()} elements, master {n}")
         on_device = group in self._home
-        where = (master.weight if isinstance(master, SplitMaster) else master).device
+        where = master_device(master)
         if grad.dtype not in (torch.bfloat16, torch.float32) or grad.device != where:
             raise ValueError(
                 f"group {group}: gradient must be a bf16 or fp32 tensor on {where} (where the "
@@ -675,35 +694,38 @@ class Hybrid8bitAdamW(HostOptimizer):
             self._check_weight_out(group, weight_out)
         grad = grad.reshape(-1).contiguous()
         out = None if weight_out is None else weight_out.view(-1)
-        # the kernel takes a split master as (weight_out, remainder); `master` only sizes it
-        remainder = None
+        step = self.steps[group] + 1
+        # the kernel takes a split master as (weight_out, remainder), `master` only sizing it,
+        # and a bf16 master as `master` alone; the weights of either are written with it
+        remainder, offset = None, self.group_offsets[group]
         if isinstance(master, SplitMaster):
             out, remainder = master.weight, master.remainder
-        step = self.steps[group] + 1
+        elif isinstance(master, Bf16Master):
+            out = None
+        flat = master.weight if isinstance(master, Bf16Master) else out if remainder is not None else master
+        master_rounding = (weight_rounding_key(self.seed, group, step), offset)
         s = StepScalars.of(self.config, step, lr, clip_coef, self.decay_numel[group])
         state = self.states[group]
         scalars = (s.clip, s.beta1, s.beta2, s.eps, s.step_size, s.inv_bc2_sqrt, s.decay)
         if isinstance(state, QuantizedState):
             rounding = None
             if self.rounding == "stochastic":
-                rounding = (rounding_key(self.seed, group, step), self.group_offsets[group])
+                rounding = (rounding_key(self.seed, group, step), offset)
             if on_device and grad.device.type == "cuda":
-                device_step_8bit(grad, master, state, out, s, rounding)
+                device_step_8bit(grad, master, state, out, s, rounding, master_rounding=master_rounding)
             elif self._kernel is None or on_device:
-                torch_step_8bit(grad, master, state, out, s, rounding)
+                torch_step_8bit(grad, master, state, out, s, rounding, master_rounding)
             else:
                 self._kernel.step_8bit(
-                    grad, out if remainder is not None else master, state.m_codes, state.m_absmax,
-                    state.v_codes, state.v_absmax, out, remainder, self._tables, *scalars,
-                    s.decay_numel, rounding is not None, *(rounding or (0, 0)),
+                    grad, flat, state.m_codes, state.m_absmax, state.v_codes, state.v_absmax, out, remainder,
+                    self._tables, *scalars, s.decay_numel, rounding is not None, rounding[0] if rounding else 0,
+                    offset, master_rounding[0],
                 )  # fmt: skip
         elif self._kernel is None or on_device:
-            torch_step_fp32(grad, master, state, out, s)
+            torch_step_fp32(grad, master, state, out, s, master_rounding)
         else:
-            self._kernel.step_fp32(
-                grad, out if remainder is not None else master, state.exp_avg, state.exp_avg_sq,
-                out, remainder, *scalars, s.decay_numel,
-            )  # fmt: skip
+            self._kernel.step_fp32(grad, flat, state.exp_avg, state.exp_avg_sq, out, remainder, *scalars,
+                                   s.decay_numel, offset, master_rounding[0])
         self.steps[group] = step
 
     def state_dict(self) -> dict:

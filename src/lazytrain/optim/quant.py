@@ -338,6 +338,17 @@ def rounding_key(seed: int, group: int, step: int) -> int:
     return fmix32((seed * 0x9E3779B1 + group * 0x85EBCA77 + step * 0xC2B2AE3D) & MASK32)
 
 
+WEIGHT_STREAM = 0x3C6EF372
+"""Mixed into `rounding_key` for a bf16 master's stochastic rounding (`weight_rounding_key`)."""
+
+
+def weight_rounding_key(seed: int, group: int, step: int) -> int:
+    """The 32-bit key of one group's step in a bf16 master's stochastic rounding (``master.py``):
+    `rounding_key` hashed again with `WEIGHT_STREAM`, so an element's weight draw and its
+    state draw (sqrt(v)) are hashes of one index under two unrelated keys, not one number."""
+    return fmix32(rounding_key(seed, group, step) ^ WEIGHT_STREAM)
+
+
 def rounding_uniforms(key: int, first: int, count: int, device: torch.device | None = None) -> torch.Tensor:
     """float32 uniforms in [0, 1) (24 bits) for the elements ``first .. first + count - 1`` of a
     group: a hash of the key and the element's index, so the draw of an element is the same
@@ -348,9 +359,14 @@ def rounding_uniforms(key: int, first: int, count: int, device: torch.device | N
 def uniforms_at(key: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`rounding_uniforms` of the elements at int64 ``index`` (``key``: an int, or an int64 tensor
     where the key must not be a constant, as in a compiled step)."""
+    return (rounding_bits(key, index) >> 8).to(torch.float32) * 2.0**-24
+
+
+def rounding_bits(key: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The 32 random bits (int64 values below 2**32) of the elements at int64 ``index`` under
+    ``key``: `uniforms_at` takes their top 24, a bf16 master's rounding their top 16."""
     block_key = fmix32(key ^ _mul32(index >> 32, 0x27D4EB2F))
-    bits = fmix32((index & MASK32) ^ block_key)
-    return (bits >> 8).to(torch.float32) * 2.0**-24
+    return fmix32((index & MASK32) ^ block_key)
 
 
 def stochastic_codes(

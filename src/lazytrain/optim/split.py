@@ -22,6 +22,11 @@ stays exact either way.
 
 Where it does not apply: with an fp32 compute dtype the streamed weights are the masters'
 own precision, so there is nothing to split.
+
+The split master is ``memory.master=split``; ``memory.master=bf16`` goes 2 B further and keeps
+no remainder at all (``master.py``'s `Bf16Master`: the weight is the master, rounded
+stochastically each step), at the price of exactness: the split master is exact, the bf16
+master is not.
 """
 
 from __future__ import annotations
@@ -106,8 +111,15 @@ class SplitMaster:
         split.assign(master)
         return split
 
+    dtype = torch.float32
+    """The precision of the value held (a checkpoint saves it as such)."""
+
     def numel(self) -> int:
         return self.weight.numel()
+
+    def stored(self) -> torch.Tensor:
+        """The value in its own precision: the exact fp32 master (a new tensor)."""
+        return self.fp32()
 
     def fp32(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The exact fp32 master (in ``out`` if given)."""

@@ -33,8 +33,8 @@ from lazytrain.model.adapter import ModelAdapter, mask_tensors
 from lazytrain.model.lean import Recipe, Recomputed, recomputed_read, saved_recipe
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.optim.factory import describe
+from lazytrain.optim.master import MASTER_BYTES, Master, master_mode, new_master
 from lazytrain.optim.quant import BLOCK
-from lazytrain.optim.split import SplitMaster
 from lazytrain.plan.costs import (
     CostTable,
     LayerCosts,
@@ -369,13 +369,11 @@ def _slowdown_under_copies(device: torch.device, compute: Callable[[], object], 
 
 
 def _scratch_layer_group(optimizer_factory: Callable[[list[torch.Tensor], list[int]], HostOptimizer],
-                         store: HostStore, adapter: ModelAdapter) -> tuple[HostOptimizer, torch.Tensor | SplitMaster]:
+                         store: HostStore, adapter: ModelAdapter) -> tuple[HostOptimizer, Master]:
     """A scratch optimizer of the run's kind over a copy of the first layer's group (the real
     state is untouched; a whole group, whatever part of it this rank's masters hold), and that
-    master (split where the run's are: a split master times the split path)."""
-    master = store.weights[1].float()
-    if isinstance(store.masters[1], SplitMaster):
-        master = SplitMaster.of(master)
+    master (of the run's form: a split or bf16 master times its own path)."""
+    master = new_master(master_mode(store.masters[1]), store.weights[1].float())
     return optimizer_factory([master], [adapter.layouts[1].decay_numel]), master
 
 
@@ -384,7 +382,7 @@ def _optimizer_ns_per_param(optimizer_factory: Callable[[list[torch.Tensor], lis
     """One layer group stepped on the CPU: (ns per parameter, what was timed: `describe`)."""
     scratch, master = _scratch_layer_group(optimizer_factory, store, adapter)
     grad = torch.randn(master.numel()).to(store.dtype)
-    out = master.weight if isinstance(master, SplitMaster) else torch.empty(master.numel(), dtype=store.dtype)
+    out = torch.empty(master.numel(), dtype=store.dtype) if isinstance(master, torch.Tensor) else master.weight
     ms = time_ms(torch.device("cpu"), lambda: scratch.step_group(0, grad, 0.5, 1e-5, out), repeats)
     return ms * 1e6 / master.numel(), describe(scratch)
 
@@ -409,7 +407,7 @@ def const_update_costs(optimizer_factory: Callable[[list[torch.Tensor], list[int
         scratch.step_group(0, grad, 0.5, 1e-5, None)
 
     ms = time_ms(device, step, repeats)
-    held = scratch.state_bytes() + master.numel() * (2 if isinstance(master, SplitMaster) else 4)
+    held = scratch.state_bytes() + master.numel() * MASTER_BYTES[master_mode(master)]
     scale = (adapter.layouts[0].numel + adapter.final_layout.numel) / master.numel()
     work = _device_step_work_bytes(optimizer_factory, store, adapter, device)
     return ms * scale, round(held * scale), work, scratch.device_step_chunk
@@ -424,10 +422,9 @@ def _device_step_work_bytes(optimizer_factory: Callable[[list[torch.Tensor], lis
     off CUDA."""
     if device.type != "cuda":  # (_Peak measures nothing there either; skip building the scratch)
         return 0
-    layer = store.weights[1].float()
-    ends = [torch.zeros(BLOCK) for _ in range(2)]
-    if isinstance(store.masters[1], SplitMaster):
-        layer, ends = SplitMaster.of(layer), [SplitMaster.of(e) for e in ends]
+    mode = master_mode(store.masters[1])
+    layer = new_master(mode, store.weights[1].float())
+    ends = [new_master(mode, torch.zeros(BLOCK)) for _ in range(2)]
     scratch = optimizer_factory([ends[0], layer, ends[1]], [0, adapter.layouts[1].decay_numel, 0])
     scratch.to_device(1, store.weights[1].to(device, copy=True))
     grad = torch.randn(layer.numel(), device=device).to(store.dtype)

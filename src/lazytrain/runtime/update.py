@@ -226,7 +226,7 @@ class HostUpdater:
                               torch.empty(nbytes, dtype=torch.uint8, device=ex.device))
                              for _ in range(min(STREAMED_STEP_SLOTS, len(groups)))]
             self._slot_free = [None] * len(self._scratch)
-        split = store.split_master
+        weights_are_masters = store.weights_are_masters
         clip_coef, lr = self._step_args
         while self._pending and self._pending[0] <= last:
             group = self._pending[0]
@@ -237,7 +237,7 @@ class HostUpdater:
                 streams.wait(self._slot_free[slot], self._in)  # its last layer's bytes are out
                 streams.wait(ex.grad_ready[group], self._in)  # the gradient's copy out of the backward
                 grad.copy_(store.grads[group], non_blocking=True)
-                if split:  # the master's bf16 half (an fp32 master writes the weights)
+                if weights_are_masters:  # a split master's bf16 half, a bf16 master (an fp32 master writes the weights)
                     weights.copy_(store.weights[group], non_blocking=True)
                 self.optimizer.stream_in(group, weights, scratch)
             copied_in = streams.record(self._in)
@@ -248,7 +248,7 @@ class HostUpdater:
             with streams.on(self._out):
                 streams.wait(stepped, self._out)
                 self.optimizer.stream_out(group)
-                if not split:
+                if not weights_are_masters:
                     store.weights[group].copy_(weights, non_blocking=True)
             self._slot_free[slot] = self._streamed_done[group] = streams.record(self._out)
             # popped only now (nothing above may raise after stream_out, or the group, no longer

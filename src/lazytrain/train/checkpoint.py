@@ -2,7 +2,8 @@
 
 A checkpoint is a folder ``OUT/checkpoints/step-NNNNNNNN`` holding
 
-- ``masters.safetensors``: the fp32 master groups (``g0``, ``g1``, ...);
+- ``masters.safetensors``: the master groups (``g0``, ``g1``, ...) in their own precision:
+  fp32 (an fp32 or split master, ``memory.master``), or bf16 (a bf16 master);
 - ``optimizer.safetensors``: every tensor of the optimizer's ``state_dict()``, flattened;
 - ``state.json``: the step, data position, the optimizer's non-tensor state (its structure,
   with each tensor replaced by its name in ``optimizer.safetensors``) and the size of each
@@ -16,6 +17,10 @@ previous checkpoint complete; `Checkpointer.latest` finds the newest complete on
 next save removes the leftovers. Before writing, the free space is checked against the size
 of the new checkpoint; a disk that fills anyway (another writer) raises `CheckpointError`,
 removes the partial folder and leaves the previous checkpoint as it was.
+
+Masters load across forms: fp32 or bf16 values into an fp32 or split master exactly, bf16
+values into a bf16 master exactly, fp32 values into a bf16 master rounded to the nearest bf16
+once (with a warning when that changes any value: `Checkpointer.restore`).
 
 Checkpoints of earlier versions (``OUT/checkpoint`` with ``optimizer.pt``) are read too: the
 pickle is loaded with ``weights_only=True`` (tensors and plain containers only).
@@ -162,14 +167,15 @@ def tensors_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(_numel(t) * _dtype(t).itemsize for t in tensors.values())
 
 
-# A master group is an fp32 tensor, or a split master (bf16 weight + int16 remainder) whose
-# exact fp32 value `.fp32()` builds: a checkpoint holds fp32 either way, one group at a time.
+# A master group is an fp32 tensor, a split master (bf16 weight + int16 remainder) whose exact
+# fp32 value `.stored()` builds, or a bf16 master (`.stored()`: its weight): a checkpoint holds
+# each in its `.dtype`, one group at a time (optim/master.py).
 def _numel(t) -> int:
     return t.numel()
 
 
 def _dtype(t) -> torch.dtype:
-    return t.dtype if isinstance(t, torch.Tensor) else torch.float32
+    return t.dtype
 
 
 def _shape(t) -> list[int]:
@@ -177,7 +183,14 @@ def _shape(t) -> list[int]:
 
 
 def _materialize(t) -> torch.Tensor:
-    return t if isinstance(t, torch.Tensor) else t.fp32()
+    return t if isinstance(t, torch.Tensor) else t.stored()
+
+
+def _rounded_elements(master, saved: torch.Tensor) -> int:
+    """How many of ``saved``'s values a bf16 ``master`` cannot hold (0 for another master)."""
+    if master.dtype != torch.bfloat16 or saved.dtype == torch.bfloat16:
+        return 0
+    return int((saved.to(torch.bfloat16).float() != saved.float()).sum())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -320,8 +333,10 @@ class Checkpointer:
     # -- sizes -----------------------------------------------------------------------------
 
     def size_bytes(self, masters: list, optimizer_state: dict) -> int:
-        """Bytes of a checkpoint: fp32 masters (a split master is saved whole) and optimizer state."""
-        return sum(m.numel() * 4 for m in masters) + tensors_bytes(flatten_state(optimizer_state)[1])
+        """Bytes of a checkpoint: masters (fp32; a split master saved whole, a bf16 master as bf16)
+        and optimizer state."""
+        return tensors_bytes({str(g): m for g, m in enumerate(masters)}) + tensors_bytes(
+            flatten_state(optimizer_state)[1])
 
     def check_room(self, size: int, extra: int = 0, whole_run: bool = False) -> None:
         """Raise unless the next save (and ``extra`` bytes, e.g. the model export) fits.
@@ -473,6 +488,7 @@ class Checkpointer:
                 "--nnodes), or start a new training.output_dir"
             )
         masters_name, optimizer_name = shard_file_names(self.rank, self.world_size)
+        rounded = 0
         try:
             with safe_open(str(path / masters_name), framework="pt") as f:
                 names = set(f.keys())
@@ -491,7 +507,12 @@ class Checkpointer:
                     if isinstance(m, torch.Tensor):
                         m.copy_(saved)
                     else:
+                        rounded += _rounded_elements(m, saved)
                         m.assign(saved)
+            if rounded:
+                log.warning("checkpoint %s holds fp32 masters and this run's are bf16 (memory.master=bf16): %d of %d "
+                            "values were rounded to the nearest bf16, once (resuming with memory.master=fp32 or split "
+                            "keeps them exactly)", path, rounded, sum(m.numel() for m in masters))
             if path.name == "checkpoint":
                 return torch.load(path / "optimizer.pt", weights_only=True)
             with safe_open(str(path / optimizer_name), framework="pt") as f:

@@ -27,7 +27,7 @@ from lazytrain.optim.factory import describe_config, fp32_state_groups
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import Planner, costs_from_file, estimated_costs, with_capacities
 from lazytrain.runtime.device import resolve_device, resolve_dtype
-from lazytrain.train.session import host_limit_bytes, use_split_master
+from lazytrain.train.session import host_limit_bytes, resolve_master
 
 if TYPE_CHECKING:
     from lazytrain.plan.costs import CostTable
@@ -66,7 +66,7 @@ def plan_ahead(config: Config) -> PlanAhead:
     adapter = ModelAdapter(model_config(source, vocab), here, dtype, lean_ops=config.model.lean_ops,
                            fused_ops=config.model.fused_ops)
     numels = [layout.numel for layout in adapter.layouts]
-    settings = budget.HostSettings(dtype=dtype, split_master=use_split_master(config, target, dtype),
+    settings = budget.HostSettings(dtype=dtype, master=resolve_master(config, target, dtype),
                                    optimizer_kind=config.optimizer.kind,
                                    fp32_groups=fp32_state_groups(config.optimizer, len(numels)))
     limit = host_limit_bytes(config)

@@ -171,29 +171,30 @@ def host_limit_bytes(config: Config) -> int | None:
     return int(config.memory.host_limit_gb * GiB) if config.memory.host_limit_gb else None
 
 
-def use_split_master(config: Config, device: torch.device, dtype: torch.dtype, distributed: bool = False) -> bool:
-    """memory.split_master resolved: auto is on for bf16 runs on a GPU, off under torchrun (a
-    rank's shard of the masters is fp32: the split is not yet sharded)."""
-    choice = config.memory.split_master
-    if choice == "true" and dtype != torch.bfloat16:
+def resolve_master(config: Config, device: torch.device, dtype: torch.dtype, distributed: bool = False) -> str:
+    """memory.master resolved to fp32, split or bf16 (memory.split_master, its deprecated alias,
+    folded in): auto is split for bf16 runs on a GPU, else fp32, and fp32 under torchrun (a
+    rank's shard of the masters is fp32: neither the split nor the bf16 master is sharded yet)."""
+    choice = config.memory.master_setting()
+    if choice in ("split", "bf16") and dtype != torch.bfloat16:
         raise ConfigError(
-            f"memory.split_master=true needs bf16 streamed weights, this run computes in {dtype} "
-            "(fp32 weights already are the masters' precision); set model.dtype=bf16 or "
-            "memory.split_master=auto"
+            f"memory.master={choice} keeps the master in the streamed bf16 weights, this run computes in {dtype} "
+            "(fp32 weights already are the masters' precision); set model.dtype=bf16, or memory.master=auto or fp32"
         )
-    if choice == "true" and distributed:
+    if choice in ("split", "bf16") and distributed:
         raise ConfigError(
-            "memory.split_master=true is not supported under torchrun yet (each rank keeps an fp32 "
-            "shard of the masters); set memory.split_master=auto or false"
+            f"memory.master={choice} is not supported under torchrun yet (each rank keeps an fp32 shard of the "
+            "masters); set memory.master=auto or fp32"
         )
-    return not distributed and (choice == "true" or (choice == "auto" and dtype == torch.bfloat16
-                                                     and device.type == "cuda"))
+    if choice == "auto":
+        return "split" if not distributed and dtype == torch.bfloat16 and device.type == "cuda" else "fp32"
+    return choice
 
 
 def host_settings(config: Config, device: torch.device, dtype: torch.dtype, num_groups: int) -> budget.HostSettings:
     """The choices that set the model state's host bytes."""
     distributed = rank_info_from_env() is not None
-    return budget.HostSettings(dtype=dtype, split_master=use_split_master(config, device, dtype, distributed),
+    return budget.HostSettings(dtype=dtype, master=resolve_master(config, device, dtype, distributed),
                                optimizer_kind=config.optimizer.kind,
                                fp32_groups=fp32_state_groups(config.optimizer, num_groups))
 
@@ -243,7 +244,7 @@ def build_session(config: Config) -> Session:
         source, device, dtype, seed=config.training.seed, vocab_size=len(tokenizer), pin=config.memory.pin,
         optimizer_bytes_per_param=lambda numels: state_bytes_per_param(config.optimizer, numels),
         host_limit_bytes=host_limit_bytes(config),
-        split_master=use_split_master(config, device, dtype, distributed=parallel is not None),
+        master=resolve_master(config, device, dtype, distributed=parallel is not None),
         preflight=preflight, lean_ops=config.model.lean_ops, fused_ops=config.model.fused_ops,
         packed_attention=config.model.packed_attention,
         init_device=init_device_of(config.model.init_device),
@@ -254,6 +255,9 @@ def build_session(config: Config) -> Session:
     decay = [g.decay_numel for g in adapter.layouts]
     started = time.perf_counter()
     rounding = config.state_rounding()
+    if store.master_mode == "bf16":
+        log.info("masters: the bf16 weights themselves, updated with stochastic rounding (memory.master=bf16: "
+                 "0 B/param, not exact)")
     if config.optimizer.kind == "hybrid8bit":
         log.info("8-bit states: sqrt(v) rounded to the %s code (optimizer.state_rounding=%s)",
                  "stochastically drawn" if rounding == "stochastic" else "nearest", config.optimizer.state_rounding)

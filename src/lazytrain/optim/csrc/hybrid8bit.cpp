@@ -16,6 +16,10 @@
 // the code below or above the value by a uniform number hashed from the element's index
 // (Scalar::stochastic): byte shuffles give the two code values with VBMI, gathers otherwise.
 //
+// The master is fp32, split (the streamed bf16 weight + an int16 remainder, exact) or bf16 (the
+// streamed weight alone, written with stochastic rounding): MasterRef, load_master and
+// store_master are all that differs (optim/master.py).
+//
 // Built at first use with -march=native on the machine that runs it, so the SIMD path is
 // chosen at compile time from what that machine has; kernel.py's VARIANTS build the other
 // paths (later instruction sets switched off) to test them on one machine.
@@ -104,6 +108,21 @@ inline uint32_t fmix32(uint32_t x) {
   return x ^ (x >> 16);
 }
 
+// The hash key of the elements whose index in their group shares `first`'s high 32 bits
+// (quant.uniforms_at): the low 32 bits are then hashed under it.
+inline uint32_t high_key(uint32_t key, int64_t first) {
+  return fmix32(key ^ (static_cast<uint32_t>(first >> 32) * 0x27D4EB2Fu));
+}
+
+// A bf16 master's stochastic rounding (master.py, stochastic_bf16): 16 random bits `r` added
+// to x's bits, the sum truncated to its high half, so x moves to the bf16 neighbour away from
+// zero with probability (x's low 16 bits) / 2**16 = (|x| - |toward|) / (|away| - |toward|),
+// exactly; a bf16 value stays put, an infinity stays, NaN becomes the quiet NaN.
+inline uint16_t bf16_stochastic(float x, uint32_t r) {
+  if (std::isnan(x)) return 0x7fc0;
+  return static_cast<uint16_t>((float_to_bits(x) + r) >> 16);
+}
+
 // Stochastic rounding of sqrt(v) (quant.stochastic_codes), from the nearest code: the code
 // below or above x, the upper one with probability (x - below) / (above - below) against a
 // uniform in [0, 1) from the hash of the element's index (quant.rounding_uniforms); a
@@ -131,6 +150,11 @@ struct Scalar {
     const uint32_t b = float_to_bits(x);
     *hi = static_cast<uint16_t>((b + 0x8000u) >> 16);
     *lo = static_cast<uint16_t>(b);
+  }
+  // x as a bf16 master (bf16_stochastic), the random bits hashed from the element's index
+  // under `key` (high_key's), as quant.rounding_bits draws them
+  static void store_stochastic(uint16_t* p, F x, uint32_t key, uint32_t index) {
+    *p = bf16_stochastic(x, fmix32(index ^ key) >> 16);
   }
   static F sqrt(F v) { return std::sqrt(v); }
   static F reciprocal(F d) { return 1.0f / d; }
@@ -225,12 +249,22 @@ struct Simd {
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int32_t>(0xC2B2AE35u)));
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
   }
+  // the hashes of the 16 elements from hash input `index` on (quant.rounding_bits)
+  static __m512i hashes(uint32_t key, uint32_t index) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return fmix32(_mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(index)), lanes),
+                                   _mm512_set1_epi32(static_cast<int32_t>(key))));
+  }
   // uniforms in [0, 1) of the 16 elements from hash input `index` on (quant.rounding_uniforms)
   static __m512 uniforms(uint32_t key, uint32_t index) {
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i h = fmix32(_mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(index)), lanes),
-                                              _mm512_set1_epi32(static_cast<int32_t>(key))));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0x1p-24f));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(hashes(key, index), 8)), _mm512_set1_ps(0x1p-24f));
+  }
+  // 16 elements as a bf16 master (Scalar::store_stochastic)
+  static void store_stochastic(uint16_t* p, F x, uint32_t key, uint32_t index) {
+    const __m512i r = _mm512_srli_epi32(hashes(key, index), 16);
+    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
+    h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(h));
   }
   // per lane: rounds up (u < (x - a) / (b - a), b > a) and x > 0
   static __mmask16 rounds_up(__m512 x, __m512 qc, __m512 qn, __m512 u) {
@@ -475,6 +509,20 @@ struct Simd {
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0xC2B2AE35u)));
     return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   }
+  static __m256i hashes(uint32_t key, uint32_t index) {  // as Simd::hashes of AVX-512, 8 lanes
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return fmix32(_mm256_xor_si256(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(index)), lanes),
+                                   _mm256_set1_epi32(static_cast<int32_t>(key))));
+  }
+  // 8 elements as a bf16 master (Scalar::store_stochastic)
+  static void store_stochastic(uint16_t* p, F x, uint32_t key, uint32_t index) {
+    const __m256i r = _mm256_srli_epi32(hashes(key, index), 16);
+    __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7fc0), nan);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+  }
   static constexpr int kRoundChunk = 8;
   // 8 elements (Scalar::stochastic); compares give all-ones lanes, so "+ 1 where" is "- mask"
   static void stochastic(const float* values, float inv_absmax, uint8_t* codes, const MapTables& t,
@@ -489,10 +537,8 @@ struct Simd {
     n = _mm256_min_epi32(_mm256_max_epi32(n, _mm256_setzero_si256()), _mm256_set1_epi32(255));
     const __m256 qn = _mm256_i32gather_ps(t.qmap, n, 4);
     const __m256 a = _mm256_min_ps(qc, qn), b = _mm256_max_ps(qc, qn);
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i h = fmix32(_mm256_xor_si256(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(index)), lanes),
-                                              _mm256_set1_epi32(static_cast<int32_t>(key))));
-    const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0x1p-24f));
+    const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(hashes(key, index), 8)),
+                                   _mm256_set1_ps(0x1p-24f));
     const __m256 ratio = _mm256_div_ps(_mm256_sub_ps(x, a), _mm256_sub_ps(b, a));
     const __m256 up = _mm256_and_ps(_mm256_cmp_ps(u, ratio, _CMP_LT_OQ), _mm256_cmp_ps(b, a, _CMP_GT_OQ));
     __m256i code = _mm256_sub_epi32(_mm256_min_epi32(c, n), _mm256_castps_si256(up));
@@ -530,20 +576,49 @@ struct Simd {
 using Simd = Scalar;
 #endif
 
+// One group's master in any of its three forms (optim/master.py), and its load and store: the
+// only code that knows the forms, for every fused step (this kernel's; a 4-bit one's too).
+struct MasterRef {
+  float* fp32 = nullptr;          // an fp32 master, or nullptr:
+  uint16_t* weight = nullptr;     // the streamed bf16 weight: a split master's high half, or a bf16 master
+  uint16_t* remainder = nullptr;  // a split master's low 16 bits (split.py); nullptr: a bf16 master
+  uint32_t key = 0;               // a bf16 master's rounding key (quant.weight_rounding_key)
+  int64_t offset = 0;             // index in the whole group of element 0 (a data-parallel shard's start)
+};
+
+// The master's elements from k on, as fp32 (a bf16 master widened: exact).
+template <class S>
+inline typename S::F load_master(const MasterRef& m, int64_t k) {
+  if (m.fp32) return S::load(m.fp32 + k);
+  if (m.remainder) return S::join(m.weight + k, m.remainder + k);
+  return S::load(m.weight + k);
+}
+
+// New values w of the master's elements from k on: fp32 stored, split, or (a bf16 master)
+// rounded stochastically under `key`, high_key(m.key, m.offset + k): the elements of one call
+// must share the high 32 bits of their group index (a 128-element block always does).
+template <class S>
+inline void store_master(const MasterRef& m, int64_t k, typename S::F w, uint32_t key) {
+  if (m.fp32) {
+    S::store(m.fp32 + k, w);
+  } else if (m.remainder) {
+    S::split(m.weight + k, m.remainder + k, w);
+  } else {
+    S::store_stochastic(m.weight + k, w, key, static_cast<uint32_t>(m.offset + k));
+  }
+}
+
 struct Group8bit {
   int64_t numel;
   int64_t decay_numel;
   float decay;  // 1 - lr * weight_decay
-  float* master;        // nullptr when the master is split:
-  uint16_t* weight;     // its bf16 half (the streamed weight) and
-  uint16_t* remainder;  // its low 16 bits (split.py)
+  MasterRef master;
   uint8_t* m_codes;
   float* m_absmax;
   uint8_t* v_codes;
   float* v_absmax;
   bool stochastic;  // sqrt(v) rounded stochastically (Scalar::stochastic)
-  uint32_t key;     // quant.rounding_key of this group's step
-  int64_t offset;   // index in the whole group of element 0 (a data-parallel shard's start)
+  uint32_t key;     // quant.rounding_key of this group's step (master.offset: where the group starts)
 };
 
 struct BlockScratch {
@@ -558,6 +633,7 @@ template <class S, bool kStream, class G, class O>
 inline void update_range(const Group8bit& g, const G* grad, O* out, const Hyper& h,
                          const MapTables& tm, const MapTables& tv, int64_t start, int64_t lo,
                          int64_t hi, float decay, float m_scale, float v_scale, BlockScratch& s) {
+  const uint32_t master_key = high_key(g.master.key, g.master.offset + start);
   using F = typename S::F;
   const F clip = S::set(h.clip), b1 = S::set(h.beta1), omb1 = S::set(h.one_minus_beta1);
   const F b2 = S::set(h.beta2), omb2 = S::set(h.one_minus_beta2), eps = S::set(h.eps);
@@ -577,13 +653,8 @@ inline void update_range(const Group8bit& g, const G* grad, O* out, const Hyper&
       const F m = b1 * (m_old[r] * ms) + omb1 * gr;
       const F old = root_old[r] * vs;
       const F root = S::sqrt(b2 * (old * old) + omb2 * (gr * gr));
-      const F old_w = g.master ? S::load(g.master + k) : S::join(g.weight + k, g.remainder + k);
-      const F w = old_w * dec - step_size * (m * S::reciprocal(root * inv_bc2 + eps));
-      if (g.master) {
-        S::store(g.master + k, w);
-      } else {
-        S::split(g.weight + k, g.remainder + k, w);
-      }
+      const F w = load_master<S>(g.master, k) * dec - step_size * (m * S::reciprocal(root * inv_bc2 + eps));
+      store_master<S>(g.master, k, w, master_key);
       if constexpr (std::is_same_v<O, void>) {
       } else if constexpr (kStream) {
         S::stream(out + k, w);
@@ -654,8 +725,8 @@ void step_block(const Group8bit& g, const G* grad, O* out, const Hyper& h, const
   quantize_range<Simd, false>(s.root, 0, len, root_inv, g.v_codes + start, tv);
   if (g.stochastic) {
     // a block never straddles a multiple of 2**32 elements: its high half keys the block
-    const int64_t first = g.offset + start;
-    const uint32_t key = fmix32(g.key ^ (static_cast<uint32_t>(first >> 32) * 0x27D4EB2Fu));
+    const int64_t first = g.master.offset + start;
+    const uint32_t key = high_key(g.key, first);
     stochastic_range<Simd>(s.root, 0, len, root_inv, g.v_codes + start, tv, key, static_cast<uint32_t>(first));
   }
 }
@@ -682,25 +753,19 @@ void step_8bit_typed(const Group8bit& g, const G* grad, O* out, const Hyper& h,
   });
 }
 
-// fp32 states, for groups too small to quantize. A split master has master == nullptr.
+// fp32 states, for groups too small to quantize (or kept fp32: fp32_groups).
 template <class G, class O>
-void step_fp32_typed(int64_t numel, int64_t decay_numel, float decay, float* master,
-                     uint16_t* weight, uint16_t* remainder, float* exp_avg, float* exp_avg_sq,
-                     const G* grad, O* out, const Hyper& h) {
+void step_fp32_typed(int64_t numel, int64_t decay_numel, float decay, const MasterRef& master,
+                     float* exp_avg, float* exp_avg_sq, const G* grad, O* out, const Hyper& h) {
   for (int64_t k = 0; k < numel; ++k) {
     const float gr = Scalar::load(grad + k) * h.clip;
     const float m = h.beta1 * exp_avg[k] + h.one_minus_beta1 * gr;
     const float v = h.beta2 * exp_avg_sq[k] + h.one_minus_beta2 * (gr * gr);
     const float denom = std::sqrt(v) * h.inv_bc2_sqrt + h.eps;
-    const float old_w = master ? master[k] : Scalar::join(weight + k, remainder + k);
-    const float w = old_w * (k < decay_numel ? decay : 1.0f) - h.step_size * (m / denom);
+    const float w = load_master<Scalar>(master, k) * (k < decay_numel ? decay : 1.0f) - h.step_size * (m / denom);
     exp_avg[k] = m;
     exp_avg_sq[k] = v;
-    if (master) {
-      master[k] = w;
-    } else {
-      Scalar::split(weight + k, remainder + k, w);
-    }
+    store_master<Scalar>(master, k, w, high_key(master.key, master.offset + k));
     if constexpr (!std::is_same_v<O, void>) Scalar::store(out + k, w);
   }
 }
@@ -778,42 +843,48 @@ void dispatch_types(const at::Tensor& grad, const std::optional<at::Tensor>& wei
   }
 }
 
-// The master: an fp32 tensor, or (remainder given) split into weight_out's bf16 bits and the
-// int16 remainder; a split master's weight is written with the master, so weight_out is then
-// consumed here and the step writes no separate copy. -> (master, weight, remainder) pointers.
-struct MasterPointers {
-  float* master = nullptr;
-  uint16_t* weight = nullptr;
-  uint16_t* remainder = nullptr;
-};
-
-MasterPointers master_pointers(const at::Tensor& master, const std::optional<at::Tensor>& weight_out,
-                               const std::optional<at::Tensor>& remainder) {
+// The master: an fp32 tensor; (remainder given) split into weight_out's bf16 bits and the
+// int16 remainder; or (a bf16 `master`, no weight_out) a bf16 master, rounded stochastically
+// under `key`. A split or bf16 master's weight is written with the master, so the step writes
+// no separate copy.
+MasterRef master_ref(const at::Tensor& master, const std::optional<at::Tensor>& weight_out,
+                     const std::optional<at::Tensor>& remainder, int64_t key, int64_t offset) {
   const int64_t n = master.numel();
-  if (!remainder.has_value()) {
+  TORCH_CHECK(key >= 0 && key <= 0xFFFFFFFFLL, "rounding key must be a 32-bit value, got ", key);
+  TORCH_CHECK(offset >= 0 && offset % kBlock == 0, "offset must be a multiple of ", kBlock, ", got ", offset);
+  MasterRef m;
+  m.key = static_cast<uint32_t>(key);
+  m.offset = offset;
+  if (remainder.has_value()) {
+    TORCH_CHECK(weight_out.has_value() && weight_out->scalar_type() == at::kBFloat16,
+                "a split master needs its bf16 weight as weight_out");
+    check_flat(*weight_out, at::kBFloat16, n, "weight_out");
+    check_flat(*remainder, at::kShort, n, "remainder");
+    m.weight = reinterpret_cast<uint16_t*>(weight_out->data_ptr());
+    m.remainder = reinterpret_cast<uint16_t*>(remainder->data_ptr());
+  } else if (master.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(!weight_out.has_value(), "a bf16 master is the streamed weight: pass no weight_out");
+    check_flat(master, at::kBFloat16, n, "master");
+    m.weight = reinterpret_cast<uint16_t*>(master.data_ptr());
+  } else {
     check_flat(master, at::kFloat, n, "master");
-    return {master.data_ptr<float>(), nullptr, nullptr};
+    m.fp32 = master.data_ptr<float>();
   }
-  TORCH_CHECK(weight_out.has_value() && weight_out->scalar_type() == at::kBFloat16,
-              "a split master needs its bf16 weight as weight_out");
-  check_flat(*weight_out, at::kBFloat16, n, "weight_out");
-  check_flat(*remainder, at::kShort, n, "remainder");
-  return {nullptr, reinterpret_cast<uint16_t*>(weight_out->data_ptr()),
-          reinterpret_cast<uint16_t*>(remainder->data_ptr())};
+  return m;
 }
 
-// `master` is only sized (any dtype) when `remainder` is given.
+// `master` is only sized (any dtype) when `remainder` is given. `key`: sqrt(v)'s rounding
+// key, `master_key`: a bf16 master's (quant.rounding_key, quant.weight_rounding_key).
 void step_8bit(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& m_codes,
                const at::Tensor& m_absmax, const at::Tensor& v_codes, const at::Tensor& v_absmax,
                const std::optional<at::Tensor>& weight_out, const std::optional<at::Tensor>& remainder,
                const std::vector<at::Tensor>& tables, double clip, double beta1, double beta2,
                double eps, double step_size, double inv_bc2_sqrt, double decay, int64_t decay_numel,
-               bool stochastic, int64_t key, int64_t offset) {
+               bool stochastic, int64_t key, int64_t offset, int64_t master_key) {
   const int64_t n = master.numel();
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   TORCH_CHECK(key >= 0 && key <= 0xFFFFFFFFLL, "rounding key must be a 32-bit value, got ", key);
-  TORCH_CHECK(offset >= 0 && offset % kBlock == 0, "offset must be a multiple of ", kBlock, ", got ", offset);
-  const MasterPointers p = master_pointers(master, weight_out, remainder);
+  const MasterRef p = master_ref(master, weight_out, remainder, master_key, offset);
   check_io(grad, weight_out, n);
   check_flat(m_codes, at::kByte, n, "m_codes");
   check_flat(v_codes, at::kByte, n, "v_codes");
@@ -827,17 +898,14 @@ void step_8bit(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
   const Group8bit g{n,
                     std::clamp<int64_t>(decay_numel, 0, n),
                     static_cast<float>(decay),
-                    p.master,
-                    p.weight,
-                    p.remainder,
+                    p,
                     m_codes.data_ptr<uint8_t>(),
                     m_absmax.data_ptr<float>(),
                     v_codes.data_ptr<uint8_t>(),
                     v_absmax.data_ptr<float>(),
                     stochastic,
-                    static_cast<uint32_t>(key),
-                    offset};
-  dispatch_types(grad, p.master ? weight_out : std::nullopt, [&](auto* grad_ptr, auto* out_ptr) {
+                    static_cast<uint32_t>(key)};
+  dispatch_types(grad, p.fp32 ? weight_out : std::nullopt, [&](auto* grad_ptr, auto* out_ptr) {
     using G = std::remove_const_t<std::remove_pointer_t<decltype(grad_ptr)>>;
     using O = std::remove_pointer_t<decltype(out_ptr)>;
     step_8bit_typed<G, O>(g, grad_ptr, out_ptr, h, tm, tv);
@@ -847,19 +915,19 @@ void step_8bit(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
 void step_fp32(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& weight_out,
                const std::optional<at::Tensor>& remainder, double clip, double beta1, double beta2,
-               double eps, double step_size, double inv_bc2_sqrt, double decay, int64_t decay_numel) {
+               double eps, double step_size, double inv_bc2_sqrt, double decay, int64_t decay_numel,
+               int64_t offset, int64_t master_key) {
   const int64_t n = master.numel();
-  const MasterPointers p = master_pointers(master, weight_out, remainder);
+  const MasterRef p = master_ref(master, weight_out, remainder, master_key, offset);
   check_io(grad, weight_out, n);
   check_flat(exp_avg, at::kFloat, n, "exp_avg");
   check_flat(exp_avg_sq, at::kFloat, n, "exp_avg_sq");
   const Hyper h = make_hyper(clip, beta1, beta2, eps, step_size, inv_bc2_sqrt);
-  dispatch_types(grad, p.master ? weight_out : std::nullopt, [&](auto* grad_ptr, auto* out_ptr) {
+  dispatch_types(grad, p.fp32 ? weight_out : std::nullopt, [&](auto* grad_ptr, auto* out_ptr) {
     using G = std::remove_const_t<std::remove_pointer_t<decltype(grad_ptr)>>;
     using O = std::remove_pointer_t<decltype(out_ptr)>;
-    step_fp32_typed<G, O>(n, std::clamp<int64_t>(decay_numel, 0, n), static_cast<float>(decay),
-                          p.master, p.weight, p.remainder, exp_avg.data_ptr<float>(),
-                          exp_avg_sq.data_ptr<float>(), grad_ptr, out_ptr, h);
+    step_fp32_typed<G, O>(n, std::clamp<int64_t>(decay_numel, 0, n), static_cast<float>(decay), p,
+                          exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), grad_ptr, out_ptr, h);
   });
 }
 
@@ -892,6 +960,25 @@ void join_master(const at::Tensor& weight, const at::Tensor& remainder, const at
     for (; k + Simd::W <= b; k += Simd::W) Simd::store(dst + k, Simd::join(hi + k, lo + k));
     for (; k < b; ++k) dst[k] = Scalar::join(hi + k, lo + k);
   });
+}
+
+// fp32 `x` as a bf16 master's elements `offset` on rounds it (store_master under `key`), for tests.
+at::Tensor stochastic_bf16(const at::Tensor& x, int64_t key, int64_t offset) {
+  check_flat(x, at::kFloat, x.numel(), "x");
+  at::Tensor out = at::empty({x.numel()}, x.options().dtype(at::kBFloat16));
+  MasterRef m = master_ref(out, std::nullopt, std::nullopt, key, offset);
+  const float* src = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  at::parallel_for(0, (n + kBlock - 1) / kBlock, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {  // blocks: within one, the high 32 bits of the index agree
+      const int64_t start = b * kBlock, end = std::min(n, start + kBlock);
+      const uint32_t block_key = high_key(m.key, m.offset + start);
+      int64_t k = start;
+      for (; k + Simd::W <= end; k += Simd::W) store_master<Simd>(m, k, Simd::load(src + k), block_key);
+      for (; k < end; ++k) store_master<Scalar>(m, k, src[k], block_key);
+    }
+  });
+  return out;
 }
 
 // Quantize float32 values in [-1, 1] with the kernel's nearest-code search (for tests).
@@ -931,6 +1018,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_8bit", &step_8bit, py::call_guard<py::gil_scoped_release>());
   m.def("step_fp32", &step_fp32, py::call_guard<py::gil_scoped_release>());
   m.def("nearest_codes", &nearest_codes, py::call_guard<py::gil_scoped_release>());
+  m.def("stochastic_bf16", &stochastic_bf16, py::call_guard<py::gil_scoped_release>());
   m.def("split_master", &split_master, py::call_guard<py::gil_scoped_release>());
   m.def("join_master", &join_master, py::call_guard<py::gil_scoped_release>());
   m.def("simd", &simd_name);
