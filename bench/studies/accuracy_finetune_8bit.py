@@ -57,12 +57,13 @@ from bench.studies.optim_convergence import run
 from bench.studies.optim_convergence_seeds import interval, points, ratio
 from lazytrain.runtime.device import resolve_device
 
-KINDS = ("fp32", "fp32_kernel", "fp32_unfused", "hybrid8bit", "hybrid8bit_sr")
+KINDS = ("fp32", "fp32_kernel", "fp32_unfused", "hybrid8bit", "hybrid8bit_sr", "hybrid8bit_bf16master", "hybrid4bit",
+         "hybrid4bit_bf16master")
 DEFAULT_KINDS = ("fp32", "fp32_kernel", "hybrid8bit")
-STUDY_OPTIONS = ("shape", "pretrain_tier", "pretrain_steps", "pretrain_lr", "pretrain_runner", "pretrain_seed",
+STUDY_OPTIONS = ("shape", "dtype", "pretrain_tier", "pretrain_steps", "pretrain_lr", "pretrain_runner", "pretrain_seed",
                  "finetune_tier", "finetune_steps", "finetune_lr", "batch_size", "heldout", "tail", "device")
 """The options that define the study: every process of a ``--jobs`` run is given them."""
-PRETRAIN_SETTINGS = ("shape", "pretrain_tier", "pretrain_steps", "pretrain_lr", "batch_size", "heldout",
+PRETRAIN_SETTINGS = ("shape", "dtype", "pretrain_tier", "pretrain_steps", "pretrain_lr", "batch_size", "heldout",
                      "pretrain_runner")
 """What a reused pretraining must have been made with."""
 
@@ -70,7 +71,8 @@ PRETRAIN_SETTINGS = ("shape", "pretrain_tier", "pretrain_steps", "pretrain_lr", 
 def study(args: argparse.Namespace) -> list[dict]:
     device = resolve_device(args.device)
     common = [f"model.source=builtin:{args.shape}", f"training.device={args.device}",
-              f"data.heldout_size={args.heldout}", f"training.batch_size={args.batch_size}"]
+              f"data.heldout_size={args.heldout}", f"training.batch_size={args.batch_size}",
+              f"model.dtype={args.dtype}"]
     records = []
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
         shared = Path(args.pretrained or tmp)
@@ -89,7 +91,7 @@ def pretrain(args: argparse.Namespace, common: list[str], folder: Path, seed: in
     settings = {name: getattr(args, name) for name in PRETRAIN_SETTINGS}
     if meta.exists():
         base = json.loads(meta.read_text())
-        if {"pretrain_runner": "lazytrain", **base["settings"]} != settings:
+        if {"pretrain_runner": "lazytrain", "dtype": "auto", **base["settings"]} != settings:
             raise SystemExit(f"{meta}: pretrained with {base['settings']}, this study asks for {settings}; "
                              "give another --pretrained folder")
         if base["seed"] != seed:
@@ -452,6 +454,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--heldout", type=int, default=200)
     parser.add_argument("--tail", type=int, default=50, help="last fine-tuning steps whose mean loss is compared")
+    parser.add_argument("--dtype", default="auto", help="model.dtype of every run (bf16 on the CPU for the kinds "
+                        "with a bf16 master, whose reference is then bf16 compute with the exact split master)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--scratch", default=None, help="folder for temporary folders: pretrained and fine-tuned "
                                                         "models, checkpoints (default: the system's)")

@@ -43,6 +43,13 @@ RUNS = {
     "hybrid8bit_sr": ["optimizer.kind=hybrid8bit", "optimizer.state_rounding=stochastic"],
     "hybrid8bit_fp32_embedding": ["optimizer.kind=hybrid8bit", "optimizer.state_rounding=nearest",
                                   "optimizer.fp32_embedding_states=true"],
+    # the streamed bf16 weight as the master, updated with stochastic rounding (not exact; bf16
+    # compute only)
+    "hybrid8bit_bf16master": ["optimizer.kind=hybrid8bit", "optimizer.state_rounding=nearest", "memory.master=bf16"],
+    # 4-bit blockwise m and sqrt(v)
+    "hybrid4bit": ["optimizer.kind=hybrid4bit", "optimizer.state_rounding=nearest"],
+    # both: the flagship's host memory (weights 2 + states ~1.06 B/param)
+    "hybrid4bit_bf16master": ["optimizer.kind=hybrid4bit", "optimizer.state_rounding=nearest", "memory.master=bf16"],
 }
 
 
