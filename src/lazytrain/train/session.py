@@ -254,9 +254,9 @@ def build_session(config: Config) -> Session:
     decay = [g.decay_numel for g in adapter.layouts]
     started = time.perf_counter()
     rounding = config.state_rounding()
-    if config.optimizer.kind == "hybrid8bit":
-        log.info("8-bit states: sqrt(v) rounded to the %s code (optimizer.state_rounding=%s)",
-                 "stochastically drawn" if rounding == "stochastic" else "nearest", config.optimizer.state_rounding)
+    if config.optimizer.kind in ("hybrid8bit", "hybrid4bit"):
+        log.info("%s states: sqrt(v) rounded to the %s code (optimizer.state_rounding=%s)",
+                 "4-bit" if config.optimizer.kind == "hybrid4bit" else "8-bit", "stochastically drawn" if rounding == "stochastic" else "nearest", config.optimizer.state_rounding)
     if parallel is None:
         optimizer = make_optimizer(config.optimizer, store.masters, decay, seed=config.training.seed,
                                    rounding=rounding)
