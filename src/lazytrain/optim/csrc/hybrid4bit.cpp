@@ -48,6 +48,9 @@ constexpr float kTiny = 1.17549435e-38f;  // smaller absmax: the block is stored
 struct Map4 {
   alignas(64) float qmap[kCodes];       // sorted code values
   alignas(64) float midpoints[kCodes];  // [k] between codes k and k + 1; [15] unused
+  // the map is k / 16, k = 1..16 (hybrid4bit.linear_map4): its midpoints are (2k + 1) / 32, so
+  // the count of those below x is clamp(ceil((32 x - 3) / 2), 0, 15), each step exact in float32
+  bool linear = false;
 };
 
 struct Hyper {
@@ -175,11 +178,24 @@ struct Simd {
   static void quantize(const float* values, float inv_absmax, uint8_t* codes, const Map4& t) {
     const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(values), _mm512_set1_ps(inv_absmax));
     __m512i c = _mm512_setzero_si512();
-    const __m512i one = _mm512_set1_epi32(1);
-    for (int k = 0; k < kCodes - 1; ++k) {
-      c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(x, _mm512_set1_ps(t.midpoints[k]), _CMP_GT_OQ), c, one);
+    if (t.linear) {
+      const __m512 half = _mm512_mul_ps(_mm512_fmsub_ps(x, _mm512_set1_ps(32.0f), _mm512_set1_ps(3.0f)),
+                                        _mm512_set1_ps(0.5f));
+      c = _mm512_cvt_roundps_epi32(half, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+      c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(kCodes - 1));
+    } else {
+      const __m512i one = _mm512_set1_epi32(1);
+      for (int k = 0; k < kCodes - 1; ++k) {
+        c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(x, _mm512_set1_ps(t.midpoints[k]), _CMP_GT_OQ), c, one);
+      }
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(c));
+  }
+  // 16 codes (bytes) -> 8 bytes, two codes each
+  static void pack16(const uint8_t* codes, uint8_t* out) {
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m128i both = _mm_and_si128(_mm_or_si128(w, _mm_srli_epi16(w, 4)), _mm_set1_epi16(0xff));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(both, both));
   }
 };
 #elif defined(__AVX2__)
@@ -220,14 +236,15 @@ struct Simd {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), low_halves(b));
   }
   // from 12-bit estimates (one Newton step leaves 1-2 ulps)
+  // (operators, not FMA intrinsics: an AVX2 build need not have FMA; the compiler fuses where it can)
   static F sqrt(F v) {
     const F r = _mm256_rsqrt_ps(_mm256_max_ps(v, set(kTiny)));
-    const F root = _mm256_mul_ps(v, r);
-    return _mm256_fmadd_ps(root, _mm256_fnmadd_ps(root, _mm256_mul_ps(r, set(0.5f)), set(0.5f)), root);
+    const F root = v * r;
+    return root + root * (set(0.5f) - root * (r * set(0.5f)));
   }
   static F reciprocal(F d) {
     const F q = _mm256_rcp_ps(d);
-    return _mm256_fmadd_ps(q, _mm256_fnmadd_ps(d, q, set(1.0f)), q);
+    return q + q * (set(1.0f) - d * q);
   }
   static F abs(F x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
@@ -253,16 +270,37 @@ struct Simd {
   static void quantize(const float* values, float inv_absmax, uint8_t* codes, const Map4& t) {
     const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(values), _mm256_set1_ps(inv_absmax));
     __m256i c = _mm256_setzero_si256();
-    for (int k = 0; k < kCodes - 1; ++k) {  // a true compare is -1
-      c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_set1_ps(t.midpoints[k]), _CMP_GT_OQ)));
+    if (t.linear) {
+      const __m256 half = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(x, _mm256_set1_ps(32.0f)), _mm256_set1_ps(3.0f)),
+                                        _mm256_set1_ps(0.5f));
+      c = _mm256_cvtps_epi32(_mm256_ceil_ps(half));
+      c = _mm256_min_epi32(_mm256_max_epi32(c, _mm256_setzero_si256()), _mm256_set1_epi32(kCodes - 1));
+    } else {
+      for (int k = 0; k < kCodes - 1; ++k) {  // a true compare is -1
+        c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_set1_ps(t.midpoints[k]), _CMP_GT_OQ)));
+      }
     }
     const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), _mm_packus_epi16(words, words));
+  }
+  static void pack16(const uint8_t* codes, uint8_t* out) {
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m128i both = _mm_and_si128(_mm_or_si128(w, _mm_srli_epi16(w, 4)), _mm_set1_epi16(0xff));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(both, both));
   }
 };
 #else
 using Simd = Scalar;
 #endif
+
+// codes [0, len) (len even, or codes[len] = 0) two to a byte into `out`
+inline void pack_range(const uint8_t* codes, int64_t len, uint8_t* out) {
+  int64_t j = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+  for (; j + 16 <= len; j += 16) Simd::pack16(codes + j, out + j / 2);
+#endif
+  for (; j < len; j += 2) out[j / 2] = static_cast<uint8_t>(codes[j] | (codes[j + 1] << 4));
+}
 
 struct Group4bit {
   int64_t numel;
@@ -283,7 +321,7 @@ struct Group4bit {
 struct BlockScratch {
   alignas(64) float m[kBlock];     // old m, then new m
   alignas(64) float root[kBlock];  // old sqrt(v), then new
-  alignas(64) uint8_t codes[kBlock];
+  alignas(64) uint8_t codes[kBlock + 16];
   float m_max = 0.0f, root_max = 0.0f;
 };
 
@@ -373,11 +411,8 @@ inline void quantize_range(const float* values, int64_t len, float inv_absmax, c
     const uint32_t key = fmix32(g.key ^ (static_cast<uint32_t>(first >> 32) * 0x27D4EB2Fu));
     stochastic(values, inv_absmax, codes, t, len, key, static_cast<uint32_t>(first));
   }
-  uint8_t* dst = packed + (start >> 1);
-  for (int64_t p = 0; 2 * p < len; ++p) {
-    const uint8_t high = 2 * p + 1 < len ? codes[2 * p + 1] : 0;
-    dst[p] = static_cast<uint8_t>(codes[2 * p] | (high << 4));
-  }
+  codes[len] = 0;  // an odd tail's last byte holds one code
+  pack_range(codes, len, packed + (start >> 1));
 }
 
 // Denormal blocks become zeros, so the reciprocal stays finite (as the 8-bit kernel).
@@ -508,6 +543,8 @@ void step_4bit(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
   Map4 tm, tv;
   fill_map(tm, maps[0], maps[1]);
   fill_map(tv, maps[2], maps[3]);
+  tv.linear = true;
+  for (int k = 0; k < kCodes; ++k) TORCH_CHECK(tv.qmap[k] == (k + 1) / 16.0f, "the second moment's map must be k / 16");
   g.m_codes = m_codes.data_ptr<uint8_t>();
   g.m_absmax = m_absmax.data_ptr<float>();
   g.v_codes = v_codes.data_ptr<uint8_t>();
