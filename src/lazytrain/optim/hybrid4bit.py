@@ -52,6 +52,7 @@ rounding key passed as the sqrt(v) codes' is.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -203,7 +204,7 @@ class Quantized4bitState:
                 "v_absmax": self.v_absmax}
 
 
-def state_bytes_per_param(numels: list[int] | tuple[int, ...], fp32_groups=()) -> float:
+def state_bytes_per_param(numels: Sequence[int], fp32_groups: Collection[int] = ()) -> float:
     """Bytes of state per parameter of groups of ``numels`` elements, as Hybrid4bitAdamW keeps
     them (1.0625 for a large 4-bit group)."""
     total = 0
