@@ -1,4 +1,4 @@
-"""CPU optimizer step: Hybrid 8-bit AdamW against torch's fused fp32 AdamW, same work.
+"""CPU optimizer step: Hybrid 8-bit (and 4-bit) AdamW against torch's fused fp32 AdamW, same work.
 
 Both paths get a bf16 gradient, a clip coefficient != 1 and write bf16 weights, as the executor
 asks of them (``FusedAdamW.step_group`` includes the bf16 -> fp32 gradient cast times the clip
@@ -24,6 +24,7 @@ import torch
 from bench.common import device_tag
 from lazytrain.optim.adamw import FusedAdamW
 from lazytrain.optim.base import AdamWConfig, HostOptimizer
+from lazytrain.optim.hybrid4bit import Hybrid4bitAdamW
 from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
 from lazytrain.optim.kernel import build_failure, cpu_description, kernel_choice, load_kernel
 
@@ -123,9 +124,9 @@ def write_report(record: dict, out_dir: Path) -> Path:
         "",
         (
             "| date | torch | threads | params | 8-bit path | 8-bit ns/param | fp32 ns/param "
-            "| speedup | 8-bit state B/param | 8-bit step GB/s | host copy GB/s |"
+            "| speedup | 8-bit state B/param | 8-bit step GB/s | host copy GB/s | 4-bit ns/param |"
         ),
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in records:
         copy = r.get("host_copy_gbps")
@@ -133,7 +134,8 @@ def write_report(record: dict, out_dir: Path) -> Path:
             f"| {r['date']} | {r['torch']} | {r['threads']} | {r['n_params']:,} | {r['path_8bit']} "
             f"| {r['ns_per_param_8bit']:.3f} | {r['ns_per_param_fp32']:.3f} | {r['speedup']:.2f}x "
             f"| {r['state_bytes_per_param']:.3f} | {BYTES_8BIT / r['ns_per_param_8bit']:.1f} "
-            f"| {'-' if copy is None else f'{copy:.1f}'} |"
+            f"| {'-' if copy is None else f'{copy:.1f}'} "
+            f"| {'-' if r.get('ns_per_param_4bit') is None else format(r['ns_per_param_4bit'], '.3f')} |"
         )
     lines += ["", (f"8-bit step GB/s: the step's memory traffic ({BYTES_8BIT} B/param, `BYTES_8BIT`) "
                    "over its time. host copy GB/s: bytes read + written per second by a plain fp32 "
@@ -176,6 +178,13 @@ def run(args: argparse.Namespace) -> None:
         args.numel,
         args,
     )
+    ns4, bytes4, _ = run_path(
+        f"hybrid 4-bit ({path})",
+        lambda m, d: Hybrid4bitAdamW(m, d, config, kernel="torch" if kernel is None else "cpp",
+                                     rounding=args.rounding),
+        args.numel,
+        args,
+    )
     ns32, bytes32, _ = run_path(
         "fused fp32 AdamW", lambda m, d: FusedAdamW(m, d, config), args.numel, args
     )
@@ -193,6 +202,8 @@ def run(args: argparse.Namespace) -> None:
         "ns_per_param_fp32": ns32,
         "speedup": ns32 / ns8,
         "state_bytes_per_param": bytes8,
+        "ns_per_param_4bit": ns4,
+        "state_bytes_per_param_4bit": bytes4,
         "state_bytes_per_param_fp32": bytes32,
         "threads": threads,
         "n_params": args.numel,

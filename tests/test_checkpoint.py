@@ -259,6 +259,21 @@ def test_fp32_states_resume_exactly(tmp_path):
     assert_resumed_exactly(tmp_path / "b", tmp_path / "a")
 
 
+def test_4bit_states_resume_exactly_and_refuse_8bit_ones(tmp_path, capsys):
+    """The same with 4-bit states (stochastic sqrt(v) codes); a checkpoint of 8-bit states does
+    not resume as a 4-bit run: one error naming both kinds."""
+    four = ["optimizer.kind=hybrid4bit"]
+    assert main(train_args(tmp_path / "a", 6, *four)) == 0
+    assert main(train_args(tmp_path / "b", 3, *four)) == 0
+    assert main(train_args(tmp_path / "b", 6, "training.resume=true", *four)) == 0
+    assert_resumed_exactly(tmp_path / "b", tmp_path / "a")
+    assert main(train_args(tmp_path / "c", 3)) == 0
+    capsys.readouterr()
+    assert main(train_args(tmp_path / "c", 6, "training.resume=true", *four)) == 2
+    err = capsys.readouterr().err
+    assert "optimizer state is of kind 'hybrid8bit', this optimizer is 'hybrid4bit'" in err, err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_finishes_the_step_checkpoints_and_says_how_to_resume(tmp_path, reference, sig):
     out = tmp_path / "run"

@@ -211,6 +211,10 @@ class AdamWConfig:
             raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
 
 
+QUANTIZED_KINDS = ("hybrid8bit", "hybrid4bit")
+"""optimizer.kind values with quantized states (rounding, fp32 small groups, a GPU step)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig(AdamWConfig):
     """The CPU optimizer (AdamW with fp32 or 8-bit states) and its learning-rate schedule."""
@@ -218,16 +222,17 @@ class OptimizerConfig(AdamWConfig):
     lr: float | None = None
     """Peak learning rate; null (auto): 2e-3 for the built-in tiny model (trained from
     scratch), 1e-5 for every other model (fine-tuning)."""
-    kind: Literal["fp32", "hybrid8bit"] = "fp32"
-    """fp32 (torch fused AdamW, 8 B/param of state) or hybrid8bit (8-bit blockwise, ~2 B/param)."""
+    kind: Literal["fp32", "hybrid8bit", "hybrid4bit"] = "fp32"
+    """fp32 (torch fused AdamW, 8 B/param of state), hybrid8bit (8-bit blockwise, ~2.06 B/param)
+    or hybrid4bit (4-bit blockwise, ~1.06 B/param; not exact, docs/optimizer.md)."""
     fp32_embedding_states: bool = False
-    """hybrid8bit only: keep fp32 m and v for the embedding and the final group (final norm and
+    """hybrid8bit and hybrid4bit only: keep fp32 m and v for the embedding and the final group (final norm and
     untied LM head), as bitsandbytes advises for embeddings. Costs 6 B more per parameter of
     those groups: Qwen2.5-7B (2 x 545 M of 7.6 B parameters) goes from 2.06 to 2.91 B/param,
     a tied model of the same shape (one 545 M matrix of 7.1 B) to 2.52. On the built-in default
     it measured no closer to fp32 than all-8-bit states (``bench/studies/optim_convergence_seeds.py``)."""
     state_rounding: Literal["auto", "nearest", "stochastic"] = "auto"
-    """hybrid8bit only: how sqrt(v) is requantized each step. nearest: the nearest code.
+    """hybrid8bit and hybrid4bit only: how sqrt(v) is requantized each step. nearest: the nearest code.
     stochastic: one of the two codes around it, drawn so that its expected value is sqrt(v)
     (reproducible: a hash of training.seed, the group, the step and the element), so that
     small changes of v are not rounded away. auto: stochastic when fine-tuning (weights loaded
@@ -237,7 +242,9 @@ class OptimizerConfig(AdamWConfig):
     nearest codes 0.13%, outside the null's interval; along the run all three are within the
     null's spread. Training the built-in model from scratch, stochastic codes ended worse on
     one seed of three. The 8-bit step takes ~28% more CPU time (0.258 -> 0.330 ns/param, 16
-    cores); a 7B step (b64 x s1024, H200) measured +3.4% and -0.7% in two pairs of runs."""
+    cores); a 7B step (b64 x s1024, H200) measured +3.4% and -0.7% in two pairs of runs.
+    With hybrid4bit, auto is nearest (stochastic 4-bit codes measured no closer to float64
+    AdamW, optim/hybrid4bit.py)."""
     warmup_steps: int = 20
     """Steps of linear warmup from lr / warmup_steps to lr (0: none)."""
     schedule: Literal["cosine", "constant"] = "cosine"
@@ -250,16 +257,16 @@ class OptimizerConfig(AdamWConfig):
         lr, self.lr = self.lr, 0.0 if self.lr is None else self.lr
         AdamWConfig.__post_init__(self)  # validates betas, eps, decay (and lr unless auto)
         self.lr = lr
-        if self.fp32_embedding_states and self.kind != "hybrid8bit":
+        if self.fp32_embedding_states and self.kind not in QUANTIZED_KINDS:
             raise ConfigError(
-                "optimizer.fp32_embedding_states applies to optimizer.kind=hybrid8bit only "
+                "optimizer.fp32_embedding_states applies to optimizer.kind=hybrid8bit or hybrid4bit only "
                 "(fp32 keeps every state in fp32); unset it or set optimizer.kind=hybrid8bit"
             )
-        if self.state_rounding == "stochastic" and self.kind != "hybrid8bit":
+        if self.state_rounding == "stochastic" and self.kind not in QUANTIZED_KINDS:
             raise ConfigError(
                 f"optimizer.state_rounding={self.state_rounding} applies to optimizer.kind=hybrid8bit "
-                "only (fp32 states are not rounded); set it to auto (the default) or nearest, or set "
-                "optimizer.kind=hybrid8bit"
+                "or hybrid4bit only (fp32 states are not rounded); set it to auto (the default) or "
+                "nearest, or set optimizer.kind=hybrid8bit"
             )
         if self.warmup_steps < 0:
             raise ConfigError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
@@ -486,10 +493,11 @@ class Config:
             if value and self.plan.const_update == "host":
                 raise ConfigError(f"plan.{name}={value} {what}; set plan.const_update=device (or auto), or "
                                   f"plan.{name}=0")
-        if self.plan.const_update == "device" and self.optimizer.kind != "hybrid8bit":
+        if self.plan.const_update == "device" and self.optimizer.kind not in QUANTIZED_KINDS:
             raise ConfigError(
                 f"plan.const_update=device steps the embedding and head on the GPU, which optimizer.kind="
-                f"{self.optimizer.kind} cannot (its step is CPU-only); set optimizer.kind=hybrid8bit or "
+                f"{self.optimizer.kind} cannot (its step is CPU-only); set optimizer.kind=hybrid8bit (or "
+                "hybrid4bit) or "
                 "plan.const_update=auto"
             )
         master = self.memory.master_setting()
@@ -507,8 +515,8 @@ class Config:
     def state_rounding(self) -> str:
         """optimizer.state_rounding resolved (kept as given in the config, so that a saved
         config still says auto): auto is stochastic for hybrid8bit states fine-tuning weights
-        loaded from model.source, nearest for a built-in shape's random init and for fp32
-        states (docs/optimizer.md, rounding of the 8-bit states)."""
+        loaded from model.source, nearest for a built-in shape's random init, for 4-bit states
+        and for fp32 states (docs/optimizer.md, rounding of the 8-bit states)."""
         rounding = self.optimizer.state_rounding
         if rounding != "auto":
             return rounding

@@ -26,7 +26,11 @@ GIB = 2**30
 
 
 def optimizer_bytes_per_param(kind: str, numels: Sequence[int], fp32_groups: Collection[int] = ()) -> float:
-    """State bytes per parameter of optimizer ``kind`` (fp32 or hybrid8bit) over these groups."""
+    """State bytes per parameter of optimizer ``kind`` (fp32, hybrid8bit or hybrid4bit) over these groups."""
+    if kind == "hybrid4bit":
+        from lazytrain.optim.hybrid4bit import state_bytes_per_param as four_bit
+
+        return four_bit(numels, fp32_groups)
     if kind != "hybrid8bit":
         return 8.0
     from lazytrain.optim.hybrid8bit import state_bytes_per_param

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lazytrain.config import QUANTIZED_KINDS
 from lazytrain.optim.base import HostOptimizer
 
 if TYPE_CHECKING:
@@ -13,7 +14,8 @@ if TYPE_CHECKING:
 
 
 def fp32_state_groups(config: OptimizerConfig, num_groups: int) -> tuple[int, ...]:
-    """Groups whose states stay fp32 under hybrid8bit: the embedding (first) and final (last) ones."""
+    """Groups whose states stay fp32 under hybrid8bit or hybrid4bit: the embedding (first) and final
+    (last) ones."""
     return (0, num_groups - 1) if config.fp32_embedding_states else ()
 
 
@@ -36,6 +38,10 @@ def describe_config(config: OptimizerConfig, rounding: str) -> tuple[str, int | 
     """`describe` of the optimizer `make_optimizer` makes from ``config`` and ``rounding``, and
     the elements per piece of its GPU step (`HostOptimizer.device_step_chunk`), without making
     one (8-bit states load the C++ kernel, a minute when it is built)."""
+    if config.kind == "hybrid4bit":
+        from lazytrain.optim.hybrid8bit import DEVICE_CHUNK
+
+        return f"hybrid4bit/{rounding}", DEVICE_CHUNK
     if config.kind != "hybrid8bit":
         return config.kind, None
     from lazytrain.optim.hybrid8bit import _device_chunk
@@ -53,15 +59,17 @@ def make_optimizer(
     ``group_offsets`` where those shards start; ``seed`` keys stochastic rounding; ``rounding``:
     ``Config.state_rounding()`` (``config.state_rounding`` when that is not auto)."""
     rounding = rounding or config.state_rounding
-    if rounding == "auto" and config.kind == "hybrid8bit":
+    if rounding == "auto" and config.kind in QUANTIZED_KINDS:
         raise ValueError("optimizer.state_rounding=auto depends on the model (Config.state_rounding); "
                          "pass rounding=config.state_rounding() or set nearest / stochastic")
-    if config.kind == "hybrid8bit":
+    if config.kind in QUANTIZED_KINDS:
+        from lazytrain.optim.hybrid4bit import Hybrid4bitAdamW
         from lazytrain.optim.hybrid8bit import Hybrid8bitAdamW
 
-        return Hybrid8bitAdamW(masters, decay_numel, config,
-                               fp32_groups=fp32_state_groups(config, len(masters)), group_numels=group_numels,
-                               group_offsets=group_offsets, rounding=rounding, seed=seed)
+        kind = Hybrid8bitAdamW if config.kind == "hybrid8bit" else Hybrid4bitAdamW
+        return kind(masters, decay_numel, config,
+                    fp32_groups=fp32_state_groups(config, len(masters)), group_numels=group_numels,
+                    group_offsets=group_offsets, rounding=rounding, seed=seed)
     from lazytrain.optim.adamw import FusedAdamW
 
     return FusedAdamW(masters, decay_numel, config, seed=seed)

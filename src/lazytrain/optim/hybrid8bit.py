@@ -481,6 +481,10 @@ class Hybrid8bitAdamW(HostOptimizer):
     """
 
     device_step = True
+    KERNEL = "hybrid8bit"
+    """The C++ kernel's name (`kernel.SOURCES`); a subclass with other states names its own."""
+    QUANTIZED = QuantizedState
+    """The state of a quantized group (``zeros(numel)``); a subclass with other states names its own."""
 
     @property
     def device_step_chunk(self) -> int:
@@ -515,10 +519,10 @@ class Hybrid8bitAdamW(HostOptimizer):
                 f"are then the whole group's), got {offsets}"
             )
         self.rounding, self.seed, self.group_offsets = rounding, int(seed), offsets
-        self._kernel = kernel_for(kernel_choice(kernel))
+        self._kernel = kernel_for(kernel_choice(kernel), self.KERNEL)
         sizes = [m.numel() for m in masters] if group_numels is None else group_numels
         self.states: list[QuantizedState | Fp32State] = [
-            QuantizedState.zeros(m.numel())
+            self.QUANTIZED.zeros(m.numel())
             if is_8bit(size) and g not in fp32_groups
             else Fp32State.zeros(m.numel())
             for g, (m, size) in enumerate(zip(masters, sizes))

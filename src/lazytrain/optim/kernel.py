@@ -1,4 +1,4 @@
-"""Build (once per machine) and load the fused 8-bit AdamW C++ kernel.
+"""Build (once per machine) and load the fused AdamW C++ kernels (8-bit and 4-bit states).
 
 The kernel is compiled at first use with ``-march=native`` by ``torch.utils.cpp_extension``,
 so it must be built on the machine that runs it: the build directory is keyed by the torch
@@ -16,6 +16,9 @@ native one.
 ``LAZYTRAIN_OPTIM_KERNEL`` picks the path: ``auto`` (default: the kernel if it builds),
 ``cpp`` (the kernel or an error), ``torch`` (never build) or ``cpp-<variant>`` (the kernel
 built for that instruction set only, e.g. ``cpp-avx2``: for tests and comparisons).
+
+Each source in `SOURCES` is its own module (``name`` of `load_kernel` and `kernel_for`: the
+8-bit kernel ``hybrid8bit``, the default, or ``hybrid4bit``), built and cached the same way.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "hybrid8bit.cpp"
+SOURCES = {name: Path(__file__).parent / "csrc" / f"{name}.cpp" for name in ("hybrid8bit", "hybrid4bit")}
+"""The kernels by name: one C++ source each, built as a module of its own."""
+SOURCE = SOURCES["hybrid8bit"]
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 # No -fopenmp at link time: the OpenMP symbols then resolve to the runtime torch already
 # loaded, so the kernel shares torch's thread pool instead of starting a second one.
@@ -63,9 +68,10 @@ KERNEL_CHOICES = ("auto", "cpp", "torch", *(f"cpp-{name}" for name in VARIANTS))
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType] = {}
-"""Built modules by variant; the native build (``-march=native`` alone) as ``"native"``."""
+"""Built modules by variant; the native build (``-march=native`` alone) as ``"native"``; a
+kernel other than ``hybrid8bit`` prefixed by its name (``"hybrid4bit/native"``)."""
 _failure: dict[str, str] = {}
-"""Why the last build of a variant (``"native"``: the default build) failed."""
+"""Why the last build of a variant (``"native"``: the default build) failed, keyed as `_loaded`."""
 
 
 def kernel_choice(requested: str | None = None) -> str:
@@ -78,14 +84,15 @@ def kernel_choice(requested: str | None = None) -> str:
     return choice
 
 
-def kernel_for(choice: str) -> ModuleType | None:
-    """The module that steps with `kernel_choice`'s ``choice``: ``None`` for ``torch`` (and for
-    ``auto`` where the kernel does not build); ``cpp`` and ``cpp-<variant>`` raise instead."""
+def kernel_for(choice: str, name: str = "hybrid8bit") -> ModuleType | None:
+    """The module of kernel ``name`` that steps with `kernel_choice`'s ``choice``: ``None`` for
+    ``torch`` (and for ``auto`` where the kernel does not build); ``cpp`` and ``cpp-<variant>``
+    raise instead."""
     if choice == "torch":
         return None
     if choice.startswith("cpp-"):
-        return load_kernel(required=True, variant=choice.removeprefix("cpp-"))
-    return load_kernel(required=choice == "cpp")
+        return load_kernel(required=True, variant=choice.removeprefix("cpp-"), name=name)
+    return load_kernel(required=choice == "cpp", name=name)
 
 
 def cpu_description() -> str:
@@ -124,22 +131,28 @@ def native_variant() -> str:
     return next(name for name in VARIANTS if not missing_cpu_flags(name))
 
 
-def build_directory(variant: str | None = None) -> Path:
-    """Where the native build (``variant=None``) or a variant's build lives."""
+def build_directory(variant: str | None = None, name: str = "hybrid8bit") -> Path:
+    """Where kernel ``name``'s native build (``variant=None``) or a variant's build lives."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "lazytrain" / "torch_extensions"
     # the source's own hash too: a build of another version of the kernel is never loaded
-    source = hashlib.sha1(SOURCE.read_bytes()).hexdigest()
+    source = hashlib.sha1(_source(name).read_bytes()).hexdigest()
     key = "|".join([torch.__version__, cpu_description(), _cpu_flags(), " ".join(_cflags(variant)), source])
-    return base / f"{_module_name(variant)}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    return base / f"{_module_name(variant, name)}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+def _source(name: str) -> Path:
+    if name not in SOURCES:
+        raise ValueError(f"kernel {name!r} is not one of {tuple(SOURCES)}")
+    return SOURCE if name == "hybrid8bit" else SOURCES[name]
 
 
 def _cflags(variant: str | None) -> list[str]:
     return _CFLAGS if variant is None else [*_CFLAGS, *VARIANTS[variant].off]
 
 
-def _module_name(variant: str | None) -> str:
-    return "lazytrain_hybrid8bit" if variant is None else f"lazytrain_hybrid8bit_{variant}"
+def _module_name(variant: str | None, name: str = "hybrid8bit") -> str:
+    return f"lazytrain_{name}" if variant is None else f"lazytrain_{name}_{variant}"
 
 
 STALE_LOCK_S = 600
@@ -189,8 +202,9 @@ def _remove_lock(lock: Path, older_than: float) -> None:
         lock.unlink(missing_ok=True)
 
 
-def load_kernel(required: bool = False, variant: str | None = None) -> ModuleType | None:
-    """The compiled kernel module, or ``None`` (with one warning) when it cannot be built.
+def load_kernel(required: bool = False, variant: str | None = None, name: str = "hybrid8bit") -> ModuleType | None:
+    """The compiled module of kernel ``name`` (`SOURCES`), or ``None`` (with one warning) when it
+    cannot be built.
 
     ``variant`` (a key of `VARIANTS`): the kernel built for that instruction set alone; the
     native build when it is `native_variant`, else a build of its own (cached like the
@@ -205,32 +219,35 @@ def load_kernel(required: bool = False, variant: str | None = None) -> ModuleTyp
                 f"{', '.join(missing)}; variants it can run: "
                 f"{[name for name in VARIANTS if not missing_cpu_flags(name)]}"
             )
+    _source(name)
     with _lock:
         if variant is not None and variant == native_variant():
-            module = _load(required, None)
+            module = _load(required, None, name)
             if module is not None and module.simd() != variant:
                 raise RuntimeError(
                     f"the native kernel build runs the {module.simd()!r} path, not {variant!r} as this "
                     "CPU's flags say: the compiler cannot target this CPU's instruction sets"
                 )
             return module
-        return _load(required, variant)
+        return _load(required, variant, name)
 
 
-def _load(required: bool, variant: str | None) -> ModuleType | None:
+def _load(required: bool, variant: str | None, name: str = "hybrid8bit") -> ModuleType | None:
     """`load_kernel`'s build, under `_lock`."""
     key = variant or "native"
+    if name != "hybrid8bit":
+        key = f"{name}/{key}"
     if key in _loaded or (key in _failure and not required):
         return _loaded.get(key)
     try:
         from torch.utils import cpp_extension
 
-        directory = build_directory(variant)
+        directory = build_directory(variant, name)
         directory.mkdir(parents=True, exist_ok=True)
         with _building(directory):
             module = cpp_extension.load(
-                name=_module_name(variant),
-                sources=[str(SOURCE)],
+                name=_module_name(variant, name),
+                sources=[str(_source(name))],
                 extra_cflags=_cflags(variant),
                 extra_ldflags=_LDFLAGS,
                 build_directory=str(directory),
@@ -242,8 +259,9 @@ def _load(required: bool, variant: str | None) -> ModuleType | None:
         detail = str(err).strip()
         _failure[key] = f"{type(err).__name__}: {detail.splitlines()[0] if detail else ''}"
         which = "" if variant is None else f" (variant {variant})"
+        bits = "4-bit" if name == "hybrid4bit" else "8-bit"
         message = (
-            f"lazytrain: the fused 8-bit optimizer kernel{which} did not build ({_failure[key]}). "
+            f"lazytrain: the fused {bits} optimizer kernel{which} did not build ({_failure[key]}). "
             "It needs a C++ compiler (g++) and ninja on this machine; set "
             "LAZYTRAIN_VERBOSE_BUILD=1 to see the build log."
         )

@@ -340,7 +340,7 @@ class CostTable:
     fits: dict[str, ShapeFit] = field(default_factory=default_fits)
     optimizer: str = ""
     """The CPU optimizer ``optimizer_ns_per_param`` was timed on (`optim.factory.describe`:
-    fp32, hybrid8bit/nearest, hybrid8bit/stochastic); empty in tables written before it was
+    fp32, hybrid8bit/nearest, hybrid8bit/stochastic, hybrid4bit/nearest, ...); empty in tables written before it was
     recorded."""
     attention: str = "causal"
     """The attention the layers were profiled with (`ATTENTIONS`): causal (unmasked rows, and

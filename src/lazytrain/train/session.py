@@ -186,6 +186,9 @@ def resolve_master(config: Config, device: torch.device, dtype: torch.dtype, dis
             f"memory.master={choice} is not supported under torchrun yet (each rank keeps an fp32 shard of the "
             "masters); set memory.master=auto or fp32"
         )
+    if choice == "bf16" and config.optimizer.kind == "hybrid4bit":
+        raise ConfigError("memory.master=bf16 with optimizer.kind=hybrid4bit: the 4-bit kernel does not round a bf16 "
+                          "master yet; set memory.master=auto (the exact split master) or optimizer.kind=hybrid8bit")
     if choice == "auto":
         return "split" if not distributed and dtype == torch.bfloat16 and device.type == "cuda" else "fp32"
     return choice
@@ -258,8 +261,9 @@ def build_session(config: Config) -> Session:
     if store.master_mode == "bf16":
         log.info("masters: the bf16 weights themselves, updated with stochastic rounding (memory.master=bf16: "
                  "0 B/param, not exact)")
-    if config.optimizer.kind == "hybrid8bit":
-        log.info("8-bit states: sqrt(v) rounded to the %s code (optimizer.state_rounding=%s)",
+    if config.optimizer.kind in ("hybrid8bit", "hybrid4bit"):
+        log.info("%s states: sqrt(v) rounded to the %s code (optimizer.state_rounding=%s)",
+                 "4-bit" if config.optimizer.kind == "hybrid4bit" else "8-bit",
                  "stochastically drawn" if rounding == "stochastic" else "nearest", config.optimizer.state_rounding)
     if parallel is None:
         optimizer = make_optimizer(config.optimizer, store.masters, decay, seed=config.training.seed,

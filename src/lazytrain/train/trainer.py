@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from lazytrain.config import Config
+from lazytrain.config import Config, ConfigError
 from lazytrain.data.dataset import Batch
 from lazytrain.data.pipeline import heldout_samples, resolve_template, training_batches
 from lazytrain.model.loading import save_hf
@@ -344,7 +344,11 @@ class Trainer:
             if self.parallel is not None:
                 self.parallel.publish(self.store, g)  # the other ranks' shards of the weights
             self.executor.weights_updated(g)
-        self.optimizer.load_state_dict(optimizer_state)
+        try:
+            self.optimizer.load_state_dict(optimizer_state)
+        except ValueError as error:  # another optimizer.kind, or another model's groups: the user's to fix
+            raise ConfigError(f"training.resume=true: the checkpoint {found.path} does not fit this run: "
+                              f"{error}") from error
         self.batches.load_state_dict(state["data"])
         self.step = state["step"]
         self.skips.total = state["skipped_steps"]

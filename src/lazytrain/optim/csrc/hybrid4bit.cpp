@@ -1,0 +1,622 @@
+// Fused AdamW step with blockwise 4-bit states, for lazytrain/optim/hybrid4bit.py.
+//
+// The 8-bit kernel's structure (hybrid8bit.cpp) with 16-code maps: one pass over memory per
+// 128-element block. Dequantize the block's m and sqrt(v) codes (two per byte, the even
+// element in the low nibble) into a stack buffer, update m, v and the fp32 master with the
+// gradient times the clip coefficient, write the new weight, keep the new m and sqrt(v) while
+// tracking their absmax, then requantize: the nearest code is the number of the map's 15
+// midpoints below the value (ties to the lower code), exactly as the torch path's bucketize.
+// Blocks are independent, so they are spread over torch's intra-op threads.
+//
+// A 16-entry map fits in one AVX-512 register (and two AVX2 ones), so dequantizing is a
+// register permute, and quantizing is 15 compares: no tables in memory, no gathers.
+//
+// The master is read and written in one place (read_master / write_master): the fp32 master,
+// or the exact split master (split.py). A bf16 master (stochastic rounding on the weight
+// write) plugs in there.
+//
+// The vector helpers below (loads, bf16 stores, the split master, sqrt and reciprocal
+// estimates) are those of hybrid8bit.cpp, copied while another change edits that file; once
+// both land they belong in one shared header.
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define LAZYTRAIN_VBMI 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 128;  // hybrid4bit.BLOCK
+constexpr int kCodes = 16;
+constexpr float kTiny = 1.17549435e-38f;  // smaller absmax: the block is stored as zeros
+
+struct Map4 {
+  alignas(64) float qmap[kCodes];       // sorted code values
+  alignas(64) float midpoints[kCodes];  // [k] between codes k and k + 1; [15] unused
+  // the map is k / 16, k = 1..16 (hybrid4bit.linear_map4): its midpoints are (2k + 1) / 32, so
+  // the count of those below x is clamp(ceil((32 x - 3) / 2), 0, 15), each step exact in float32
+  bool linear = false;
+};
+
+struct Hyper {
+  float clip, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_bc2_sqrt;
+};
+
+inline float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+// Round to nearest even, NaN to a quiet NaN: c10::BFloat16's own rounding.
+inline uint16_t float_to_bf16(float f) {
+  if (std::isnan(f)) return 0x7fc0;
+  const uint32_t b = float_to_bits(f);
+  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+// MurmurHash3's 32-bit finalizer: quant.fmix32.
+inline uint32_t fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+
+inline int nearest_code(float x, const Map4& t) {
+  int c = 0;
+  for (int k = 0; k < kCodes - 1; ++k) c += x > t.midpoints[k] ? 1 : 0;
+  return c;
+}
+
+struct Scalar {
+  static constexpr int W = 1;
+  using F = float;
+  static F set(float x) { return x; }
+  static F load(const float* p) { return *p; }
+  static F load(const uint16_t* p) { return bits_to_float(static_cast<uint32_t>(*p) << 16); }
+  static void store(float* p, F x) { *p = x; }
+  static void store(uint16_t* p, F x) { *p = float_to_bf16(x); }
+  static F join(const uint16_t* hi, const uint16_t* lo) {
+    return bits_to_float((static_cast<uint32_t>(*hi) << 16) +
+                         static_cast<uint32_t>(static_cast<int32_t>(static_cast<int16_t>(*lo))));
+  }
+  static void split(uint16_t* hi, uint16_t* lo, F x) {
+    const uint32_t b = float_to_bits(x);
+    *hi = static_cast<uint16_t>((b + 0x8000u) >> 16);
+    *lo = static_cast<uint16_t>(b);
+  }
+  static F sqrt(F v) { return std::sqrt(v); }
+  static F reciprocal(F d) { return 1.0f / d; }
+  static F abs(F x) { return std::fabs(x); }
+  static F max(F a, F b) { return a > b ? a : b; }
+  static float reduce_max(F x) { return x; }
+  // codes of elements i .. i + W - 1 (i even for W > 1) -> their values times `scale`
+  static F dequantize(const uint8_t* packed, int64_t i, const Map4& t, F scale) {
+    return t.qmap[(packed[i >> 1] >> (4 * (i & 1))) & 15] * scale;
+  }
+  static void quantize(const float* values, float inv_absmax, uint8_t* codes, const Map4& t) {
+    *codes = static_cast<uint8_t>(nearest_code(*values * inv_absmax, t));
+  }
+};
+
+#if defined(__AVX512F__)
+struct Simd {
+  static constexpr int W = 16;
+  using F = __m512;
+  static F set(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static void store(uint16_t* p, F x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+    r = _mm512_srli_epi32(r, 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  static F join(const uint16_t* hi, const uint16_t* lo) {
+    const __m512i h = _mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi))), 16);
+    const __m512i l = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)));
+    return _mm512_castsi512_ps(_mm512_add_epi32(h, l));
+  }
+  static void split(uint16_t* hi, uint16_t* lo, F x) {
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i h = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x8000)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm512_cvtepi32_epi16(h));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), _mm512_cvtepi32_epi16(b));
+  }
+  // sqrt and 1 / x from the 14-bit estimates and one Newton step each (about an ulp off)
+  static F sqrt(F v) {
+    const F r = _mm512_rsqrt14_ps(_mm512_max_ps(v, set(kTiny)));
+    const F root = _mm512_mul_ps(v, r);
+    return _mm512_fmadd_ps(root, _mm512_fnmadd_ps(root, _mm512_mul_ps(r, set(0.5f)), set(0.5f)), root);
+  }
+  static F reciprocal(F d) {
+    const F q = _mm512_rcp14_ps(d);
+    return _mm512_fmadd_ps(q, _mm512_fnmadd_ps(d, q, set(1.0f)), q);
+  }
+  static F abs(F x) { return _mm512_abs_ps(x); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static float reduce_max(F x) { return _mm512_reduce_max_ps(x); }
+  // 16 codes from 8 bytes: each byte twice, the odd copies shifted down a nibble; the map is
+  // one register, so the look-up is one permute
+  static F dequantize(const uint8_t* packed, int64_t i, const Map4& t, F scale) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + (i >> 1)));
+    const __m512i wide = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(wide, shifts), _mm512_set1_epi32(15));
+    return _mm512_mul_ps(_mm512_permutexvar_ps(codes, _mm512_load_ps(t.qmap)), scale);
+  }
+  static void quantize(const float* values, float inv_absmax, uint8_t* codes, const Map4& t) {
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(values), _mm512_set1_ps(inv_absmax));
+    __m512i c = _mm512_setzero_si512();
+    if (t.linear) {
+      const __m512 half = _mm512_mul_ps(_mm512_fmsub_ps(x, _mm512_set1_ps(32.0f), _mm512_set1_ps(3.0f)),
+                                        _mm512_set1_ps(0.5f));
+      c = _mm512_cvt_roundps_epi32(half, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+      c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(kCodes - 1));
+    } else {
+      const __m512i one = _mm512_set1_epi32(1);
+      for (int k = 0; k < kCodes - 1; ++k) {
+        c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(x, _mm512_set1_ps(t.midpoints[k]), _CMP_GT_OQ), c, one);
+      }
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(c));
+  }
+  // 16 codes (bytes) -> 8 bytes, two codes each
+  static void pack16(const uint8_t* codes, uint8_t* out) {
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m128i both = _mm_and_si128(_mm_or_si128(w, _mm_srli_epi16(w, 4)), _mm_set1_epi16(0xff));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(both, both));
+  }
+};
+#elif defined(__AVX2__)
+struct Simd {
+  static constexpr int W = 8;
+  using F = __m256;
+  static F set(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static void store(uint16_t* p, F x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), odd);
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+  }
+  static F join(const uint16_t* hi, const uint16_t* lo) {
+    const __m256i h = _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi))), 16);
+    const __m256i l = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)));
+    return _mm256_castsi256_ps(_mm256_add_epi32(h, l));
+  }
+  static __m128i low_halves(__m256i x) {  // masked first, so the saturating pack is exact
+    x = _mm256_and_si256(x, _mm256_set1_epi32(0xffff));
+    return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  }
+  static void split(uint16_t* hi, uint16_t* lo, F x) {
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x8000)), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), low_halves(h));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), low_halves(b));
+  }
+  // from 12-bit estimates (one Newton step leaves 1-2 ulps)
+  // (operators, not FMA intrinsics: an AVX2 build need not have FMA; the compiler fuses where it can)
+  static F sqrt(F v) {
+    const F r = _mm256_rsqrt_ps(_mm256_max_ps(v, set(kTiny)));
+    const F root = v * r;
+    return root + root * (set(0.5f) - root * (r * set(0.5f)));
+  }
+  static F reciprocal(F d) {
+    const F q = _mm256_rcp_ps(d);
+    return q + q * (set(1.0f) - d * q);
+  }
+  static F abs(F x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static float reduce_max(F x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
+  // 8 codes from 4 bytes; the map is two registers, picked by the code's bit 3
+  static F dequantize(const uint8_t* packed, int64_t i, const Map4& t, F scale) {
+    int32_t four;
+    std::memcpy(&four, packed + (i >> 1), 4);
+    const __m128i bytes = _mm_cvtsi32_si128(four);
+    const __m256i wide = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+    const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(wide, shifts), _mm256_set1_epi32(15));
+    const __m256 low = _mm256_permutevar8x32_ps(_mm256_load_ps(t.qmap), codes);
+    const __m256 high = _mm256_permutevar8x32_ps(_mm256_load_ps(t.qmap + 8), codes);
+    const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28));  // bit 3 as the sign
+    return _mm256_mul_ps(_mm256_blendv_ps(low, high, upper), scale);
+  }
+  static void quantize(const float* values, float inv_absmax, uint8_t* codes, const Map4& t) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(values), _mm256_set1_ps(inv_absmax));
+    __m256i c = _mm256_setzero_si256();
+    if (t.linear) {
+      const __m256 half = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(x, _mm256_set1_ps(32.0f)), _mm256_set1_ps(3.0f)),
+                                        _mm256_set1_ps(0.5f));
+      c = _mm256_cvtps_epi32(_mm256_ceil_ps(half));
+      c = _mm256_min_epi32(_mm256_max_epi32(c, _mm256_setzero_si256()), _mm256_set1_epi32(kCodes - 1));
+    } else {
+      for (int k = 0; k < kCodes - 1; ++k) {  // a true compare is -1
+        c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_set1_ps(t.midpoints[k]), _CMP_GT_OQ)));
+      }
+    }
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), _mm_packus_epi16(words, words));
+  }
+  static void pack16(const uint8_t* codes, uint8_t* out) {
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m128i both = _mm_and_si128(_mm_or_si128(w, _mm_srli_epi16(w, 4)), _mm_set1_epi16(0xff));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(both, both));
+  }
+};
+#else
+using Simd = Scalar;
+#endif
+
+// codes [0, len) (len even, or codes[len] = 0) two to a byte into `out`
+inline void pack_range(const uint8_t* codes, int64_t len, uint8_t* out) {
+  int64_t j = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+  for (; j + 16 <= len; j += 16) Simd::pack16(codes + j, out + j / 2);
+#endif
+  for (; j < len; j += 2) out[j / 2] = static_cast<uint8_t>(codes[j] | (codes[j + 1] << 4));
+}
+
+struct Group4bit {
+  int64_t numel;
+  int64_t decay_numel;
+  float decay;          // 1 - lr * weight_decay
+  float* master;        // nullptr when the master is split:
+  uint16_t* weight;     // its bf16 half (the streamed weight) and
+  uint16_t* remainder;  // its low 16 bits (split.py)
+  uint8_t* m_codes;     // two codes a byte, the even element in the low nibble
+  float* m_absmax;
+  uint8_t* v_codes;  // codes of sqrt(v)
+  float* v_absmax;
+  bool stochastic;  // sqrt(v) rounded stochastically (hybrid4bit.stochastic_codes4)
+  uint32_t key;     // quant.rounding_key of this group's step
+  int64_t offset;   // index in the whole group of element 0 (a data-parallel shard's start)
+};
+
+struct BlockScratch {
+  alignas(64) float m[kBlock];     // old m, then new m
+  alignas(64) float root[kBlock];  // old sqrt(v), then new
+  alignas(64) uint8_t codes[kBlock + 16];
+  float m_max = 0.0f, root_max = 0.0f;
+};
+
+// The master's one read and one write: fp32, or the exact split master. A bf16 master (the
+// streamed weight, stochastically rounded on write) is a third case here and nowhere else.
+template <class S>
+inline typename S::F read_master(const Group4bit& g, int64_t k) {
+  return g.master ? S::load(g.master + k) : S::join(g.weight + k, g.remainder + k);
+}
+
+template <class S>
+inline void write_master(const Group4bit& g, int64_t k, typename S::F w) {
+  if (g.master) {
+    S::store(g.master + k, w);
+  } else {
+    S::split(g.weight + k, g.remainder + k, w);
+  }
+}
+
+// Adam update of elements [lo, hi) of the block at `start`, from the old m and sqrt(v) in the
+// scratch buffers, which then hold the new ones; master and weight_out written.
+template <class S, class G, class O>
+inline void update_range(const Group4bit& g, const G* grad, O* out, const Hyper& h, int64_t start,
+                         int64_t lo, int64_t hi, float decay, BlockScratch& s) {
+  using F = typename S::F;
+  const F clip = S::set(h.clip), b1 = S::set(h.beta1), omb1 = S::set(h.one_minus_beta1);
+  const F b2 = S::set(h.beta2), omb2 = S::set(h.one_minus_beta2), eps = S::set(h.eps);
+  const F step_size = S::set(h.step_size), inv_bc2 = S::set(h.inv_bc2_sqrt), dec = S::set(decay);
+  F m_max = S::set(0.0f), root_max = S::set(0.0f);
+  int64_t j = lo;
+  for (; j + S::W <= hi; j += S::W) {
+    const int64_t k = start + j;
+    const F gr = S::load(grad + k) * clip;
+    const F m = b1 * S::load(s.m + j) + omb1 * gr;
+    const F old = S::load(s.root + j);
+    const F root = S::sqrt(b2 * (old * old) + omb2 * (gr * gr));
+    const F w = read_master<S>(g, k) * dec - step_size * (m * S::reciprocal(root * inv_bc2 + eps));
+    write_master<S>(g, k, w);
+    if constexpr (!std::is_same_v<O, void>) S::store(out + k, w);
+    S::store(s.m + j, m);
+    S::store(s.root + j, root);
+    m_max = S::max(m_max, S::abs(m));
+    root_max = S::max(root_max, root);
+  }
+  s.m_max = std::max(s.m_max, S::reduce_max(m_max));
+  s.root_max = std::max(s.root_max, S::reduce_max(root_max));
+  if constexpr (S::W > 1) update_range<Scalar>(g, grad, out, h, start, j, hi, decay, s);
+}
+
+template <class S>
+inline void dequantize_range(const uint8_t* packed, float scale, const Map4& t, int64_t start, int64_t len,
+                             float* out) {
+  int64_t j = 0;
+  for (; j + S::W <= len; j += S::W) S::store(out + j, S::dequantize(packed, start + j, t, S::set(scale)));
+  if constexpr (S::W > 1) {
+    for (; j < len; ++j) out[j] = Scalar::dequantize(packed, start + j, t, scale);
+  }
+}
+
+// Stochastic rounding of sqrt(v) (hybrid4bit.stochastic_codes4): from the nearest code c, the
+// code below or above x, the upper one with probability (x - below) / (above - below) against
+// the uniform hashed from the element's index. The division is IEEE's, as torch's.
+inline void stochastic(const float* values, float inv_absmax, uint8_t* codes, const Map4& t, int64_t len,
+                       uint32_t key, uint32_t index) {
+  for (int64_t j = 0; j < len; ++j) {
+    const float x = values[j] * inv_absmax;
+    const int c = codes[j];
+    const float qc = t.qmap[c];
+    const int n = x >= qc ? std::min(c + 1, kCodes - 1) : std::max(c - 1, 0);
+    const float qn = t.qmap[n];
+    const float a = std::min(qc, qn), b = std::max(qc, qn);
+    const float u = static_cast<float>(fmix32((index + static_cast<uint32_t>(j)) ^ key) >> 8) * 0x1p-24f;
+    codes[j] = static_cast<uint8_t>(std::min(c, n) + ((b > a && u < (x - a) / (b - a)) ? 1 : 0));
+  }
+}
+
+// Quantize `len` values into packed codes starting at element `start` (even).
+template <class S>
+inline void quantize_range(const float* values, int64_t len, float inv_absmax, const Map4& t, uint8_t* codes,
+                           const Group4bit& g, bool stochastic_codes, int64_t start, uint8_t* packed) {
+  int64_t j = 0;
+  for (; j + S::W <= len; j += S::W) S::quantize(values + j, inv_absmax, codes + j, t);
+  for (; j < len; ++j) Scalar::quantize(values + j, inv_absmax, codes + j, t);
+  if (stochastic_codes) {
+    // a block never straddles a multiple of 2**32 elements: its high half keys the block
+    const int64_t first = g.offset + start;
+    const uint32_t key = fmix32(g.key ^ (static_cast<uint32_t>(first >> 32) * 0x27D4EB2Fu));
+    stochastic(values, inv_absmax, codes, t, len, key, static_cast<uint32_t>(first));
+  }
+  codes[len] = 0;  // an odd tail's last byte holds one code
+  pack_range(codes, len, packed + (start >> 1));
+}
+
+// Denormal blocks become zeros, so the reciprocal stays finite (as the 8-bit kernel).
+inline float store_absmax(float& slot, float absmax) {
+  if (!(absmax >= kTiny)) absmax = 0.0f;
+  slot = absmax;
+  return absmax > 0.0f ? 1.0f / absmax : 0.0f;
+}
+
+template <class G, class O>
+void step_block(const Group4bit& g, const G* grad, O* out, const Hyper& h, const Map4& tm, const Map4& tv,
+                int64_t block) {
+  BlockScratch s;
+  const int64_t start = block * kBlock;
+  const int64_t len = std::min(kBlock, g.numel - start);
+  const int64_t decay_end = std::clamp<int64_t>(g.decay_numel - start, 0, len);
+  dequantize_range<Simd>(g.m_codes, g.m_absmax[block], tm, start, len, s.m);
+  dequantize_range<Simd>(g.v_codes, g.v_absmax[block], tv, start, len, s.root);
+  update_range<Simd>(g, grad, out, h, start, 0, decay_end, g.decay, s);
+  update_range<Simd>(g, grad, out, h, start, decay_end, len, 1.0f, s);
+  const float m_inv = store_absmax(g.m_absmax[block], s.m_max);
+  const float root_inv = store_absmax(g.v_absmax[block], s.root_max);
+  quantize_range<Simd>(s.m, len, m_inv, tm, s.codes, g, false, start, g.m_codes);
+  quantize_range<Simd>(s.root, len, root_inv, tv, s.codes, g, g.stochastic, start, g.v_codes);
+}
+
+void check_flat(const at::Tensor& t, at::ScalarType dtype, int64_t numel, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.numel() == numel, name, " has ", t.numel(), " elements, expected ", numel);
+}
+
+void fill_map(Map4& t, const at::Tensor& qmap, const at::Tensor& midpoints) {
+  check_flat(qmap, at::kFloat, kCodes, "qmap");
+  check_flat(midpoints, at::kFloat, kCodes, "midpoints");
+  std::memcpy(t.qmap, qmap.data_ptr<float>(), sizeof(t.qmap));
+  std::memcpy(t.midpoints, midpoints.data_ptr<float>(), sizeof(t.midpoints));
+}
+
+// The master: an fp32 tensor, or (remainder given) split into weight_out's bf16 bits and the
+// int16 remainder, whose weight half is then written with the master (no separate copy).
+void master_pointers(Group4bit& g, const at::Tensor& master, const std::optional<at::Tensor>& weight_out,
+                     const std::optional<at::Tensor>& remainder) {
+  if (!remainder.has_value()) {
+    check_flat(master, at::kFloat, g.numel, "master");
+    g.master = master.data_ptr<float>();
+    return;
+  }
+  TORCH_CHECK(weight_out.has_value() && weight_out->scalar_type() == at::kBFloat16,
+              "a split master needs its bf16 weight as weight_out");
+  check_flat(*weight_out, at::kBFloat16, g.numel, "weight_out");
+  check_flat(*remainder, at::kShort, g.numel, "remainder");
+  g.weight = reinterpret_cast<uint16_t*>(weight_out->data_ptr());
+  g.remainder = reinterpret_cast<uint16_t*>(remainder->data_ptr());
+}
+
+Hyper make_hyper(double clip, double beta1, double beta2, double eps, double step_size, double inv_bc2_sqrt) {
+  return {static_cast<float>(clip),        static_cast<float>(beta1),
+          static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
+          static_cast<float>(1.0 - beta2), static_cast<float>(eps),
+          static_cast<float>(step_size),   static_cast<float>(inv_bc2_sqrt)};
+}
+
+void check_io(const at::Tensor& grad, const std::optional<at::Tensor>& weight_out, int64_t numel) {
+  const auto gt = grad.scalar_type();
+  TORCH_CHECK(gt == at::kBFloat16 || gt == at::kFloat, "gradient must be bf16 or fp32, got ", gt);
+  check_flat(grad, gt, numel, "gradient");
+  if (weight_out.has_value()) {
+    const auto ot = weight_out->scalar_type();
+    TORCH_CHECK(ot == at::kBFloat16 || ot == at::kFloat, "weight_out must be bf16 or fp32, got ", ot);
+    check_flat(*weight_out, ot, numel, "weight_out");
+  }
+}
+
+// Calls fn(grad_ptr, out_ptr) typed by the gradient's and weight_out's dtypes (bf16 as
+// uint16_t; void* without a separate weight_out: none given, or a split master's, which the
+// master's write fills).
+template <class Fn>
+void dispatch(const at::Tensor& grad, const std::optional<at::Tensor>& weight_out, bool separate_out, Fn&& fn) {
+  auto with_out = [&](auto* grad_ptr) {
+    if (!weight_out.has_value() || !separate_out) {
+      fn(grad_ptr, static_cast<void*>(nullptr));
+    } else if (weight_out->scalar_type() == at::kBFloat16) {
+      fn(grad_ptr, reinterpret_cast<uint16_t*>(weight_out->data_ptr()));
+    } else {
+      fn(grad_ptr, weight_out->data_ptr<float>());
+    }
+  };
+  if (grad.scalar_type() == at::kBFloat16) {
+    with_out(reinterpret_cast<const uint16_t*>(grad.data_ptr()));
+  } else {
+    with_out(grad.data_ptr<float>());
+  }
+}
+
+template <class G, class O>
+void step_typed(const Group4bit& g, const G* grad, O* out, const Hyper& h, const Map4& tm, const Map4& tv) {
+  const int64_t blocks = (g.numel + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) step_block(g, grad, out, h, tm, tv, b);
+  });
+}
+
+// `master` is only sized (any dtype) when `remainder` is given; `maps` = (signed qmap, its
+// midpoints, unsigned qmap, its midpoints), 16 float32 each.
+void step_4bit(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& m_codes,
+               const at::Tensor& m_absmax, const at::Tensor& v_codes, const at::Tensor& v_absmax,
+               const std::optional<at::Tensor>& weight_out, const std::optional<at::Tensor>& remainder,
+               const std::vector<at::Tensor>& maps, double clip, double beta1, double beta2, double eps,
+               double step_size, double inv_bc2_sqrt, double decay, int64_t decay_numel, bool stochastic,
+               int64_t key, int64_t offset) {
+  const int64_t n = master.numel();
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  TORCH_CHECK(key >= 0 && key <= 0xFFFFFFFFLL, "rounding key must be a 32-bit value, got ", key);
+  TORCH_CHECK(offset >= 0 && offset % kBlock == 0, "offset must be a multiple of ", kBlock, ", got ", offset);
+  Group4bit g{};
+  g.numel = n;
+  g.decay_numel = std::clamp<int64_t>(decay_numel, 0, n);
+  g.decay = static_cast<float>(decay);
+  master_pointers(g, master, weight_out, remainder);
+  check_io(grad, weight_out, n);
+  check_flat(m_codes, at::kByte, (n + 1) / 2, "m_codes");
+  check_flat(v_codes, at::kByte, (n + 1) / 2, "v_codes");
+  check_flat(m_absmax, at::kFloat, blocks, "m_absmax");
+  check_flat(v_absmax, at::kFloat, blocks, "v_absmax");
+  TORCH_CHECK(maps.size() == 4, "expected the signed map and its midpoints, then the unsigned ones");
+  Map4 tm, tv;
+  fill_map(tm, maps[0], maps[1]);
+  fill_map(tv, maps[2], maps[3]);
+  tv.linear = true;
+  for (int k = 0; k < kCodes; ++k) TORCH_CHECK(tv.qmap[k] == (k + 1) / 16.0f, "the second moment's map must be k / 16");
+  g.m_codes = m_codes.data_ptr<uint8_t>();
+  g.m_absmax = m_absmax.data_ptr<float>();
+  g.v_codes = v_codes.data_ptr<uint8_t>();
+  g.v_absmax = v_absmax.data_ptr<float>();
+  g.stochastic = stochastic;
+  g.key = static_cast<uint32_t>(key);
+  g.offset = offset;
+  const Hyper h = make_hyper(clip, beta1, beta2, eps, step_size, inv_bc2_sqrt);
+  // a split master's weight is written with the master: no separate weight_out
+  dispatch(grad, weight_out, g.master != nullptr, [&](auto* grad_ptr, auto* out_ptr) {
+    using G = std::remove_const_t<std::remove_pointer_t<decltype(grad_ptr)>>;
+    using O = std::remove_pointer_t<decltype(out_ptr)>;
+    step_typed<G, O>(g, grad_ptr, out_ptr, h, tm, tv);
+  });
+}
+
+// fp32 states, for groups too small to quantize (or kept fp32 by choice): scalar, as the 8-bit
+// kernel's step_fp32.
+template <class G, class O>
+void step_fp32_typed(const Group4bit& g, float* exp_avg, float* exp_avg_sq, const G* grad, O* out,
+                     const Hyper& h) {
+  for (int64_t k = 0; k < g.numel; ++k) {
+    const float gr = Scalar::load(grad + k) * h.clip;
+    const float m = h.beta1 * exp_avg[k] + h.one_minus_beta1 * gr;
+    const float v = h.beta2 * exp_avg_sq[k] + h.one_minus_beta2 * (gr * gr);
+    const float denom = std::sqrt(v) * h.inv_bc2_sqrt + h.eps;
+    const float w = read_master<Scalar>(g, k) * (k < g.decay_numel ? g.decay : 1.0f) - h.step_size * (m / denom);
+    exp_avg[k] = m;
+    exp_avg_sq[k] = v;
+    write_master<Scalar>(g, k, w);
+    if constexpr (!std::is_same_v<O, void>) Scalar::store(out + k, w);
+  }
+}
+
+void step_fp32(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
+               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& weight_out,
+               const std::optional<at::Tensor>& remainder, double clip, double beta1, double beta2,
+               double eps, double step_size, double inv_bc2_sqrt, double decay, int64_t decay_numel) {
+  Group4bit g{};
+  g.numel = master.numel();
+  g.decay_numel = std::clamp<int64_t>(decay_numel, 0, g.numel);
+  g.decay = static_cast<float>(decay);
+  master_pointers(g, master, weight_out, remainder);
+  check_io(grad, weight_out, g.numel);
+  check_flat(exp_avg, at::kFloat, g.numel, "exp_avg");
+  check_flat(exp_avg_sq, at::kFloat, g.numel, "exp_avg_sq");
+  const Hyper h = make_hyper(clip, beta1, beta2, eps, step_size, inv_bc2_sqrt);
+  dispatch(grad, weight_out, g.master != nullptr, [&](auto* grad_ptr, auto* out_ptr) {
+    using G = std::remove_const_t<std::remove_pointer_t<decltype(grad_ptr)>>;
+    using O = std::remove_pointer_t<decltype(out_ptr)>;
+    step_fp32_typed<G, O>(g, exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), grad_ptr, out_ptr, h);
+  });
+}
+
+const char* simd_name() {
+#if defined(LAZYTRAIN_VBMI)
+  return "avx512vbmi";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lazytrain fused 4-bit AdamW kernel";
+  // The executor steps groups from worker threads: never hold the GIL inside a step.
+  m.def("step_4bit", &step_4bit, py::call_guard<py::gil_scoped_release>());
+  m.def("step_fp32", &step_fp32, py::call_guard<py::gil_scoped_release>());
+  m.def("simd", &simd_name);
+}

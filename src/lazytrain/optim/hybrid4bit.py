@@ -1,0 +1,360 @@
+"""Hybrid 4-bit AdamW: blockwise 4-bit m and sqrt(v) on the CPU, fused with clipping and the bf16 write.
+
+The 8-bit optimizer (``hybrid8bit.py``) with half the bits, as torchao's AdamW4bit and lpmm
+("Memory Efficient Optimizers with 4-bit States", Li et al. 2023) keep them: two codes per
+byte plus one fp32 absmax per block of ``BLOCK`` = 128 elements, for m and for the second
+moment: 2 * (0.5 + 4 / 128) = 1.0625 bytes per parameter instead of 2.06 (8-bit) or 8 (fp32).
+Groups under ``MIN_8BIT_NUMEL`` elements (and those in ``fp32_groups``) keep fp32 states, by the
+8-bit rule.
+
+The maps (16 codes each):
+
+* m: the signed dynamic map with 3 exponent bits (bitsandbytes' construction at 4 bits, which
+  torchao and lpmm use): 0, +-0.0055, +-0.0325, +-0.0775, +-0.2125, +-0.4375, +-0.6625,
+  +-0.8875 and 1.
+* second moment: the linear map without zero, k / 16 for k = 1..16 (lpmm's finding: a map with
+  a zero code rounds small second moments to 0, and the next step divides m by eps alone).
+
+What the second-moment codes hold is sqrt(v), as in the 8-bit optimizer, not v as torchao and
+lpmm store it. Measured in a float64 simulation (``bench/studies/optim_4bit_second_moment.py``,
+``bench/results/optim_4bit_second_moment_2026-12-06_sim.md``: 32768 parameters, 400 steps,
+beta2 = 0.999, per-block gradient scales over 2 decades, log-normal spread inside a block, a
+seventh of the gradients shrinking 100x half-way): the weights' distance from float64 AdamW's
+after 400 steps, relative to their displacement, is 0.28 storing sqrt(v) against 0.36 storing v
+(spread sigma 0.5), 0.49 against 0.72 (sigma 1.0); blocks of 256 were worse than 128 (0.31
+and 0.40 at sigma 0.5). Linear codes of v leave every v under 1/32 of its block's
+largest on the first code, 1/16 of it: the small second moments, whose elements take the
+largest steps, are overstated up to 16x and those elements barely move. The first code of
+sqrt(v) is 1/16 of the block's largest sqrt(v): a v down to 1/256 of the largest v keeps its
+own code. The price:
+single updates up to 6.1 lr (sqrt(v)) against 2.8 lr (v) in that run, fp64 AdamW's 1.3 (no
+zero code either way, so no update is unbounded). A short run of the built-in default agrees
+(60 steps, one seed: mean loss of the last 20 steps 1.159 with sqrt(v) codes, 1.214 with v
+codes, 1.069 with fp32 states; ``..._2026-12-06_runs.md``). Stochastic rounding of the sqrt(v) codes did
+not help there (0.28 -> 0.28, 0.49 -> 0.50), so ``optimizer.state_rounding=auto`` is nearest
+for 4-bit states; ``stochastic`` is available, drawn as the 8-bit one is
+(``quant.rounding_uniforms``).
+
+One step is one pass over memory (``csrc/hybrid4bit.cpp``, every ``kernel.VARIANTS`` path), or
+`torch_step_4bit`'s torch ops where the kernel does not build and on a GPU (`to_device`,
+`stream_in`: eager torch ops, in pieces of ``DEVICE_CHUNK``; the 8-bit step's compiled GPU
+path has no 4-bit twin yet). The nearest code is the count of the map's midpoints below the
+value (ties to the lower code) on both paths; they differ by the kernel's sqrt and reciprocal
+estimates (about an ulp), which can move a value on a midpoint to the neighbouring code.
+
+The master is read and written in one place per path: `_master_chunk` / `_write_chunk`
+(``hybrid8bit.py``) on the torch path and ``read_master`` / ``write_master`` in the kernel:
+the fp32 master, or the split master (``split.py``), exact. A bf16 master (the streamed weight
+as the master, stochastically rounded when written) plugs in at those two places, with the
+rounding key passed as the sqrt(v) codes' is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from lazytrain.optim.hybrid8bit import (
+    DEVICE_CHUNK,
+    TORCH_CHUNK,
+    Hybrid8bitAdamW,
+    StepScalars,
+    _adam_update,
+    is_8bit,
+    torch_step_fp32,
+)
+from lazytrain.optim.master import master_chunk, store_master_chunk
+from lazytrain.optim.quant import BLOCK, TINY, num_blocks, rounding_key, rounding_uniforms
+from lazytrain.optim.split import SplitMaster
+
+STATE_FORMAT = f"de4-linear4nz-block{BLOCK}-sqrtv"
+"""Names the maps (signed dynamic m, linear no-zero second moment), the block size and what
+the second-moment codes hold (sqrt(v)) of saved 4-bit codes."""
+
+CODES = 16
+
+
+def dynamic_map4() -> torch.Tensor:
+    """The signed dynamic map at 4 bits (3 exponent bits): bitsandbytes' ``create_dynamic_map``
+    construction, float32, sorted. Per decade i = 0, 1, 2 of 1e-2, 1e-1, 1: the midpoints of
+    2**i equal steps of [0.1, 1], both signs; then 0 and 1."""
+    values = [0.0, 1.0]
+    for i in range(3):
+        edges = torch.linspace(0.1, 1, 2**i + 1, dtype=torch.float32)
+        means = ((edges[:-1] + edges[1:]) / 2.0 * 10 ** (i - 2)).tolist()
+        values += means + [-x for x in means]
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+def linear_map4() -> torch.Tensor:
+    """The unsigned linear map without zero: k / 16, k = 1..16."""
+    return torch.arange(1, CODES + 1, dtype=torch.float32) / CODES
+
+
+@dataclass(frozen=True)
+class Map4:
+    """One 16-code map and its midpoints ([k] between codes k and k + 1, [15] = inf)."""
+
+    qmap: torch.Tensor
+    midpoints: torch.Tensor
+
+
+@cache
+def maps_on(device: torch.device | str = "cpu") -> tuple[Map4, Map4]:
+    """(m's map, sqrt(v)'s map) with their tensors on ``device``."""
+    maps = []
+    for qmap in (dynamic_map4(), linear_map4()):
+        if qmap.numel() != CODES or not bool((qmap[1:] > qmap[:-1]).all()):
+            raise AssertionError("a 4-bit map must hold 16 increasing codes")
+        mid = ((qmap[:-1].double() + qmap[1:].double()) / 2).float()
+        maps.append(Map4(qmap.to(device), torch.cat([mid, torch.tensor([math.inf])]).to(device)))
+    return maps[0], maps[1]
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes (< 16) two to a byte, the even element in the low nibble."""
+    n = codes.numel()
+    padded = torch.nn.functional.pad(codes.reshape(-1).to(torch.uint8), (0, n % 2)).view(-1, 2)
+    return padded[:, 0] | (padded[:, 1] << 4)
+
+
+def unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The ``numel`` uint8 codes of `pack`'s bytes."""
+    return torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)[:numel]
+
+
+def stochastic_codes4(x: torch.Tensor, nearest: torch.Tensor, qmap: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The code below or above normalized ``x``, from its nearest code: the upper one with
+    probability (x - below) / (above - below), so the expected code value is ``x`` (clamped
+    to the map's ends). ``quant.stochastic_codes`` for a 16-code map without zero."""
+    c = nearest.long()
+    qc = qmap[c]
+    n = torch.where(x >= qc, c + 1, c - 1).clamp(0, CODES - 1)
+    qn = qmap[n]
+    a, b = torch.minimum(qc, qn), torch.maximum(qc, qn)
+    up = (uniforms < (x - a) / (b - a)) & (b > a)
+    return (torch.minimum(c, n) + up.long()).to(torch.uint8)
+
+
+def quantize4(
+    x: torch.Tensor, table: Map4, uniforms: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed uint8 codes[ceil(n / 2)], float32 absmax[blocks]) of flat float ``x``: nearest
+    codes (midpoints counted below each value, as the kernel counts them), or with
+    ``uniforms`` stochastically rounded ones. Blocks with an absmax under the smallest normal
+    float are stored as zeros, as 8-bit blocks are."""
+    n = x.numel()
+    padded = torch.nn.functional.pad(x.reshape(-1).float(), (0, num_blocks(n) * BLOCK - n))
+    blocks = padded.view(-1, BLOCK)
+    absmax = blocks.abs().amax(dim=1)
+    absmax = torch.where(absmax >= TINY, absmax, torch.zeros_like(absmax))
+    inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    normalized = (blocks * inv[:, None]).reshape(-1)[:n]
+    codes = torch.bucketize(normalized, table.midpoints[: CODES - 1], right=False).to(torch.uint8)
+    if uniforms is not None:
+        codes = stochastic_codes4(normalized, codes, table.qmap, uniforms)
+    return pack(codes), absmax
+
+
+def dequantize4(packed: torch.Tensor, absmax: torch.Tensor, table: Map4, numel: int) -> torch.Tensor:
+    """float32[numel] values of `quantize4`'s codes."""
+    return table.qmap[unpack(packed, numel).long()] * absmax.repeat_interleave(BLOCK)[:numel]
+
+
+@dataclass(slots=True)
+class Quantized4bitState:
+    """One group's 4-bit state: the tensors of ``hybrid8bit.QuantizedState`` (same names, so
+    the device moves and checkpoints treat both alike), the codes two to a byte."""
+
+    m_codes: torch.Tensor
+    m_absmax: torch.Tensor
+    v_codes: torch.Tensor
+    """Codes of sqrt(v) in the linear map."""
+    v_absmax: torch.Tensor
+    """Per block, the largest sqrt(v)."""
+
+    @classmethod
+    def zeros(cls, numel: int) -> Quantized4bitState:
+        # an all-zero block (absmax 0) decodes to zeros whatever its codes
+        blocks, nbytes = num_blocks(numel), -(-numel // 2)
+        return cls(m_codes=torch.zeros(nbytes, dtype=torch.uint8), m_absmax=torch.zeros(blocks),
+                   v_codes=torch.zeros(nbytes, dtype=torch.uint8), v_absmax=torch.zeros(blocks))
+
+    @classmethod
+    def of_moments(cls, m: torch.Tensor, v: torch.Tensor) -> Quantized4bitState:
+        """The quantized state of float moments ``m`` and ``v`` (flat)."""
+        mt, vt = maps_on("cpu")
+        m_codes, m_absmax = quantize4(m, mt)
+        v_codes, v_absmax = quantize4(v.float().sqrt(), vt)
+        return cls(m_codes=m_codes, m_absmax=m_absmax, v_codes=v_codes, v_absmax=v_absmax)
+
+    def moments(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 (m, v) of the first ``numel`` elements that the codes stand for."""
+        mt, vt = maps_on(self.m_codes.device)
+        root = dequantize4(self.v_codes, self.v_absmax, vt, numel)
+        return dequantize4(self.m_codes, self.m_absmax, mt, numel), root * root
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"m_codes": self.m_codes, "m_absmax": self.m_absmax, "v_codes": self.v_codes,
+                "v_absmax": self.v_absmax}
+
+
+def state_bytes_per_param(numels: Sequence[int], fp32_groups: Collection[int] = ()) -> float:
+    """Bytes of state per parameter of groups of ``numels`` elements, as Hybrid4bitAdamW keeps
+    them (1.0625 for a large 4-bit group)."""
+    total = 0
+    for g, n in enumerate(numels):
+        total += 2 * (-(-n // 2)) + 8 * num_blocks(n) if is_8bit(n) and g not in fp32_groups else 8 * n
+    return total / max(sum(numels), 1)
+
+
+def torch_step_4bit(
+    grad: torch.Tensor,
+    master: torch.Tensor | SplitMaster,
+    state: Quantized4bitState,
+    weight_out: torch.Tensor | None,
+    s: StepScalars,
+    rounding: tuple[int, int] | None = None,
+    master_rounding: tuple[int, int] | None = None,
+) -> None:
+    """The kernel's step with torch ops on the tensors' device, a piece at a time
+    (``TORCH_CHUNK`` elements on the CPU, ``DEVICE_CHUNK`` on a GPU: whole blocks, an even
+    count). ``rounding``: (key, index of the first element in its whole group) to round
+    sqrt(v) stochastically."""
+    device = grad.device
+    mt, vt = maps_on(device)
+    n = master.numel()
+    step = TORCH_CHUNK if device.type == "cpu" else DEVICE_CHUNK
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        chunk = master_chunk(master, lo, hi)
+        blocks, nbytes = slice(lo // BLOCK, num_blocks(hi)), slice(lo // 2, -(-hi // 2))
+        m = dequantize4(state.m_codes[nbytes], state.m_absmax[blocks], mt, hi - lo)
+        root = dequantize4(state.v_codes[nbytes], state.v_absmax[blocks], vt, hi - lo)
+        decay_numel = min(max(s.decay_numel - lo, 0), hi - lo)
+        m, v = _adam_update(chunk, grad[lo:hi], m, root * root, s, decay_numel)
+        uniforms = None if rounding is None else rounding_uniforms(rounding[0], rounding[1] + lo, hi - lo, device)
+        for codes, absmax, x, table, u in (("m_codes", "m_absmax", m, mt, None),
+                                           ("v_codes", "v_absmax", v.sqrt(), vt, uniforms)):
+            new_codes, new_absmax = quantize4(x, table, uniforms=u)
+            getattr(state, codes)[nbytes].copy_(new_codes)
+            getattr(state, absmax)[blocks].copy_(new_absmax)
+        store_master_chunk(master, chunk, weight_out, lo, hi, master_rounding)
+
+
+class Hybrid4bitAdamW(Hybrid8bitAdamW):
+    """AdamW with blockwise 4-bit states (1.06 bytes per parameter), fused on the CPU.
+
+    `Hybrid8bitAdamW` with `Quantized4bitState` and the 4-bit kernel: the same arguments
+    (``kernel``, ``fp32_groups``, ``group_numels``, ``group_offsets``, ``rounding``, ``seed``),
+    the same device moves (`to_device`, `stream_in`, `stream_out`), checkpoints of format
+    `STATE_FORMAT` (kind ``hybrid4bit``).
+    """
+
+    KERNEL = "hybrid4bit"
+    QUANTIZED = Quantized4bitState
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        mt, vt = maps_on("cpu")
+        self._tables = [mt.qmap, mt.midpoints, vt.qmap, vt.midpoints]
+
+    @property
+    def device_step_chunk(self) -> int:
+        return DEVICE_CHUNK
+
+    def step_group(
+        self,
+        group: int,
+        grad: torch.Tensor,
+        clip_coef: float,
+        lr: float,
+        weight_out: torch.Tensor | None,
+    ) -> None:
+        master = self.masters[group]
+        n = master.numel()
+        if grad.numel() != n:
+            raise ValueError(f"group {group}: gradient has {grad.numel()} elements, master {n}")
+        on_device = group in self._home
+        where = (master.weight if isinstance(master, SplitMaster) else master).device
+        if grad.dtype not in (torch.bfloat16, torch.float32) or grad.device != where:
+            raise ValueError(f"group {group}: gradient must be a bf16 or fp32 tensor on {where} (where the "
+                             f"group is stepped), got {grad.dtype} on {grad.device}")
+        if on_device:
+            if weight_out is not None and weight_out.data_ptr() != self._device_weight[group].data_ptr():
+                raise ValueError(f"group {group} is stepped on {where} and writes its weights there; "
+                                 "pass weight_out=None")
+            weight_out = self._device_weight[group]
+        if weight_out is not None and (weight_out.numel() != n or not weight_out.is_contiguous()
+                                       or weight_out.dtype not in (torch.bfloat16, torch.float32)):
+            raise ValueError(f"group {group}: weight_out must be a contiguous bf16 or fp32 tensor of {n} "
+                             f"elements, got {weight_out.dtype} with {weight_out.numel()}")
+        if not on_device:
+            self._check_weight_out(group, weight_out)
+        grad = grad.reshape(-1).contiguous()
+        out = None if weight_out is None else weight_out.view(-1)
+        remainder = None
+        if isinstance(master, SplitMaster):  # the kernel takes it as (weight_out, remainder)
+            out, remainder = master.weight, master.remainder
+        step = self.steps[group] + 1
+        s = StepScalars.of(self.config, step, lr, clip_coef, self.decay_numel[group])
+        state = self.states[group]
+        scalars = (s.clip, s.beta1, s.beta2, s.eps, s.step_size, s.inv_bc2_sqrt, s.decay)
+        kernel_master = out if remainder is not None else master
+        if isinstance(state, Quantized4bitState):
+            rounding = None
+            if self.rounding == "stochastic":
+                rounding = (rounding_key(self.seed, group, step), self.group_offsets[group])
+            if self._kernel is None or on_device:
+                torch_step_4bit(grad, master, state, out, s, rounding)
+            else:
+                self._kernel.step_4bit(grad, kernel_master, state.m_codes, state.m_absmax, state.v_codes,
+                                       state.v_absmax, out, remainder, self._tables, *scalars, s.decay_numel,
+                                       rounding is not None, *(rounding or (0, 0)))
+        elif self._kernel is None or on_device:
+            torch_step_fp32(grad, master, state, out, s)
+        else:
+            self._kernel.step_fp32(grad, kernel_master, state.exp_avg, state.exp_avg_sq, out, remainder,
+                                   *scalars, s.decay_numel)
+        self.steps[group] = step
+
+    def state_dict(self) -> dict:
+        self.to_host()  # the host tensors are the state that is saved
+        return {"kind": "hybrid4bit", "format": STATE_FORMAT, "steps": list(self.steps),
+                "groups": [state.tensors() for state in self.states]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a `state_dict` of this kind and format. 8-bit state (kind ``hybrid8bit``) is
+        refused, not converted: requantizing its m and sqrt(v) to 4 bits would be cheap, but the
+        run would not continue as either the 8-bit or a 4-bit run from the start would."""
+        self._drop_device()  # as the 8-bit optimizer: the host tensors are loaded
+        kind = state.get("kind")
+        if kind != "hybrid4bit":
+            raise ValueError(
+                f"optimizer state is of kind {kind!r}, this optimizer is 'hybrid4bit' (optimizer.kind="
+                f"hybrid4bit); resume with the optimizer the checkpoint was made with (optimizer.kind={kind})"
+            )
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"4-bit optimizer state has format {state.get('format')!r}, this version reads "
+                             f"{STATE_FORMAT!r}")
+        groups = state["groups"]
+        if len(groups) != len(self.states) or len(state["steps"]) != len(self.states):
+            raise ValueError(f"optimizer state has {len(groups)} groups, the model has {len(self.states)}")
+        for g, (saved, own) in enumerate(zip(groups, self.states)):
+            tensors = own.tensors()
+            if set(saved) != set(tensors):
+                raise ValueError(f"group {g}: saved state holds {sorted(saved)}, expected {sorted(tensors)} "
+                                 "(4-bit and fp32 groups differ: was the model's grouping changed?)")
+            for name, dst in tensors.items():
+                src = saved[name]
+                if src.shape != dst.shape or src.dtype != dst.dtype:
+                    raise ValueError(f"group {g}: saved {name} is {src.dtype}{list(src.shape)}, "
+                                     f"expected {dst.dtype}{list(dst.shape)}")
+        for saved, own in zip(groups, self.states):
+            for name, dst in own.tensors().items():
+                dst.copy_(saved[name])
+        self.steps = [int(s) for s in state["steps"]]
