@@ -156,6 +156,8 @@ class ShardedHostStore:
             self.grads.append(self._grad_arena[grad_offset : grad_offset + r.numel])
             offset += n
             grad_offset += r.numel
+        self.host_grad_groups = frozenset(range(len(sizes)))
+        """Every group has its host gradient shard (a data-parallel plan holds none on the GPU)."""
         self.masters = [torch.empty(r.numel, dtype=torch.float32) for r in self.ranges]
         self.split_master = False  # a rank's masters are fp32 shards
         self.carried: dict[str, torch.Tensor] = {}

@@ -247,7 +247,9 @@ def build_session(config: Config) -> Session:
         preflight=preflight, lean_ops=config.model.lean_ops, fused_ops=config.model.fused_ops,
         packed_attention=config.model.packed_attention,
         init_device=init_device_of(config.model.init_device),
-        store_factory=HostStore if parallel is None else sharded_store_factory(parallel, config),
+        # the gradient buffers wait for the first plan, which may hold some on the GPU (`Trainer`)
+        store_factory=(partial(HostStore, defer_grads=True) if parallel is None
+                       else sharded_store_factory(parallel, config)),
     )
     if config.memory.gpu_gb:
         cap_gpu_memory(device, config.memory.gpu_gb)
