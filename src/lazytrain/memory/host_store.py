@@ -1,14 +1,14 @@
 """Host memory for the whole model: pinned streaming weights, fp32 masters, pinned gradients.
 
-Per parameter group (see ``model.adapter``) there is one flat weight buffer in the compute
-dtype (what crosses PCIe), one flat fp32 master, and one flat gradient buffer in the compute
-dtype (what comes back), unless the plan holds that group's gradient on the GPU
-(`LayerPlan.grad`): those come home through a small pinned ring instead (`GRAD_RING_SLOTS`).
-The gradient buffers can wait for the first plan (``defer_grads``, `HostStore.allocate_grads`),
-which is made after the store exists (the profiler times layers on it). With ``split_master`` (bf16 compute only) the master is not held
-whole: the streamed bf16 weight is its high half and an int16 remainder its low half
-(``optim/split.py``), 2 bytes per parameter instead of 4, reconstructed exactly by the
-optimizers; `master_fp32` and `load_master_fp32` give and take the exact fp32 master either
+Per parameter group (see ``model.adapter``) there is one flat weight buffer in the compute dtype
+(what crosses PCIe), one flat fp32 master, and one flat gradient buffer in the compute dtype
+(what comes back), unless the plan holds that group's gradient on the GPU (`LayerPlan.grad`):
+those come home through a small pinned ring instead (`GRAD_RING_SLOTS`). The gradient buffers
+can wait for the first plan (``defer_grads``, `HostStore.allocate_grads`), which is made after
+the store exists (the profiler times layers on it). With ``split_master`` (bf16 compute only)
+the master is not held whole: the streamed bf16 weight is its high half and an int16 remainder
+its low half (``optim/split.py``), 2 bytes per parameter instead of 4, reconstructed exactly by
+the optimizers; `master_fp32` and `load_master_fp32` give and take the exact fp32 master either
 way (checkpoints, exports). Weights and gradients are views into two large arenas that are
 pinned once (page-locked in place, so the allocator's power-of-two rounding never applies),
 which is what makes every H2D/D2H copy asynchronous and full speed.

@@ -18,27 +18,27 @@ them back to the host (what checkpoints, exports and evaluation read).
 Gradients the plan holds on the GPU (``executor.held_grads``, `LayerPlan.grad="gpu"`) are taken
 from the executor at `start` (so the next step, which lets go of a skipped step's, keeps them).
 A layer the CPU worker steps has its gradient copied home through the host store's pinned ring
-(`HostStore.grad_ring`, `host_store.GRAD_RING_SLOTS` slots of the largest such gradient), by the worker, in
-the update order, on a copy stream of its own: the first slots' copies at once, each later one
+(`HostStore.grad_ring`: `host_store.GRAD_RING_SLOTS` slots of the largest such gradient), by the
+worker, in the update order, on a copy stream of its own: the first slots' copies at once, each later one
 as soon as the CPU step that read its slot is done (`_GradRing`); each GPU gradient is freed once
 its copy is queued (the allocator reuses its bytes after the copy). The next forward's weight
 copy of layer i still waits for layer i's update only.
 
-Streamed layers the plan steps on the GPU (``executor.streamed_steps``, `Plan.device_steps`):
-at each update each one's weights, gradient (on the host since its backward, unless the plan
-holds it on the GPU: then it is stepped from there, no copy in), master remainder and state go in on a copy stream of their own (from pinned host
-memory: `HostStore.pin_masters`, `Hybrid8bitAdamW.stream_in`) into one of two scratch slots,
-are stepped on a stream of their own and come back, the gradient excepted, on a third
-(`stream_out`), the new weights into the host store. Their gradients are not held on the GPU
-from the backward to the update: the card keeps its room for activations, at the price of
-the gradient's copy in. They are queued as the next forward goes, `STREAMED_LOOKAHEAD` layers
-ahead of the weights it loads (the first ones once its inputs are on their way:
-``executor.step_started``), not all at `start`: queued at once (H200, 7B, 12 layers,
-2026-12-04), `start` took 0.21 s of the calling thread and the next step's first event ran on
-the GPU 0.34 s after its call, we take it behind the 23 GB of copies in on the H2D link
-(its inputs' copies wait there). Nothing blocks the calling thread: the weight copy
-of such a layer's next forward waits on the GPU for its bytes to be back (``wait_group``), and
-`finish` queues what is left and waits for them on the host.
+Streamed layers the plan steps on the GPU (``executor.streamed_steps``, `Plan.device_steps`): at
+each update each one's weights, gradient (on the host since its backward, unless the plan holds
+it on the GPU: then it is stepped from there, no copy in), master remainder and state go in on a
+copy stream of their own (from pinned host memory: `HostStore.pin_masters`,
+`Hybrid8bitAdamW.stream_in`) into one of two scratch slots, are stepped on a stream of their own
+and come back, the gradient excepted, on a third (`stream_out`), the new weights into the host
+store. A gradient the plan does not hold is not kept on the GPU from the backward to the update:
+the card keeps its room for activations, at the price of the gradient's copy in. They are queued
+as the next forward goes, `STREAMED_LOOKAHEAD` layers ahead of the weights it loads (the first
+ones once its inputs are on their way: ``executor.step_started``), not all at `start`: queued at
+once (H200, 7B, 12 layers, 2026-12-04), `start` took 0.21 s of the calling thread and the next
+step's first event ran on the GPU 0.34 s after its call, we take it behind the 23 GB of copies
+in on the H2D link (its inputs' copies wait there). Nothing blocks the calling thread: the
+weight copy of such a layer's next forward waits on the GPU for its bytes to be back
+(``wait_group``), and `finish` queues what is left and waits for them on the host.
 
 Out of GPU memory: a streamed step that runs out (taking the scratch slots, or in the step's
 temporaries) and the ones after it are stepped on the CPU instead, the same update (their
@@ -47,9 +47,10 @@ the CPU worker steps every streamed-step layer from then on, for as long as this
 is a device group whose master and state were copied to the GPU in this update (its first, or
 the first after `finish`) when the copy or its step runs out: the copy is dropped, the host's is
 whole. Stepped on the CPU, a gradient held on the GPU is copied to its host buffer, or, for a
-layer without one, to a temporary host tensor. ``out_of_memory`` tells the caller; the trainer re-solves a solved plan smaller (whose
-new updater tries the GPU again). A device group whose master and state have lived on the GPU
-since an earlier update may be left partly stepped: `DeviceStepOutOfMemory` ends the run.
+layer without one, to a temporary host tensor. ``out_of_memory`` tells the caller; the trainer
+re-solves a solved plan smaller (whose new updater tries the GPU again). A device group whose
+master and state have lived on the GPU since an earlier update may be left partly stepped:
+`DeviceStepOutOfMemory` ends the run.
 
 Data parallel (the executor has ``parallel``): the optimizer holds this rank's shards; each
 group's step writes the rank's shard of the shared weights, then ``parallel.publish`` waits
