@@ -157,7 +157,36 @@ def test_a_plan_that_sends_a_gradient_to_a_missing_host_buffer_is_refused(folder
         LayerPlan(grad="disk")
 
 
-def test_data_parallel_refuses_held_gradients(folder):
-    adapter, store = _store(folder, defer=False)
-    with pytest.raises(PlanError, match=r"layers \[0\] on the GPU.*data-parallel.*grad='host'"):
-        Executor(adapter, store, _plan(adapter.num_layers, (0,)), CPU, parallel=object())
+def test_the_trainer_gives_host_buffers_to_the_first_plans_host_gradients_only(tmp_path, monkeypatch):
+    """`lazytrain train` with a plan file holding layer 1's gradient on the GPU (the built-in
+    model has 2 layers): the store's buffers are allocated for the other groups only, and the
+    losses and exported weights equal those of the same plan with every gradient on the host."""
+    import json
+
+    import transformers
+
+    from lazytrain.cli.main import main
+    from lazytrain.train.trainer import Trainer
+
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, *a, **k: {})  # generation: most of the time, none of the test
+    allocated = []
+    real = HostStore.allocate_grads
+    monkeypatch.setattr(HostStore, "allocate_grads", lambda self, groups: (allocated.append(set(groups)),
+                                                                           real(self, groups))[1])
+    common = ["training.batch_size=2", "training.progress=false", "data.builtin_train_size=64",
+              "data.heldout_size=2", "training.steps=3", "training.max_grad_norm=0.01"]
+    for run, gpu in (("host", ()), ("held", (1,))):
+        path = tmp_path / f"{run}.json"
+        _plan(2, gpu).save(path)
+        assert main(["train", f"training.output_dir={tmp_path / run}", f"plan.file={path}", *common]) == 0
+    assert allocated == [{0, 1, 2, 3}, {0, 1, 3}]
+
+    def losses(run):
+        records = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(r)["loss"] for r in records if '"loss"' in r]
+
+    assert len(losses("held")) == 3 and losses("held") == losses("host")
+    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "host")
+    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "held")
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name

@@ -265,47 +265,18 @@ class HostBytes:
         )
 
 
-class HostStore:
-    """Flat per-group host buffers for weights, fp32 masters and gradients.
+class HostGradients:
+    """The host gradient buffers of a store (`HostStore`; a data-parallel rank's
+    `ShardedHostStore`, whose buffers are its shards): one pinned arena for the groups that
+    get a buffer, and the pinned ring that brings the others' gradients, held on the GPU by the
+    plan (`LayerPlan.grad`), home for the CPU step."""
 
-    ``defer_grads``: no gradient buffer until `allocate_grads` names the groups that get one
-    (the trainer, once the first plan is known: the groups whose gradients it does not hold on
-    the GPU); meanwhile `bytes` counts every group's, the most a plan can ask for."""
+    dtype: torch.dtype
+    pinned_bytes: int
 
-    def __init__(
-        self,
-        layouts: list[GroupLayout],
-        dtype: torch.dtype,
-        pin: bool = True,
-        optimizer_bytes_per_param: float = 8.0,
-        host_limit_bytes: int | None = None,
-        split_master: bool = False,
-        defer_grads: bool = False,
-    ):
-        if split_master and dtype != torch.bfloat16:
-            raise ValueError(f"a split master needs bf16 streamed weights, got {dtype}")
-        self.layouts = layouts
-        self.dtype = dtype
-        self.split_master = split_master
-        sizes = [g.numel for g in layouts]
-        total = sum(sizes)
-        need = HostBytes.predict(total, dtype, split_master, optimizer_bytes_per_param)
-        limit = host_limit_bytes or default_host_limit()
-        if need.total > limit:
-            raise HostMemoryError(
-                f"host memory: the model needs {need.total / 2**30:.1f} GiB ({need.describe()}), "
-                f"{limit / 2**30:.1f} GiB is usable; use optimizer.kind=hybrid8bit (about 2 B/param "
-                "of state instead of 8), memory.split_master=true (bf16), or a smaller model"
-            )
-        self._weight_arena = torch.empty(total, dtype=dtype)
-        self.pinned_bytes = 0
-        if pin and pin_in_place(self._weight_arena):
-            self.pinned_bytes += self._weight_arena.numel() * self._weight_arena.element_size()
-        self.weights: list[torch.Tensor] = []
-        offset = 0
-        for n in sizes:
-            self.weights.append(self._weight_arena[offset : offset + n])
-            offset += n
+    def _init_grads(self, sizes: list[int], pin: bool, defer: bool) -> None:
+        """``sizes``: each group's gradient elements; ``defer``: no buffer until `allocate_grads`."""
+        self._grad_sizes = list(sizes)
         self._pin = pin
         self.grads: list[torch.Tensor | None] = [None] * len(sizes)
         """Per group, its pinned host gradient buffer; None for a group without one (its
@@ -318,31 +289,15 @@ class HostStore:
         self._grad_arena: torch.Tensor | None = None
         self._ring: list[torch.Tensor] = []
         self._ring_pinned = False
-        if not defer_grads:
+        if not defer:
             self.allocate_grads(range(len(sizes)))
-        self.masters: list[torch.Tensor | SplitMaster]
-        if split_master:
-            self._remainder_arena = torch.empty(total, dtype=torch.int16)
-            self.masters = [
-                SplitMaster(w, self._remainder_arena[off : off + n])
-                for w, off, n in zip(self.weights, itertools.accumulate(sizes, initial=0), sizes)
-            ]
-        else:
-            self.masters = [torch.empty(n, dtype=torch.float32) for n in sizes]
-        self.num_params = total
-        self._pinned_masters: set[int] = set()
-        self.carried: dict[str, torch.Tensor] = {}
-        self.build_seconds: dict[str, float] = {}
-        """Seconds the build took per phase (`model.build.build_model` and the session fill it)."""
-        """Checkpoint tensors outside the trained model (a vision tower), by HF name: loaded
-        and saved unchanged, never streamed or stepped."""
 
     def allocate_grads(self, groups: Iterable[int]) -> None:
         """Give ``groups`` (group indices) their pinned host gradient buffers, views of one arena
         sized for them only, once; the others' gradients can only be held on the GPU, so the
         ring that brings them home is pinned now too, sized for the largest of them
         (`grad_ring`)."""
-        sizes = [layout.numel for layout in self.layouts]
+        sizes = self._grad_sizes
         groups = frozenset(groups)
         if self.host_grad_groups is not None:
             raise ValueError(f"the host gradient buffers are allocated already (groups "
@@ -385,6 +340,73 @@ class HostStore:
     def ring_bytes(self) -> int:
         """Bytes of the gradient ring now (0 until a gradient held on the GPU needs it)."""
         return sum(slot.numel() * slot.element_size() for slot in self._ring)
+
+    def _grad_bytes(self) -> int:
+        """The gradient buffers' bytes (before `allocate_grads`, every group's: the most a plan
+        can ask for) and the ring's."""
+        arena = self._grad_arena
+        numel = arena.numel() if arena is not None else sum(self._grad_sizes)
+        return numel * self.dtype.itemsize + self.ring_bytes
+
+
+class HostStore(HostGradients):
+    """Flat per-group host buffers for weights, fp32 masters and gradients.
+
+    ``defer_grads``: no gradient buffer until `allocate_grads` names the groups that get one
+    (the trainer, once the first plan is known: the groups whose gradients it does not hold on
+    the GPU); meanwhile `bytes` counts every group's, the most a plan can ask for."""
+
+    def __init__(
+        self,
+        layouts: list[GroupLayout],
+        dtype: torch.dtype,
+        pin: bool = True,
+        optimizer_bytes_per_param: float = 8.0,
+        host_limit_bytes: int | None = None,
+        split_master: bool = False,
+        defer_grads: bool = False,
+    ):
+        if split_master and dtype != torch.bfloat16:
+            raise ValueError(f"a split master needs bf16 streamed weights, got {dtype}")
+        self.layouts = layouts
+        self.dtype = dtype
+        self.split_master = split_master
+        sizes = [g.numel for g in layouts]
+        total = sum(sizes)
+        need = HostBytes.predict(total, dtype, split_master, optimizer_bytes_per_param)
+        limit = host_limit_bytes or default_host_limit()
+        if need.total > limit:
+            raise HostMemoryError(
+                f"host memory: the model needs {need.total / 2**30:.1f} GiB ({need.describe()}), "
+                f"{limit / 2**30:.1f} GiB is usable; use optimizer.kind=hybrid8bit (about 2 B/param "
+                "of state instead of 8), memory.split_master=true (bf16), or a smaller model"
+            )
+        self._weight_arena = torch.empty(total, dtype=dtype)
+        self.pinned_bytes = 0
+        if pin and pin_in_place(self._weight_arena):
+            self.pinned_bytes += self._weight_arena.numel() * self._weight_arena.element_size()
+        self.weights: list[torch.Tensor] = []
+        offset = 0
+        for n in sizes:
+            self.weights.append(self._weight_arena[offset : offset + n])
+            offset += n
+        self._init_grads(sizes, pin, defer_grads)
+        self.masters: list[torch.Tensor | SplitMaster]
+        if split_master:
+            self._remainder_arena = torch.empty(total, dtype=torch.int16)
+            self.masters = [
+                SplitMaster(w, self._remainder_arena[off : off + n])
+                for w, off, n in zip(self.weights, itertools.accumulate(sizes, initial=0), sizes)
+            ]
+        else:
+            self.masters = [torch.empty(n, dtype=torch.float32) for n in sizes]
+        self.num_params = total
+        self._pinned_masters: set[int] = set()
+        self.carried: dict[str, torch.Tensor] = {}
+        self.build_seconds: dict[str, float] = {}
+        """Seconds the build took per phase (`model.build.build_model` and the session fill it)."""
+        """Checkpoint tensors outside the trained model (a vision tower), by HF name: loaded
+        and saved unchanged, never streamed or stepped."""
 
     def pin_masters(self, groups: Iterable[int]) -> None:
         """Page-lock the masters of ``groups`` in place (split masters: the whole remainder
@@ -459,8 +481,7 @@ class HostStore:
         """What the store holds (its gradient buffers, before `allocate_grads`, counted for every
         group: the most a plan can ask for) and its optimizer's ``optimizer_state_bytes``."""
         w = self._weight_arena.numel() * self._weight_arena.element_size()
-        arena = self._grad_arena
-        g = (arena.numel() if arena is not None else self.num_params) * self.dtype.itemsize + self.ring_bytes
+        g = self._grad_bytes()
         return HostBytes(
             weights=w,
             masters=self.num_params * (2 if self.split_master else 4),

@@ -55,7 +55,8 @@ reads two numbers per step: the loss and the gradient norm.
 Data parallel (``parallel``, see ``runtime.distributed``): the same step on this rank's rows;
 the loss is divided by the global target count, each group's gradient is reduce-scattered
 before the D2H copy (the host buffer holds this rank's shard), and the loss and squared norm
-are summed over ranks. Gradients held on the GPU are not offered there yet (`PlanError`).
+are summed over ranks. A gradient the plan holds on the GPU is this rank's reduce-scattered
+shard, held until the update.
 """
 
 from __future__ import annotations
@@ -296,13 +297,8 @@ class Executor:
         backward has not read yet."""
 
     def _check_grad_places(self) -> None:
-        """Refuse a plan that holds gradients on the GPU under data parallel, or that sends a
-        gradient to the host where the store has no buffer for it (`HostStore.host_grad_groups`)."""
-        if self.held_grads and self.parallel is not None:
-            raise PlanError(
-                f"the plan holds the gradients of layers {sorted(g - 1 for g in self.held_grads)} on the GPU "
-                "(grad='gpu'), which a data-parallel run does not offer yet (each rank would hold its "
-                "reduce-scattered shard); plan with grad='host' for every layer under torchrun")
+        """Refuse a plan that sends a gradient to the host where the store has no buffer for it
+        (`HostStore.host_grad_groups`)."""
         buffered = self.store.host_grad_groups
         if buffered is None:  # allocated for this plan at its first step
             return
@@ -510,7 +506,9 @@ class Executor:
     def _emit_grad_shard(self, group: int, ordered: list[torch.Tensor]) -> None:
         """Data parallel: the group's gradient as one flat buffer (padded to equal chunks),
         reduce-scattered; this rank's chunk is normed and copied to its host shard on the D2H
-        stream, which waits for the collective (compute goes on meanwhile)."""
+        stream, which waits for the collective (compute goes on meanwhile), or, where the plan
+        holds the gradient on the GPU, kept there (``device_grads``; ``grad_ready``: the D2H
+        stream's event after it)."""
         layout = self.adapter.layouts[group]
         r = self.store.ranges[group]
         flat = torch.empty(r.chunk * self.parallel.world_size, dtype=ordered[0].dtype, device=self.device)
@@ -526,7 +524,10 @@ class Executor:
                 work.wait()
             mine = shard[: r.numel]
             self.grad_norm_sq[group] = mine.float().square().sum()
-            self.store.grads[group].copy_(mine, non_blocking=True)
+            if group in self.held_grads:  # gloo's shard is a view of the whole flat buffer: not held
+                self.device_grads[group] = mine if self.parallel.backend == "nccl" else mine.clone()
+            else:
+                self.store.grads[group].copy_(mine, non_blocking=True)
         self.trace.end("d2h", span, self.streams.d2h)
         for t in (flat, shard):
             self.streams.keep_alive(t, self.streams.d2h)

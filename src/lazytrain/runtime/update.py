@@ -90,7 +90,7 @@ class _GradRing:
         self.groups = frozenset(groups)
         self.order = list(groups)
         """The groups whose copies are not queued yet."""
-        sizes = [executor.store.weights[g].numel() for g in groups]
+        sizes = [grads[g].numel() for g in groups]  # a data-parallel rank's: its shard
         self.free = list(executor.store.grad_ring(max(sizes))) if groups else []
         self.copied: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
         """Per group whose copy is queued: its slot, the gradient's part of it, the copy's event."""
@@ -401,18 +401,18 @@ class HostUpdater:
                 if group in on_gpu:
                     continue
                 if group in ring.groups:
-                    self.optimizer.step_group(group, ring.take(group), clip_coef, lr, store.weights[group])
-                    ring.release(group)
-                    self._done[group].set()
-                    continue
-                self.executor.wait_grad(group)
-                if parallel is None:
-                    self.optimizer.step_group(group, store.grads[group], clip_coef, lr, store.weights[group])
+                    grad = ring.take(group)
                 else:
-                    if store.grads[group].numel():  # a small group may leave a rank no elements
-                        self.optimizer.step_group(group, store.grads[group], clip_coef, lr,
-                                                  store.weight_shard(group))
+                    self.executor.wait_grad(group)
+                    grad = store.grads[group]
+                if parallel is None:
+                    self.optimizer.step_group(group, grad, clip_coef, lr, store.weights[group])
+                else:
+                    if grad.numel():  # a small group may leave a rank no elements
+                        self.optimizer.step_group(group, grad, clip_coef, lr, store.weight_shard(group))
                     parallel.publish(store, group)
+                if group in ring.groups:
+                    ring.release(group)
                 self._done[group].set()
         except BaseException as error:  # noqa: BLE001 (surfaced to the main thread by wait_group)
             self._error = error
