@@ -47,10 +47,10 @@ Either way its squared norm is taken in the backward, so clipping is unchanged, 
 gradient bits reach the same step.
 
 The LM head and cross-entropy run on chunks of the target tokens only (prompt and padding
-positions never reach the head), with backward per chunk, so the full logits never exist.
-Each host-buffered gradient is copied to its pinned host buffer on the D2H stream, and every
-gradient's squared norm is accumulated on the GPU, so clipping needs no pass over host gradients. The host
-reads two numbers per step: the loss and the gradient norm.
+positions never reach the head), with backward per chunk, so the full logits never exist. Each
+host-buffered gradient is copied to its pinned host buffer on the D2H stream, and every
+gradient's squared norm is accumulated on the GPU, so clipping needs no pass over host
+gradients. The host reads two numbers per step: the loss and the gradient norm.
 
 Data parallel (``parallel``, see ``runtime.distributed``): the same step on this rank's rows;
 the loss is divided by the global target count, each group's gradient is reduce-scattered

@@ -19,10 +19,10 @@ Gradients the plan holds on the GPU (``executor.held_grads``, `LayerPlan.grad="g
 from the executor at `start` (so the next step, which lets go of a skipped step's, keeps them).
 A layer the CPU worker steps has its gradient copied home through the host store's pinned ring
 (`HostStore.grad_ring`: `host_store.GRAD_RING_SLOTS` slots of the largest such gradient), by the
-worker, in the update order, on a copy stream of its own: the first slots' copies at once, each later one
-as soon as the CPU step that read its slot is done (`_GradRing`); each GPU gradient is freed once
-its copy is queued (the allocator reuses its bytes after the copy). The next forward's weight
-copy of layer i still waits for layer i's update only.
+worker, in the update order, on a copy stream of its own: the first slots' copies at once, each
+later one as soon as the CPU step that read its slot is done (`_GradRing`); each GPU gradient is
+freed once its copy is queued (the allocator reuses its bytes after the copy). The next
+forward's weight copy of layer i still waits for layer i's update only.
 
 Streamed layers the plan steps on the GPU (``executor.streamed_steps``, `Plan.device_steps`): at
 each update each one's weights, gradient (on the host since its backward, unless the plan holds
