@@ -126,6 +126,10 @@ class Trainer:
             log.info("plan:\n%s", self.planner.table)
         if self.store.host_grad_groups is None:  # the first plan: no host buffer for what it holds on the GPU
             self.store.allocate_grads(host_grad_groups(self.plan, len(self.store.weights)))
+            held = sorted(set(range(len(self.store.weights))) - self.store.host_grad_groups)
+            if held:
+                log.info("gradients held on the GPU until the update (no host buffer): layers %s; their ring %s",
+                         [g - 1 for g in held], gb(self.store.ring_bytes))
         host = session.host_memory(int(self.predicted.get("predicted_act_host_gb", 0.0) * 1e9), self.costs)
         log.info("host memory with the plan's activations:\n%s", host.table())
         self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=session.nvme,
