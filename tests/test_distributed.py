@@ -62,7 +62,9 @@ def _worker(rank: int, world: int, local_world: int, port: int, overrides: list[
     (out / f"rank{rank}.json").write_text(json.dumps({
         "arena_inodes": sorted(_arena_inodes()),
         "master_numel": sum(m.numel() for m in store.masters),
-        "grad_numel": sum(g.numel() for g in store.grads),
+        "grad_numel": sum(g.numel() for g in store.grads if g is not None),
+        "grad_groups": sorted(store.host_grad_groups),
+        "shard_numels": [r.numel for r in store.ranges],
         "num_params": store.num_params,
     }))
     if kill_at:
@@ -183,6 +185,31 @@ def test_two_ranks_equal_one_process_and_share_the_weights(tmp_path):
     # only rank 0 writes metrics: one record per step
     records = (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()
     assert sum('"loss"' in line for line in records) == 3
+
+
+def test_two_ranks_holding_a_gradient_on_the_device_train_as_with_host_buffers(tmp_path):
+    """A plan file holding layer 1's gradient on the device (`LayerPlan.grad="gpu"`: each rank
+    holds its reduce-scattered shard, then brings it home through its ring): the same losses and
+    master shards, bit for bit, as the same plan with every gradient in the host shards, and no
+    host shard for that layer."""
+    from lazytrain.plan.plan import megatrain_plan
+
+    args = [*COMMON, "training.batch_size=4", "training.steps=3"]
+    for run, grad in (("host", "host"), ("held", "gpu")):
+        plan = megatrain_plan(2, 2, 8)
+        plan.layers[1].grad = grad
+        plan.save(tmp_path / f"{run}.json")
+        run_ranks(2, [*args, f"plan.file={tmp_path / run}.json", f"training.output_dir={tmp_path / run}"],
+                  tmp_path / f"shm-{run}")
+    assert losses(tmp_path / "held") == losses(tmp_path / "host") and len(losses(tmp_path / "host")) == 3
+    for rank in range(2):
+        name = f"masters-rank{rank:05d}-of-00002.safetensors"
+        host, held = (load_file(str(Checkpointer(tmp_path / run).latest().path / name)) for run in ("host", "held"))
+        for key in host:
+            assert torch.equal(host[key], held[key]), key
+        full, part = (json.loads((tmp_path / run / f"rank{rank}.json").read_text()) for run in ("host", "held"))
+        assert full["grad_groups"] == [0, 1, 2, 3] and part["grad_groups"] == [0, 1, 3]
+        assert full["grad_numel"] - part["grad_numel"] == full["shard_numels"][2] > 0
 
 
 @pytest.mark.parametrize("world", [2, 3])

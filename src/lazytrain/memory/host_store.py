@@ -1,14 +1,18 @@
 """Host memory for the whole model: pinned streaming weights, fp32 masters, pinned gradients.
 
-Per parameter group (see ``model.adapter``) there is one flat weight buffer in the compute
-dtype (what crosses PCIe), one flat fp32 master, and one flat gradient buffer in the compute
-dtype (what comes back). The master's form is ``master`` (``memory.master``, ``optim/master.py``):
-``fp32``; ``split`` (bf16 compute only): the streamed bf16 weight is its high half and an int16
-remainder its low half (``optim/split.py``), 2 bytes per parameter instead of 4, reconstructed
-exactly by the optimizers; ``bf16`` (bf16 compute only): the streamed weight is the master, 0
-bytes more, updated with stochastic rounding (not exact). `master_fp32` and `load_master_fp32`
-give and take the fp32 master in every form (checkpoints, exports): exact for fp32 and split,
-for bf16 the weight widened, and a loaded fp32 value rounded to the nearest bf16. Weights and gradients are views into two large arenas that are
+Per parameter group (see ``model.adapter``) there is one flat weight buffer in the compute dtype
+(what crosses PCIe), one flat master, and one flat gradient buffer in the compute dtype (what
+comes back), unless the plan holds that group's gradient on the GPU (`LayerPlan.grad`): those
+come home through a small pinned ring instead (`GRAD_RING_SLOTS`). The gradient buffers can wait
+for the first plan (``defer_grads``, `HostStore.allocate_grads`), which is made after the store
+exists (the profiler times layers on it). The master's form is ``master`` (``memory.master``,
+``optim/master.py``): ``fp32``; ``split`` (bf16 compute only): the streamed bf16 weight is its
+high half and an int16 remainder its low half (``optim/split.py``), 2 bytes per parameter
+instead of 4, reconstructed exactly by the optimizers; ``bf16`` (bf16 compute only): the
+streamed weight is the master, 0 bytes more, updated with stochastic rounding (not exact).
+`master_fp32` and `load_master_fp32` give and take the fp32 master in every form (checkpoints,
+exports): exact for fp32 and split, for bf16 the weight widened, and a loaded fp32 value rounded
+to the nearest bf16. Weights and gradients are views into two large arenas that are
 pinned once (page-locked in place, so the allocator's power-of-two rounding never applies),
 which is what makes every H2D/D2H copy asynchronous and full speed.
 """
@@ -202,12 +206,29 @@ def master_bytes(master: str) -> int:
     return MASTER_BYTES[master]
 
 
+GRAD_RING_SLOTS = 2
+"""Pinned host slots through which the gradients the plan holds on the GPU (`LayerPlan.grad`)
+come home, one layer at a time in the update order, for the CPU worker's step
+(`runtime.update`). Two: the CPU step of one layer reads one slot while the next layer's
+gradient is copied into the other, and a copy at PCIe speed (2 bytes per parameter at tens of
+GB/s) is much shorter than the CPU step of the same layer (which reads and writes its master and
+states, 4-8 bytes per parameter, on a few cores), so a third slot would add pinned bytes and hide
+nothing more. Each slot is the size of the largest such layer's gradient."""
+
+
+def grad_ring_bytes(largest_numel: int, dtype: torch.dtype) -> int:
+    """Pinned bytes of the gradient ring for held gradients of at most ``largest_numel``
+    elements of ``dtype`` (0: none held)."""
+    return GRAD_RING_SLOTS * largest_numel * dtype.itemsize
+
+
 @dataclass(slots=True)
 class HostBytes:
     weights: int
     masters: int
     """fp32 masters, with a split master their int16 remainders, with a bf16 master nothing."""
     grads: int
+    """The host gradient buffers and the pinned ring that brings GPU-held gradients home."""
     optimizer: int
     pinned: int
     num_params: int
@@ -228,17 +249,23 @@ class HostBytes:
 
     @classmethod
     def predict(
-        cls, num_params: int, dtype: torch.dtype, master: str, optimizer_bytes_per_param: float
+        cls, num_params: int, dtype: torch.dtype, master: str, optimizer_bytes_per_param: float,
+        host_grad_numel: int | None = None, ring_numel: int = 0,
     ) -> HostBytes:
         """What a `HostStore` of ``num_params``, masters of form ``master`` (fp32, split or bf16)
-        and its optimizer will hold."""
+        and its optimizer will hold. ``host_grad_numel``: the elements of the groups with a host
+        gradient buffer (default: every group's, as when no gradient is held on the GPU);
+        ``ring_numel``: the largest gradient held on the GPU (its ring, `grad_ring_bytes`; 0:
+        none)."""
         esize = dtype.itemsize
+        grads = (num_params if host_grad_numel is None else host_grad_numel) * esize
+        grads += grad_ring_bytes(ring_numel, dtype)
         return cls(
             weights=num_params * esize,
             masters=num_params * master_bytes(master),
-            grads=num_params * esize,
+            grads=grads,
             optimizer=int(num_params * optimizer_bytes_per_param),
-            pinned=2 * num_params * esize,
+            pinned=num_params * esize + grads,
             num_params=num_params,
         )
 
@@ -251,8 +278,96 @@ class HostBytes:
         )
 
 
-class HostStore:
-    """Flat per-group host buffers for weights, fp32 masters and gradients."""
+class HostGradients:
+    """The host gradient buffers of a store (`HostStore`; a data-parallel rank's
+    `ShardedHostStore`, whose buffers are its shards): one pinned arena for the groups that
+    get a buffer, and the pinned ring that brings the others' gradients, held on the GPU by the
+    plan (`LayerPlan.grad`), home for the CPU step."""
+
+    dtype: torch.dtype
+    pinned_bytes: int
+
+    def _init_grads(self, sizes: list[int], pin: bool, defer: bool) -> None:
+        """``sizes``: each group's gradient elements; ``defer``: no buffer until `allocate_grads`."""
+        self._grad_sizes = list(sizes)
+        self._pin = pin
+        self.grads: list[torch.Tensor | None] = [None] * len(sizes)
+        """Per group, its pinned host gradient buffer; None for a group without one (its
+        gradient held on the GPU: `host_grad_groups`), and for every group until
+        `allocate_grads`."""
+        self.host_grad_groups: frozenset[int] | None = None
+        """The groups with a host gradient buffer (None: not allocated yet, ``defer_grads``). A
+        plan may hold any group's gradient on the GPU, but may send to the host only these
+        (`Executor` raises `PlanError` otherwise): the planner's re-plans keep to them."""
+        self._grad_arena: torch.Tensor | None = None
+        self._ring: list[torch.Tensor] = []
+        self._ring_pinned = False
+        if not defer:
+            self.allocate_grads(range(len(sizes)))
+
+    def allocate_grads(self, groups: Iterable[int]) -> None:
+        """Give ``groups`` (group indices) their pinned host gradient buffers, views of one arena
+        sized for them only, once; the others' gradients can only be held on the GPU, so the
+        ring that brings them home is pinned now too, sized for the largest of them
+        (`grad_ring`)."""
+        sizes = self._grad_sizes
+        groups = frozenset(groups)
+        if self.host_grad_groups is not None:
+            raise ValueError(f"the host gradient buffers are allocated already (groups "
+                             f"{sorted(self.host_grad_groups)}); allocate_grads is called once")
+        bad = sorted(g for g in groups if not 0 <= g < len(sizes))
+        if bad:
+            raise ValueError(f"groups {bad} do not exist: this model has groups 0..{len(sizes) - 1}")
+        arena = torch.empty(sum(sizes[g] for g in groups), dtype=self.dtype)
+        if self._pin and pin_in_place(arena):
+            self.pinned_bytes += arena.numel() * arena.element_size()
+        else:
+            # resident now (pinning does it otherwise): the memory available when a plan is
+            # made (`activation_room`) must not still count the gradients' pages
+            arena.zero_()
+        offset = 0
+        for g in sorted(groups):
+            self.grads[g] = arena[offset : offset + sizes[g]]
+            offset += sizes[g]
+        self._grad_arena, self.host_grad_groups = arena, groups
+        held = [sizes[g] for g in range(len(sizes)) if g not in groups]
+        if held:
+            self.grad_ring(max(held))
+
+    def grad_ring(self, numel: int) -> list[torch.Tensor]:
+        """The `GRAD_RING_SLOTS` pinned slots (``numel`` elements each, of one arena) that bring
+        gradients held on the GPU home (`runtime.update`); made, or made larger, at the first
+        call that needs it. Not to be called while an update still reads the slots."""
+        if not self._ring or self._ring[0].numel() < numel:
+            if self._ring_pinned:
+                self.pinned_bytes -= self.ring_bytes  # unpinned when the old arena goes
+            self._ring = []
+            arena = torch.empty(GRAD_RING_SLOTS * numel, dtype=self.dtype)
+            self._ring_pinned = self._pin and pin_in_place(arena)
+            if self._ring_pinned:
+                self.pinned_bytes += arena.numel() * arena.element_size()
+            self._ring = list(arena.view(GRAD_RING_SLOTS, numel).unbind())
+        return [slot[:numel] for slot in self._ring]
+
+    @property
+    def ring_bytes(self) -> int:
+        """Bytes of the gradient ring now (0 until a gradient held on the GPU needs it)."""
+        return sum(slot.numel() * slot.element_size() for slot in self._ring)
+
+    def _grad_bytes(self) -> int:
+        """The gradient buffers' bytes (before `allocate_grads`, every group's: the most a plan
+        can ask for) and the ring's."""
+        arena = self._grad_arena
+        numel = arena.numel() if arena is not None else sum(self._grad_sizes)
+        return numel * self.dtype.itemsize + self.ring_bytes
+
+
+class HostStore(HostGradients):
+    """Flat per-group host buffers for weights, fp32 masters and gradients.
+
+    ``defer_grads``: no gradient buffer until `allocate_grads` names the groups that get one
+    (the trainer, once the first plan is known: the groups whose gradients it does not hold on
+    the GPU); meanwhile `bytes` counts every group's, the most a plan can ask for."""
 
     def __init__(
         self,
@@ -262,6 +377,7 @@ class HostStore:
         optimizer_bytes_per_param: float = 8.0,
         host_limit_bytes: int | None = None,
         master: str = "fp32",
+        defer_grads: bool = False,
     ):
         master_bytes(master)  # a known form, or a clear error
         if master != "fp32" and dtype != torch.bfloat16:
@@ -281,23 +397,15 @@ class HostStore:
                 "of state instead of 8), memory.master=split (bf16, exact) or bf16 (not exact), or a smaller model"
             )
         self._weight_arena = torch.empty(total, dtype=dtype)
-        self._grad_arena = torch.empty(total, dtype=dtype)
         self.pinned_bytes = 0
-        if pin:
-            for arena in (self._weight_arena, self._grad_arena):
-                if pin_in_place(arena):
-                    self.pinned_bytes += arena.numel() * arena.element_size()
-        if not self.pinned_bytes:
-            # resident now (pinning does it otherwise): the memory available when the plan is
-            # made (`activation_room`) must not still count the gradients' pages
-            self._grad_arena.zero_()
+        if pin and pin_in_place(self._weight_arena):
+            self.pinned_bytes += self._weight_arena.numel() * self._weight_arena.element_size()
         self.weights: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []
         offset = 0
         for n in sizes:
             self.weights.append(self._weight_arena[offset : offset + n])
-            self.grads.append(self._grad_arena[offset : offset + n])
             offset += n
+        self._init_grads(sizes, pin, defer_grads)
         self.masters: list[Master]
         if master == "bf16":
             self.masters = [Bf16Master(w) for w in self.weights]
@@ -310,7 +418,6 @@ class HostStore:
         else:
             self.masters = [torch.empty(n, dtype=torch.float32) for n in sizes]
         self.num_params = total
-        self._pin = pin
         self._pinned_masters: set[int] = set()
         self.carried: dict[str, torch.Tensor] = {}
         self.build_seconds: dict[str, float] = {}
@@ -404,8 +511,10 @@ class HostStore:
             master.assign(value)
 
     def bytes(self, optimizer_state_bytes: int = 0) -> HostBytes:
+        """What the store holds (its gradient buffers, before `allocate_grads`, counted for every
+        group: the most a plan can ask for) and its optimizer's ``optimizer_state_bytes``."""
         w = self._weight_arena.numel() * self._weight_arena.element_size()
-        g = self._grad_arena.numel() * self._grad_arena.element_size()
+        g = self._grad_bytes()
         return HostBytes(
             weights=w,
             masters=self.num_params * master_bytes(self.master_mode),

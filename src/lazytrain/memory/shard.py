@@ -26,7 +26,13 @@ from pathlib import Path
 
 import torch
 
-from lazytrain.memory.host_store import HostBytes, HostMemoryError, host_memory_total, pin_in_place
+from lazytrain.memory.host_store import (
+    HostBytes,
+    HostGradients,
+    HostMemoryError,
+    host_memory_total,
+    pin_in_place,
+)
 from lazytrain.model.adapter import GroupLayout
 
 SHARD_ALIGN = 128
@@ -102,8 +108,9 @@ class SharedArena:
         self.tensor = torch.frombuffer(self._map, dtype=dtype, count=numel)
 
 
-class ShardedHostStore:
-    """Shared streaming weights plus this rank's shards of masters and gradients."""
+class ShardedHostStore(HostGradients):
+    """Shared streaming weights plus this rank's shards of masters and gradients (``defer_grads``:
+    the gradient shards wait for `allocate_grads`, as `HostStore`'s buffers)."""
 
     def __init__(
         self,
@@ -119,6 +126,7 @@ class ShardedHostStore:
         pin: bool = True,
         optimizer_bytes_per_param: float = 8.0,
         host_limit_bytes: int | None = None,
+        defer_grads: bool = False,
     ):
         self.layouts = layouts
         self.dtype = dtype
@@ -140,22 +148,15 @@ class ShardedHostStore:
                 "use optimizer.kind=hybrid8bit, more hosts, or a smaller model"
             )
         self.arena = SharedArena(arena_path, self.num_params, dtype, local_rank, local_world_size, barrier)
-        self._grad_arena = torch.empty(owned, dtype=dtype)
         self.pinned_bytes = 0
-        if pin:
-            for arena in (self.arena.tensor, self._grad_arena):
-                if pin_in_place(arena):
-                    self.pinned_bytes += arena.numel() * arena.element_size()
-        if not self.pinned_bytes:
-            self._grad_arena.zero_()  # resident now, as `HostStore` makes its own
+        if pin and pin_in_place(self.arena.tensor):
+            self.pinned_bytes += self.arena.tensor.numel() * self.arena.tensor.element_size()
         self.weights: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []
-        offset, grad_offset = 0, 0
-        for n, r in zip(sizes, self.ranges):
+        offset = 0
+        for n in sizes:
             self.weights.append(self.arena.tensor[offset : offset + n])
-            self.grads.append(self._grad_arena[grad_offset : grad_offset + r.numel])
             offset += n
-            grad_offset += r.numel
+        self._init_grads([r.numel for r in self.ranges], pin, defer_grads)
         self.masters = [torch.empty(r.numel, dtype=torch.float32) for r in self.ranges]
         self.master_mode = "fp32"  # a rank's masters are fp32 shards
         self.split_master = self.weights_are_masters = False
@@ -210,7 +211,7 @@ class ShardedHostStore:
         return HostBytes(
             weights=self.arena.nbytes // self.local_world_size,
             masters=sum(m.numel() * 4 for m in self.masters),
-            grads=self._grad_arena.numel() * self._grad_arena.element_size(),
+            grads=self._grad_bytes(),
             optimizer=optimizer_state_bytes,
             pinned=self.pinned_bytes,
             num_params=self.num_params,

@@ -32,19 +32,31 @@ the plan's first ``device_layers`` decoder layers, which are then resident too a
 streamed) are stepped on the GPU (`runtime.update`): their gradients stay there
 (``device_grads``, the head's accumulated straight into its flat buffer) instead of going to
 the host, and the step writes their resident weights, which are then never copied in again.
-The plan's ``device_steps`` layers after them (``streamed_steps``) are streamed like the rest,
-gradients to the host included; the optimizer steps them on the GPU with their states copied in.
+The plan's ``device_steps`` layers after them (``streamed_steps``) are streamed like the rest;
+the optimizer steps them on the GPU with their states copied in.
+
+Gradients of streamed layers go where the plan says (`LayerPlan.grad`): ``host``, copied in the
+backward to the layer's pinned host buffer; ``gpu`` (``held_grads``), kept on the GPU as one
+flat buffer of the layer's group in the compute dtype (``device_grads``), no D2H in the backward,
+until the update steps it there (a ``device_steps`` layer) or copies it home through a small
+pinned ring for the CPU worker (`runtime.update`). A held gradient costs GPU memory from its
+backward to its update and saves the layer's host buffer (`HostStore.allocate_grads`: a
+store whose buffers wait for the plan gets them from the first plan that runs a step, the
+trainer's first; a later plan that sends to the host a gradient without a buffer is refused).
+Either way its squared norm is taken in the backward, so clipping is unchanged, and the same
+gradient bits reach the same step.
 
 The LM head and cross-entropy run on chunks of the target tokens only (prompt and padding
-positions never reach the head), with backward per chunk, so the full logits never exist.
-Each layer's gradient is copied to the pinned host buffer on the D2H stream, and its squared
-norm is accumulated on the GPU, so clipping needs no pass over host gradients. The host
-reads two numbers per step: the loss and the gradient norm.
+positions never reach the head), with backward per chunk, so the full logits never exist. Each
+host-buffered gradient is copied to its pinned host buffer on the D2H stream, and every
+gradient's squared norm is accumulated on the GPU, so clipping needs no pass over host
+gradients. The host reads two numbers per step: the loss and the gradient norm.
 
 Data parallel (``parallel``, see ``runtime.distributed``): the same step on this rank's rows;
 the loss is divided by the global target count, each group's gradient is reduce-scattered
 before the D2H copy (the host buffer holds this rank's shard), and the loss and squared norm
-are summed over ranks.
+are summed over ranks. A gradient the plan holds on the GPU is this rank's reduce-scattered
+shard, held until the update.
 """
 
 from __future__ import annotations
@@ -62,7 +74,7 @@ from lazytrain.memory.nvme import NvmeStore
 from lazytrain.model import sublayer
 from lazytrain.model.adapter import ModelAdapter, mask_tensors, right_padded
 from lazytrain.model.lean import Recomputed, recomputed_read, saved_recipe
-from lazytrain.plan.plan import Plan
+from lazytrain.plan.plan import Plan, PlanError
 from lazytrain.runtime.activations import ActivationStore, Handle
 from lazytrain.runtime.distributed import DataParallel
 from lazytrain.runtime.streams import Streams, StreamTrace
@@ -177,6 +189,21 @@ def chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         return loss, probs.mul_(1.0 / denominator).to(weight.dtype)
 
 
+def held_grad_groups(plan: Plan) -> frozenset[int]:
+    """The groups (layer i: group i + 1) of the streamed layers whose gradients ``plan`` holds
+    on the GPU from their backward to the update (`LayerPlan.grad`; the resident device layers
+    hold theirs whatever it says: `Executor.device_groups`)."""
+    return frozenset(i + 1 for i, lp in enumerate(plan.layers) if lp.grad == "gpu" and i >= plan.device_layers)
+
+
+def host_grad_groups(plan: Plan, num_groups: int) -> frozenset[int]:
+    """The groups given a host gradient buffer when ``plan`` is the first to run
+    (`HostStore.allocate_grads`): all but those it holds on the GPU. The embedding, head and
+    resident layers keep theirs even when the plan steps them on the GPU: a re-plan may step
+    them on the CPU (``const_update=host``, fewer device layers), whose gradients then go there."""
+    return frozenset(range(num_groups)) - held_grad_groups(plan)
+
+
 class Executor:
     """Runs forward + backward of one batch under ``plan``; the optimizer is separate."""
 
@@ -251,10 +278,15 @@ class Executor:
         first = 1 + plan.device_layers
         self.streamed_steps = (frozenset(range(first, first + plan.device_steps)) if plan.const_update == "device"
                                else frozenset())
-        """Streamed layers' groups stepped on the GPU, their gradients and states copied in and
-        out (`Plan.device_steps`, `HostUpdater`)."""
+        """Streamed layers' groups stepped on the GPU, their states copied in and out
+        (`Plan.device_steps`, `HostUpdater`)."""
+        self.held_grads = held_grad_groups(plan)
+        """Streamed layers' groups whose gradients stay on the GPU until the update
+        (`LayerPlan.grad="gpu"`), in ``device_grads``."""
+        self._check_grad_places()
         self.device_grads: dict[int, torch.Tensor] = {}
-        """The last step's flat gradients of ``device_groups``, until the optimizer takes them."""
+        """The last step's flat gradients of ``device_groups`` and ``held_grads``, until the
+        optimizer (`HostUpdater.start`) takes them."""
         self.weight_version = [0] * self.num_groups
         self.grad_ready: list[torch.cuda.Event | None] = [None] * self.num_groups
         self.grad_norm_sq = torch.zeros(self.num_groups, dtype=torch.float32, device=device)
@@ -263,6 +295,22 @@ class Executor:
         self._reads_left: dict[int, int] = {}
         """Per stored storage of a keep layer (by its handle's id): saved tensors of it that
         backward has not read yet."""
+
+    def _check_grad_places(self) -> None:
+        """Refuse a plan that sends a gradient to the host where the store has no buffer for it
+        (`HostStore.host_grad_groups`)."""
+        buffered = self.store.host_grad_groups
+        if buffered is None:  # allocated for this plan at its first step
+            return
+        missing = [g for g in range(self.num_groups) if g not in buffered | self.held_grads | self.device_groups]
+        if missing:
+            names = [f"layer {g - 1}" if 0 < g <= self.adapter.num_layers else self.adapter.layouts[g].name
+                     for g in missing]
+            raise PlanError(
+                f"the plan sends the gradients of {', '.join(names)} to the host (grad='host'), where they have no "
+                f"buffer: the first plan held them on the GPU and host buffers are allocated once (the store has "
+                f"them for groups {sorted(buffered)}); plan grad='gpu' for those layers (the planner keeps to "
+                "HostStore.host_grad_groups)")
 
     # -- weights --------------------------------------------------------------------------
 
@@ -419,8 +467,10 @@ class Executor:
 
     def _emit_grads(self, group: int, grads: dict[str, torch.Tensor], flat: torch.Tensor | None = None) -> None:
         """Squared norm on the GPU, then an async copy into the pinned host gradient buffer; for
-        a group stepped on the GPU, the flat gradient kept there instead (in ``flat`` where
-        given: grads already viewing their place in it are not copied)."""
+        a group stepped on the GPU or whose gradient the plan holds there (``held_grads``), the
+        flat gradient kept there instead (in ``flat`` where given: grads already viewing their
+        place in it are not copied), with an event on the compute stream after it for a held one
+        (``grad_ready``: the update's copy home waits for it)."""
         layout = self.adapter.layouts[group]
         ordered = [grads[p.name] for p in layout.params]
         if self.parallel is not None and self.parallel.world_size > 1:
@@ -428,7 +478,7 @@ class Executor:
             return
         norms = torch._foreach_norm(ordered, 2, dtype=torch.float32)
         self.grad_norm_sq[group] = torch.stack(norms).square().sum()
-        if group in self.device_groups:
+        if group in self.device_groups or group in self.held_grads:
             if flat is None and len(ordered) == 1:
                 flat = ordered[0].reshape(-1)
             else:
@@ -439,7 +489,7 @@ class Executor:
                     if g.data_ptr() != place.data_ptr():
                         place.copy_(g.reshape(-1))
             self.device_grads[group] = flat
-            self.grad_ready[group] = None
+            self.grad_ready[group] = None if group in self.device_groups else self.streams.record()
             return
         produced = self.streams.record()
         host = self.store.grads[group]
@@ -456,7 +506,9 @@ class Executor:
     def _emit_grad_shard(self, group: int, ordered: list[torch.Tensor]) -> None:
         """Data parallel: the group's gradient as one flat buffer (padded to equal chunks),
         reduce-scattered; this rank's chunk is normed and copied to its host shard on the D2H
-        stream, which waits for the collective (compute goes on meanwhile)."""
+        stream, which waits for the collective (compute goes on meanwhile), or, where the plan
+        holds the gradient on the GPU, kept there (``device_grads``; ``grad_ready``: the D2H
+        stream's event after it)."""
         layout = self.adapter.layouts[group]
         r = self.store.ranges[group]
         flat = torch.empty(r.chunk * self.parallel.world_size, dtype=ordered[0].dtype, device=self.device)
@@ -472,7 +524,10 @@ class Executor:
                 work.wait()
             mine = shard[: r.numel]
             self.grad_norm_sq[group] = mine.float().square().sum()
-            self.store.grads[group].copy_(mine, non_blocking=True)
+            if group in self.held_grads:  # gloo's shard is a view of the whole flat buffer: not held
+                self.device_grads[group] = mine if self.parallel.backend == "nccl" else mine.clone()
+            else:
+                self.store.grads[group].copy_(mine, non_blocking=True)
         self.trace.end("d2h", span, self.streams.d2h)
         for t in (flat, shard):
             self.streams.keep_alive(t, self.streams.d2h)
@@ -539,7 +594,8 @@ class Executor:
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> StepStats:
-        """Loss and gradients of one batch; gradients land in ``store.grads``.
+        """Loss and gradients of one batch; gradients land in ``store.grads``, or in
+        ``device_grads`` for the groups stepped on the GPU and those the plan holds there.
 
         ``labels`` are unshifted (as HF takes them): position t predicts labels[t + 1];
         -100 marks positions without loss. The loss is the mean over target tokens. Padding
@@ -631,6 +687,8 @@ class Executor:
         self.trace.start_step()
         if self.step_started is not None:
             self.step_started()
+        if self.store.host_grad_groups is None:  # a store whose gradient buffers wait for the plan
+            self.store.allocate_grads(host_grad_groups(plan, self.num_groups))
         self._reads_left.clear()  # an abandoned step's counts
         self.device_grads.clear()  # a skipped step's (not stepped): not held through this one
         self.grad_norm_sq.zero_()

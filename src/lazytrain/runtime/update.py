@@ -15,21 +15,30 @@ the device layers and then waits for the first streamed layer's CPU step. The op
 master remainder and state on the GPU from the first such step until `finish`, which copies
 them back to the host (what checkpoints, exports and evaluation read).
 
-Streamed layers the plan steps on the GPU (``executor.streamed_steps``, `Plan.device_steps`):
-at each update each one's weights, gradient (on the host since its backward, as every streamed
-layer's), master remainder and state go in on a copy stream of their own (from pinned host
-memory: `HostStore.pin_masters`, `Hybrid8bitAdamW.stream_in`) into one of two scratch slots,
-are stepped on a stream of their own and come back, the gradient excepted, on a third
-(`stream_out`), the new weights into the host store. Their gradients are not held on the GPU
-from the backward to the update: the card keeps its room for activations, at the price of
-the gradient's copy in. They are queued as the next forward goes, `STREAMED_LOOKAHEAD` layers
-ahead of the weights it loads (the first ones once its inputs are on their way:
-``executor.step_started``), not all at `start`: queued at once (H200, 7B, 12 layers,
-2026-12-04), `start` took 0.21 s of the calling thread and the next step's first event ran on
-the GPU 0.34 s after its call, we take it behind the 23 GB of copies in on the H2D link
-(its inputs' copies wait there). Nothing blocks the calling thread: the weight copy
-of such a layer's next forward waits on the GPU for its bytes to be back (``wait_group``), and
-`finish` queues what is left and waits for them on the host.
+Gradients the plan holds on the GPU (``executor.held_grads``, `LayerPlan.grad="gpu"`) are taken
+from the executor at `start` (so the next step, which lets go of a skipped step's, keeps them).
+A layer the CPU worker steps has its gradient copied home through the host store's pinned ring
+(`HostStore.grad_ring`: `host_store.GRAD_RING_SLOTS` slots of the largest such gradient), by the
+worker, in the update order, on a copy stream of its own: the first slots' copies at once, each
+later one as soon as the CPU step that read its slot is done (`_GradRing`); each GPU gradient is
+freed once its copy is queued (the allocator reuses its bytes after the copy). The next
+forward's weight copy of layer i still waits for layer i's update only.
+
+Streamed layers the plan steps on the GPU (``executor.streamed_steps``, `Plan.device_steps`): at
+each update each one's weights, gradient (on the host since its backward, unless the plan holds
+it on the GPU: then it is stepped from there, no copy in), master remainder and state go in on a
+copy stream of their own (from pinned host memory: `HostStore.pin_masters`,
+`Hybrid8bitAdamW.stream_in`) into one of two scratch slots, are stepped on a stream of their own
+and come back, the gradient excepted, on a third (`stream_out`), the new weights into the host
+store. A gradient the plan does not hold is not kept on the GPU from the backward to the update:
+the card keeps its room for activations, at the price of the gradient's copy in. They are queued
+as the next forward goes, `STREAMED_LOOKAHEAD` layers ahead of the weights it loads (the first
+ones once its inputs are on their way: ``executor.step_started``), not all at `start`: queued at
+once (H200, 7B, 12 layers, 2026-12-04), `start` took 0.21 s of the calling thread and the next
+step's first event ran on the GPU 0.34 s after its call, we take it behind the 23 GB of copies
+in on the H2D link (its inputs' copies wait there). Nothing blocks the calling thread: the
+weight copy of such a layer's next forward waits on the GPU for its bytes to be back
+(``wait_group``), and `finish` queues what is left and waits for them on the host.
 
 Out of GPU memory: a streamed step that runs out (taking the scratch slots, or in the step's
 temporaries) and the ones after it are stepped on the CPU instead, the same update (their
@@ -37,9 +46,11 @@ masters and states on the host are whole until the copy out, which comes after t
 the CPU worker steps every streamed-step layer from then on, for as long as this plan runs. So
 is a device group whose master and state were copied to the GPU in this update (its first, or
 the first after `finish`) when the copy or its step runs out: the copy is dropped, the host's is
-whole. ``out_of_memory`` tells the caller; the trainer re-solves a solved plan smaller (whose
-new updater tries the GPU again). A device group whose master and state have lived on the GPU
-since an earlier update may be left partly stepped: `DeviceStepOutOfMemory` ends the run.
+whole. Stepped on the CPU, a gradient held on the GPU is copied to its host buffer, or, for a
+layer without one, to a temporary host tensor. ``out_of_memory`` tells the caller; the trainer
+re-solves a solved plan smaller (whose new updater tries the GPU again). A device group whose
+master and state have lived on the GPU since an earlier update may be left partly stepped:
+`DeviceStepOutOfMemory` ends the run.
 
 Data parallel (the executor has ``parallel``): the optimizer holds this rank's shards; each
 group's step writes the rank's shard of the shared weights, then ``parallel.publish`` waits
@@ -66,6 +77,53 @@ log = logging.getLogger(__name__)
 class DeviceStepOutOfMemory(LazyTrainError, MemoryError):
     """An optimizer step on the GPU of a group whose master and state live there ran out of
     memory: they may be partly stepped, and the run cannot go on."""
+
+
+class _GradRing:
+    """The CPU worker's gradients held on the GPU (``grads``, stepped in the order of
+    ``groups``), brought home through the host store's pinned slots (`HostStore.grad_ring`) on
+    ``stream``. Used from the worker thread only (or the caller's, without overlap)."""
+
+    def __init__(self, executor: Executor, groups: list[int], grads: dict[int, torch.Tensor],
+                 stream: torch.cuda.Stream | None):
+        self.executor, self.grads, self.stream = executor, grads, stream
+        self.groups = frozenset(groups)
+        self.order = list(groups)
+        """The groups whose copies are not queued yet."""
+        sizes = [grads[g].numel() for g in groups]  # a data-parallel rank's: its shard
+        self.free = list(executor.store.grad_ring(max(sizes))) if groups else []
+        self.copied: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
+        """Per group whose copy is queued: its slot, the gradient's part of it, the copy's event."""
+
+    def fill(self) -> None:
+        """Queue the next gradients' copies into the free slots, in order; each GPU gradient is
+        let go once its copy is queued."""
+        streams = self.executor.streams
+        while self.order and self.free:
+            group = self.order.pop(0)
+            grad = self.grads.pop(group)
+            slot = self.free.pop(0)
+            part = slot[: grad.numel()]
+            with streams.on(self.stream):
+                streams.wait(self.executor.grad_ready[group], self.stream)  # its backward
+                part.copy_(grad, non_blocking=True)
+            streams.keep_alive(grad, self.stream)
+            self.copied[group] = (slot, part, streams.record(self.stream))
+            del grad
+
+    def take(self, group: int) -> torch.Tensor:
+        """``group``'s gradient in its ring slot, once copied (blocks this thread until then)."""
+        self.fill()
+        _, part, copied = self.copied[group]
+        if copied is not None:
+            copied.synchronize()
+        return part
+
+    def release(self, group: int) -> None:
+        """``group``'s CPU step is done with its slot: the next gradient may be copied into it."""
+        slot, _, _ = self.copied.pop(group)
+        self.free.append(slot)
+        self.fill()
 
 
 class HostUpdater:
@@ -104,10 +162,13 @@ class HostUpdater:
         self._on_cpu: set[int] = set()
         """Device groups (`Executor.device_groups`) stepped on the CPU from their first update
         that ran out of GPU memory on."""
+        self._held: dict[int, torch.Tensor] = {}
+        """The held gradients (`Executor.held_grads`) of this update's streamed steps, taken from
+        the executor at `start` until each is stepped (the CPU worker's go to its `_GradRing`)."""
         executor.step_started = self._queue_first
         streams = executor.streams
-        self._in, self._step, self._out = ((torch.cuda.Stream(executor.device) for _ in range(3)) if streams.cuda
-                                           else (None, None, None))
+        self._in, self._step, self._out, self._home = (
+            (torch.cuda.Stream(executor.device) for _ in range(4)) if streams.cuda else (None,) * 4)
         if executor.streamed_steps:
             executor.store.pin_masters(executor.streamed_steps)
         self.last_step_seconds = 0.0
@@ -154,11 +215,16 @@ class HostUpdater:
                     self._done[group].clear()
                 self.executor.weights_updated(group)
         self.wait_seconds = 0.0
+        held = {g: self.executor.device_grads.pop(g) for g in sorted(self.executor.held_grads)
+                if g in self.executor.device_grads}
+        self._held = {g: held.pop(g) for g in sorted(streamed) if g in held}
+        ring = _GradRing(self.executor, sorted(held), held, self._home)
         if self.overlap:
-            self._thread = threading.Thread(target=self._run, args=(clip_coef, lr, on_device | streamed), daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(clip_coef, lr, on_device | streamed, ring),
+                                            daemon=True)
             self._thread.start()
         else:
-            self._run(clip_coef, lr, on_device | streamed)
+            self._run(clip_coef, lr, on_device | streamed, ring)
             self.wait_group(0)
         self._pending, self._step_args, self._queued = sorted(self.executor.streamed_steps), (clip_coef, lr), 0
         for group in sorted(on_device):
@@ -217,12 +283,13 @@ class HostUpdater:
         if not self._scratch:
             groups = sorted(ex.streamed_steps)
             numel = max(store.weights[g].numel() for g in groups)
+            grad_numel = max((store.weights[g].numel() for g in groups if g not in self._held), default=0)
             nbytes = max(self.optimizer.streamed_bytes(g) for g in groups)
             # taken on the compute stream, whose queued work may still use those bytes: the
             # copies in wait for it
             streams.wait(streams.record(), self._in)
             self._scratch = [(torch.empty(numel, dtype=store.dtype, device=ex.device),
-                              torch.empty(numel, dtype=store.grads[groups[0]].dtype, device=ex.device),
+                              torch.empty(grad_numel, dtype=store.dtype, device=ex.device),
                               torch.empty(nbytes, dtype=torch.uint8, device=ex.device))
                              for _ in range(min(STREAMED_STEP_SLOTS, len(groups)))]
             self._slot_free = [None] * len(self._scratch)
@@ -233,10 +300,14 @@ class HostUpdater:
             slot = self._queued % len(self._scratch)
             weights, grad, scratch = self._scratch[slot]
             weights, grad = weights[: store.weights[group].numel()], grad[: store.weights[group].numel()]
+            held = self._held.get(group)
             with streams.on(self._in):
                 streams.wait(self._slot_free[slot], self._in)  # its last layer's bytes are out
-                streams.wait(ex.grad_ready[group], self._in)  # the gradient's copy out of the backward
-                grad.copy_(store.grads[group], non_blocking=True)
+                streams.wait(ex.grad_ready[group], self._in)  # the gradient's copy out of (or its) backward
+                if held is None:
+                    grad.copy_(store.grads[group], non_blocking=True)
+                else:  # held on the GPU since its backward: stepped from there
+                    grad = held
                 if weights_are_masters:  # a split master's bf16 half, a bf16 master (an fp32 master writes the weights)
                     weights.copy_(store.weights[group], non_blocking=True)
                 self.optimizer.stream_in(group, weights, scratch)
@@ -254,6 +325,9 @@ class HostUpdater:
             # popped only now (nothing above may raise after stream_out, or the group, no longer
             # on the device, would be stepped again on the CPU while its copy out is in flight)
             self._pending.pop(0)
+            if held is not None:  # its bytes go back once the step has read them
+                streams.keep_alive(self._held.pop(group), self._step)
+            del held, grad
             self._queued += 1
         if not self._pending:  # the last one queued: the slots go back once the streams are done
             self._release_scratch()
@@ -273,11 +347,13 @@ class HostUpdater:
         host weights (a device group's resident copy is then reloaded from them)."""
         ex, store = self.executor, self.executor.store
         clip_coef, lr = self._step_args
-        if group in ex.device_grads:
-            store.grads[group].copy_(ex.device_grads.pop(group).reshape(-1))
+        on_gpu = ex.device_grads.pop(group, None) if group in ex.device_groups else self._held.pop(group, None)
+        grad = store.grads[group]
+        if on_gpu is not None:  # the device group's or held gradient: to its host buffer, or to a new tensor
+            grad = on_gpu.reshape(-1).to("cpu") if grad is None else grad.copy_(on_gpu.reshape(-1))
         else:
             ex.wait_grad(group)
-        self.optimizer.step_group(group, store.grads[group], clip_coef, lr, store.weights[group])
+        self.optimizer.step_group(group, grad, clip_coef, lr, store.weights[group])
         ex.weights_updated(group)
 
     def _ran_out(self, error: torch.OutOfMemoryError, groups: list[int], what: str) -> None:
@@ -311,24 +387,32 @@ class HostUpdater:
         for group in self.executor.device_groups:
             self.executor.store.sync_weights_from_masters(group)  # an fp32 master's streamed weights
         self.executor.device_grads.clear()  # a skipped last step's: not held through what follows
+        self._held.clear()
 
-    def _run(self, clip_coef: float, lr: float, on_gpu: frozenset[int]) -> None:
+    def _run(self, clip_coef: float, lr: float, on_gpu: frozenset[int], ring: _GradRing) -> None:
         """Step every group but ``on_gpu`` (this update's GPU steps, as `start` found them: a
-        streamed step that falls back to the CPU is the caller's)."""
+        streamed step that falls back to the CPU is the caller's), those whose gradients were
+        held on the GPU from their ``ring`` slot."""
         t0 = time.perf_counter()
         store, parallel = self.executor.store, self.executor.parallel
         try:
+            ring.fill()
             for group in range(self.num_groups):
                 if group in on_gpu:
                     continue
-                self.executor.wait_grad(group)
-                if parallel is None:
-                    self.optimizer.step_group(group, store.grads[group], clip_coef, lr, store.weights[group])
+                if group in ring.groups:
+                    grad = ring.take(group)
                 else:
-                    if store.grads[group].numel():  # a small group may leave a rank no elements
-                        self.optimizer.step_group(group, store.grads[group], clip_coef, lr,
-                                                  store.weight_shard(group))
+                    self.executor.wait_grad(group)
+                    grad = store.grads[group]
+                if parallel is None:
+                    self.optimizer.step_group(group, grad, clip_coef, lr, store.weights[group])
+                else:
+                    if grad.numel():  # a small group may leave a rank no elements
+                        self.optimizer.step_group(group, grad, clip_coef, lr, store.weight_shard(group))
                     parallel.publish(store, group)
+                if group in ring.groups:
+                    ring.release(group)
                 self._done[group].set()
         except BaseException as error:  # noqa: BLE001 (surfaced to the main thread by wait_group)
             self._error = error

@@ -251,7 +251,10 @@ def build_session(config: Config) -> Session:
         preflight=preflight, lean_ops=config.model.lean_ops, fused_ops=config.model.fused_ops,
         packed_attention=config.model.packed_attention,
         init_device=init_device_of(config.model.init_device),
-        store_factory=HostStore if parallel is None else sharded_store_factory(parallel, config),
+        # the gradient buffers wait for the first plan, which may hold some on the GPU (`Trainer`);
+        # a rank's too (`sharded_store_factory`)
+        store_factory=(partial(HostStore, defer_grads=True) if parallel is None
+                       else sharded_store_factory(parallel, config)),
     )
     if config.memory.gpu_gb:
         cap_gpu_memory(device, config.memory.gpu_gb)
@@ -289,5 +292,5 @@ def sharded_store_factory(parallel: DataParallel, config: Config):
     path = Path(config.memory.shm_dir) / f"lazytrain-{parallel.run_id}-host{info.node_rank}.weights"
     return partial(
         ShardedHostStore, rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
-        local_world_size=info.local_world_size, arena_path=path, barrier=parallel.barrier,
+        local_world_size=info.local_world_size, arena_path=path, barrier=parallel.barrier, defer_grads=True,
     )

@@ -32,7 +32,7 @@ from lazytrain.model.loading import save_hf
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import OutOfGpuMemory
 from lazytrain.runtime.device import oom_need_bytes, release_failed_step
-from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.executor import Executor, host_grad_groups
 from lazytrain.runtime.update import HostUpdater
 from lazytrain.train.checkpoint import Checkpointer, check_output_dir, gb
 from lazytrain.train.divergence import SkipCounter
@@ -124,6 +124,12 @@ class Trainer:
         session = self.session
         if self.planner.table:
             log.info("plan:\n%s", self.planner.table)
+        if self.store.host_grad_groups is None:  # the first plan: no host buffer for what it holds on the GPU
+            self.store.allocate_grads(host_grad_groups(self.plan, len(self.store.weights)))
+            held = sorted(set(range(len(self.store.weights))) - self.store.host_grad_groups)
+            if held:
+                log.info("gradients held on the GPU until the update (no host buffer): layers %s; their ring %s",
+                         [g - 1 for g in held], gb(self.store.ring_bytes))
         host = session.host_memory(int(self.predicted.get("predicted_act_host_gb", 0.0) * 1e9), self.costs)
         log.info("host memory with the plan's activations:\n%s", host.table())
         self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=session.nvme,
