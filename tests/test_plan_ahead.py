@@ -4,6 +4,7 @@ file or a built-in estimate, and the output says which."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -107,3 +108,17 @@ def test_a_cost_table_measured_elsewhere_plans_for_that_machine(tmp_path, capsys
     assert ahead.host.state.weights == 2 * ahead.num_params  # bf16, as on the GPU
     with pytest.raises(Exception, match="timed the CPU optimizer as fp32, this run steps hybrid8bit/nearest"):
         plan_ahead(load_config(None, [*common, f"plan.costs={tmp_path / 'costs.json'}", "optimizer.kind=hybrid8bit"]))
+
+
+def test_the_flagship_plans_in_128_gib_with_its_gradients_held_on_the_gpu(tmp_path, capsys, no_model):
+    """Qwen3.6-27B at batch 72 x 1024 (the paper's) in a 118 GiB host budget, 8-bit states and
+    a bf16 master: the plan holds every layer's gradient on the GPU, the host then holds 4.31
+    B/param (the embedding's and head's gradient buffers and the ring the only gradients), and
+    the components are printed per tier."""
+    args = ["plan", "model.source=builtin:qwen3.6-27b", "training.batch_size=72", "memory.host_limit_gb=118",
+            "optimizer.kind=hybrid8bit", "memory.master=bf16", f"training.output_dir={tmp_path}"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "total           107.93 GiB   4.309 B/param: fits" in printed
+    assert re.search(r"gradients +\d+\.\d\d +6\.16 +-", printed)  # GPU at the peak, host, NVMe
+    assert all(lp.grad == "gpu" for lp in Plan.load(tmp_path / "plan.json").layers)

@@ -114,7 +114,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from lazytrain.plan.policies import comparison_plans
-    from lazytrain.plan.render import format_plan_table, render_plan_png
+    from lazytrain.plan.render import format_memory_components, format_plan_table, render_plan_png
     from lazytrain.plan.simulate import simulate
     from lazytrain.train.plan_ahead import plan_ahead
 
@@ -127,6 +127,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"{ahead.arch}, {ahead.num_params / 1e9:.2f}B parameters; cost table: {ahead.source}\n")
     print(format_plan_table(plan, sim, costs))
     print(f"\nhost memory (model state + this plan's host-tier activations):\n{ahead.host.table()}")
+    print(f"\n{format_memory_components(sim, ahead.host.components())}")
     print("\nbaselines (same cost table, same simulator):")
     for baseline in comparison_plans(costs.num_layers, costs.batch_size, costs.seq_len, ahead.planner.options):
         result = simulate(baseline, costs, optimizer_overlap=overlap)

@@ -10,7 +10,8 @@ of ``memory.host_limit_gb``).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import itertools
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -47,6 +48,14 @@ class HostSettings:
     """fp32, split or bf16 (memory.master resolved: `train.session.resolve_master`)."""
     optimizer_kind: str
     fp32_groups: tuple[int, ...] = ()
+    held_grads: tuple[int, ...] = ()
+    """Groups whose gradients wait on the GPU (`LayerPlan.grad`): no host buffer, and the
+    pinned ring that brings them home (`host_store.grad_ring_bytes`) instead."""
+
+    def holding_layer_grads(self, num_groups: int) -> HostSettings:
+        """These settings with every decoder layer's gradient held on the GPU (groups 1 ..
+        num_groups - 2: ``memory.gradients=gpu``, or the least a plan of ``auto`` can need)."""
+        return replace(self, held_grads=tuple(range(1, num_groups - 1)))
 
 
 @dataclass(slots=True)
@@ -93,38 +102,80 @@ def host_budget(
     staging: int = 0,
     limit: int | None = None,
 ) -> HostBudget:
+    held = set(settings.held_grads)
     state = HostBytes.predict(
         sum(numels), settings.dtype, settings.master,
         optimizer_bytes_per_param(settings.optimizer_kind, numels, settings.fp32_groups),
+        host_grad_numel=sum(n for g, n in enumerate(numels) if g not in held),
+        ring_numel=max((numels[g] for g in held), default=0),
     )
     return HostBudget(state=state, activations=activations, staging=staging,
                       limit=limit or default_host_limit(), machine=host_memory_total())
 
 
-def smallest_fix(numels: Sequence[int], settings: HostSettings, budget: HostBudget) -> str | None:
-    """The least intrusive change of settings after which ``budget`` fits, as config overrides
-    (exact changes first: the split master changes no number; then 8-bit states; then fewer
-    host activations), or None when none does."""
-    options: list[tuple[str, HostSettings, bool]] = []
+@dataclass(frozen=True, slots=True)
+class _Change:
+    setting: str
+    """The config key it sets (one value per key in a combination)."""
+    value: str
+    exact: bool
+    """Whether every number of the run stays what it was (a split master, held gradients)."""
+    apply: Callable[[HostSettings], HostSettings]
+    note: str = ""
+
+
+def _changes(numels: Sequence[int], settings: HostSettings) -> list[_Change]:
+    """Every single change of settings that lowers the model state's host bytes, exact ones
+    first, then by how far they move the run from ordinary training."""
+    out: list[_Change] = []
     bf16 = settings.dtype == torch.bfloat16
+    n = len(numels)
     if bf16 and settings.master == "fp32":
-        options.append(("memory.master=split", replace(settings, master="split"), False))
+        out.append(_Change("memory.master", "split", True, lambda s: replace(s, master="split")))
+    if len(settings.held_grads) < max(n - 2, 0):
+        out.append(_Change("memory.gradients", "gpu", True, lambda s: s.holding_layer_grads(n),
+                           "the gradients then wait on the GPU: a layer's until its update"))
     if settings.fp32_groups:
-        options.append(("optimizer.fp32_embedding_states=false", replace(settings, fp32_groups=()), False))
-    if settings.optimizer_kind != "hybrid8bit":
-        options.append(("optimizer.kind=hybrid8bit", replace(settings, optimizer_kind="hybrid8bit"), False))
-        if bf16 and settings.master == "fp32":
-            options.append(("memory.master=split optimizer.kind=hybrid8bit",
-                            replace(settings, master="split", optimizer_kind="hybrid8bit"), False))
-    if budget.activations:
-        fewer = ("no host-tier activations (lower training.batch_size, or set memory.nvme_dir for the "
-                 "NVMe tier)")
-        options.append((fewer, settings, True))
-    for text, candidate, drop_activations in options:
-        trial = host_budget(numels, candidate, activations=0 if drop_activations else budget.activations,
-                            staging=budget.staging, limit=budget.limit)
+        out.append(_Change("optimizer.fp32_embedding_states", "false", False, lambda s: replace(s, fp32_groups=())))
+    if settings.optimizer_kind == "fp32":
+        out.append(_Change("optimizer.kind", "hybrid8bit", False, lambda s: replace(s, optimizer_kind="hybrid8bit")))
+    if bf16 and settings.master != "bf16" and settings.optimizer_kind != "hybrid4bit":
+        out.append(_Change("memory.master", "bf16", False, lambda s: replace(s, master="bf16")))
+    if settings.optimizer_kind != "hybrid4bit" and settings.master != "bf16":
+        out.append(_Change("optimizer.kind", "hybrid4bit", False, lambda s: replace(s, optimizer_kind="hybrid4bit")))
+    return out
+
+
+def smallest_fix(numels: Sequence[int], settings: HostSettings, budget: HostBudget) -> str | None:
+    """The least intrusive change of settings after which ``budget`` fits, as config overrides:
+    exact changes first (the split master and gradients held on the GPU change no number), then
+    fewer host-tier activations, then combinations with the fewest inexact changes (8-bit
+    states, a bf16 master, 4-bit states: hybrid4bit does not take a bf16 master yet); None when
+    none does. An inexact change is named so."""
+    changes = _changes(numels, settings)
+    combos = [c for k in range(1, len(changes) + 1) for c in itertools.combinations(changes, k)
+              if len({ch.setting for ch in c}) == k]
+    combos.sort(key=lambda c: (sum(not ch.exact for ch in c), len(c)))  # stable: the listed order on a tie
+    fewer = "no host-tier activations (lower training.batch_size, or set memory.nvme_dir for the NVMe tier)"
+    exact = [c for c in combos if all(ch.exact for ch in c)]
+    inexact = [c for c in combos if not all(ch.exact for ch in c)]
+    for combo in [*exact, None, *inexact]:
+        if combo is None:  # exact too, and each step's numbers stay: after the exact setting changes
+            if budget.activations and host_budget(numels, settings, staging=budget.staging, limit=budget.limit).fits:
+                return fewer
+            continue
+        candidate = settings
+        for change in combo:
+            candidate = change.apply(candidate)
+        trial = host_budget(numels, candidate, activations=budget.activations, staging=budget.staging,
+                            limit=budget.limit)
         if trial.fits:
-            return text
+            text = " ".join(f"{ch.setting}={ch.value}" for ch in combo)
+            names = [f"{ch.setting}={ch.value}" for ch in combo if not ch.exact]
+            notes = [ch.note for ch in combo if ch.note]
+            if names:
+                notes.append(f"not exact: {', '.join(names)}, see docs/memory.md and docs/optimizer.md")
+            return text + (f" ({'; '.join(notes)})" if notes else "")
     return None
 
 

@@ -305,6 +305,11 @@ class HostGradients:
         if not defer:
             self.allocate_grads(range(len(sizes)))
 
+    @property
+    def grad_sizes(self) -> list[int]:
+        """Each group's gradient elements (this process's: a rank's shard under data parallel)."""
+        return list(self._grad_sizes)
+
     def allocate_grads(self, groups: Iterable[int]) -> None:
         """Give ``groups`` (group indices) their pinned host gradient buffers, views of one arena
         sized for them only, once; the others' gradients can only be held on the GPU, so the

@@ -136,7 +136,8 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
     lines += [
         "",
         tier("GPU", sim.peak_gpu_bytes, sim.gpu_capacity_bytes) + f"  (at {sim.peak_gpu_stage})",
-        tier("host", sim.peak_host_bytes, sim.host_capacity_bytes) + "  (activations)",
+        tier("host", sim.peak_host_bytes, sim.host_capacity_bytes)
+        + ("  (activations)" if set(sim.peak_host_components) <= {"activations"} else "  (activations, gradients)"),
         tier("NVMe", sim.peak_nvme_bytes, sim.nvme_capacity_bytes),
     ]
     lines += [f"! {v}" for v in sim.violations]

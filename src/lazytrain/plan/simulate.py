@@ -107,6 +107,8 @@ class SimResult:
     peak_gpu_bytes: int
     peak_gpu_stage: str
     peak_host_bytes: int
+    """Host bytes the plan places at their peak: host-tier activations, and the streamed
+    layers' gradient buffers where `CostTable.host_grads` is False."""
     peak_nvme_bytes: int
     stage_names: list[str]
     stage_start_s: list[float]
@@ -141,7 +143,7 @@ class SimResult:
             # idle without a copy
             "predicted_gpu_idle_other_s": e["cpu"] + e["nvme"] + e["gpu_opt"] + e["idle"],
             "predicted_peak_gpu_gb": self.peak_gpu_bytes / 1e9,
-            "predicted_act_host_gb": self.peak_host_bytes / 1e9,
+            "predicted_act_host_gb": self.peak_host_components.get("activations", 0.0) / 1e9,
             "predicted_act_nvme_gb": self.peak_nvme_bytes / 1e9,
         }
 

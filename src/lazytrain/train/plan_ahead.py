@@ -9,6 +9,7 @@ which. So a 27B model plans on a laptop before a GPU is rented.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -23,11 +24,11 @@ from lazytrain.memory import budget
 from lazytrain.memory.host_store import activation_room, default_host_limit
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import model_config
-from lazytrain.optim.factory import describe_config, fp32_state_groups
+from lazytrain.optim.factory import describe_config
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import Planner, costs_from_file, estimated_costs, with_capacities
 from lazytrain.runtime.device import resolve_device, resolve_dtype
-from lazytrain.train.session import host_limit_bytes, resolve_master
+from lazytrain.train.session import host_limit_bytes, host_settings
 
 if TYPE_CHECKING:
     from lazytrain.plan.costs import CostTable
@@ -66,9 +67,7 @@ def plan_ahead(config: Config) -> PlanAhead:
     adapter = ModelAdapter(model_config(source, vocab), here, dtype, lean_ops=config.model.lean_ops,
                            fused_ops=config.model.fused_ops)
     numels = [layout.numel for layout in adapter.layouts]
-    settings = budget.HostSettings(dtype=dtype, master=resolve_master(config, target, dtype),
-                                   optimizer_kind=config.optimizer.kind,
-                                   fp32_groups=fp32_state_groups(config.optimizer, len(numels)))
+    settings = host_settings(config, target, dtype, len(numels))  # gradients placed: each layer's held, for now
     limit = host_limit_bytes(config)
     state = budget.host_budget(numels, settings, limit=limit).state.total
     batch, seq = config.training.batch_size, config.data.max_seq_len
@@ -92,13 +91,16 @@ def plan_ahead(config: Config) -> PlanAhead:
     trains_here = here.type == "cuda" or on_cpu
     limit = limit or (default_host_limit() if trains_here else elsewhere)
     room = activation_room(state, limit, allocated=False) if trains_here else max(limit - state, 0)
-    costs = with_capacities(costs, host_bytes=room, gpu_gb=config.memory.gpu_gb)
+    costs = with_capacities(costs, host_bytes=room, gpu_gb=config.memory.gpu_gb,
+                            host_grads=config.memory.gradients == "host")
     if not config.plan.costs:
         whose = ("memory.host_limit_gb" if config.memory.host_limit_gb else "this machine's" if trains_here
                  else "assumed")
         described += f"; host memory {limit / GiB:.0f} GiB ({whose})"
-    planner = Planner(config.plan, nvme_tier=config.memory.nvme_dir is not None)
+    planner = Planner(config.plan, nvme_tier=config.memory.nvme_dir is not None, gradients=config.memory.gradients)
     plan, _ = planner.initial("solved", costs, adapter.num_layers, batch, seq)
+    held = tuple(i + 1 for i, lp in enumerate(plan.layers) if lp.grad == "gpu")  # the plan's, as groups
+    settings = dataclasses.replace(settings, held_grads=held)
     staging = 0
     if config.memory.nvme_dir:
         from lazytrain.runtime.profiler import NVME_STAGING_BUFFERS

@@ -10,6 +10,7 @@ cost table: ``plan.costs`` or profiled now, this run's memory). ``lazytrain trai
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from lazytrain.config import Config, ConfigError
 from lazytrain.data.formats import existing_path
 from lazytrain.data.pipeline import load_tokenizer
 from lazytrain.memory import budget
-from lazytrain.memory.host_store import HostStore, activation_room
+from lazytrain.memory.host_store import HostStore, activation_room, grad_ring_bytes
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.memory.shard import ShardedHostStore, shard_decay_numel
 from lazytrain.model.adapter import ModelAdapter
@@ -88,7 +89,7 @@ class Session:
         raises `ConfigError` for plan choices this run cannot make."""
         if self._planner is None:
             self._planner = Planner(self.config.plan, data_parallel=self.parallel is not None,
-                                    nvme_tier=self.nvme is not None)
+                                    nvme_tier=self.nvme is not None, gradients=self.config.memory.gradients)
         return self._planner
 
     def policy_options(self) -> PolicyOptions:
@@ -104,8 +105,12 @@ class Session:
             from lazytrain.runtime.profiler import NVME_STAGING_BUFFERS
 
             staging = NVME_STAGING_BUFFERS * max(lc.input_bytes for lc in costs.layers)
-        return budget.host_budget(numels, host_settings(self.config, self.device, self.dtype, len(numels)),
-                                  activations=activations, staging=staging, limit=host_limit_bytes(self.config))
+        settings = host_settings(self.config, self.device, self.dtype, len(numels))
+        if self.store.host_grad_groups is not None:  # as the first plan allocated them
+            held = tuple(g for g in range(len(numels)) if g not in self.store.host_grad_groups)
+            settings = dataclasses.replace(settings, held_grads=held)
+        return budget.host_budget(numels, settings, activations=activations, staging=staging,
+                                  limit=host_limit_bytes(self.config))
 
     def cost_table(self) -> CostTable:
         """The cost table of ``plan.costs`` at the training shape (checked against this run),
@@ -135,10 +140,24 @@ class Session:
                 attention=attention,
                 **({"local_world_size": info.local_world_size, "barrier": self.parallel.barrier} if info else {}),
             )
-        if self.parallel is None:
+        if self.parallel is not None:
+            # one rank's table: the host's ranks share its PCIe host side and cores
+            costs = costs.for_ranks(self.parallel.info.world_size, self.parallel.info.local_world_size)
+        return self.with_placed_gradients(costs)
+
+    def with_placed_gradients(self, costs: CostTable) -> CostTable:
+        """``costs`` for a plan that places the decoder layers' gradients (``memory.gradients``
+        auto or gpu; `CostTable.host_grads` False), before the first plan has allocated the host
+        buffers: the store's bytes counted every group's buffer, so the room for host
+        activations comes back with the decoder layers' (this rank's), less the pinned ring that
+        brings held gradients home; the plan then puts each layer's buffer in that room or holds
+        the gradient on the GPU. Unchanged otherwise."""
+        if not self.planner.places_gradients or self.store.host_grad_groups is not None:
             return costs
-        # one rank's table: the host's ranks share its PCIe host side and cores
-        return costs.for_ranks(self.parallel.info.world_size, self.parallel.info.local_world_size)
+        sizes = self.store.grad_sizes[1:-1]  # the decoder layers' (the embedding's and head's stay)
+        layer_grads = sum(sizes) * self.store.dtype.itemsize
+        room = costs.host_bytes + layer_grads - grad_ring_bytes(max(sizes, default=0), self.store.dtype)
+        return with_capacities(costs, host_bytes=max(room, 0), host_grads=False)
 
     def for_this_run(self, costs: CostTable) -> CostTable:
         """A saved table with this run's capacities: the room for host activations is this
@@ -195,11 +214,14 @@ def resolve_master(config: Config, device: torch.device, dtype: torch.dtype, dis
 
 
 def host_settings(config: Config, device: torch.device, dtype: torch.dtype, num_groups: int) -> budget.HostSettings:
-    """The choices that set the model state's host bytes."""
+    """The choices that set the model state's host bytes; with ``memory.gradients`` auto or gpu
+    every decoder layer's gradient held on the GPU (for auto the least host memory a plan can
+    need: the plan then places each one within what is left)."""
     distributed = rank_info_from_env() is not None
-    return budget.HostSettings(dtype=dtype, master=resolve_master(config, device, dtype, distributed),
-                               optimizer_kind=config.optimizer.kind,
-                               fp32_groups=fp32_state_groups(config.optimizer, num_groups))
+    settings = budget.HostSettings(dtype=dtype, master=resolve_master(config, device, dtype, distributed),
+                                   optimizer_kind=config.optimizer.kind,
+                                   fp32_groups=fp32_state_groups(config.optimizer, num_groups))
+    return settings if config.memory.gradients == "host" else settings.holding_layer_grads(num_groups)
 
 
 def check_inputs(config: Config) -> None:

@@ -127,6 +127,7 @@ class Trainer:
         if self.store.host_grad_groups is None:  # the first plan: no host buffer for what it holds on the GPU
             self.store.allocate_grads(host_grad_groups(self.plan, len(self.store.weights)))
             held = sorted(set(range(len(self.store.weights))) - self.store.host_grad_groups)
+            self.planner.hold_gradients([g - 1 for g in held])  # later plans hold them too
             if held:
                 log.info("gradients held on the GPU until the update (no host buffer): layers %s; their ring %s",
                          [g - 1 for g in held], gb(self.store.ring_bytes))
