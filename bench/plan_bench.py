@@ -113,7 +113,7 @@ def options(args, const_update: str = "auto", device_layers: str = "0", device_s
                          recompute=tuple(args.recompute), const_update=const_update,
                          device_layers=None if device_layers == "auto" else int(device_layers),
                          device_steps=None if device_steps == "auto" else int(device_steps),
-                         offload_window=offload_window)
+                         offload_window=offload_window, gradients=args.gradients)
 
 
 MAX_TRIES = 8
@@ -298,7 +298,7 @@ def largest_batch(policy, costs, seq, cap, args, session) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-7b")
-    parser.add_argument("--optimizer", choices=["fp32", "hybrid8bit"], default="hybrid8bit")
+    parser.add_argument("--optimizer", choices=["fp32", "hybrid8bit", "hybrid4bit"], default="hybrid8bit")
     parser.add_argument("--fetch-allocation", choices=["h2d", "compute"], default="compute",
                         help="GPU memory pool of activations fetched back from the host tier (ActivationStore)")
     parser.add_argument("--state-rounding", choices=["nearest", "stochastic"], default="nearest",
@@ -365,13 +365,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
     parser.add_argument("--split-master", choices=["on", "off"], default="on",
-                        help="fp32 masters split into the bf16 weight + a 16-bit remainder (on) or whole")
+                        help="fp32 masters split into the bf16 weight + a 16-bit remainder (on) or whole; "
+                             "--master, where given, decides")
+    parser.add_argument("--master", choices=["fp32", "split", "bf16"], default=None,
+                        help="memory.master of every run (bf16: the streamed weight is the master, not exact)")
+    parser.add_argument("--gradients", choices=["host", "gpu"], default="host",
+                        help="memory.gradients of every run: each decoder layer's gradient on the host, or held on "
+                             "the GPU (no host buffers: the flagship's host budget); every plan, baselines too")
     parser.add_argument("--host-limit-gb", type=float, default=None,
                         help="host budget in GiB (default: the machine less its reserve)")
     parser.add_argument("--baseline", default=None, help="records of the same shape to compare tokens/s with")
     args = parser.parse_args(argv)
     if any(w < 1 for w in args.offload_window):
         parser.error(f"--offload-window {' '.join(map(str, args.offload_window))}: each must be >= 1")
+    if args.master is None:
+        args.master = "split" if args.split_master == "on" else "fp32"
     if args.recalibrate and args.recalibrate < 2:
         parser.error(f"--recalibrate {args.recalibrate}: N must be 0 (off) or >= 2 (updates 2..N are timed)")
     for spec in args.costs or ():  # before the model is built (minutes at 7B)
@@ -387,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     session = bench_session(
         args.model, optimizer=args.optimizer, device=args.device, batch=args.batch, seq=args.seq,
         head_chunk=args.head_chunk, nvme_dir=args.nvme_dir,
-        overrides=(f"memory.split_master={'true' if args.split_master == 'on' else 'false'}",
+        overrides=(f"memory.master={args.master}", f"memory.gradients={args.gradients}",
                    *([f"memory.host_limit_gb={args.host_limit_gb}"] if args.host_limit_gb else []),
                    *([f"optimizer.state_rounding={args.state_rounding}"] if args.state_rounding != "nearest" else [])))
     print(f"model {args.model}: {session.store.num_params / 1e9:.2f}B params, built in "
@@ -505,7 +513,8 @@ def study(session, args, kernels: str) -> None:
     stem = f"plan_{args.model}_{dev}_{date}_s{args.seq}{kernels_tag}{args.tag}"
     common = run_header(device, model=args.model, optimizer=args.optimizer, overlap_optimizer=True,
                         cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-                        split_master=args.split_master == "on", world_size=1, runner="lazytrain",
+                        split_master=args.master == "split", master=args.master, gradients=args.gradients,
+                        world_size=1, runner="lazytrain",
                         state_rounding=args.state_rounding, fetch_allocation=args.fetch_allocation,
                         recompute_allowed=list(args.recompute))
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else []
@@ -531,8 +540,12 @@ def study(session, args, kernels: str) -> None:
     if costs_file:
         costs = load_costs(costs_file, session, args).at(args.batch, args.seq)
     else:
-        costs = session.cost_table()
+        costs = session.cost_table()  # (its host room without the gradients' buffers where they are held)
         costs.save(os.path.join(args.out, f"costs_{args.model}_{dev}_{date}_s{args.seq}_b{args.batch}{kernels_tag}{args.tag}.json"))
+    if args.gradients == "gpu" and store.host_grad_groups is None:
+        # every plan holds every decoder layer's gradient: host buffers for the embedding and head
+        # only, allocated once the profile (whose executor keeps its layers' on the host) is done
+        store.allocate_grads([0, len(store.weights) - 1])
     layers = "; ".join(
         f"{kind}: fwd {lc.forward_ms:.1f} ms, bwd {lc.backward_ms:.1f} ms, recompute {lc.recompute_ms:.1f} ms, "
         f"saved {lc.saved_bytes / 1e9:.2f} GB, input {lc.input_bytes / 1e9:.2f} GB"
@@ -717,7 +730,7 @@ def markdown(records: list[dict], args) -> str:
         "",
         f"{head.get('date')}, {head.get('device')}, torch {head.get('torch')}, optimizer {args.optimizer} "
         + (f"with {args.state_rounding} rounding of sqrt(v) " if args.optimizer == "hybrid8bit" else "")
-        + f"(overlapped), {'split' if args.split_master == 'on' else 'whole'} fp32 masters, {args.warmup} warm-up + "
+        + f"(overlapped), {args.master} masters, gradients on the {args.gradients}, {args.warmup} warm-up + "
         f"{args.steps} measured steps (median), random tokens. Host bytes/param: "
         f"{head.get('host_bytes_per_param', {}).get('total', float('nan')):.3f}. Command: "
         f"`python -m bench.plan_bench --model {args.model} --optimizer {args.optimizer} --seq {args.seq} "
@@ -732,7 +745,7 @@ def markdown(records: list[dict], args) -> str:
         + (f" --costs {' '.join(args.costs)}" if args.costs else "")
         + (f" --max-batch {args.max_batch}" if args.max_batch else "")
         + (f" --kernels {' '.join(args.kernels)}" if args.kernels != ["auto"] else "")
-        + f" --warmup {args.warmup} --steps {args.steps} --split-master {args.split_master}"
+        + f" --warmup {args.warmup} --steps {args.steps} --master {args.master} --gradients {args.gradients}"
         + (f" --host-limit-gb {args.host_limit_gb:g}" if args.host_limit_gb else "")
         + (f" --baseline {args.baseline}" if args.baseline else "")
         + (f" --cap-gb {args.cap_gb:g} --cap-runs {' '.join(args.cap_runs)}" if args.cap_gb else "")

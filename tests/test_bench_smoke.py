@@ -795,3 +795,15 @@ def test_device_step_times_each_piece_size_and_writes_records(tmp_path, monkeypa
     assert "| layer | " in (tmp_path / f"{stem}.md").read_text()
     with pytest.raises(SystemExit, match="at least 9"):
         device_step.main(["--model", "tiny", "--chunks", "8", "--device", "cpu", "--out", str(tmp_path)])
+
+
+def test_plan_bench_holds_every_gradient_on_the_gpu_when_asked(tmp_path):
+    """``--gradients gpu``: host buffers for the embedding and head only, and every plan (the
+    solved one and megatrain) holds each decoder layer's gradient on the GPU, the header says so."""
+    plan_bench(*TINY, "--runs", "solved", "megatrain", "--gradients", "gpu", "--warmup", "0", "--steps", "1",
+               "--out", str(tmp_path))
+    runs = runs_of(tmp_path)
+    assert [r["policy"] for r in runs] == ["solved", "megatrain"]
+    for r in runs:
+        assert r["gradients"] == "gpu" and r["master"] == "fp32" and r["tokens_per_s"] > 0
+        assert [lp["grad"] for lp in r["plan"]["layers"]] == ["gpu", "gpu"]
