@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import os
 import shutil
@@ -247,6 +248,18 @@ def test_resume_reads_the_earlier_checkpoint_layout(tmp_path, reference):
     (legacy / "state.json").write_text(json.dumps(state))
     shutil.rmtree(out / "checkpoints")
     assert main(train_args(out, 6, "training.resume=true")) == 0
+    assert_resumed_exactly(out, reference)
+
+
+def test_gradients_held_on_the_gpu_train_and_resume_as_host_buffered_ones(tmp_path, reference, caplog):
+    """``memory.gradients=gpu`` (every layer's gradient held, the device path emulated on the
+    CPU, home through the ring at the update): 3 steps, then resumed to 6, end bit for bit where
+    the uninterrupted host-buffered run did."""
+    out = tmp_path / "run"
+    caplog.set_level(logging.INFO, logger="lazytrain")
+    assert main(train_args(out, 3, "memory.gradients=gpu", "training.save_every=3")) == 0
+    assert "gradients held on the GPU until the update (no host buffer): layers [0, 1]" in caplog.text
+    assert main(train_args(out, 6, "memory.gradients=gpu", "training.resume=true")) == 0
     assert_resumed_exactly(out, reference)
 
 
