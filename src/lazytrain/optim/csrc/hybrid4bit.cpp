@@ -2,7 +2,7 @@
 //
 // The 8-bit kernel's structure (hybrid8bit.cpp) with 16-code maps: one pass over memory per
 // 128-element block. Dequantize the block's m and sqrt(v) codes (two per byte, the even
-// element in the low nibble) into a stack buffer, update m, v and the fp32 master with the
+// element in the low nibble) into a stack buffer, update m, v and the master (in fp32) with the
 // gradient times the clip coefficient, write the new weight, keep the new m and sqrt(v) while
 // tracking their absmax, then requantize: the nearest code is the number of the map's 15
 // midpoints below the value (ties to the lower code), exactly as the torch path's bucketize.
