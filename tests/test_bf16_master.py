@@ -2,7 +2,8 @@
 where round-to-nearest stalls, the kernel (each instruction set), the torch path and the GPU
 step's math round alike, a step lands on a bf16 neighbour of the float64 reference, training
 resumes bit for bit, checkpoints load across master forms, and the config refuses what cannot
-work."""
+work. With 4-bit states (optimizer.kind=hybrid4bit) too: the 4-bit kernel rounds with the
+8-bit one's code (csrc/master.h), so the same fp32 update gives the same bf16 weight in both."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from lazytrain.optim import hybrid8bit
 from lazytrain.optim import kernel as kernel_module
 from lazytrain.optim.adamw import FusedAdamW
 from lazytrain.optim.base import AdamWConfig
+from lazytrain.optim.hybrid4bit import Hybrid4bitAdamW
 from lazytrain.optim.hybrid8bit import (
     Hybrid8bitAdamW,
     QuantizedState,
@@ -70,8 +72,13 @@ def _eager_device_step(masters, config):
     return opt
 
 
+def _cpp4_step(kernel: str):
+    return lambda masters, config: Hybrid4bitAdamW(masters, [0] * len(masters), config, kernel=kernel)
+
+
 STEPPERS = {"cpp": _cpp_step("cpp"), "torch": _cpp_step("torch"), "device-eager": _eager_device_step,
-            "fp32-adamw": lambda masters, config: FusedAdamW(masters, [0] * len(masters), config)}
+            "fp32-adamw": lambda masters, config: FusedAdamW(masters, [0] * len(masters), config),
+            "4bit-cpp": _cpp4_step("cpp")}
 
 
 def _drift(stepper, monkeypatch, round_to_nearest: bool = False) -> tuple[float, float, float]:
@@ -198,9 +205,9 @@ def test_kernel_and_device_step_agree_with_the_torch_path(other, monkeypatch):
         assert float(diff.max()) <= 1.0 and float((diff > 0).double().mean()) < 1e-3
 
 
-@pytest.mark.parametrize("kind", ["hybrid8bit", "fp32"])
+@pytest.mark.parametrize("kind", ["hybrid8bit", "hybrid4bit", "fp32"])
 def test_bf16_training_resumes_exactly(tmp_path, kind):
-    """bf16 compute on the CPU, 8-bit (stochastic) or fp32 states, bf16 master: 8 steps equal
+    """bf16 compute on the CPU, 8-bit, 4-bit (both stochastic) or fp32 states, bf16 master: 8 steps equal
     4 + 4 resumed bit for bit (weights, states, losses: the stochastic draws repeat), and the
     checkpoint holds the masters as bf16 (2 B per parameter)."""
     from safetensors import safe_open
@@ -284,6 +291,7 @@ def test_the_deprecated_alias_and_auto_resolve():
     assert resolved("memory.split_master=auto", "memory.master=bf16") == "bf16"
     assert resolved("memory.split_master=false", "memory.master=fp32") == "fp32"
     assert resolved(distributed=True) == "fp32"
+    assert resolved("memory.master=bf16", "optimizer.kind=hybrid4bit") == "bf16"  # 4-bit states round it too
     with pytest.raises(ConfigError, match="memory.master=bf16 is not supported under torchrun yet"):
         resolved("memory.master=bf16", distributed=True)
     with pytest.raises(ConfigError, match="this run computes in torch.float32"):
@@ -318,3 +326,91 @@ def _masters(run):
     from lazytrain.train.checkpoint import Checkpointer
 
     return load_file(str(Checkpointer(run).latest().path / "masters.safetensors"))
+
+
+def _four_bit_run(kernel: str, starts: list[torch.Tensor], grads, rounding: str = "nearest") -> list[torch.Tensor]:
+    """The bf16 weights after `grads`' steps of Hybrid4bitAdamW with bf16 masters from
+    ``starts`` (the first group a shard at element 128 * 3 of its group, so the offset counts)."""
+    masters = [Bf16Master(s.clone()) for s in starts]
+    opt = Hybrid4bitAdamW(masters, [s.numel() // 2 for s in starts], CONFIG, kernel=kernel, rounding=rounding,
+                          group_offsets=[128 * 3] + [0] * (len(starts) - 1), seed=11)
+    for step_grads in grads:
+        for g, grad in enumerate(step_grads):
+            opt.step_group(g, grad, 0.8, 1e-3, None)
+    return [m.weight.clone() for m in opt.masters]
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("kernel", ["cpp", *[pytest.param(f"cpp-{v.values[0]}", marks=v.marks) for v in VARIANTS]])
+def test_four_bit_kernel_agrees_with_its_torch_path(kernel, rounding):
+    """hybrid4bit with bf16 masters, 5 steps of a 4-bit group (an odd tail) and an fp32-state one,
+    each kernel path against the torch path: the same bf16 weights except where the fp32 update
+    differs by an ulp across a rounding threshold (the kernel's sqrt and reciprocal estimates,
+    which can also move a value on a midpoint to the neighbouring 4-bit code, and with it later
+    updates): at most one bf16 ulp, on under 1e-3 of the weights, as for 8-bit states. Most
+    weights must move, or agreement would be empty."""
+    gen = torch.Generator().manual_seed(8)
+    starts = [torch.randn(n, generator=gen).bfloat16() for n in (40_960 + 77, 1000)]
+    grads = [[(torch.randn(s.numel(), generator=gen) * 1e-2).bfloat16() for s in starts] for _ in range(5)]
+    ours, theirs = _four_bit_run(kernel, starts, grads, rounding), _four_bit_run("torch", starts, grads, rounding)
+    for a, b, start in zip(ours, theirs, starts):
+        diff = (a.double() - b.double()).abs() / _ulp(b.double())
+        assert float(diff.max()) <= 1.0 and float((diff > 0).double().mean()) < 1e-3
+        assert float((b != start).double().mean()) > 0.5
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_eight_and_four_bit_kernels_round_a_bf16_master_alike(variant):
+    """The rounding is one code (csrc/master.h): both kernels' `stochastic_bf16` give the torch
+    path's bits (random values, special patterns, offsets past 2**32), and a group with fp32
+    states (the same fp32 update in both optimizers) gets the same bf16 weights, bit for bit,
+    from Hybrid8bitAdamW and Hybrid4bitAdamW: same key, same draw per element, same offset."""
+    eight = kernel_module.load_kernel(required=True, variant=variant)
+    four = kernel_module.load_kernel(required=True, variant=variant, name="hybrid4bit")
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(20_000, generator=gen) * torch.exp2(torch.randint(-40, 40, (20_000,), generator=gen).float())
+    special = torch.from_numpy(np.array(SPECIAL, dtype=np.uint32).view(np.int32)).view(torch.float32)
+    x = torch.cat([special, x, special])
+    for offset in (0, 128 * 5, 2**32 - 10_000 // 128 * 128):
+        expected = stochastic_bf16(x, 0x1234567, offset).view(torch.int16)
+        for kernel in (eight, four):
+            assert torch.equal(kernel.stochastic_bf16(x, 0x1234567, offset).view(torch.int16), expected), offset
+    n = 3000  # under MIN_8BIT_NUMEL: fp32 states in both optimizers
+    start = torch.randn(n, generator=gen).bfloat16()
+    grads = [(torch.randn(n, generator=gen) * 1e-2).bfloat16() for _ in range(4)]
+    weights = []
+    for cls in (Hybrid8bitAdamW, Hybrid4bitAdamW):
+        opt = cls([Bf16Master(start.clone())], [n], CONFIG, kernel=f"cpp-{variant}", group_offsets=[128 * 7], seed=3)
+        for grad in grads:
+            opt.step_group(0, grad, 0.9, 1e-3, None)
+        weights.append(opt.masters[0].weight.view(torch.int16))
+    assert torch.equal(*weights)
+    assert float((weights[0] != start.view(torch.int16)).double().mean()) > 0.5
+
+
+def test_four_bit_device_moves_keep_a_bf16_master():
+    """hybrid4bit's device moves (`to_device`, `stream_in` / `stream_out`, here onto CPU tensors:
+    the GPU's code, the torch path) step a bf16 master as the host torch path does, bit for bit,
+    and write it back into the host weights."""
+    gen = torch.Generator().manual_seed(10)
+    n = 40 * 128 + 3  # 4-bit states (over MIN_8BIT_NUMEL), an odd tail
+    start = torch.randn(n, generator=gen).bfloat16()
+    grads = [(torch.randn(n, generator=gen) * 1e-2).bfloat16() for _ in range(3)]
+    host, moved, streamed = (Hybrid4bitAdamW([Bf16Master(start.clone())], [n], CONFIG, kernel="torch", seed=2)
+                             for _ in range(3))
+    moved_home, streamed_home = moved.masters[0].weight, streamed.masters[0].weight
+    states = streamed.states[0].tensors().values()
+    assert streamed.streamed_bytes(0) == sum(hybrid8bit._aligned(t.numel() * t.element_size()) for t in states)
+    on_device = start.clone()
+    moved.to_device(0, on_device)
+    for grad in grads:
+        host.step_group(0, grad, 0.5, 1e-3, None)
+        moved.step_group(0, grad, 0.5, 1e-3, None)
+        streamed.stream_in(0, streamed_home.clone(), torch.empty(streamed.streamed_bytes(0), dtype=torch.uint8))
+        streamed.step_group(0, grad, 0.5, 1e-3, None)
+        streamed.stream_out(0)
+    assert torch.equal(on_device.view(torch.int16), host.masters[0].weight.view(torch.int16))
+    moved.to_host()
+    for home in (moved_home, streamed_home):
+        assert torch.equal(home.view(torch.int16), host.masters[0].weight.view(torch.int16))
+    assert not torch.equal(host.masters[0].weight, start)

@@ -139,9 +139,9 @@ def _changes(numels: Sequence[int], settings: HostSettings) -> list[_Change]:
         out.append(_Change("optimizer.fp32_embedding_states", "false", False, lambda s: replace(s, fp32_groups=())))
     if settings.optimizer_kind == "fp32":
         out.append(_Change("optimizer.kind", "hybrid8bit", False, lambda s: replace(s, optimizer_kind="hybrid8bit")))
-    if bf16 and settings.master != "bf16" and settings.optimizer_kind != "hybrid4bit":
+    if bf16 and settings.master != "bf16":
         out.append(_Change("memory.master", "bf16", False, lambda s: replace(s, master="bf16")))
-    if settings.optimizer_kind != "hybrid4bit" and settings.master != "bf16":
+    if settings.optimizer_kind != "hybrid4bit":
         out.append(_Change("optimizer.kind", "hybrid4bit", False, lambda s: replace(s, optimizer_kind="hybrid4bit")))
     return out
 
@@ -150,7 +150,7 @@ def smallest_fix(numels: Sequence[int], settings: HostSettings, budget: HostBudg
     """The least intrusive change of settings after which ``budget`` fits, as config overrides:
     exact changes first (the split master and gradients held on the GPU change no number), then
     fewer host-tier activations, then combinations with the fewest inexact changes (8-bit
-    states, a bf16 master, 4-bit states: hybrid4bit does not take a bf16 master yet); None when
+    states, a bf16 master, 4-bit states); None when
     none does. An inexact change is named so."""
     changes = _changes(numels, settings)
     combos = [c for k in range(1, len(changes) + 1) for c in itertools.combinations(changes, k)

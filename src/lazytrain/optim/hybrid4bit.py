@@ -42,11 +42,13 @@ path has no 4-bit twin yet). The nearest code is the count of the map's midpoint
 value (ties to the lower code) on both paths; they differ by the kernel's sqrt and reciprocal
 estimates (about an ulp), which can move a value on a midpoint to the neighbouring code.
 
-The master is read and written in one place per path: `_master_chunk` / `_write_chunk`
-(``hybrid8bit.py``) on the torch path and ``read_master`` / ``write_master`` in the kernel:
-the fp32 master, or the split master (``split.py``), exact. A bf16 master (the streamed weight
-as the master, stochastically rounded when written) plugs in at those two places, with the
-rounding key passed as the sqrt(v) codes' is.
+The master is read and written in one place per path, the 8-bit step's own:
+``master.master_chunk`` / ``master.store_master_chunk`` on the torch path and ``load_master`` /
+``store_master`` (``csrc/master.h``, included by both kernels) in the kernel: the fp32 master,
+the split master (``split.py``, exact) or a bf16 master (``memory.master=bf16``: the streamed
+weight, stochastically rounded when written). Its key (``quant.weight_rounding_key``) and draw
+per element are the 8-bit step's, so the same fp32 update gives the same bf16 weight with
+either state format.
 """
 
 from __future__ import annotations
@@ -67,9 +69,8 @@ from lazytrain.optim.hybrid8bit import (
     is_8bit,
     torch_step_fp32,
 )
-from lazytrain.optim.master import master_chunk, store_master_chunk
-from lazytrain.optim.quant import BLOCK, TINY, num_blocks, rounding_key, rounding_uniforms
-from lazytrain.optim.split import SplitMaster
+from lazytrain.optim.master import Master, master_chunk, store_master_chunk
+from lazytrain.optim.quant import BLOCK, TINY, num_blocks, rounding_uniforms
 
 STATE_FORMAT = f"de4-linear4nz-block{BLOCK}-sqrtv"
 """Names the maps (signed dynamic m, linear no-zero second moment), the block size and what
@@ -214,7 +215,7 @@ def state_bytes_per_param(numels: Sequence[int], fp32_groups: Collection[int] = 
 
 def torch_step_4bit(
     grad: torch.Tensor,
-    master: torch.Tensor | SplitMaster,
+    master: Master,
     state: Quantized4bitState,
     weight_out: torch.Tensor | None,
     s: StepScalars,
@@ -224,7 +225,8 @@ def torch_step_4bit(
     """The kernel's step with torch ops on the tensors' device, a piece at a time
     (``TORCH_CHUNK`` elements on the CPU, ``DEVICE_CHUNK`` on a GPU: whole blocks, an even
     count). ``rounding``: (key, index of the first element in its whole group) to round
-    sqrt(v) stochastically."""
+    sqrt(v) stochastically; ``master_rounding``: the same for a bf16 master's weights
+    (``quant.weight_rounding_key``; needed for a `Bf16Master`), as `torch_step_8bit`'s."""
     device = grad.device
     mt, vt = maps_on(device)
     n = master.numel()
@@ -275,52 +277,24 @@ class Hybrid4bitAdamW(Hybrid8bitAdamW):
         lr: float,
         weight_out: torch.Tensor | None,
     ) -> None:
-        master = self.masters[group]
-        n = master.numel()
-        if grad.numel() != n:
-            raise ValueError(f"group {group}: gradient has {grad.numel()} elements, master {n}")
-        on_device = group in self._home
-        where = (master.weight if isinstance(master, SplitMaster) else master).device
-        if grad.dtype not in (torch.bfloat16, torch.float32) or grad.device != where:
-            raise ValueError(f"group {group}: gradient must be a bf16 or fp32 tensor on {where} (where the "
-                             f"group is stepped), got {grad.dtype} on {grad.device}")
-        if on_device:
-            if weight_out is not None and weight_out.data_ptr() != self._device_weight[group].data_ptr():
-                raise ValueError(f"group {group} is stepped on {where} and writes its weights there; "
-                                 "pass weight_out=None")
-            weight_out = self._device_weight[group]
-        if weight_out is not None and (weight_out.numel() != n or not weight_out.is_contiguous()
-                                       or weight_out.dtype not in (torch.bfloat16, torch.float32)):
-            raise ValueError(f"group {group}: weight_out must be a contiguous bf16 or fp32 tensor of {n} "
-                             f"elements, got {weight_out.dtype} with {weight_out.numel()}")
-        if not on_device:
-            self._check_weight_out(group, weight_out)
-        grad = grad.reshape(-1).contiguous()
-        out = None if weight_out is None else weight_out.view(-1)
-        remainder = None
-        if isinstance(master, SplitMaster):  # the kernel takes it as (weight_out, remainder)
-            out, remainder = master.weight, master.remainder
-        step = self.steps[group] + 1
-        s = StepScalars.of(self.config, step, lr, clip_coef, self.decay_numel[group])
-        state = self.states[group]
-        scalars = (s.clip, s.beta1, s.beta2, s.eps, s.step_size, s.inv_bc2_sqrt, s.decay)
-        kernel_master = out if remainder is not None else master
+        # the 8-bit step's checks and keys (`_step_inputs`): a bf16 master is rounded under the
+        # same key, with the same draw per element, as an 8-bit run's
+        i = self._step_inputs(group, grad, clip_coef, lr, weight_out)
+        master, grad, out, s, state = i.master, i.grad, i.out, i.scalars, self.states[group]
         if isinstance(state, Quantized4bitState):
-            rounding = None
-            if self.rounding == "stochastic":
-                rounding = (rounding_key(self.seed, group, step), self.group_offsets[group])
-            if self._kernel is None or on_device:
-                torch_step_4bit(grad, master, state, out, s, rounding)
+            if self._kernel is None or i.on_device:
+                torch_step_4bit(grad, master, state, out, s, i.rounding, i.master_rounding)
             else:
-                self._kernel.step_4bit(grad, kernel_master, state.m_codes, state.m_absmax, state.v_codes,
-                                       state.v_absmax, out, remainder, self._tables, *scalars, s.decay_numel,
-                                       rounding is not None, *(rounding or (0, 0)))
-        elif self._kernel is None or on_device:
-            torch_step_fp32(grad, master, state, out, s)
+                self._kernel.step_4bit(grad, i.flat, state.m_codes, state.m_absmax, state.v_codes,
+                                       state.v_absmax, out, i.remainder, self._tables, *i.kernel_scalars,
+                                       s.decay_numel, i.rounding is not None, i.rounding[0] if i.rounding else 0,
+                                       i.offset, i.master_rounding[0])
+        elif self._kernel is None or i.on_device:
+            torch_step_fp32(grad, master, state, out, s, i.master_rounding)
         else:
-            self._kernel.step_fp32(grad, kernel_master, state.exp_avg, state.exp_avg_sq, out, remainder,
-                                   *scalars, s.decay_numel)
-        self.steps[group] = step
+            self._kernel.step_fp32(grad, i.flat, state.exp_avg, state.exp_avg_sq, out, i.remainder,
+                                   *i.kernel_scalars, s.decay_numel, i.offset, i.master_rounding[0])
+        self.steps[group] = i.step
 
     def state_dict(self) -> dict:
         self.to_host()  # the host tensors are the state that is saved

@@ -462,6 +462,36 @@ def _run_eagerly(error: BaseException) -> None:
     _compiled_piece = _device_piece
 
 
+@dataclass(slots=True)
+class _StepInputs:
+    """One group step's checked inputs (`Hybrid8bitAdamW._step_inputs`)."""
+
+    master: Master
+    grad: torch.Tensor
+    """Flat and contiguous, on the device the group steps on."""
+    out: torch.Tensor | None
+    """The weights a step writes besides the master: ``weight_out`` for an fp32 master, a split
+    master's bf16 half, ``None`` for a bf16 master (the master is the weight)."""
+    remainder: torch.Tensor | None
+    """A split master's low half (the kernels take the split master as (``out``, remainder))."""
+    flat: torch.Tensor
+    """The kernels' ``master`` argument: the fp32 master, the bf16 master, or (split) ``out``."""
+    on_device: bool
+    step: int
+    offset: int
+    """Index of the master's element 0 in its whole group."""
+    scalars: StepScalars
+    rounding: tuple[int, int] | None
+    """sqrt(v)'s stochastic rounding (``quant.rounding_key``, offset), or ``None``: nearest."""
+    master_rounding: tuple[int, int]
+    """A bf16 master's rounding (``quant.weight_rounding_key``, offset)."""
+
+    @property
+    def kernel_scalars(self) -> tuple[float, ...]:
+        s = self.scalars
+        return (s.clip, s.beta1, s.beta2, s.eps, s.step_size, s.inv_bc2_sqrt, s.decay)
+
+
 class Hybrid8bitAdamW(HostOptimizer):
     """AdamW with blockwise 8-bit states (2.06 bytes per parameter), fused on the CPU.
 
@@ -661,14 +691,11 @@ class Hybrid8bitAdamW(HostOptimizer):
         """``"cpp"`` when steps run in the fused kernel, ``"torch"`` otherwise."""
         return "torch" if self._kernel is None else "cpp"
 
-    def step_group(
-        self,
-        group: int,
-        grad: torch.Tensor,
-        clip_coef: float,
-        lr: float,
-        weight_out: torch.Tensor | None,
-    ) -> None:
+    def _step_inputs(self, group: int, grad: torch.Tensor, clip_coef: float, lr: float,
+                     weight_out: torch.Tensor | None) -> _StepInputs:
+        """``step_group``'s checked inputs, shared by the 8-bit and 4-bit steps (one set of
+        checks, one place that derives the rounding keys): what each kernel call and torch
+        path takes."""
         master = self.masters[group]
         n = master.numel()
         if grad.numel() != n:
@@ -696,7 +723,6 @@ class Hybrid8bitAdamW(HostOptimizer):
             )
         if not on_device:
             self._check_weight_out(group, weight_out)
-        grad = grad.reshape(-1).contiguous()
         out = None if weight_out is None else weight_out.view(-1)
         step = self.steps[group] + 1
         # the kernel takes a split master as (weight_out, remainder), `master` only sizing it,
@@ -707,30 +733,42 @@ class Hybrid8bitAdamW(HostOptimizer):
         elif isinstance(master, Bf16Master):
             out = None
         flat = master.weight if isinstance(master, Bf16Master) else out if remainder is not None else master
-        master_rounding = (weight_rounding_key(self.seed, group, step), offset)
-        s = StepScalars.of(self.config, step, lr, clip_coef, self.decay_numel[group])
-        state = self.states[group]
-        scalars = (s.clip, s.beta1, s.beta2, s.eps, s.step_size, s.inv_bc2_sqrt, s.decay)
+        rounding = (rounding_key(self.seed, group, step), offset) if self.rounding == "stochastic" else None
+        return _StepInputs(
+            master=master, grad=grad.reshape(-1).contiguous(), out=out, remainder=remainder, flat=flat,
+            on_device=on_device, step=step, offset=offset,
+            scalars=StepScalars.of(self.config, step, lr, clip_coef, self.decay_numel[group]),
+            rounding=rounding, master_rounding=(weight_rounding_key(self.seed, group, step), offset),
+        )
+
+    def step_group(
+        self,
+        group: int,
+        grad: torch.Tensor,
+        clip_coef: float,
+        lr: float,
+        weight_out: torch.Tensor | None,
+    ) -> None:
+        i = self._step_inputs(group, grad, clip_coef, lr, weight_out)
+        master, grad, out, s, state = i.master, i.grad, i.out, i.scalars, self.states[group]
         if isinstance(state, QuantizedState):
-            rounding = None
-            if self.rounding == "stochastic":
-                rounding = (rounding_key(self.seed, group, step), offset)
-            if on_device and grad.device.type == "cuda":
-                device_step_8bit(grad, master, state, out, s, rounding, master_rounding=master_rounding)
-            elif self._kernel is None or on_device:
-                torch_step_8bit(grad, master, state, out, s, rounding, master_rounding)
+            rounding = i.rounding
+            if i.on_device and grad.device.type == "cuda":
+                device_step_8bit(grad, master, state, out, s, rounding, master_rounding=i.master_rounding)
+            elif self._kernel is None or i.on_device:
+                torch_step_8bit(grad, master, state, out, s, rounding, master_rounding=i.master_rounding)
             else:
                 self._kernel.step_8bit(
-                    grad, flat, state.m_codes, state.m_absmax, state.v_codes, state.v_absmax, out, remainder,
-                    self._tables, *scalars, s.decay_numel, rounding is not None, rounding[0] if rounding else 0,
-                    offset, master_rounding[0],
+                    grad, i.flat, state.m_codes, state.m_absmax, state.v_codes, state.v_absmax, out, i.remainder,
+                    self._tables, *i.kernel_scalars, s.decay_numel, rounding is not None,
+                    rounding[0] if rounding else 0, i.offset, i.master_rounding[0],
                 )  # fmt: skip
-        elif self._kernel is None or on_device:
-            torch_step_fp32(grad, master, state, out, s, master_rounding)
+        elif self._kernel is None or i.on_device:
+            torch_step_fp32(grad, master, state, out, s, i.master_rounding)
         else:
-            self._kernel.step_fp32(grad, flat, state.exp_avg, state.exp_avg_sq, out, remainder, *scalars,
-                                   s.decay_numel, offset, master_rounding[0])
-        self.steps[group] = step
+            self._kernel.step_fp32(grad, i.flat, state.exp_avg, state.exp_avg_sq, out, i.remainder,
+                                   *i.kernel_scalars, s.decay_numel, i.offset, i.master_rounding[0])
+        self.steps[group] = i.step
 
     def state_dict(self) -> dict:
         self.to_host()  # the host tensors are the state that is saved

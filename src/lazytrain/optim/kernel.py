@@ -2,7 +2,8 @@
 
 The kernel is compiled at first use with ``-march=native`` by ``torch.utils.cpp_extension``,
 so it must be built on the machine that runs it: the build directory is keyed by the torch
-version, this CPU's model and flags, the compiler flags and the source's hash, under
+version, this CPU's model and flags, the compiler flags and the hash of the source and of the
+headers in ``csrc/`` (`HEADERS`: ``master.h``, which both kernels include), under
 ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/lazytrain/torch_extensions``. If the build fails (no
 compiler, no ninja), callers get ``None`` and a warning, and use the pure-torch path of the
 same math.
@@ -39,6 +40,9 @@ import torch
 SOURCES = {name: Path(__file__).parent / "csrc" / f"{name}.cpp" for name in ("hybrid8bit", "hybrid4bit")}
 """The kernels by name: one C++ source each, built as a module of its own."""
 SOURCE = SOURCES["hybrid8bit"]
+HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
+"""The headers the kernels include (``master.h``: the master's load and store, shared so both
+kernels round a bf16 master alike): part of every kernel's build key."""
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 # No -fopenmp at link time: the OpenMP symbols then resolve to the runtime torch already
 # loaded, so the kernel shares torch's thread pool instead of starting a second one.
@@ -135,10 +139,22 @@ def build_directory(variant: str | None = None, name: str = "hybrid8bit") -> Pat
     """Where kernel ``name``'s native build (``variant=None``) or a variant's build lives."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "lazytrain" / "torch_extensions"
-    # the source's own hash too: a build of another version of the kernel is never loaded
-    source = hashlib.sha1(_source(name).read_bytes()).hexdigest()
+    # the source's own hash too: a build of another version of the kernel is never loaded. The
+    # headers' too: torch's JIT versioner hashes only the sources it is given (ninja's depfile
+    # sees a header only when torch runs ninja), so a changed header would otherwise share the
+    # directory of every kernel built from the old one
+    source = source_hash(name)
     key = "|".join([torch.__version__, cpu_description(), _cpu_flags(), " ".join(_cflags(variant)), source])
     return base / f"{_module_name(variant, name)}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+def source_hash(name: str = "hybrid8bit") -> str:
+    """sha1 of kernel ``name``'s source and of every header in `HEADERS` (in order): what a
+    build of it was compiled from."""
+    digest = hashlib.sha1(_source(name).read_bytes())
+    for header in HEADERS:
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    return digest.hexdigest()
 
 
 def _source(name: str) -> Path:

@@ -19,8 +19,9 @@ own (``quant.weight_rounding_key``) so the weight's and the state's draws are in
 runs repeat exactly, resume exactly, and a data-parallel shard draws what the whole group would.
 
 `master_chunk` and `store_master_chunk` are the torch path's load and store of a piece of any
-form (the C++ kernel's are ``load_master`` / ``store_master`` in ``csrc/hybrid8bit.cpp``); an
-optimizer step of any state format calls them and needs to know nothing else about the forms.
+form (the C++ kernels' are ``load_master`` / ``store_master`` in ``csrc/master.h``, one code
+for the 8-bit and the 4-bit kernel); an optimizer step of any state format calls them and
+needs to know nothing else about the forms.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def stochastic_bf16_bits(x: torch.Tensor, key: int | torch.Tensor, index: torch.
     (|x| - |toward|) / (|away| - |toward|) (float32 values between two bf16 neighbours are
     evenly spaced): the expected result is x. A bf16 value (low bits 0) stays put, infinities
     stay, NaN becomes the quiet NaN (as torch's cast), a value past the largest bf16 may round
-    to infinity. The C++ kernel computes the same bits (``bf16_stochastic``)."""
+    to infinity. The C++ kernels compute the same bits (``bf16_stochastic``, ``csrc/master.h``)."""
     bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     high = ((bits + (rounding_bits(key, index) >> 16)) >> 16) & 0xFFFF
     high = torch.where(torch.isnan(x), _QUIET_NAN, high)

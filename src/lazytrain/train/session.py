@@ -205,9 +205,6 @@ def resolve_master(config: Config, device: torch.device, dtype: torch.dtype, dis
             f"memory.master={choice} is not supported under torchrun yet (each rank keeps an fp32 shard of the "
             "masters); set memory.master=auto or fp32"
         )
-    if choice == "bf16" and config.optimizer.kind == "hybrid4bit":
-        raise ConfigError("memory.master=bf16 with optimizer.kind=hybrid4bit: the 4-bit kernel does not round a bf16 "
-                          "master yet; set memory.master=auto (the exact split master) or optimizer.kind=hybrid8bit")
     if choice == "auto":
         return "split" if not distributed and dtype == torch.bfloat16 and device.type == "cuda" else "fp32"
     return choice

@@ -2,7 +2,7 @@
 //
 // The 8-bit kernel's structure (hybrid8bit.cpp) with 16-code maps: one pass over memory per
 // 128-element block. Dequantize the block's m and sqrt(v) codes (two per byte, the even
-// element in the low nibble) into a stack buffer, update m, v and the fp32 master with the
+// element in the low nibble) into a stack buffer, update m, v and the master (in fp32) with the
 // gradient times the clip coefficient, write the new weight, keep the new m and sqrt(v) while
 // tracking their absmax, then requantize: the nearest code is the number of the map's 15
 // midpoints below the value (ties to the lower code), exactly as the torch path's bucketize.
@@ -11,13 +11,10 @@
 // A 16-entry map fits in one AVX-512 register (and two AVX2 ones), so dequantizing is a
 // register permute, and quantizing is 15 compares: no tables in memory, no gathers.
 //
-// The master is read and written in one place (read_master / write_master): the fp32 master,
-// or the exact split master (split.py). A bf16 master (stochastic rounding on the weight
-// write) plugs in there.
-//
-// The vector helpers below (loads, bf16 stores, the split master, sqrt and reciprocal
-// estimates) are those of hybrid8bit.cpp, copied while another change edits that file; once
-// both land they belong in one shared header.
+// The master is read and written by master.h's load_master / store_master, the 8-bit kernel's
+// own: fp32, the exact split master (split.py) or a bf16 master, stochastically rounded under
+// the same key and per-element draw as in the 8-bit kernel, so the same fp32 update gives the
+// same bf16 weight in both. master.h also holds the loads, bf16 stores and the hash.
 
 #include <torch/csrc/utils/pybind.h>
 
@@ -39,6 +36,8 @@
 #define LAZYTRAIN_VBMI 1
 #endif
 
+#include "master.h"
+
 namespace {
 
 constexpr int64_t kBlock = 128;  // hybrid4bit.BLOCK
@@ -57,57 +56,16 @@ struct Hyper {
   float clip, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_bc2_sqrt;
 };
 
-inline float bits_to_float(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-inline uint32_t float_to_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
-
-// Round to nearest even, NaN to a quiet NaN: c10::BFloat16's own rounding.
-inline uint16_t float_to_bf16(float f) {
-  if (std::isnan(f)) return 0x7fc0;
-  const uint32_t b = float_to_bits(f);
-  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
-// MurmurHash3's 32-bit finalizer: quant.fmix32.
-inline uint32_t fmix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x85EBCA6Bu;
-  x ^= x >> 13;
-  x *= 0xC2B2AE35u;
-  return x ^ (x >> 16);
-}
-
 inline int nearest_code(float x, const Map4& t) {
   int c = 0;
   for (int k = 0; k < kCodes - 1; ++k) c += x > t.midpoints[k] ? 1 : 0;
   return c;
 }
 
-struct Scalar {
+struct Scalar : MasterScalar {
   static constexpr int W = 1;
   using F = float;
   static F set(float x) { return x; }
-  static F load(const float* p) { return *p; }
-  static F load(const uint16_t* p) { return bits_to_float(static_cast<uint32_t>(*p) << 16); }
-  static void store(float* p, F x) { *p = x; }
-  static void store(uint16_t* p, F x) { *p = float_to_bf16(x); }
-  static F join(const uint16_t* hi, const uint16_t* lo) {
-    return bits_to_float((static_cast<uint32_t>(*hi) << 16) +
-                         static_cast<uint32_t>(static_cast<int32_t>(static_cast<int16_t>(*lo))));
-  }
-  static void split(uint16_t* hi, uint16_t* lo, F x) {
-    const uint32_t b = float_to_bits(x);
-    *hi = static_cast<uint16_t>((b + 0x8000u) >> 16);
-    *lo = static_cast<uint16_t>(b);
-  }
   static F sqrt(F v) { return std::sqrt(v); }
   static F reciprocal(F d) { return 1.0f / d; }
   static F abs(F x) { return std::fabs(x); }
@@ -123,36 +81,10 @@ struct Scalar {
 };
 
 #if defined(__AVX512F__)
-struct Simd {
+struct Simd : MasterSimd {
   static constexpr int W = 16;
   using F = __m512;
   static F set(float x) { return _mm512_set1_ps(x); }
-  static F load(const float* p) { return _mm512_loadu_ps(p); }
-  static F load(const uint16_t* p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  }
-  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
-  static void store(uint16_t* p, F x) {
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
-    r = _mm512_srli_epi32(r, 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-  }
-  static F join(const uint16_t* hi, const uint16_t* lo) {
-    const __m512i h = _mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi))), 16);
-    const __m512i l = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)));
-    return _mm512_castsi512_ps(_mm512_add_epi32(h, l));
-  }
-  static void split(uint16_t* hi, uint16_t* lo, F x) {
-    const __m512i b = _mm512_castps_si512(x);
-    const __m512i h = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x8000)), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm512_cvtepi32_epi16(h));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), _mm512_cvtepi32_epi16(b));
-  }
   // sqrt and 1 / x from the 14-bit estimates and one Newton step each (about an ulp off)
   static F sqrt(F v) {
     const F r = _mm512_rsqrt14_ps(_mm512_max_ps(v, set(kTiny)));
@@ -199,42 +131,10 @@ struct Simd {
   }
 };
 #elif defined(__AVX2__)
-struct Simd {
+struct Simd : MasterSimd {
   static constexpr int W = 8;
   using F = __m256;
   static F set(float x) { return _mm256_set1_ps(x); }
-  static F load(const float* p) { return _mm256_loadu_ps(p); }
-  static F load(const uint16_t* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
-  static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
-  static void store(uint16_t* p, F x) {
-    const __m256i bits = _mm256_castps_si256(x);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), odd);
-    r = _mm256_srli_epi32(r, 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-  }
-  static F join(const uint16_t* hi, const uint16_t* lo) {
-    const __m256i h = _mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi))), 16);
-    const __m256i l = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)));
-    return _mm256_castsi256_ps(_mm256_add_epi32(h, l));
-  }
-  static __m128i low_halves(__m256i x) {  // masked first, so the saturating pack is exact
-    x = _mm256_and_si256(x, _mm256_set1_epi32(0xffff));
-    return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
-  }
-  static void split(uint16_t* hi, uint16_t* lo, F x) {
-    const __m256i b = _mm256_castps_si256(x);
-    const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x8000)), 16);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), low_halves(h));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), low_halves(b));
-  }
   // from 12-bit estimates (one Newton step leaves 1-2 ulps)
   // (operators, not FMA intrinsics: an AVX2 build need not have FMA; the compiler fuses where it can)
   static F sqrt(F v) {
@@ -305,17 +205,14 @@ inline void pack_range(const uint8_t* codes, int64_t len, uint8_t* out) {
 struct Group4bit {
   int64_t numel;
   int64_t decay_numel;
-  float decay;          // 1 - lr * weight_decay
-  float* master;        // nullptr when the master is split:
-  uint16_t* weight;     // its bf16 half (the streamed weight) and
-  uint16_t* remainder;  // its low 16 bits (split.py)
-  uint8_t* m_codes;     // two codes a byte, the even element in the low nibble
+  float decay;       // 1 - lr * weight_decay
+  MasterRef master;  // its offset: index in the whole group of element 0 (a data-parallel shard's start)
+  uint8_t* m_codes;  // two codes a byte, the even element in the low nibble
   float* m_absmax;
   uint8_t* v_codes;  // codes of sqrt(v)
   float* v_absmax;
   bool stochastic;  // sqrt(v) rounded stochastically (hybrid4bit.stochastic_codes4)
   uint32_t key;     // quant.rounding_key of this group's step
-  int64_t offset;   // index in the whole group of element 0 (a data-parallel shard's start)
 };
 
 struct BlockScratch {
@@ -325,27 +222,12 @@ struct BlockScratch {
   float m_max = 0.0f, root_max = 0.0f;
 };
 
-// The master's one read and one write: fp32, or the exact split master. A bf16 master (the
-// streamed weight, stochastically rounded on write) is a third case here and nowhere else.
-template <class S>
-inline typename S::F read_master(const Group4bit& g, int64_t k) {
-  return g.master ? S::load(g.master + k) : S::join(g.weight + k, g.remainder + k);
-}
-
-template <class S>
-inline void write_master(const Group4bit& g, int64_t k, typename S::F w) {
-  if (g.master) {
-    S::store(g.master + k, w);
-  } else {
-    S::split(g.weight + k, g.remainder + k, w);
-  }
-}
-
 // Adam update of elements [lo, hi) of the block at `start`, from the old m and sqrt(v) in the
-// scratch buffers, which then hold the new ones; master and weight_out written.
+// scratch buffers, which then hold the new ones; master and weight_out written (a bf16 master
+// rounded under `master_key`, high_key of the block's first element, as the 8-bit kernel).
 template <class S, class G, class O>
 inline void update_range(const Group4bit& g, const G* grad, O* out, const Hyper& h, int64_t start,
-                         int64_t lo, int64_t hi, float decay, BlockScratch& s) {
+                         int64_t lo, int64_t hi, float decay, uint32_t master_key, BlockScratch& s) {
   using F = typename S::F;
   const F clip = S::set(h.clip), b1 = S::set(h.beta1), omb1 = S::set(h.one_minus_beta1);
   const F b2 = S::set(h.beta2), omb2 = S::set(h.one_minus_beta2), eps = S::set(h.eps);
@@ -358,8 +240,8 @@ inline void update_range(const Group4bit& g, const G* grad, O* out, const Hyper&
     const F m = b1 * S::load(s.m + j) + omb1 * gr;
     const F old = S::load(s.root + j);
     const F root = S::sqrt(b2 * (old * old) + omb2 * (gr * gr));
-    const F w = read_master<S>(g, k) * dec - step_size * (m * S::reciprocal(root * inv_bc2 + eps));
-    write_master<S>(g, k, w);
+    const F w = load_master<S>(g.master, k) * dec - step_size * (m * S::reciprocal(root * inv_bc2 + eps));
+    store_master<S>(g.master, k, w, master_key);
     if constexpr (!std::is_same_v<O, void>) S::store(out + k, w);
     S::store(s.m + j, m);
     S::store(s.root + j, root);
@@ -368,7 +250,7 @@ inline void update_range(const Group4bit& g, const G* grad, O* out, const Hyper&
   }
   s.m_max = std::max(s.m_max, S::reduce_max(m_max));
   s.root_max = std::max(s.root_max, S::reduce_max(root_max));
-  if constexpr (S::W > 1) update_range<Scalar>(g, grad, out, h, start, j, hi, decay, s);
+  if constexpr (S::W > 1) update_range<Scalar>(g, grad, out, h, start, j, hi, decay, master_key, s);
 }
 
 template <class S>
@@ -407,8 +289,8 @@ inline void quantize_range(const float* values, int64_t len, float inv_absmax, c
   for (; j < len; ++j) Scalar::quantize(values + j, inv_absmax, codes + j, t);
   if (stochastic_codes) {
     // a block never straddles a multiple of 2**32 elements: its high half keys the block
-    const int64_t first = g.offset + start;
-    const uint32_t key = fmix32(g.key ^ (static_cast<uint32_t>(first >> 32) * 0x27D4EB2Fu));
+    const int64_t first = g.master.offset + start;
+    const uint32_t key = high_key(g.key, first);
     stochastic(values, inv_absmax, codes, t, len, key, static_cast<uint32_t>(first));
   }
   codes[len] = 0;  // an odd tail's last byte holds one code
@@ -431,19 +313,13 @@ void step_block(const Group4bit& g, const G* grad, O* out, const Hyper& h, const
   const int64_t decay_end = std::clamp<int64_t>(g.decay_numel - start, 0, len);
   dequantize_range<Simd>(g.m_codes, g.m_absmax[block], tm, start, len, s.m);
   dequantize_range<Simd>(g.v_codes, g.v_absmax[block], tv, start, len, s.root);
-  update_range<Simd>(g, grad, out, h, start, 0, decay_end, g.decay, s);
-  update_range<Simd>(g, grad, out, h, start, decay_end, len, 1.0f, s);
+  const uint32_t master_key = high_key(g.master.key, g.master.offset + start);
+  update_range<Simd>(g, grad, out, h, start, 0, decay_end, g.decay, master_key, s);
+  update_range<Simd>(g, grad, out, h, start, decay_end, len, 1.0f, master_key, s);
   const float m_inv = store_absmax(g.m_absmax[block], s.m_max);
   const float root_inv = store_absmax(g.v_absmax[block], s.root_max);
   quantize_range<Simd>(s.m, len, m_inv, tm, s.codes, g, false, start, g.m_codes);
   quantize_range<Simd>(s.root, len, root_inv, tv, s.codes, g, g.stochastic, start, g.v_codes);
-}
-
-void check_flat(const at::Tensor& t, at::ScalarType dtype, int64_t numel, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
-  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(t.numel() == numel, name, " has ", t.numel(), " elements, expected ", numel);
 }
 
 void fill_map(Map4& t, const at::Tensor& qmap, const at::Tensor& midpoints) {
@@ -451,23 +327,6 @@ void fill_map(Map4& t, const at::Tensor& qmap, const at::Tensor& midpoints) {
   check_flat(midpoints, at::kFloat, kCodes, "midpoints");
   std::memcpy(t.qmap, qmap.data_ptr<float>(), sizeof(t.qmap));
   std::memcpy(t.midpoints, midpoints.data_ptr<float>(), sizeof(t.midpoints));
-}
-
-// The master: an fp32 tensor, or (remainder given) split into weight_out's bf16 bits and the
-// int16 remainder, whose weight half is then written with the master (no separate copy).
-void master_pointers(Group4bit& g, const at::Tensor& master, const std::optional<at::Tensor>& weight_out,
-                     const std::optional<at::Tensor>& remainder) {
-  if (!remainder.has_value()) {
-    check_flat(master, at::kFloat, g.numel, "master");
-    g.master = master.data_ptr<float>();
-    return;
-  }
-  TORCH_CHECK(weight_out.has_value() && weight_out->scalar_type() == at::kBFloat16,
-              "a split master needs its bf16 weight as weight_out");
-  check_flat(*weight_out, at::kBFloat16, g.numel, "weight_out");
-  check_flat(*remainder, at::kShort, g.numel, "remainder");
-  g.weight = reinterpret_cast<uint16_t*>(weight_out->data_ptr());
-  g.remainder = reinterpret_cast<uint16_t*>(remainder->data_ptr());
 }
 
 Hyper make_hyper(double clip, double beta1, double beta2, double eps, double step_size, double inv_bc2_sqrt) {
@@ -489,8 +348,8 @@ void check_io(const at::Tensor& grad, const std::optional<at::Tensor>& weight_ou
 }
 
 // Calls fn(grad_ptr, out_ptr) typed by the gradient's and weight_out's dtypes (bf16 as
-// uint16_t; void* without a separate weight_out: none given, or a split master's, which the
-// master's write fills).
+// uint16_t; void* without a separate weight_out: none given, or a split or bf16 master's
+// weight, which the master's write fills).
 template <class Fn>
 void dispatch(const at::Tensor& grad, const std::optional<at::Tensor>& weight_out, bool separate_out, Fn&& fn) {
   auto with_out = [&](auto* grad_ptr) {
@@ -517,23 +376,24 @@ void step_typed(const Group4bit& g, const G* grad, O* out, const Hyper& h, const
   });
 }
 
-// `master` is only sized (any dtype) when `remainder` is given; `maps` = (signed qmap, its
-// midpoints, unsigned qmap, its midpoints), 16 float32 each.
+// `master` is only sized (any dtype) when `remainder` is given, and is the bf16 master itself
+// when bf16 (master_ref); `maps` = (signed qmap, its midpoints, unsigned qmap, its midpoints),
+// 16 float32 each. `key`: sqrt(v)'s rounding key, `master_key`: a bf16 master's
+// (quant.rounding_key, quant.weight_rounding_key), as the 8-bit kernel's step_8bit.
 void step_4bit(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& m_codes,
                const at::Tensor& m_absmax, const at::Tensor& v_codes, const at::Tensor& v_absmax,
                const std::optional<at::Tensor>& weight_out, const std::optional<at::Tensor>& remainder,
                const std::vector<at::Tensor>& maps, double clip, double beta1, double beta2, double eps,
                double step_size, double inv_bc2_sqrt, double decay, int64_t decay_numel, bool stochastic,
-               int64_t key, int64_t offset) {
+               int64_t key, int64_t offset, int64_t master_key) {
   const int64_t n = master.numel();
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   TORCH_CHECK(key >= 0 && key <= 0xFFFFFFFFLL, "rounding key must be a 32-bit value, got ", key);
-  TORCH_CHECK(offset >= 0 && offset % kBlock == 0, "offset must be a multiple of ", kBlock, ", got ", offset);
   Group4bit g{};
   g.numel = n;
   g.decay_numel = std::clamp<int64_t>(decay_numel, 0, n);
   g.decay = static_cast<float>(decay);
-  master_pointers(g, master, weight_out, remainder);
+  g.master = master_ref(master, weight_out, remainder, master_key, offset, kBlock);
   check_io(grad, weight_out, n);
   check_flat(m_codes, at::kByte, (n + 1) / 2, "m_codes");
   check_flat(v_codes, at::kByte, (n + 1) / 2, "v_codes");
@@ -551,10 +411,9 @@ void step_4bit(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
   g.v_absmax = v_absmax.data_ptr<float>();
   g.stochastic = stochastic;
   g.key = static_cast<uint32_t>(key);
-  g.offset = offset;
   const Hyper h = make_hyper(clip, beta1, beta2, eps, step_size, inv_bc2_sqrt);
-  // a split master's weight is written with the master: no separate weight_out
-  dispatch(grad, weight_out, g.master != nullptr, [&](auto* grad_ptr, auto* out_ptr) {
+  // a split or bf16 master's weight is written with the master: no separate weight_out
+  dispatch(grad, weight_out, g.master.fp32 != nullptr, [&](auto* grad_ptr, auto* out_ptr) {
     using G = std::remove_const_t<std::remove_pointer_t<decltype(grad_ptr)>>;
     using O = std::remove_pointer_t<decltype(out_ptr)>;
     step_typed<G, O>(g, grad_ptr, out_ptr, h, tm, tv);
@@ -571,10 +430,10 @@ void step_fp32_typed(const Group4bit& g, float* exp_avg, float* exp_avg_sq, cons
     const float m = h.beta1 * exp_avg[k] + h.one_minus_beta1 * gr;
     const float v = h.beta2 * exp_avg_sq[k] + h.one_minus_beta2 * (gr * gr);
     const float denom = std::sqrt(v) * h.inv_bc2_sqrt + h.eps;
-    const float w = read_master<Scalar>(g, k) * (k < g.decay_numel ? g.decay : 1.0f) - h.step_size * (m / denom);
+    const float w = load_master<Scalar>(g.master, k) * (k < g.decay_numel ? g.decay : 1.0f) - h.step_size * (m / denom);
     exp_avg[k] = m;
     exp_avg_sq[k] = v;
-    write_master<Scalar>(g, k, w);
+    store_master<Scalar>(g.master, k, w, high_key(g.master.key, g.master.offset + k));
     if constexpr (!std::is_same_v<O, void>) Scalar::store(out + k, w);
   }
 }
@@ -582,17 +441,18 @@ void step_fp32_typed(const Group4bit& g, float* exp_avg, float* exp_avg_sq, cons
 void step_fp32(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& weight_out,
                const std::optional<at::Tensor>& remainder, double clip, double beta1, double beta2,
-               double eps, double step_size, double inv_bc2_sqrt, double decay, int64_t decay_numel) {
+               double eps, double step_size, double inv_bc2_sqrt, double decay, int64_t decay_numel,
+               int64_t offset, int64_t master_key) {
   Group4bit g{};
   g.numel = master.numel();
   g.decay_numel = std::clamp<int64_t>(decay_numel, 0, g.numel);
   g.decay = static_cast<float>(decay);
-  master_pointers(g, master, weight_out, remainder);
+  g.master = master_ref(master, weight_out, remainder, master_key, offset, kBlock);
   check_io(grad, weight_out, g.numel);
   check_flat(exp_avg, at::kFloat, g.numel, "exp_avg");
   check_flat(exp_avg_sq, at::kFloat, g.numel, "exp_avg_sq");
   const Hyper h = make_hyper(clip, beta1, beta2, eps, step_size, inv_bc2_sqrt);
-  dispatch(grad, weight_out, g.master != nullptr, [&](auto* grad_ptr, auto* out_ptr) {
+  dispatch(grad, weight_out, g.master.fp32 != nullptr, [&](auto* grad_ptr, auto* out_ptr) {
     using G = std::remove_const_t<std::remove_pointer_t<decltype(grad_ptr)>>;
     using O = std::remove_pointer_t<decltype(out_ptr)>;
     step_fp32_typed<G, O>(g, exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), grad_ptr, out_ptr, h);
@@ -618,5 +478,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The executor steps groups from worker threads: never hold the GIL inside a step.
   m.def("step_4bit", &step_4bit, py::call_guard<py::gil_scoped_release>());
   m.def("step_fp32", &step_fp32, py::call_guard<py::gil_scoped_release>());
+  m.def("stochastic_bf16", &stochastic_bf16, py::call_guard<py::gil_scoped_release>());
   m.def("simd", &simd_name);
 }
