@@ -116,7 +116,8 @@ def test_the_flagship_plans_in_128_gib_with_its_gradients_held_on_the_gpu(tmp_pa
     B/param (the embedding's and head's gradient buffers and the ring the only gradients), and
     the components are printed per tier."""
     args = ["plan", "model.source=builtin:qwen3.6-27b", "training.batch_size=72", "memory.host_limit_gb=118",
-            "optimizer.kind=hybrid8bit", "memory.master=bf16", f"training.output_dir={tmp_path}"]
+            "optimizer.kind=hybrid8bit", "memory.master=bf16", "memory.gradients=auto",
+            f"training.output_dir={tmp_path}"]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "total           107.93 GiB   4.309 B/param: fits" in printed

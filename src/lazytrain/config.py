@@ -394,14 +394,15 @@ class MemoryConfig:
     gpu_gb: float | None = None
     """GPU memory cap for the step (the solved plan must fit in it; on CUDA the allocator is
     capped too). Default: the whole device."""
-    gradients: Literal["auto", "host", "gpu"] = "auto"
+    gradients: Literal["auto", "host", "gpu"] = "host"
     """Where each streamed decoder layer's gradient waits from its backward until the step's
-    clip coefficient is known (`LayerPlan.grad`): auto (the solved plan places each one, with
-    the activations, against the GPU and host budgets; a baseline policy, host), host (a pinned
-    host buffer per layer, copied out in the backward: every run's until 2026-12-06), gpu (held
-    on the GPU, copied home through a small pinned ring at the update: no host gradient
-    buffers, 2 B per parameter less host memory). Exact in every case: the same bits reach the
-    same optimizer step."""
+    clip coefficient is known (`LayerPlan.grad`): host (a pinned host buffer per layer, copied
+    out in the backward: the default, the path every GPU measurement so far ran), auto (the
+    solved plan places each one, with the activations, against the GPU and host budgets; a
+    baseline policy, host), gpu (held on the GPU, copied home through a small pinned ring at the
+    update: no host gradient buffers, 2 B per parameter less host memory). Exact in every case:
+    the same bits reach the same optimizer step. The held path has run on the CPU only
+    (2026-12-06): auto becomes the default once a GPU has measured it."""
     shm_dir: str = "/dev/shm"
     """Data parallel with several ranks per host: the tmpfs where the host's shared weight
     arena is created (and unlinked as soon as every local rank has mapped it)."""
