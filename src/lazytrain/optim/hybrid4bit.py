@@ -17,7 +17,7 @@ The maps (16 codes each):
 
 What the second-moment codes hold is sqrt(v), as in the 8-bit optimizer, not v as torchao and
 lpmm store it. Measured in a float64 simulation (``bench/studies/optim_4bit_second_moment.py``,
-``bench/results/optim_4bit_second_moment_2026-12-06_sim.md``: 32768 parameters, 400 steps,
+``bench/results/optim_4bit_second_moment_2026-12-06.md``: 32768 parameters, 400 steps,
 beta2 = 0.999, per-block gradient scales over 2 decades, log-normal spread inside a block, a
 seventh of the gradients shrinking 100x half-way): the weights' distance from float64 AdamW's
 after 400 steps, relative to their displacement, is 0.28 storing sqrt(v) against 0.36 storing v
