@@ -369,9 +369,11 @@ def main(argv: list[str] | None = None) -> None:
                              "--master, where given, decides")
     parser.add_argument("--master", choices=["fp32", "split", "bf16"], default=None,
                         help="memory.master of every run (bf16: the streamed weight is the master, not exact)")
-    parser.add_argument("--gradients", choices=["host", "gpu"], default="host",
+    parser.add_argument("--gradients", choices=["host", "gpu", "auto"], default="host",
                         help="memory.gradients of every run: each decoder layer's gradient on the host, or held on "
-                             "the GPU (no host buffers: the flagship's host budget); every plan, baselines too")
+                             "the GPU (no host buffers: the flagship's host budget; every plan, baselines too), or "
+                             "auto: the solved plan places each one (every host buffer allocated, so that any plan "
+                             "runs: the A/B of its time against host, not of host memory)")
     parser.add_argument("--host-limit-gb", type=float, default=None,
                         help="host budget in GiB (default: the machine less its reserve)")
     parser.add_argument("--baseline", default=None, help="records of the same shape to compare tokens/s with")
@@ -537,6 +539,8 @@ def study(session, args, kernels: str) -> None:
     t0 = time.perf_counter()
     given = dict(spec.rpartition("=")[::2] for spec in args.costs)
     costs_file = given.get(kernels) or given.get("")
+    if args.gradients == "auto" and store.host_grad_groups is None:
+        store.allocate_grads(range(len(store.weights)))  # before the table: its host room counts them
     if costs_file:
         costs = load_costs(costs_file, session, args).at(args.batch, args.seq)
     else:

@@ -797,13 +797,19 @@ def test_device_step_times_each_piece_size_and_writes_records(tmp_path, monkeypa
         device_step.main(["--model", "tiny", "--chunks", "8", "--device", "cpu", "--out", str(tmp_path)])
 
 
-def test_plan_bench_holds_every_gradient_on_the_gpu_when_asked(tmp_path):
+@pytest.mark.parametrize("gradients", ["gpu", "auto"])
+def test_plan_bench_places_gradients_as_asked(tmp_path, gradients):
     """``--gradients gpu``: host buffers for the embedding and head only, and every plan (the
-    solved one and megatrain) holds each decoder layer's gradient on the GPU, the header says so."""
-    plan_bench(*TINY, "--runs", "solved", "megatrain", "--gradients", "gpu", "--warmup", "0", "--steps", "1",
+    solved one and megatrain) holds each decoder layer's gradient on the GPU; ``auto``: every
+    buffer allocated, megatrain's on the host, the solved plan's where it puts them. The header
+    says which."""
+    plan_bench(*TINY, "--runs", "solved", "megatrain", "--gradients", gradients, "--warmup", "0", "--steps", "1",
                "--out", str(tmp_path))
     runs = runs_of(tmp_path)
     assert [r["policy"] for r in runs] == ["solved", "megatrain"]
     for r in runs:
-        assert r["gradients"] == "gpu" and r["master"] == "fp32" and r["tokens_per_s"] > 0
-        assert [lp["grad"] for lp in r["plan"]["layers"]] == ["gpu", "gpu"]
+        assert r["gradients"] == gradients and r["master"] == "fp32" and r["tokens_per_s"] > 0
+    grads = [[lp["grad"] for lp in r["plan"]["layers"]] for r in runs]
+    assert grads[1] == (["gpu", "gpu"] if gradients == "gpu" else ["host", "host"])
+    if gradients == "gpu":  # (auto: whatever the solved plan chose ran, buffers or not)
+        assert grads[0] == ["gpu", "gpu"]
