@@ -683,11 +683,10 @@ class _StepModel:
         gpu: list[dict[str, float]] = [defaultdict(float) for _ in range(n)]
         host: list[dict[str, float]] = [defaultdict(float) for _ in range(n)]
         nvme: list[dict[str, float]] = [defaultdict(float) for _ in range(n)]
+        device = c.const_update_bytes + c.device_resident_bytes(len(self.resident)) if self.device else 0
         for s in range(n):
             # the embedding's and the head's gradients exist from the head on
-            gpu[s]["resident"] += c.forward_fixed_bytes if s <= self.st.head else c.step_fixed_bytes
-            if self.device:
-                gpu[s]["resident"] += c.const_update_bytes + c.device_resident_bytes(len(self.resident))
+            gpu[s]["resident"] += (c.forward_fixed_bytes if s <= self.st.head else c.step_fixed_bytes) + device
             nbytes, component = max(self.phases.get(s, [(0, "activations")]), key=lambda phase: phase[0])
             gpu[s][component] += nbytes
         for buffers, out in ((self.gpu, gpu), (self.host, host), (self.nvme, nvme)):

@@ -52,10 +52,6 @@ struct Map4 {
   bool linear = false;
 };
 
-struct Hyper {
-  float clip, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_bc2_sqrt;
-};
-
 inline int nearest_code(float x, const Map4& t) {
   int c = 0;
   for (int k = 0; k < kCodes - 1; ++k) c += x > t.midpoints[k] ? 1 : 0;
@@ -65,12 +61,6 @@ inline int nearest_code(float x, const Map4& t) {
 struct Scalar : MasterScalar {
   static constexpr int W = 1;
   using F = float;
-  static F set(float x) { return x; }
-  static F sqrt(F v) { return std::sqrt(v); }
-  static F reciprocal(F d) { return 1.0f / d; }
-  static F abs(F x) { return std::fabs(x); }
-  static F max(F a, F b) { return a > b ? a : b; }
-  static float reduce_max(F x) { return x; }
   // codes of elements i .. i + W - 1 (i even for W > 1) -> their values times `scale`
   static F dequantize(const uint8_t* packed, int64_t i, const Map4& t, F scale) {
     return t.qmap[(packed[i >> 1] >> (4 * (i & 1))) & 15] * scale;
@@ -84,20 +74,6 @@ struct Scalar : MasterScalar {
 struct Simd : MasterSimd {
   static constexpr int W = 16;
   using F = __m512;
-  static F set(float x) { return _mm512_set1_ps(x); }
-  // sqrt and 1 / x from the 14-bit estimates and one Newton step each (about an ulp off)
-  static F sqrt(F v) {
-    const F r = _mm512_rsqrt14_ps(_mm512_max_ps(v, set(kTiny)));
-    const F root = _mm512_mul_ps(v, r);
-    return _mm512_fmadd_ps(root, _mm512_fnmadd_ps(root, _mm512_mul_ps(r, set(0.5f)), set(0.5f)), root);
-  }
-  static F reciprocal(F d) {
-    const F q = _mm512_rcp14_ps(d);
-    return _mm512_fmadd_ps(q, _mm512_fnmadd_ps(d, q, set(1.0f)), q);
-  }
-  static F abs(F x) { return _mm512_abs_ps(x); }
-  static F max(F a, F b) { return _mm512_max_ps(a, b); }
-  static float reduce_max(F x) { return _mm512_reduce_max_ps(x); }
   // 16 codes from 8 bytes: each byte twice, the odd copies shifted down a nibble; the map is
   // one register, so the look-up is one permute
   static F dequantize(const uint8_t* packed, int64_t i, const Map4& t, F scale) {
@@ -134,26 +110,6 @@ struct Simd : MasterSimd {
 struct Simd : MasterSimd {
   static constexpr int W = 8;
   using F = __m256;
-  static F set(float x) { return _mm256_set1_ps(x); }
-  // from 12-bit estimates (one Newton step leaves 1-2 ulps)
-  // (operators, not FMA intrinsics: an AVX2 build need not have FMA; the compiler fuses where it can)
-  static F sqrt(F v) {
-    const F r = _mm256_rsqrt_ps(_mm256_max_ps(v, set(kTiny)));
-    const F root = v * r;
-    return root + root * (set(0.5f) - root * (r * set(0.5f)));
-  }
-  static F reciprocal(F d) {
-    const F q = _mm256_rcp_ps(d);
-    return q + q * (set(1.0f) - d * q);
-  }
-  static F abs(F x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
-  static F max(F a, F b) { return _mm256_max_ps(a, b); }
-  static float reduce_max(F x) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-  }
   // 8 codes from 4 bytes; the map is two registers, picked by the code's bit 3
   static F dequantize(const uint8_t* packed, int64_t i, const Map4& t, F scale) {
     int32_t four;
@@ -329,24 +285,6 @@ void fill_map(Map4& t, const at::Tensor& qmap, const at::Tensor& midpoints) {
   std::memcpy(t.midpoints, midpoints.data_ptr<float>(), sizeof(t.midpoints));
 }
 
-Hyper make_hyper(double clip, double beta1, double beta2, double eps, double step_size, double inv_bc2_sqrt) {
-  return {static_cast<float>(clip),        static_cast<float>(beta1),
-          static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
-          static_cast<float>(1.0 - beta2), static_cast<float>(eps),
-          static_cast<float>(step_size),   static_cast<float>(inv_bc2_sqrt)};
-}
-
-void check_io(const at::Tensor& grad, const std::optional<at::Tensor>& weight_out, int64_t numel) {
-  const auto gt = grad.scalar_type();
-  TORCH_CHECK(gt == at::kBFloat16 || gt == at::kFloat, "gradient must be bf16 or fp32, got ", gt);
-  check_flat(grad, gt, numel, "gradient");
-  if (weight_out.has_value()) {
-    const auto ot = weight_out->scalar_type();
-    TORCH_CHECK(ot == at::kBFloat16 || ot == at::kFloat, "weight_out must be bf16 or fp32, got ", ot);
-    check_flat(*weight_out, ot, numel, "weight_out");
-  }
-}
-
 // Calls fn(grad_ptr, out_ptr) typed by the gradient's and weight_out's dtypes (bf16 as
 // uint16_t; void* without a separate weight_out: none given, or a split or bf16 master's
 // weight, which the master's write fills).
@@ -457,18 +395,6 @@ void step_fp32(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
     using O = std::remove_pointer_t<decltype(out_ptr)>;
     step_fp32_typed<G, O>(g, exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), grad_ptr, out_ptr, h);
   });
-}
-
-const char* simd_name() {
-#if defined(LAZYTRAIN_VBMI)
-  return "avx512vbmi";
-#elif defined(__AVX512F__)
-  return "avx512";
-#elif defined(__AVX2__)
-  return "avx2";
-#else
-  return "scalar";
-#endif
 }
 
 }  // namespace

@@ -78,10 +78,6 @@ struct MapTables {
   alignas(64) uint8_t midpoint_planes[4][256];
 };
 
-struct Hyper {
-  float clip, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_bc2_sqrt;
-};
-
 // Stochastic rounding of sqrt(v) (quant.stochastic_codes), from the nearest code: the code
 // below or above x, the upper one with probability (x - below) / (above - below) against a
 // uniform in [0, 1) from the hash of the element's index (quant.rounding_uniforms); a
@@ -93,12 +89,6 @@ struct Scalar : MasterScalar {
   static constexpr int kChunk = 1;       // elements dequantized at once
   static constexpr int kQuantChunk = 1;  // elements quantized at once
   using F = float;
-  static F set(float x) { return x; }
-  static F sqrt(F v) { return std::sqrt(v); }
-  static F reciprocal(F d) { return 1.0f / d; }
-  static F abs(F x) { return std::fabs(x); }
-  static F max(F a, F b) { return a > b ? a : b; }
-  static float reduce_max(F x) { return x; }
   static void dequantize(const uint8_t* codes, const MapTables& t, F* out) { *out = t.qmap[*codes]; }
 
   static void stochastic(const float* values, float inv_absmax, uint8_t* codes, const MapTables& t,
@@ -133,22 +123,6 @@ struct Scalar : MasterScalar {
 struct Simd : MasterSimd {
   static constexpr int W = 16;
   using F = __m512;
-  static F set(float x) { return _mm512_set1_ps(x); }
-  // sqrt and 1 / x from the 14-bit estimates and one Newton step each (about an ulp off):
-  // the divide and square-root units would otherwise bound the whole step.
-  // max(v, tiny) keeps v = 0 finite: 0 * rsqrt(tiny) = 0.
-  static F sqrt(F v) {
-    const F r = _mm512_rsqrt14_ps(_mm512_max_ps(v, set(kTiny)));
-    const F root = v * r;
-    return root + root * (set(0.5f) - root * (r * set(0.5f)));
-  }
-  static F reciprocal(F d) {
-    const F q = _mm512_rcp14_ps(d);
-    return q + q * (set(1.0f) - d * q);
-  }
-  static F abs(F x) { return _mm512_abs_ps(x); }
-  static F max(F a, F b) { return _mm512_max_ps(a, b); }
-  static float reduce_max(F x) { return _mm512_reduce_max_ps(x); }
 
   // uniforms in [0, 1) of the 16 elements from hash input `index` on (quant.rounding_uniforms)
   static __m512 uniforms(uint32_t key, uint32_t index) {
@@ -338,25 +312,6 @@ struct Simd : MasterSimd {
   static constexpr int kChunk = 8;
   static constexpr int kQuantChunk = 8;
   using F = __m256;
-  static F set(float x) { return _mm256_set1_ps(x); }
-  // as for AVX-512, from 12-bit estimates (one Newton step leaves 1-2 ulps)
-  static F sqrt(F v) {
-    const F r = _mm256_rsqrt_ps(_mm256_max_ps(v, set(kTiny)));
-    const F root = v * r;
-    return root + root * (set(0.5f) - root * (r * set(0.5f)));
-  }
-  static F reciprocal(F d) {
-    const F q = _mm256_rcp_ps(d);
-    return q + q * (set(1.0f) - d * q);
-  }
-  static F abs(F x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
-  static F max(F a, F b) { return _mm256_max_ps(a, b); }
-  static float reduce_max(F x) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-  }
   static constexpr int kRoundChunk = 8;
   // 8 elements (Scalar::stochastic); compares give all-ones lanes, so "+ 1 where" is "- mask"
   static void stochastic(const float* values, float inv_absmax, uint8_t* codes, const MapTables& t,
@@ -599,25 +554,6 @@ void fill_tables(MapTables& t, const at::Tensor* tensors, bool is_signed) {
   }
 }
 
-Hyper make_hyper(double clip, double beta1, double beta2, double eps, double step_size,
-                 double inv_bc2_sqrt) {
-  return {static_cast<float>(clip),        static_cast<float>(beta1),
-          static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
-          static_cast<float>(1.0 - beta2), static_cast<float>(eps),
-          static_cast<float>(step_size),   static_cast<float>(inv_bc2_sqrt)};
-}
-
-void check_io(const at::Tensor& grad, const std::optional<at::Tensor>& weight_out, int64_t numel) {
-  const auto gt = grad.scalar_type();
-  TORCH_CHECK(gt == at::kBFloat16 || gt == at::kFloat, "gradient must be bf16 or fp32, got ", gt);
-  check_flat(grad, gt, numel, "gradient");
-  if (weight_out.has_value()) {
-    const auto ot = weight_out->scalar_type();
-    TORCH_CHECK(ot == at::kBFloat16 || ot == at::kFloat, "weight_out must be bf16 or fp32, got ", ot);
-    check_flat(*weight_out, ot, numel, "weight_out");
-  }
-}
-
 // Calls fn(grad_ptr, out_ptr) with pointers typed by the gradient's and weight_out's dtypes
 // (bf16 as uint16_t; no weight_out as void*).
 template <class Fn>
@@ -742,18 +678,6 @@ at::Tensor nearest_codes(const at::Tensor& x, const std::vector<at::Tensor>& tab
     quantize_range<Simd, false>(values, 0, x.numel(), 1.0f, out, t);
   }
   return codes;
-}
-
-const char* simd_name() {
-#if defined(LAZYTRAIN_VBMI)
-  return "avx512vbmi";
-#elif defined(__AVX512F__)
-  return "avx512";
-#elif defined(__AVX2__)
-  return "avx2";
-#else
-  return "scalar";
-#endif
 }
 
 }  // namespace

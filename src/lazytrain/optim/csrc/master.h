@@ -71,9 +71,23 @@ inline uint16_t bf16_stochastic(float x, uint32_t r) {
   return static_cast<uint16_t>((float_to_bits(x) + r) >> 16);
 }
 
+// Smallest normal float: sqrt's estimate starts from max(v, it), so v = 0 stays finite
+// (0 * rsqrt(it) = 0).
+constexpr float kSqrtFloor = 1.17549435e-38f;
+
+// The vector operations both kernels (hybrid8bit.cpp, hybrid4bit.cpp) share, per ISA: float
+// math (sqrt and 1 / x from the hardware estimates and one Newton step each, about an ulp off:
+// the divide and square-root units would otherwise bound the whole step) and the masters'
+// loads and stores.
 struct MasterScalar {
   static constexpr int W = 1;
   using F = float;
+  static F set(float x) { return x; }
+  static F sqrt(F v) { return std::sqrt(v); }
+  static F reciprocal(F d) { return 1.0f / d; }
+  static F abs(F x) { return std::fabs(x); }
+  static F max(F a, F b) { return a > b ? a : b; }
+  static float reduce_max(F x) { return x; }
   static F load(const float* p) { return *p; }
   static F load(const uint16_t* p) { return bits_to_float(static_cast<uint32_t>(*p) << 16); }
   static void store(float* p, F x) { *p = x; }
@@ -101,6 +115,20 @@ struct MasterScalar {
 struct MasterSimd {
   static constexpr int W = 16;
   using F = __m512;
+  static F set(float x) { return _mm512_set1_ps(x); }
+  // from the 14-bit estimates
+  static F sqrt(F v) {
+    const F r = _mm512_rsqrt14_ps(_mm512_max_ps(v, set(kSqrtFloor)));
+    const F root = v * r;
+    return root + root * (set(0.5f) - root * (r * set(0.5f)));
+  }
+  static F reciprocal(F d) {
+    const F q = _mm512_rcp14_ps(d);
+    return q + q * (set(1.0f) - d * q);
+  }
+  static F abs(F x) { return _mm512_abs_ps(x); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static float reduce_max(F x) { return _mm512_reduce_max_ps(x); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static F load(const uint16_t* p) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -156,6 +184,26 @@ struct MasterSimd {
 struct MasterSimd {
   static constexpr int W = 8;
   using F = __m256;
+  static F set(float x) { return _mm256_set1_ps(x); }
+  // from the 12-bit estimates (one Newton step leaves 1-2 ulps); operators, not FMA
+  // intrinsics: an AVX2 build need not have FMA (the compiler fuses where it can)
+  static F sqrt(F v) {
+    const F r = _mm256_rsqrt_ps(_mm256_max_ps(v, set(kSqrtFloor)));
+    const F root = v * r;
+    return root + root * (set(0.5f) - root * (r * set(0.5f)));
+  }
+  static F reciprocal(F d) {
+    const F q = _mm256_rcp_ps(d);
+    return q + q * (set(1.0f) - d * q);
+  }
+  static F abs(F x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static float reduce_max(F x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static F load(const uint16_t* p) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -252,6 +300,44 @@ void check_flat(const at::Tensor& t, at::ScalarType dtype, int64_t numel, const 
   TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
   TORCH_CHECK(t.numel() == numel, name, " has ", t.numel(), " elements, expected ", numel);
+}
+
+// The vector path this build compiled (kernel.VARIANTS' names).
+inline const char* simd_name() {
+#if defined(LAZYTRAIN_VBMI)
+  return "avx512vbmi";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+// One AdamW step's numbers (bias corrections folded in: hybrid8bit.StepScalars), in float.
+struct Hyper {
+  float clip, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_bc2_sqrt;
+};
+
+inline Hyper make_hyper(double clip, double beta1, double beta2, double eps, double step_size,
+                        double inv_bc2_sqrt) {
+  return {static_cast<float>(clip),        static_cast<float>(beta1),
+          static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
+          static_cast<float>(1.0 - beta2), static_cast<float>(eps),
+          static_cast<float>(step_size),   static_cast<float>(inv_bc2_sqrt)};
+}
+
+// The gradient (bf16 or fp32) and a separate weight output, if any, as flat tensors of numel.
+inline void check_io(const at::Tensor& grad, const std::optional<at::Tensor>& weight_out, int64_t numel) {
+  const auto gt = grad.scalar_type();
+  TORCH_CHECK(gt == at::kBFloat16 || gt == at::kFloat, "gradient must be bf16 or fp32, got ", gt);
+  check_flat(grad, gt, numel, "gradient");
+  if (weight_out.has_value()) {
+    const auto ot = weight_out->scalar_type();
+    TORCH_CHECK(ot == at::kBFloat16 || ot == at::kFloat, "weight_out must be bf16 or fp32, got ", ot);
+    check_flat(*weight_out, ot, numel, "weight_out");
+  }
 }
 
 // The master: an fp32 tensor; (remainder given) split into weight_out's bf16 bits and the
