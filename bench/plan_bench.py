@@ -107,13 +107,20 @@ from lazytrain.runtime.profiler import CONSTANTS, measure_constants
 GiB = 2**30
 
 
+def store_gradients(args) -> str:
+    """memory.gradients of the session: the one ``--gradients`` value, or ``auto`` (every host
+    buffer allocated, so that each run places its gradients as its value says) for several."""
+    return args.gradients[0] if len(args.gradients) == 1 else "auto"
+
+
 def options(args, const_update: str = "auto", device_layers: str = "0", device_steps: str = "0",
-            offload_window: int = 1) -> PolicyOptions:
+            offload_window: int = 1, gradients: str | None = None) -> PolicyOptions:
     return PolicyOptions(megatrain_every=args.every, head_chunk_tokens=args.head_chunk, tiers=tuple(args.tiers),
                          recompute=tuple(args.recompute), const_update=const_update,
                          device_layers=None if device_layers == "auto" else int(device_layers),
                          device_steps=None if device_steps == "auto" else int(device_steps),
-                         offload_window=offload_window, gradients=args.gradients)
+                         offload_window=offload_window,
+                         gradients=gradients or store_gradients(args))
 
 
 MAX_TRIES = 8
@@ -369,11 +376,12 @@ def main(argv: list[str] | None = None) -> None:
                              "--master, where given, decides")
     parser.add_argument("--master", choices=["fp32", "split", "bf16"], default=None,
                         help="memory.master of every run (bf16: the streamed weight is the master, not exact)")
-    parser.add_argument("--gradients", choices=["host", "gpu", "auto"], default="host",
+    parser.add_argument("--gradients", nargs="+", choices=["host", "gpu", "auto"], default=["host"],
                         help="memory.gradients of every run: each decoder layer's gradient on the host, or held on "
                              "the GPU (no host buffers: the flagship's host budget; every plan, baselines too), or "
                              "auto: the solved plan places each one (every host buffer allocated, so that any plan "
-                             "runs: the A/B of its time against host, not of host memory)")
+                             "runs: the A/B of its time against host, not of host memory); several: each run once per "
+                             "value, every host buffer allocated as for auto")
     parser.add_argument("--host-limit-gb", type=float, default=None,
                         help="host budget in GiB (default: the machine less its reserve)")
     parser.add_argument("--baseline", default=None, help="records of the same shape to compare tokens/s with")
@@ -397,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     session = bench_session(
         args.model, optimizer=args.optimizer, device=args.device, batch=args.batch, seq=args.seq,
         head_chunk=args.head_chunk, nvme_dir=args.nvme_dir,
-        overrides=(f"memory.master={args.master}", f"memory.gradients={args.gradients}",
+        overrides=(f"memory.master={args.master}", f"memory.gradients={store_gradients(args)}",
                    *([f"memory.host_limit_gb={args.host_limit_gb}"] if args.host_limit_gb else []),
                    *([f"optimizer.state_rounding={args.state_rounding}"] if args.state_rounding != "nearest" else [])))
     print(f"model {args.model}: {session.store.num_params / 1e9:.2f}B params, built in "
@@ -515,7 +523,7 @@ def study(session, args, kernels: str) -> None:
     stem = f"plan_{args.model}_{dev}_{date}_s{args.seq}{kernels_tag}{args.tag}"
     common = run_header(device, model=args.model, optimizer=args.optimizer, overlap_optimizer=True,
                         cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-                        split_master=args.master == "split", master=args.master, gradients=args.gradients,
+                        split_master=args.master == "split", master=args.master, gradients=store_gradients(args),
                         world_size=1, runner="lazytrain",
                         state_rounding=args.state_rounding, fetch_allocation=args.fetch_allocation,
                         recompute_allowed=list(args.recompute))
@@ -539,14 +547,14 @@ def study(session, args, kernels: str) -> None:
     t0 = time.perf_counter()
     given = dict(spec.rpartition("=")[::2] for spec in args.costs)
     costs_file = given.get(kernels) or given.get("")
-    if args.gradients == "auto" and store.host_grad_groups is None:
+    if store_gradients(args) == "auto" and store.host_grad_groups is None:
         store.allocate_grads(range(len(store.weights)))  # before the table: its host room counts them
     if costs_file:
         costs = load_costs(costs_file, session, args).at(args.batch, args.seq)
     else:
         costs = session.cost_table()  # (its host room without the gradients' buffers where they are held)
         costs.save(os.path.join(args.out, f"costs_{args.model}_{dev}_{date}_s{args.seq}_b{args.batch}{kernels_tag}{args.tag}.json"))
-    if args.gradients == "gpu" and store.host_grad_groups is None:
+    if store_gradients(args) == "gpu" and store.host_grad_groups is None:
         # every plan holds every decoder layer's gradient: host buffers for the embedding and head
         # only, allocated once the profile (whose executor keeps its layers' on the host) is done
         store.allocate_grads([0, len(store.weights) - 1])
@@ -639,13 +647,16 @@ def study(session, args, kernels: str) -> None:
         record["plan"] = plan.to_dict()
         record["planner_gpu_budget_gb"] = table.gpu_bytes / 1e9
         records.append({"name": name, **common, **record})
+        if policy_options is not None:  # (several --gradients: this run's)
+            records[-1]["gradients"] = policy_options.gradients
         print(json.dumps({k: v for k, v in records[-1].items() if k not in ("plan", "step_times_s")}), flush=True)
         save()
         return True
 
     def plan_for(policy: str, const_update: str, device_layers: str, device_steps: str, window: int,
-                 table: CostTable) -> Plan:
-        return policy_plan(policy, table, options(args, const_update, device_layers, device_steps, window))
+                 gradients: str, table: CostTable) -> Plan:
+        return policy_plan(policy, table, options(args, const_update, device_layers, device_steps, window,
+                                                  gradients))
 
     def run_for(policy: str, suffix: str, host_gib: str, update: str, policy_options: PolicyOptions,
                 table: CostTable, plan: Plan, replans: int) -> dict | None:
@@ -671,11 +682,12 @@ def study(session, args, kernels: str) -> None:
         for update in args.update:
             # skipped: planned as if the update were free, which it then is
             table = run_costs if update == "cpu" else dataclasses.replace(run_costs, optimizer_ns_per_param=0.0)
-            for const_update, device_layers, device_steps, threads, window in [
-                    (c, k, s, t, w) for c in args.const_update for k in (["0"] if c == "host" else args.device_layers)
+            for const_update, device_layers, device_steps, threads, window, gradients in [
+                    (c, k, s, t, w, g) for c in args.const_update for k in (["0"] if c == "host" else args.device_layers)
                     for s in (["0"] if c == "host" else args.device_steps)
                     for t in args.optimizer_threads or [None]
-                    for w in (args.offload_window if policy == "solved" else [1])]:
+                    for w in (args.offload_window if policy == "solved" else [1])
+                    for g in args.gradients]:
                 if threads is not None:
                     torch.set_num_threads(threads)  # a new updater thread takes it up too
                 run_suffix = (suffix + ("" if update == "cpu" else "_update-skipped")
@@ -683,6 +695,7 @@ def study(session, args, kernels: str) -> None:
                               + ("" if args.device_layers == ["0"] or const_update == "host" else f"_dl{device_layers}")
                               + ("" if args.device_steps == ["0"] or const_update == "host" else f"_ds{device_steps}")
                               + ("" if threads is None else f"_t{threads}")
+                              + ("" if len(args.gradients) == 1 else f"_grad-{gradients}")
                               + ("" if args.offload_window == [1] or policy != "solved" else f"_ow{window}")
                               + (f"_recal{args.recalibrate}" if args.recalibrate and policy == "solved"
                                  and update == "cpu" else ""))
@@ -694,9 +707,10 @@ def study(session, args, kernels: str) -> None:
                     print(f"{policy}{run_suffix}: largest batch the simulator fits: {batch} (searched in "
                           f"{time.perf_counter() - t0:.0f} s)", flush=True)
                 tries(policy, batch, table, args.seq, functools.partial(plan_for, policy, const_update, device_layers,
-                                                                      device_steps, window),
+                                                                      device_steps, window, gradients),
                       functools.partial(run_for, policy, run_suffix, host_gib, update,
-                                        options(args, const_update, device_layers, device_steps, window)),
+                                        options(args, const_update, device_layers, device_steps, window,
+                                                gradients)),
                       walk_down=size == "max")
 
     if args.cap_gb:
@@ -734,7 +748,7 @@ def markdown(records: list[dict], args) -> str:
         "",
         f"{head.get('date')}, {head.get('device')}, torch {head.get('torch')}, optimizer {args.optimizer} "
         + (f"with {args.state_rounding} rounding of sqrt(v) " if args.optimizer == "hybrid8bit" else "")
-        + f"(overlapped), {args.master} masters, gradients on the {args.gradients}, {args.warmup} warm-up + "
+        + f"(overlapped), {args.master} masters, gradients on the {' / '.join(args.gradients)}, {args.warmup} warm-up + "
         f"{args.steps} measured steps (median), random tokens. Host bytes/param: "
         f"{head.get('host_bytes_per_param', {}).get('total', float('nan')):.3f}. Command: "
         f"`python -m bench.plan_bench --model {args.model} --optimizer {args.optimizer} --seq {args.seq} "
@@ -749,7 +763,7 @@ def markdown(records: list[dict], args) -> str:
         + (f" --costs {' '.join(args.costs)}" if args.costs else "")
         + (f" --max-batch {args.max_batch}" if args.max_batch else "")
         + (f" --kernels {' '.join(args.kernels)}" if args.kernels != ["auto"] else "")
-        + f" --warmup {args.warmup} --steps {args.steps} --master {args.master} --gradients {args.gradients}"
+        + f" --warmup {args.warmup} --steps {args.steps} --master {args.master} --gradients {' '.join(args.gradients)}"
         + (f" --host-limit-gb {args.host_limit_gb:g}" if args.host_limit_gb else "")
         + (f" --baseline {args.baseline}" if args.baseline else "")
         + (f" --cap-gb {args.cap_gb:g} --cap-runs {' '.join(args.cap_runs)}" if args.cap_gb else "")

@@ -797,19 +797,21 @@ def test_device_step_times_each_piece_size_and_writes_records(tmp_path, monkeypa
         device_step.main(["--model", "tiny", "--chunks", "8", "--device", "cpu", "--out", str(tmp_path)])
 
 
-@pytest.mark.parametrize("gradients", ["gpu", "auto"])
+@pytest.mark.parametrize("gradients", [["gpu"], ["host", "auto"]])
 def test_plan_bench_places_gradients_as_asked(tmp_path, gradients):
     """``--gradients gpu``: host buffers for the embedding and head only, and every plan (the
-    solved one and megatrain) holds each decoder layer's gradient on the GPU; ``auto``: every
-    buffer allocated, megatrain's on the host, the solved plan's where it puts them. The header
-    says which."""
-    plan_bench(*TINY, "--runs", "solved", "megatrain", "--gradients", gradients, "--warmup", "0", "--steps", "1",
+    solved one and megatrain) holds each decoder layer's gradient on the GPU; ``host auto``: every
+    buffer allocated, each run once per value (the A/B in one process): with ``host`` every
+    gradient on the host, with ``auto`` megatrain's on the host and the solved plan's where it
+    puts them. Each record says which."""
+    plan_bench(*TINY, "--runs", "solved", "megatrain", "--gradients", *gradients, "--warmup", "0", "--steps", "1",
                "--out", str(tmp_path))
     runs = runs_of(tmp_path)
-    assert [r["policy"] for r in runs] == ["solved", "megatrain"]
+    assert [(r["policy"], r["gradients"]) for r in runs] == [(p, g) for p in ("solved", "megatrain") for g in gradients]
     for r in runs:
-        assert r["gradients"] == gradients and r["master"] == "fp32" and r["tokens_per_s"] > 0
-    grads = [[lp["grad"] for lp in r["plan"]["layers"]] for r in runs]
-    assert grads[1] == (["gpu", "gpu"] if gradients == "gpu" else ["host", "host"])
-    if gradients == "gpu":  # (auto: whatever the solved plan chose ran, buffers or not)
-        assert grads[0] == ["gpu", "gpu"]
+        assert r["master"] == "fp32" and r["tokens_per_s"] > 0
+    grads = {(r["policy"], r["gradients"]): [lp["grad"] for lp in r["plan"]["layers"]] for r in runs}
+    if gradients == ["gpu"]:
+        assert grads["solved", "gpu"] == grads["megatrain", "gpu"] == ["gpu", "gpu"]
+    else:  # (auto's solved plan: whatever it chose ran, buffers or not)
+        assert grads["solved", "host"] == grads["megatrain", "host"] == grads["megatrain", "auto"] == ["host", "host"]
