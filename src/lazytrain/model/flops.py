@@ -45,7 +45,11 @@ class MoeShape:
     @property
     def shared_params(self) -> int:
         """The shared expert's and its sigmoid gate's (one output)."""
-        return 3 * self.hidden * self.shared_intermediate + self.hidden if self.shared_intermediate else 0
+        return (
+            3 * self.hidden * self.shared_intermediate + self.hidden
+            if self.shared_intermediate
+            else 0
+        )
 
     @property
     def active_mlp_params(self) -> int:
@@ -70,14 +74,20 @@ def moe_shape(config: transformers.PretrainedConfig) -> MoeShape | None:
         return None
     top_k = text.num_experts_per_tok
     if not 1 <= top_k <= experts:
-        raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={experts}; fix config.json")
+        raise ValueError(
+            f"num_experts_per_tok={top_k} must be between 1 and num_experts={experts}; fix config.json"
+        )
     dense = set(getattr(text, "mlp_only_layers", None) or ())
     step = getattr(text, "decoder_sparse_step", None) or 1
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(text.num_hidden_layers))
-    return MoeShape(num_experts=experts, top_k=top_k, hidden=text.hidden_size,
-                    expert_intermediate=text.moe_intermediate_size,
-                    shared_intermediate=getattr(text, "shared_expert_intermediate_size", None) or 0,
-                    moe_layers=layers)
+    return MoeShape(
+        num_experts=experts,
+        top_k=top_k,
+        hidden=text.hidden_size,
+        expert_intermediate=text.moe_intermediate_size,
+        shared_intermediate=getattr(text, "shared_expert_intermediate_size", None) or 0,
+        moe_layers=layers,
+    )
 
 
 def active_nonembedding_params(adapter: ModelAdapter) -> int:
@@ -103,7 +113,12 @@ def token_mixing_flops_per_token(adapter: ModelAdapter, kind: str, seq_len: int)
     """
     config = adapter.config
     if kind == "linear_attention":
-        return 18.0 * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+        return (
+            18.0
+            * config.linear_num_value_heads
+            * config.linear_key_head_dim
+            * config.linear_value_head_dim
+        )
     return 12.0 * adapter.attention_dim() * seq_len
 
 
@@ -112,7 +127,9 @@ def model_flops(adapter: ModelAdapter, tokens: int, seq_len: int) -> float:
     counted, LM head in N, an MoE layer's active parameters only (`active_nonembedding_params`;
     a dense model's are all); for attention-only stacks 6 N + 12 L d_attn seq."""
     n = active_nonembedding_params(adapter)
-    mixing = sum(token_mixing_flops_per_token(adapter, kind, seq_len) for kind in adapter.layer_types)
+    mixing = sum(
+        token_mixing_flops_per_token(adapter, kind, seq_len) for kind in adapter.layer_types
+    )
     return float(6 * n + mixing) * tokens
 
 
