@@ -142,14 +142,14 @@ def with_capacities(costs: CostTable, *, host_bytes: int | None = None, gpu_gb: 
 def estimated_costs(layer_types: list[str], layer_params: dict[str, list[tuple[str, tuple[int, ...]]]], *,
                     hidden: int, vocab: int, embed_params: int, final_params: int, batch_size: int, seq_len: int,
                     head_chunk_tokens: int = 4096, gpu_gb: float | None = None,
-                    gpu_source: str = "memory.gpu_gb") -> tuple[CostTable, str]:
+                    gpu_source: str = "memory.gpu_gb", top_k: int = 0) -> tuple[CostTable, str]:
     """The built-in estimate of a cost table (`synthetic.estimated_cost_table`) for a model whose
     layer types have the parameters ``layer_params`` (name, shape), on the machine
     `synthetic.MachineGuess` assumes (its GPU, or one of ``gpu_gb`` GiB, which ``gpu_source``
     names), and a line saying so. Its ``host_bytes`` is the assumed host's memory, before the
-    model state."""
+    model state. ``top_k``: experts per token of the mixture-of-experts layers (0: none)."""
     machine = MachineGuess()
-    shapes = {kind: layer_shape(params, hidden, quadratic=kind != "linear_attention")
+    shapes = {kind: layer_shape(params, hidden, quadratic=not kind.startswith("linear_attention"), top_k=top_k)
               for kind, params in layer_params.items()}
     table = estimated_cost_table(layer_types, shapes, vocab=vocab, embed_params=embed_params,
                                  final_params=final_params, batch_size=batch_size, seq_len=seq_len, machine=machine,
@@ -160,7 +160,8 @@ def estimated_costs(layer_types: list[str], layer_params: dict[str, list[tuple[s
         f"built-in estimate, not measured: {machine.device}, {capacity / GiB:.0f} GiB of GPU memory"
         f"{f' ({gpu_source})' if gpu_gb else ''}, {machine.matmul_tflops:.0f} TFLOPS sustained bf16, PCIe "
         f"{machine.h2d_gbps:.0f} GB/s each way, CPU optimizer {machine.optimizer_ns_per_param} ns/param, no GPU "
-        "optimizer step; for a measured plan run `lazytrain profile` on the training machine and pass "
+        f"optimizer step{f', {machine.hbm_gbps / 1e3:.1f} TB/s GPU memory (MoE permutation)' if top_k else ''}; "
+        "for a measured plan run `lazytrain profile` on the training machine and pass "
         "plan.costs=OUTPUT_DIR/costs.json")
 
 
