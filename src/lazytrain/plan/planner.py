@@ -36,7 +36,13 @@ from lazytrain.plan.policies import (
     recalibrate,
 )
 from lazytrain.plan.render import format_plan_table
-from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
+from lazytrain.plan.search import (
+    MAX_OOM_REPLANS,
+    SearchResult,
+    candidate_batches,
+    gpu_budget_after_oom,
+    search_batch,
+)
 from lazytrain.plan.simulate import simulate
 from lazytrain.plan.synthetic import MachineGuess, estimated_cost_table, layer_shape
 
@@ -248,6 +254,21 @@ class Planner:
         self.costs = costs
         self._started(plan)
         return plan, Notes(changed=True)
+
+    def sweep(self, costs: CostTable, seq_len: int, max_batch: int) -> tuple[SearchResult | None, str | None]:
+        """The solved plan at each candidate batch up to ``max_batch`` (`search.candidate_batches`)
+        with this run's options, ``costs`` rescaled to each (`search.search_batch`: up to the
+        first batch no plan fits, the fastest kept), or None and why not even the smallest fits."""
+        o = self.options
+        try:
+            found = search_batch(costs, seq_len, batch_sizes=candidate_batches(max_batch), tiers=o.tiers,
+                                 optimizer_overlap=o.optimizer_overlap, head_chunk_tokens=o.head_chunk_tokens,
+                                 recompute=o.recompute, const_update=None if o.const_update == "auto" else o.const_update,
+                                 device_layers=o.device_layers, device_steps=o.device_steps,
+                                 offload_window=o.offload_window, gradients=o.gradients, hold_grads=o.hold_grads)
+        except PlanInfeasible as infeasible:
+            return None, str(infeasible)
+        return found, None
 
     def _started(self, plan: Plan) -> None:
         """``plan`` runs from now: predicted, and timed afresh for recalibration."""

@@ -26,15 +26,14 @@ from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import model_config
 from lazytrain.model.flops import moe_shape
 from lazytrain.optim.factory import describe_config
-from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import Planner, costs_from_file, estimated_costs, with_capacities
-from lazytrain.plan.search import SearchResult, candidate_batches, search_batch
 from lazytrain.runtime.device import resolve_device, resolve_dtype
 from lazytrain.train.session import host_limit_bytes, host_settings
 
 if TYPE_CHECKING:
     from lazytrain.plan.costs import CostTable
+    from lazytrain.plan.search import SearchResult
 
 log = logging.getLogger(__name__)
 
@@ -124,22 +123,8 @@ def plan_ahead(config: Config) -> PlanAhead:
     ahead = PlanAhead(plan=plan, costs=costs, source=described, host=host, planner=planner, arch=adapter.arch,
                       num_params=sum(numels), fix=None if host.fits else budget.smallest_fix(numels, settings, host))
     if config.plan.batch_sweep:
-        ahead.sweep, ahead.sweep_error = _sweep(costs, seq, config.plan.batch_sweep, planner)
+        ahead.sweep, ahead.sweep_error = planner.sweep(costs, seq, config.plan.batch_sweep)
     return ahead
-
-
-def _sweep(costs: CostTable, seq: int, max_batch: int, planner: Planner) -> tuple[SearchResult | None, str | None]:
-    """The solved plan at each candidate batch up to ``max_batch`` with the planner's options
-    (`search.search_batch`), or None and why not even the smallest fits."""
-    o = planner.options
-    try:
-        return search_batch(costs, seq, batch_sizes=candidate_batches(max_batch), tiers=o.tiers,
-                            optimizer_overlap=o.optimizer_overlap, head_chunk_tokens=o.head_chunk_tokens,
-                            recompute=o.recompute, const_update=None if o.const_update == "auto" else o.const_update,
-                            device_layers=o.device_layers, device_steps=o.device_steps,
-                            offload_window=o.offload_window, gradients=o.gradients, hold_grads=o.hold_grads), None
-    except PlanInfeasible as infeasible:
-        return None, str(infeasible)
 
 
 def _table_device(path: str) -> str | None:
