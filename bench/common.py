@@ -300,7 +300,8 @@ def timed_steps(session: Session, plan: Plan, *, warmup: int, steps: int, serial
     if batches is not None:
         total_s = sum(step_times)
         record.update({key: sum(r[key] * r["step_time_s"] for r in per_step) / total_s
-                       for key in ("tokens_per_s", "tflops_model", "tflops_6nt")})
+                       for key in ("tokens_per_s", "tflops_model", "tflops_6nt", "tflops_active")
+                       if key in per_step[0]})
         record["fill_ratio"] = sum(m[1].num_tokens for m in measured) / sum(m[1].num_slots for m in measured)
         record["tokens_per_step"] = [m[1].num_tokens for m in measured]
     record.update({

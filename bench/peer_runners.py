@@ -44,7 +44,7 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.memory.host_store import HostMemoryError
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import model_config
-from lazytrain.model.flops import flops_6nt, model_flops
+from lazytrain.model.flops import flops_6nt, model_flops, moe_flops
 from lazytrain.model.loading import random_init_values
 from lazytrain.plan.milp import PlanInfeasible
 from lazytrain.plan.search import search_batch
@@ -216,11 +216,14 @@ def timed_loop(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], job: 
 
 
 def step_figures(times: list[float], batch: int, seq: int, adapter: ModelAdapter) -> dict:
-    """Medians over the measured steps' ``times``: step time, tokens/s, TFLOPS by both formulas."""
+    """Medians over the measured steps' ``times``: step time, tokens/s, TFLOPS by both formulas
+    (and, for a mixture of experts, 6 N_active T: ``tflops_active``)."""
     tokens = batch * seq
     per_step = [{"step_time_s": t, "tokens_per_s": tokens / t,
                  "tflops_6nt": flops_6nt(adapter, tokens) / t / 1e12,
-                 "tflops_model": model_flops(adapter, tokens, seq) / t / 1e12} for t in times]
+                 "tflops_model": model_flops(adapter, tokens, seq) / t / 1e12,
+                 **{f"tflops_{name}": f / t / 1e12 for name, f in moe_flops(adapter, tokens).items()}}
+                for t in times]
     return {**{key: statistics.median(s[key] for s in per_step) for key in per_step[0]}, "step_times_s": times}
 
 

@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import device_tag, run_header, today, write_results
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import model_config
+from lazytrain.model.flops import moe_shape
 from lazytrain.runtime.device import time_ms
 
 CATEGORIES = (
@@ -92,7 +93,9 @@ def breakdown(variant: str, args, device: torch.device) -> dict:
     for name, ms in by_name.items():
         by_category[category(name)] += ms
     tokens = args.batch * args.seq
-    matmul_flops = 6 * params * tokens  # forward 2, backward 4 per parameter and token
+    moe = moe_shape(adapter.config)
+    active = params - (moe.inactive_params if moe and moe.moe_layers[0] else 0)  # an MoE layer's routed experts
+    matmul_flops = 6 * active * tokens  # forward 2, backward 4 per active parameter and token
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[: args.top]
     return {"name": f"{args.model}_b{args.batch}_s{args.seq}_{variant}", **run_header(device),
             "model": args.model, "batch_size": args.batch, "seq_len": args.seq, "lean_ops": lean,

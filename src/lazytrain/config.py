@@ -336,6 +336,12 @@ class PlanConfig:
     (2026-12-05 tables, 8 resident layers, `bench/studies/offload_window.py --solve`): 2.2-2.6% faster
     steps at 2, 2.4-3.3% at 3; not yet measured, so 1 stays the default. The executor runs every plan alike (it waits for no
     offload)."""
+    batch_sweep: int = 0
+    """`lazytrain plan` only: also solve the plan at each candidate batch size up to this (1, 2,
+    3, 4, 6, 8, 12, ...: `plan.search.candidate_batches`) at data.max_seq_len, and print each
+    one's predicted step, tokens/s, where its time goes and the resource that binds it (GPU
+    compute, PCIe, the CPU update), up to the first batch no plan fits, and the fastest; 0:
+    only training.batch_size."""
     recalibrate_after: int = 4
     """A solved plan is re-solved when the updates of this many steps are timed (each is
     timed as the next step starts: after step N + 1), on their CPU update rate (the slowest
@@ -355,6 +361,8 @@ class PlanConfig:
         if not is_offload_window(self.offload_window):
             raise ConfigError(f"plan.offload_window must be an integer >= 1 (1: each offload within a stage), "
                               f"got {self.offload_window!r}")
+        if self.batch_sweep < 0:
+            raise ConfigError(f"plan.batch_sweep must be >= 0 (0: no sweep), got {self.batch_sweep}")
         if self.recalibrate_after < 0:
             raise ConfigError(f"plan.recalibrate_after must be >= 0 (0: never), got {self.recalibrate_after}")
         options = [r for r in RECOMPUTE if r != "none"]

@@ -114,7 +114,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from lazytrain.plan.policies import comparison_plans
-    from lazytrain.plan.render import format_memory_components, format_plan_table, render_plan_png
+    from lazytrain.plan.render import (
+        format_batch_sweep,
+        format_memory_components,
+        format_plan_table,
+        render_plan_png,
+    )
     from lazytrain.plan.simulate import simulate
     from lazytrain.train.plan_ahead import plan_ahead
 
@@ -128,6 +133,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(format_plan_table(plan, sim, costs))
     print(f"\nhost memory (model state + this plan's host-tier activations):\n{ahead.host.table()}")
     print(f"\n{format_memory_components(sim, ahead.host.components())}")
+    if not ahead.host.fits:
+        print(f"\nhost memory does NOT fit: {ahead.host.total / 2**30:.2f} GiB needed, {ahead.host.limit / 2**30:.2f} GiB "
+              "in the budget; smallest change that fits: "
+              + (f"set {ahead.fix}" if ahead.fix else "none (a smaller model, or more host memory)"))
+    if config.plan.batch_sweep:
+        print(f"\nbatch sweep (plan.batch_sweep={config.plan.batch_sweep}, seq {costs.seq_len}; the same cost table "
+              "rescaled, the same settings"
+              + ("" if ahead.host.fits else "; the host does not fit them, see above") + "):")
+        print(format_batch_sweep(ahead.sweep.tried, ahead.sweep.plan.batch_size) if ahead.sweep
+              else f"  no batch fits: {ahead.sweep_error}")
     print("\nbaselines (same cost table, same simulator):")
     for baseline in comparison_plans(costs.num_layers, costs.batch_size, costs.seq_len, ahead.planner.options):
         result = simulate(baseline, costs, optimizer_overlap=overlap)

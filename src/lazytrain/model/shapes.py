@@ -3,7 +3,8 @@
 Each entry is an HF config dict with the real model's architecture numbers, so a
 random-initialised model has the exact shape (and cost) of the named one. The Qwen3.5/3.6
 entries are the language model of the published ConditionalGeneration checkpoints, as a
-``qwen3_5_text`` (``Qwen3_5ForCausalLM``) config.
+``qwen3_5_text`` (``Qwen3_5ForCausalLM``) config; the mixture-of-experts Qwen3.5 as a
+``qwen3_5_moe_text`` (``Qwen3_5MoeForCausalLM``) one.
 """
 
 from __future__ import annotations
@@ -39,6 +40,49 @@ SHAPES: dict[str, dict] = {
         "architectures": ["Qwen3_5ForCausalLM"],
         "hidden_size": 128,
         "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "layer_types": _hybrid_layer_types(4),
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
+    },
+    # a mixture-of-experts Qwen3 as small as "tiny": 8 experts of width 64, 2 per token
+    "tiny-moe": {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "moe_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
+    },
+    # "tiny-hybrid" with mixture-of-experts MLPs and a gated shared expert, as Qwen3.5-35B-A3B
+    "tiny-hybrid-moe": {
+        "model_type": "qwen3_5_moe_text",
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "hidden_size": 128,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
         "num_hidden_layers": 4,
         "layer_types": _hybrid_layer_types(4),
         "num_attention_heads": 4,
@@ -181,6 +225,71 @@ SHAPES: dict[str, dict] = {
         "layer_types": _hybrid_layer_types(32),
         "num_attention_heads": 16,
         "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "vocab_size": 248320,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+    },
+    # Qwen3-30B-A3B (30.5B parameters, 3.3B active per token). From zyzshishui/slime
+    # scripts/models/qwen3-30B-A3B.sh (the public config.json as Megatron arguments): 48 layers,
+    # hidden 2048, 32 heads / 4 query groups of 128 channels, dense FFN 6144 (unused: every layer
+    # is MoE, --moe-layer-freq [1]*48), 128 experts of FFN 768, top-8, vocab 151936, untied,
+    # RMSNorm eps 1e-6, rotary base 1e6. Not in that script, taken from the config.json as a
+    # public test fixture reproduces it (found by text search; its repository was not
+    # identified): max_position_embeddings 40960, norm_topk_prob true, router_aux_loss_coef
+    # 0.001, decoder_sparse_step 1, mlp_only_layers []. transformers 5.25 builds 30.53B parameters.
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    # Qwen3.5-35B-A3B (Qwen3.6-35B-A3B has the same architecture), the language model of the
+    # ConditionalGeneration checkpoint. From THUDM/slime scripts/models/qwen3.5-35B-A3B.sh: 40
+    # layers, every 4th full (gated) attention (--linear-attention-freq 4), hidden 2048, 16 heads /
+    # 2 query groups of 256 channels, rotary 25% with base 1e7, 256 experts of FFN 512, top-8, a
+    # shared expert of 512 with a sigmoid gate, every layer MoE, linear attention 16 key / 32 value
+    # heads of 128 with conv width 4, vocab 248320, untied, RMSNorm eps 1e-6 (1 + weight). Not in
+    # that script: max_position_embeddings 262144 (the family's, as "qwen3.6-27b"). transformers
+    # 5.25 builds 34.66B parameters for the language model (the published 35B counts the vision
+    # tower and the multi-token-prediction layer too).
+    "qwen3.5-35b-a3b": {
+        "model_type": "qwen3_5_moe_text",
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "hidden_size": 2048,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "router_aux_loss_coef": 0.001,
+        "num_hidden_layers": 40,
+        "layer_types": _hybrid_layer_types(40),
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
         "head_dim": 256,
         "linear_num_key_heads": 16,
         "linear_num_value_heads": 32,

@@ -36,7 +36,13 @@ from lazytrain.plan.policies import (
     recalibrate,
 )
 from lazytrain.plan.render import format_plan_table
-from lazytrain.plan.search import MAX_OOM_REPLANS, gpu_budget_after_oom
+from lazytrain.plan.search import (
+    MAX_OOM_REPLANS,
+    SearchResult,
+    candidate_batches,
+    gpu_budget_after_oom,
+    search_batch,
+)
 from lazytrain.plan.simulate import simulate
 from lazytrain.plan.synthetic import MachineGuess, estimated_cost_table, layer_shape
 
@@ -142,14 +148,14 @@ def with_capacities(costs: CostTable, *, host_bytes: int | None = None, gpu_gb: 
 def estimated_costs(layer_types: list[str], layer_params: dict[str, list[tuple[str, tuple[int, ...]]]], *,
                     hidden: int, vocab: int, embed_params: int, final_params: int, batch_size: int, seq_len: int,
                     head_chunk_tokens: int = 4096, gpu_gb: float | None = None,
-                    gpu_source: str = "memory.gpu_gb") -> tuple[CostTable, str]:
+                    gpu_source: str = "memory.gpu_gb", top_k: int = 0) -> tuple[CostTable, str]:
     """The built-in estimate of a cost table (`synthetic.estimated_cost_table`) for a model whose
     layer types have the parameters ``layer_params`` (name, shape), on the machine
     `synthetic.MachineGuess` assumes (its GPU, or one of ``gpu_gb`` GiB, which ``gpu_source``
     names), and a line saying so. Its ``host_bytes`` is the assumed host's memory, before the
-    model state."""
+    model state. ``top_k``: experts per token of the mixture-of-experts layers (0: none)."""
     machine = MachineGuess()
-    shapes = {kind: layer_shape(params, hidden, quadratic=kind != "linear_attention")
+    shapes = {kind: layer_shape(params, hidden, quadratic=not kind.startswith("linear_attention"), top_k=top_k)
               for kind, params in layer_params.items()}
     table = estimated_cost_table(layer_types, shapes, vocab=vocab, embed_params=embed_params,
                                  final_params=final_params, batch_size=batch_size, seq_len=seq_len, machine=machine,
@@ -160,7 +166,8 @@ def estimated_costs(layer_types: list[str], layer_params: dict[str, list[tuple[s
         f"built-in estimate, not measured: {machine.device}, {capacity / GiB:.0f} GiB of GPU memory"
         f"{f' ({gpu_source})' if gpu_gb else ''}, {machine.matmul_tflops:.0f} TFLOPS sustained bf16, PCIe "
         f"{machine.h2d_gbps:.0f} GB/s each way, CPU optimizer {machine.optimizer_ns_per_param} ns/param, no GPU "
-        "optimizer step; for a measured plan run `lazytrain profile` on the training machine and pass "
+        f"optimizer step{f', {machine.hbm_gbps / 1e3:.1f} TB/s GPU memory (MoE permutation)' if top_k else ''}; "
+        "for a measured plan run `lazytrain profile` on the training machine and pass "
         "plan.costs=OUTPUT_DIR/costs.json")
 
 
@@ -247,6 +254,21 @@ class Planner:
         self.costs = costs
         self._started(plan)
         return plan, Notes(changed=True)
+
+    def sweep(self, costs: CostTable, seq_len: int, max_batch: int) -> tuple[SearchResult | None, str | None]:
+        """The solved plan at each candidate batch up to ``max_batch`` (`search.candidate_batches`)
+        with this run's options, ``costs`` rescaled to each (`search.search_batch`: up to the
+        first batch no plan fits, the fastest kept), or None and why not even the smallest fits."""
+        o = self.options
+        try:
+            found = search_batch(costs, seq_len, batch_sizes=candidate_batches(max_batch), tiers=o.tiers,
+                                 optimizer_overlap=o.optimizer_overlap, head_chunk_tokens=o.head_chunk_tokens,
+                                 recompute=o.recompute, const_update=None if o.const_update == "auto" else o.const_update,
+                                 device_layers=o.device_layers, device_steps=o.device_steps,
+                                 offload_window=o.offload_window, gradients=o.gradients, hold_grads=o.hold_grads)
+        except PlanInfeasible as infeasible:
+            return None, str(infeasible)
+        return found, None
 
     def _started(self, plan: Plan) -> None:
         """``plan`` runs from now: predicted, and timed afresh for recalibration."""

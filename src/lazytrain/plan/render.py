@@ -6,7 +6,7 @@ from pathlib import Path
 
 from lazytrain.plan.costs import CostTable
 from lazytrain.plan.plan import Plan
-from lazytrain.plan.simulate import STREAMS, SimResult
+from lazytrain.plan.simulate import BOUND_RESOURCES, STREAMS, SimResult
 
 GiB = 2**30
 MiB = 2**20
@@ -123,6 +123,7 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
                 f"{lc.recompute_ms:>9.2f}  {lc.saved_bytes / MiB:>9.0f}  {lc.weight_bytes / MiB:>11.0f}  "
                 f"{decisions}"
             )
+    lines += ["", *format_time_breakdown(sim).splitlines()]
     lines += ["", f"{'stream':<8}  {'busy s':>8}  {'on critical path s':>18}"]
     for s in STREAMS:
         lines.append(f"{s:<8}  {sim.busy_s[s]:>8.4f}  {sim.exposed_s.get(s, 0.0):>18.4f}")
@@ -141,6 +142,45 @@ def format_plan_table(plan: Plan, sim: SimResult, costs: CostTable | None = None
         tier("NVMe", sim.peak_nvme_bytes, sim.nvme_capacity_bytes),
     ]
     lines += [f"! {v}" for v in sim.violations]
+    return "\n".join(lines)
+
+
+TIME_PARTS = {"compute": "compute", "h2d": "exposed H2D", "d2h": "exposed D2H", "cpu_update": "exposed CPU update",
+              "nvme": "exposed NVMe", "other": "other waits"}
+"""The rows of `format_time_breakdown`'s first line (`SimResult.time_breakdown`)."""
+
+
+def format_time_breakdown(sim: SimResult) -> str:
+    """Where the step's time goes (`SimResult.time_breakdown`), each resource's work in the step
+    (`SimResult.resource_busy_s`) and the one that binds it (`SimResult.bound`)."""
+    step = sim.step_time_s or 1.0
+    parts = sim.time_breakdown()
+    spent = ", ".join(f"{TIME_PARTS[k]} {v:.3f} s ({100 * v / step:.0f}%)" for k, v in parts.items()
+                      if v > 0 or k == "compute")
+    busy = sim.resource_busy_s()
+    work = ", ".join(f"{BOUND_RESOURCES[k]} {v:.3f} s" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])
+                     if v > 0)
+    return (f"where the time goes: step {sim.step_time_s:.3f} s = {spent}\n"
+            f"work in the step: {work}; bound by {BOUND_RESOURCES[sim.bound]}")
+
+
+def format_batch_sweep(tried: list[dict], best_batch: int | None) -> str:
+    """One row per batch a sweep tried (`search.SearchResult.tried`): its predicted step,
+    tokens/s, where the time goes and what binds it; then the fastest, ``best_batch``."""
+    header = (f"{'batch':>6}  {'step s':>8}  {'tokens/s':>9}  {'compute':>8}  {'H2D':>6}  {'D2H':>6}  "
+              f"{'CPU upd':>7}  bound by")
+    lines = ["(seconds of each step: its compute, and its waits on H2D, D2H and the CPU update)", header]
+    for t in tried:
+        if not t["feasible"]:
+            lines.append(f"{t['batch_size']:>6}  no plan fits the GPU (and the host room beside the model state)")
+            continue
+        lines.append(f"{t['batch_size']:>6}  {t['step_time_s']:>8.3f}  {t['tokens_per_s']:>9,.0f}  "
+                     f"{t['compute_s']:>8.3f}  {t['h2d_s']:>6.3f}  {t['d2h_s']:>6.3f}  {t['cpu_update_s']:>7.3f}  "
+                     f"{BOUND_RESOURCES[t['bound']]}")
+    best = next((t for t in tried if t["feasible"] and t["batch_size"] == best_batch), None)
+    if best is not None:
+        lines.append(f"fastest: batch {best_batch}, {best['tokens_per_s']:,.0f} tokens/s, bound by "
+                     f"{BOUND_RESOURCES[best['bound']]}")
     return "\n".join(lines)
 
 

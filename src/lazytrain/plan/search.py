@@ -53,7 +53,9 @@ class SearchResult:
     costs: CostTable
     """The cost table at the chosen batch shape."""
     tried: list[dict] = field(default_factory=list)
-    """One record per batch tried: batch_size, feasible, step_time_s, tokens_per_s, ..."""
+    """One record per batch tried: batch_size, feasible, step_time_s, tokens_per_s, the resource
+    that binds the step (``bound``, `SimResult.bound`) and where its time goes (``compute_s``,
+    ``h2d_s``, ``d2h_s``, ``cpu_update_s``, ``other_s``: `SimResult.time_breakdown`), ..."""
 
 
 def search_batch(
@@ -75,13 +77,16 @@ def search_batch(
     device_layers: int | None = 0,
     device_steps: int | None = 0,
     offload_window: int = 1,
+    gradients: str = "host",
+    hold_grads: tuple[int, ...] = (),
 ) -> SearchResult:
     """Pick the batch size (and its plan) for ``seq_len``.
 
     ``goal="throughput"`` maximises predicted tokens/s; ``goal="max_batch"`` takes the
     largest batch that fits ``gpu_bytes`` (default: the table's GPU memory). ``const_update``,
     ``device_layers`` and ``device_steps`` are `solve_plan`'s (None: at each batch the faster of host and device,
-    the number of resident layers chosen; the largest batch is found with none). Raises
+    the number of resident layers chosen; the largest batch is found with none), as are ``gradients``
+    and ``hold_grads`` (where each layer's gradient waits). Raises
     `PlanInfeasible` when not even the smallest candidate fits.
     """
     if goal not in GOALS:
@@ -103,6 +108,8 @@ def search_batch(
         "device_layers": device_layers,
         "device_steps": device_steps,
         "offload_window": offload_window,
+        "gradients": gradients,
+        "hold_grads": hold_grads,
     }
     tried: list[dict] = []
 
@@ -113,7 +120,7 @@ def search_batch(
             mid = (lo + hi) // 2
             table = costs.at(batches[mid], seq_len)
             need = min_gpu_bytes(table, tiers=tiers, max_segment=max_segment, recompute=recompute,
-                                 const_update=const_update, offload_window=offload_window)
+                                 const_update=const_update, offload_window=offload_window, gradients=gradients)
             tried.append(
                 {"batch_size": batches[mid], "min_gpu_bytes": need, "feasible": need <= budget}
             )
@@ -146,6 +153,8 @@ def search_batch(
                 "const_update": plan.const_update,
                 "device_layers": plan.device_layers,
                 "device_steps": plan.device_steps,
+                "bound": sim.bound,
+                **{f"{part}_s": seconds for part, seconds in sim.time_breakdown().items()},
             }
         )
         if best is None or sim.tokens_per_s > best.sim.tokens_per_s:

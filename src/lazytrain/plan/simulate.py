@@ -87,6 +87,9 @@ STREAMED_LOOKAHEAD = 2
 """How far ahead of the forward's weight copies the executor queues the streamed GPU steps
 (`runtime.update.STREAMED_LOOKAHEAD`)."""
 GiB = 2**30
+BOUND_RESOURCES = {"compute": "GPU compute", "h2d": "PCIe H2D", "d2h": "PCIe D2H", "cpu_update": "the CPU update",
+                   "nvme": "NVMe"}
+"""The resources that may bind a step (`SimResult.bound`), as people call them."""
 MEMORY_COMPONENTS = ("resident", "weights", "gradients", "optimizer step", "activations")
 """What GPU memory holds: the fixed part (embedding, head, allocator reserve, mask; with the
 device update their and the resident layers' weights, masters and states), streamed weight
@@ -130,6 +133,31 @@ class SimResult:
     @property
     def feasible(self) -> bool:
         return not self.violations
+
+    def time_breakdown(self) -> dict[str, float]:
+        """Where the step's time goes (seconds, adding up to the step): GPU compute (stretched
+        while copies run), and what compute waited on: H2D and D2H copies (weights, activations,
+        gradients, the streamed GPU steps' states), the CPU update, NVMe, and the rest (the
+        streamed GPU steps, idle)."""
+        e = self.exposed_s
+        return {"compute": e["compute"], "h2d": e["h2d"] + e["h2d_opt"], "d2h": e["d2h"] + e["d2h_opt"],
+                "cpu_update": e["cpu"], "nvme": e["nvme"], "other": e["gpu_opt"] + e["idle"]}
+
+    def resource_busy_s(self) -> dict[str, float]:
+        """Seconds each resource of `BOUND_RESOURCES` works in the step, exposed or hidden."""
+        b = self.busy_s
+        return {"compute": b["compute"], "h2d": b["h2d"] + b["h2d_opt"], "d2h": b["d2h"] + b["d2h_opt"],
+                "cpu_update": b["cpu"], "nvme": b["nvme"]}
+
+    @property
+    def bound(self) -> str:
+        """The resource that binds the step (`BOUND_RESOURCES`): the largest part of its
+        critical path (`time_breakdown`). Compute: another plan gains little at this batch;
+        PCIe or the CPU update: the step runs faster per token at a larger batch, whose compute
+        grows and whose weight traffic and update do not (the overlapped update hides behind the
+        next forward only: the backward needs the step's clip coefficient first)."""
+        parts = self.time_breakdown()
+        return max(BOUND_RESOURCES, key=parts.__getitem__)
 
     def metrics(self) -> dict[str, float]:
         """The prediction under the names the per-step metrics give the measured figures."""

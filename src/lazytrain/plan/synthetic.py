@@ -3,6 +3,14 @@
 For benchmarks and tests of the planner, and as a first guess before `lazytrain profile` has
 run. Times come from FLOP counts at an assumed matmul rate; activation sizes from the tensors a
 Llama/Qwen2-style decoder layer saves for backward with fused (flash) attention.
+
+A mixture-of-experts layer (`ExpertShape`) streams and updates all its weights (every expert:
+a large batch routes tokens to nearly all of them) but computes with its active parameters
+only: the router, ``top_k`` experts and the shared expert. Its estimate (`_estimated_layer`)
+adds what a dense layer does not have: the permutation of tokens to their experts and back
+(memory-bound: `MachineGuess.hbm_gbps`), each expert's weights read from GPU memory once per
+grouped GEMM whatever its tokens (so small batches, with few tokens per expert, run below the
+matmul rate), and the routing state the backward needs (`moe_saved_bytes_per_token`).
 """
 
 from __future__ import annotations
@@ -69,6 +77,9 @@ class MachineGuess:
     nvme_write_gbps: float = 8.0
     optimizer_ns_per_param: float = 0.2
     copy_slowdown: float = 1.03
+    hbm_gbps: float = 3500.0
+    """Sustained GPU memory bandwidth of memory-bound kernels (the H200's HBM3e peaks at 4.8
+    TB/s): an MoE layer's token permutation and its experts' weight reads."""
     gpu_bytes: int = 140 * 10**9
     gpu_reserve_bytes: int = 2 * 10**9
     """CUDA context, allocator slack and the like: part of the fixed GPU bytes."""
@@ -280,12 +291,59 @@ def random_cost_table(seed: int, num_layers: int, *, uniform: bool = False, opti
 
 
 @dataclass(kw_only=True, slots=True)
+class ExpertShape:
+    """A mixture-of-experts MLP: ``num_experts`` SwiGLU experts of width ``intermediate``, a
+    router choosing ``top_k`` of them per token, and a shared expert of width
+    ``shared_intermediate`` with a sigmoid gate (0: none)."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int
+    shared_intermediate: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts or self.intermediate < 1 or self.shared_intermediate < 0:
+            raise ValueError(f"an MoE MLP needs 1 <= top_k <= num_experts and widths >= 1, got {self}")
+
+    def expert_params(self, hidden: int) -> int:
+        """One expert's (gate, up and down projections)."""
+        return 3 * hidden * self.intermediate
+
+    def active_params(self, hidden: int) -> int:
+        """What one token computes with: router + ``top_k`` experts + the shared expert and its gate."""
+        shared = 3 * hidden * self.shared_intermediate + hidden if self.shared_intermediate else 0
+        return self.num_experts * hidden + self.top_k * self.expert_params(hidden) + shared
+
+
+ROUTING_BYTES_PER_CHOICE = 20
+"""Per token and chosen expert: its index (int64, as ``torch.topk`` gives it), its routing weight
+(fp32) and its place in the permutation that groups tokens by expert (int64)."""
+
+
+def moe_saved_bytes_per_token(experts: ExpertShape, hidden: int, dtype_bytes: int) -> float:
+    """Bytes an MoE MLP keeps for its backward per token (beyond its input, the layer's residual,
+    which the dense estimate counts already), in activations of ``dtype_bytes``:
+
+    ``k (2 h + 2 I) b + 4 E + 20 k [+ (2 I_s + h + 1) b]``
+
+    per chosen expert (k = top_k) the token's permuted hidden state (h, the grouped GEMM's input),
+    the expert's gate and up outputs (2 I, the SwiGLU's backward) and its output (h, which the
+    routing weight's gradient reads); the router's fp32 logits (E, for the softmax's backward);
+    the routing indices, weights and permutation (`ROUTING_BYTES_PER_CHOICE`); with a shared
+    expert its gate and up outputs, its output and its gate's logit."""
+    h, k, b = hidden, experts.top_k, dtype_bytes
+    shared = (2 * experts.shared_intermediate + h + 1) * b if experts.shared_intermediate else 0
+    return k * (2 * h + 2 * experts.intermediate) * b + 4 * experts.num_experts + ROUTING_BYTES_PER_CHOICE * k + shared
+
+
+@dataclass(kw_only=True, slots=True)
 class LayerShape:
     """One decoder layer type's widths, as its parameters' shapes give them (`layer_shape`)."""
 
     params: int
     hidden: int
     intermediate: int
+    """The MLP's width (an MoE's: each expert's)."""
     mixer_in: int
     """Widths the attention (or linear-attention) block projects its input to (q, k, v, gates):
     what it saves for backward besides its input."""
@@ -294,51 +352,146 @@ class LayerShape:
     quadratic: bool
     """Full attention: its score FLOPs grow with the sequence (linear attention's state update
     is ~1% of a layer's matmul FLOPs per token, left out)."""
+    mlp_params: int = 0
+    """The MLP's parameters (every expert, the router, the shared expert); 0: 3 hidden
+    intermediate, a SwiGLU's."""
+    experts: ExpertShape | None = None
+    """The MLP's experts (None: a dense MLP)."""
+
+    @property
+    def mixer_params(self) -> int:
+        """The layer's parameters outside its MLP (attention or linear attention, norms)."""
+        return self.params - (self.mlp_params or 3 * self.hidden * self.intermediate)
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token computes with: all of a dense layer's; an MoE layer's
+        attention and its MLP's active ones (`ExpertShape.active_params`)."""
+        if self.experts is None:
+            return self.params
+        return self.mixer_params + self.experts.active_params(self.hidden)
 
 
 OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight")
 """The names that end an attention block's output projection in the supported families."""
+EXPERTS = "mlp.experts."
+"""Where an MoE MLP's stacked expert weights live (HF: ``gate_up_proj`` (E, 2 I, h) and
+``down_proj`` (E, h, I))."""
+SHARED_EXPERT = "mlp.shared_expert."
 
 
-def layer_shape(params: Sequence[tuple[str, tuple[int, ...]]], hidden: int, quadratic: bool) -> LayerShape:
+def layer_shape(params: Sequence[tuple[str, tuple[int, ...]]], hidden: int, quadratic: bool,
+                top_k: int = 0) -> LayerShape:
     """The widths of a decoder layer of ``params`` (name, shape) in a model of width ``hidden``
-    (matrices are HF ``(out, in)``; ``mlp.`` names the MLP)."""
+    (matrices are HF ``(out, in)``; ``mlp.`` names the MLP). An MLP with stacked experts
+    (``mlp.experts.*``, (num_experts, ...)) is a mixture of experts routing each token to
+    ``top_k`` of them (the config's ``num_experts_per_tok``)."""
     matrices = [(n, s) for n, s in params if len(s) == 2]
     mixer = [(n, s) for n, s in matrices if not n.startswith("mlp.")]
-    mlp_in = [s[0] for n, s in matrices if n.startswith("mlp.") and s[1] == hidden]
     outputs = [s for n, s in mixer if n.endswith(OUTPUT_PROJECTIONS)]
-    if not mlp_in or len(outputs) != 1:
+    stacked = [(n, s) for n, s in params if n.startswith(EXPERTS)]
+    if stacked:
+        mlp_in = [s[0] for n, s in matrices if n.startswith(SHARED_EXPERT) and s[1] == hidden]
+        experts = _experts(stacked, hidden, top_k, shared=max(mlp_in, default=0))
+        intermediate = experts.intermediate
+    else:
+        mlp_in = [s[0] for n, s in matrices if n.startswith("mlp.") and s[1] == hidden]
+        experts, intermediate = None, max(mlp_in, default=0)
+    if not intermediate or len(outputs) != 1:
         raise ValueError(f"not a decoder layer with one attention output projection and an MLP: "
                          f"{[n for n, _ in matrices]}")
     return LayerShape(
-        params=sum(math.prod(s) for _, s in params), hidden=hidden, intermediate=max(mlp_in),
+        params=sum(math.prod(s) for _, s in params), hidden=hidden, intermediate=intermediate,
         mixer_in=sum(s[0] for n, s in mixer if s[1] == hidden and not n.endswith(OUTPUT_PROJECTIONS)),
         mixer_out=outputs[0][1], quadratic=quadratic,
+        mlp_params=sum(math.prod(s) for n, s in params if n.startswith("mlp.")), experts=experts,
     )
 
 
-def _estimated_layer(shape: LayerShape, tokens: int, seq_len: int, rate: float, dtype_bytes: int) -> LayerCosts:
+def _experts(stacked: list[tuple[str, tuple[int, ...]]], hidden: int, top_k: int, shared: int) -> ExpertShape:
+    """The `ExpertShape` of an MLP whose stacked expert weights are ``stacked``."""
+    counts = {s[0] for _, s in stacked}
+    per_expert = sum(math.prod(s[1:]) for _, s in stacked)
+    if len(counts) != 1 or any(len(s) != 3 for _, s in stacked) or per_expert % (3 * hidden):
+        raise ValueError(f"not stacked SwiGLU experts (num_experts, out, in) of width {hidden}: {stacked}")
+    if top_k < 1:
+        raise ValueError(f"an MoE layer ({counts.pop()} experts) needs its top_k (num_experts_per_tok) to be "
+                         "estimated; pass layer_shape(..., top_k=)")
+    return ExpertShape(num_experts=counts.pop(), top_k=top_k, intermediate=per_expert // (3 * hidden),
+                       shared_intermediate=shared)
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerTime:
+    """A layer's forward milliseconds as `ShapeFit` terms: per token, per token and sequence
+    position (attention scores), and per pass (launches; an MoE's expert weights read once)."""
+
+    per_token: float
+    per_token_seq: float
+    const: float
+
+    def ms(self, tokens: int, seq_len: int) -> float:
+        return self.per_token * tokens + self.per_token_seq * tokens * seq_len + self.const
+
+
+LAUNCH_MS = 0.2
+"""A layer's forward launch overhead in the estimates."""
+
+
+def _forward_time(shape: LayerShape, rate: float, hbm: float, dtype_bytes: int) -> _LayerTime:
+    """`_LayerTime` of ``shape``'s forward at ``rate`` FLOPs/ms and ``hbm`` bytes/ms: 2 FLOPs per
+    active parameter and token, attention scores, and for an MoE layer the permutation (its
+    tokens gathered to their ``top_k`` experts and the outputs combined back: (2 k + 2) h values
+    per token through memory) and every expert's weights read once."""
+    attention = 2 * shape.mixer_out / rate if shape.quadratic else 0.0
+    per_token, const = 2 * shape.active_params / rate, LAUNCH_MS
+    if shape.experts is not None:
+        per_token += (2 * shape.experts.top_k + 2) * shape.hidden * dtype_bytes / hbm
+        const += shape.experts.num_experts * shape.experts.expert_params(shape.hidden) * dtype_bytes / hbm
+    return _LayerTime(per_token=per_token, per_token_seq=attention, const=const)
+
+
+def _estimated_layer(shape: LayerShape, tokens: int, seq_len: int, rate: float, hbm: float,
+                     dtype_bytes: int) -> LayerCosts:
     """`synthetic_cost_table`'s layer for any widths: the same saved tensors (the lean ops'),
-    with the block's own projections in place of q, k, v and the attention output."""
+    with the block's own projections in place of q, k, v and the attention output. An MoE
+    layer's weights are all its experts', its times its active parameters' (`_forward_time`),
+    and its MLP keeps `moe_saved_bytes_per_token` instead of a SwiGLU's gate and up outputs;
+    it offers no ``mlp_up`` (the executor's experts are not a lean SwiGLU)."""
     h, i, mixed = shape.hidden, shape.intermediate, shape.mixer_in + shape.mixer_out
-    attention_flops = 2 * seq_len * shape.mixer_out if shape.quadratic else 0
-    forward_ms = tokens * (2 * shape.params + attention_flops) / rate + 0.2  # + launch overhead
-    mlp_flops = 2 * 2 * h * i
-    mixer_flops = 2 * (shape.params - 3 * h * i) + attention_flops
     b = dtype_bytes
+    timing = _forward_time(shape, rate, hbm, b)
+    forward_ms = timing.ms(tokens, seq_len)
+    attention_flops = 2 * seq_len * shape.mixer_out if shape.quadratic else 0
+    mixer_flops = 2 * shape.mixer_params + attention_flops
+    if shape.experts is None:
+        mlp_ms, mlp_saved, mlp_forward_work = tokens * 2 * 2 * h * i / rate, 2 * i * b, (3 * i + h) * b
+        mlp_backward_work = (4 * i + 4 * h) * b
+    else:
+        e = shape.experts
+        mlp_ms = forward_ms - tokens * mixer_flops / rate - LAUNCH_MS
+        mlp_saved = moe_saved_bytes_per_token(e, h, b)
+        # per chosen expert its permuted input, gate, up, activation and output; the router's fp32
+        # logits and probabilities; the shared expert's gate, up and activation; the layer output
+        mlp_forward_work = (e.top_k * (2 * h + 3 * i) + 3 * e.shared_intermediate + h) * b + 8 * e.num_experts
+        # the gradients of all of those (the weight gradients are the simulator's, `grad_buffers`)
+        mlp_backward_work = (e.top_k * (2 * h + 4 * i) + 4 * e.shared_intermediate + 4 * h) * b + 8 * e.num_experts
     options = {
-        "mlp": RecomputeCosts(saved_bytes=tokens * (2 * h + mixed) * b, recompute_ms=tokens * mlp_flops / rate,
-                              backward_work_bytes=tokens * (6 * i + 4 * h) * b),
-        "attention": RecomputeCosts(saved_bytes=tokens * (2 * h + 2 * i) * b,
+        "mlp": RecomputeCosts(saved_bytes=round(tokens * ((2 * h + mixed) * b)), recompute_ms=mlp_ms,
+                              backward_work_bytes=round(tokens * (mlp_backward_work + mlp_saved))),
+        "attention": RecomputeCosts(saved_bytes=round(tokens * (2 * h * b + mlp_saved)),
                                     recompute_ms=tokens * mixer_flops / rate,
-                                    backward_work_bytes=tokens * (4 * i + 5 * h + shape.mixer_in) * b),
-        "mlp_up": RecomputeCosts(saved_bytes=tokens * (2 * h + mixed + i) * b, recompute_ms=tokens * 2 * h * i / rate,
-                                 backward_work_bytes=tokens * (5 * i + 4 * h) * b),
+                                    backward_work_bytes=round(tokens * (mlp_backward_work + (h + shape.mixer_in) * b))),
     }
+    if shape.experts is None:
+        options["mlp_up"] = RecomputeCosts(saved_bytes=tokens * (2 * h + mixed + i) * b,
+                                           recompute_ms=tokens * 2 * h * i / rate,
+                                           backward_work_bytes=tokens * (5 * i + 4 * h) * b)
     return LayerCosts(
         params=shape.params, weight_bytes=shape.params * b, forward_ms=forward_ms, backward_ms=2 * forward_ms,
-        recompute_ms=1.05 * forward_ms, input_bytes=tokens * h * b, saved_bytes=tokens * (2 * h + mixed + 2 * i) * b,
-        forward_work_bytes=tokens * (3 * i + h) * b, backward_work_bytes=tokens * (4 * i + 4 * h) * b,
+        recompute_ms=1.05 * forward_ms, input_bytes=tokens * h * b,
+        saved_bytes=round(tokens * ((2 * h + mixed) * b + mlp_saved)),
+        forward_work_bytes=round(tokens * mlp_forward_work), backward_work_bytes=round(tokens * mlp_backward_work),
         recompute_options=options,
     )
 
@@ -354,11 +507,15 @@ def estimated_cost_table(layer_types: Sequence[str], shapes: dict[str, LayerShap
     mc = machine or MachineGuess()
     tokens = batch_size * seq_len
     rate = mc.matmul_tflops * 1e12 / 1e3  # FLOPs per ms
+    hbm = mc.hbm_gbps * 1e6  # bytes per ms
     h = next(iter(shapes.values())).hidden
     bf16 = 2
-    per_type = {kind: _estimated_layer(shape, tokens, seq_len, rate, bf16) for kind, shape in shapes.items()}
-    mean_params = sum(per_type[k].params for k in layer_types) / len(layer_types)
-    time_fit = ShapeFit(per_token=2 * mean_params / rate, per_token_seq=2 * h / rate, const=0.2)
+    per_type = {kind: _estimated_layer(shape, tokens, seq_len, rate, hbm, bf16) for kind, shape in shapes.items()}
+    # the layers' time terms, averaged over the stack: one fit rescales every layer's times
+    timings = [_forward_time(shapes[k], rate, hbm, bf16) for k in layer_types]
+    time_fit = ShapeFit(per_token=sum(t.per_token for t in timings) / len(timings),
+                        per_token_seq=sum(t.per_token_seq for t in timings) / len(timings),
+                        const=sum(t.const for t in timings) / len(timings))
     const = embed_params + final_params
     chunk = min(head_chunk_tokens, tokens)
     return CostTable.from_types(

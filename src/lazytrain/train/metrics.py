@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from lazytrain.model.adapter import ModelAdapter
-from lazytrain.model.flops import flops_6nt, model_flops
+from lazytrain.model.flops import flops_6nt, model_flops, moe_flops
 from lazytrain.runtime.executor import StepStats
 
 
@@ -39,7 +39,10 @@ def step_metrics(adapter: ModelAdapter, stats: StepStats, trace: dict[str, float
     ``trace`` is the executor's stream summary (empty off the GPU): GPU compute, the H2D and
     D2H time the compute stream waited on, and other GPU idle (the CPU optimizer or NVMe).
     Tokens are real (non-pad) tokens everywhere; ``pad_tokens`` and ``fill_ratio`` (real tokens
-    over token slots) show what padding cost, and what packing saved.
+    over token slots) show what padding cost, and what packing saved. ``tflops_model`` is
+    (6 N_active_nonembedding + token mixing) * tokens / step time (`model_flops`); a
+    mixture-of-experts model's records add ``tflops_active``, 6 N_active * tokens / step time,
+    beside ``tflops_6nt``, 6 N_all * tokens / step time (`moe_flops`).
     """
     tokens = stats.num_tokens
     record = {
@@ -49,6 +52,7 @@ def step_metrics(adapter: ModelAdapter, stats: StepStats, trace: dict[str, float
         "fill_ratio": tokens / stats.num_slots,
         "tflops_model": model_flops(adapter, tokens, seq_len) / step_time_s / 1e12,
         "tflops_6nt": flops_6nt(adapter, tokens) / step_time_s / 1e12,
+        **{f"tflops_{name}": flops / step_time_s / 1e12 for name, flops in moe_flops(adapter, tokens).items()},
         **{f"act_{tier}_gb": nbytes / 1e9 for tier, nbytes in stats.peak_activation_bytes.items()},
         "h2d_weight_gb": stats.h2d_weight_bytes / 1e9,
         "host_rss_gb": host_rss_bytes() / 1e9,

@@ -24,6 +24,7 @@ from lazytrain.memory import budget
 from lazytrain.memory.host_store import activation_room, default_host_limit
 from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import model_config
+from lazytrain.model.flops import moe_shape
 from lazytrain.optim.factory import describe_config
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import Planner, costs_from_file, estimated_costs, with_capacities
@@ -32,6 +33,7 @@ from lazytrain.train.session import host_limit_bytes, host_settings
 
 if TYPE_CHECKING:
     from lazytrain.plan.costs import CostTable
+    from lazytrain.plan.search import SearchResult
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,13 @@ class PlanAhead:
     planner: Planner
     arch: str
     num_params: int
+    fix: str | None = None
+    """The smallest change of settings after which ``host`` fits (`budget.smallest_fix`); None:
+    it fits, or no setting makes it."""
+    sweep: SearchResult | None = None
+    """With ``plan.batch_sweep``: the solved plan at each candidate batch (`search.search_batch`),
+    the fastest kept; None: no sweep, or not even batch 1 fits (``sweep_error`` says why)."""
+    sweep_error: str | None = None
 
 
 def plan_ahead(config: Config) -> PlanAhead:
@@ -67,6 +76,7 @@ def plan_ahead(config: Config) -> PlanAhead:
     adapter = ModelAdapter(model_config(source, vocab), here, dtype, lean_ops=config.model.lean_ops,
                            fused_ops=config.model.fused_ops)
     numels = [layout.numel for layout in adapter.layouts]
+    moe = moe_shape(adapter.config)
     settings = host_settings(config, target, dtype, len(numels))  # gradients placed: each layer's held, for now
     limit = host_limit_bytes(config)
     state = budget.host_budget(numels, settings, limit=limit).state.total
@@ -84,7 +94,7 @@ def plan_ahead(config: Config) -> PlanAhead:
                                   for kind, t in adapter.templates.items()},
             hidden=adapter.hidden_size, vocab=adapter.vocab_size, embed_params=numels[0], final_params=numels[-1],
             batch_size=batch, seq_len=seq, head_chunk_tokens=config.plan.head_chunk_tokens,
-            gpu_gb=gpu_gb, gpu_source=gpu_source)
+            gpu_gb=gpu_gb, gpu_source=gpu_source, top_k=moe.top_k if moe else 0)
         elsewhere = costs.host_bytes  # the assumed machine's
     # the host budget: memory.host_limit_gb, else this machine's where it trains here, else the
     # table's machine's
@@ -110,8 +120,11 @@ def plan_ahead(config: Config) -> PlanAhead:
     host = budget.host_budget(numels, settings, activations=activations, staging=staging, limit=limit)
     if not trains_here:
         host.machine = limit  # the training machine's, not this one's
-    return PlanAhead(plan=plan, costs=costs, source=described, host=host, planner=planner, arch=adapter.arch,
-                     num_params=sum(numels))
+    ahead = PlanAhead(plan=plan, costs=costs, source=described, host=host, planner=planner, arch=adapter.arch,
+                      num_params=sum(numels), fix=None if host.fits else budget.smallest_fix(numels, settings, host))
+    if config.plan.batch_sweep:
+        ahead.sweep, ahead.sweep_error = planner.sweep(costs, seq, config.plan.batch_sweep)
+    return ahead
 
 
 def _table_device(path: str) -> str | None:
