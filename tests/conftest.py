@@ -90,7 +90,7 @@ HYBRID_FAMILIES = ("qwen3_5", "qwen3_5-tied")
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
 
 
-def tiny_config(family: str, layers: int = 5) -> transformers.PretrainedConfig:
+def tiny_config(family: str, layers: int = 5, **overrides) -> transformers.PretrainedConfig:
     spec = FAMILIES[family]
     extra = {"head_dim": spec["head_dim"]} if "head_dim" in spec else {}
     if "pattern" in spec:
@@ -110,15 +110,17 @@ def tiny_config(family: str, layers: int = 5) -> transformers.PretrainedConfig:
         **extra,
     }
     kwargs.update(spec.get("extra", {}))
+    kwargs.update(overrides)
     config = spec["cls"](**kwargs)
     config.architectures = [spec["arch"]]
     return config
 
 
-def make_hf_model(family: str, seed: int = 0, layers: int = 5):
+def make_hf_model(family: str, seed: int = 0, layers: int = 5, **overrides):
+    """A tiny HF model of ``family`` (``overrides``: config values), random weights, fp32."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
-        tiny_config(family, layers), attn_implementation="sdpa"
+        tiny_config(family, layers, **overrides), attn_implementation="sdpa"
     ).float()
     # HF initialises norms to 1 and biases to 0; random values make every gradient path count
     with torch.no_grad():

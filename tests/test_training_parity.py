@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 from conftest import make_hf_model, random_batch, tiny_config
+from safetensors.torch import load_file
 
 from lazytrain.memory.host_store import HostStore
 from lazytrain.model.adapter import ModelAdapter, load_hf_config
@@ -52,7 +53,8 @@ def reference_run(model, batches):
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 @pytest.mark.parametrize(
     "family,policy",
-    [("qwen2", "megatrain"), ("qwen3", "keep_all"), ("llama", "megatrain"), ("qwen3_5", "megatrain")],
+    [("qwen2", "megatrain"), ("qwen3", "keep_all"), ("llama", "megatrain"), ("qwen3_5", "megatrain"),
+     ("qwen3_moe", "megatrain")],
 )
 def test_twenty_steps_match_plain_pytorch(tmp_path, family, policy, overlap):
     model = make_hf_model(family, seed=1, layers=4)
@@ -85,7 +87,8 @@ def test_twenty_steps_match_plain_pytorch(tmp_path, family, policy, overlap):
                     assert torch.equal(store.weights[g][p.offset : p.offset + p.numel].view(p.shape), got)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen2-tied", "qwen3", "llama", "qwen3_5", "qwen3_5-tied"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen2-tied", "qwen3", "llama", "qwen3_5", "qwen3_5-tied", "qwen3_moe",
+                                    "qwen3_5_moe"])
 def test_save_then_from_pretrained_gives_identical_logits(tmp_path, family):
     model = make_hf_model(family, seed=2, layers=3)
     model.save_pretrained(tmp_path / "in")
@@ -97,6 +100,8 @@ def test_save_then_from_pretrained_gives_identical_logits(tmp_path, family):
         m.add_(0.01)
         store.sync_weights_from_masters(g)
     save_hf(adapter, store, tmp_path / "out", dtype=torch.float32)
+    # the tensors HF wrote, by the names HF wrote them (stacked experts one per expert and projection)
+    assert set(load_file(tmp_path / "out" / "model.safetensors")) == set(load_file(tmp_path / "in" / "model.safetensors"))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
     ids, labels, _ = random_batch(2, 10, adapter.vocab_size, padded=False)
 
@@ -131,19 +136,23 @@ def test_sharded_save_loads(tmp_path):
         assert torch.equal(a, b)
 
 
-def tiny_conditional_generation(tied: bool) -> transformers.PreTrainedModel:
-    """A Qwen3.5 ConditionalGeneration model (the published form) with a one-block vision tower."""
-    text = tiny_config("qwen3_5-tied" if tied else "qwen3_5", layers=4).to_dict()
-    config = transformers.Qwen3_5Config(
+def tiny_conditional_generation(tied: bool, moe: bool = False) -> transformers.PreTrainedModel:
+    """A Qwen3.5 ConditionalGeneration model (the published form) with a one-block vision tower;
+    ``moe``: Qwen3.5-MoE's."""
+    family = "qwen3_5_moe" if moe else "qwen3_5-tied" if tied else "qwen3_5"
+    text = tiny_config(family, layers=4).to_dict()
+    config_class, model_class = ((transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration)
+                                 if moe else (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration))
+    config = config_class(
         text_config=text,
         vision_config={"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32,
                        "out_hidden_size": text["hidden_size"], "patch_size": 4,
                        "num_position_embeddings": 16},
         tie_word_embeddings=tied,
     )
-    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    config.architectures = [model_class.__name__]
     torch.manual_seed(5)
-    model = transformers.Qwen3_5ForConditionalGeneration(config).float()
+    model = model_class(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -151,11 +160,13 @@ def tiny_conditional_generation(tied: bool) -> transformers.PreTrainedModel:
     return model
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_conditional_generation_folder_round_trips(tmp_path, tied, caplog):
+@pytest.mark.parametrize(("tied", "moe"), [(False, False), (True, False), (False, True)],
+                         ids=["untied", "tied", "moe"])
+def test_conditional_generation_folder_round_trips(tmp_path, tied, moe, caplog):
     """The language model trains; the vision tower is carried through unchanged, and the saved
-    folder loads with Qwen3_5ForConditionalGeneration.from_pretrained and gives LazyTrain's loss."""
-    model = tiny_conditional_generation(tied)
+    folder loads with Qwen3_5ForConditionalGeneration.from_pretrained (Qwen3.5-MoE's: its
+    experts under ``model.language_model.``) and gives LazyTrain's loss."""
+    model = tiny_conditional_generation(tied, moe)
     model.save_pretrained(tmp_path / "in")
     adapter = ModelAdapter(load_hf_config(tmp_path / "in"), CPU, torch.float32)
     store = HostStore(adapter.layouts, torch.float32, pin=False)
@@ -168,7 +179,7 @@ def test_conditional_generation_folder_round_trips(tmp_path, tied, caplog):
         m.add_(0.01)
         store.sync_weights_from_masters(g)
     save_hf(adapter, store, tmp_path / "out", dtype=torch.float32, max_shard_bytes=40_000)
-    loaded, info = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
+    loaded, info = type(model).from_pretrained(
         tmp_path / "out", dtype=torch.float32, output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"]
