@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from lazytrain.memory.host_store import HostStore
 from lazytrain.model.adapter import ModelAdapter, load_hf_config
-from lazytrain.model.loading import load_safetensors, save_hf
+from lazytrain.model.loading import ModelFileError, load_safetensors, save_hf
 from lazytrain.optim.adamw import FusedAdamW
 from lazytrain.optim.base import AdamWConfig
 from lazytrain.plan.plan import keep_all_plan, megatrain_plan
@@ -116,6 +116,30 @@ def test_save_then_from_pretrained_gives_identical_logits(tmp_path, family):
         layout = adapter.layouts[group]
         slot = next(s for s in layout.params if layout.hf_prefix + s.name == name)
         assert torch.equal(p.detach(), store.masters[group][slot.offset : slot.offset + slot.numel].view(slot.shape))
+
+
+def test_stacked_experts_load_as_per_expert_ones(tmp_path):
+    """A checkpoint holding experts stacked (HF's in-memory names) loads to the same masters as
+    one holding them per expert (save_pretrained's); one missing expert is named."""
+    from safetensors.torch import save_file
+
+    model = make_hf_model("qwen3_moe", seed=2, layers=2)
+    model.save_pretrained(tmp_path / "per_expert")
+    model.save_pretrained(tmp_path / "stacked")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "stacked" / "model.safetensors",
+              metadata={"format": "pt"})
+    assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(tmp_path / "stacked" / "model.safetensors")
+    adapter = ModelAdapter(load_hf_config(tmp_path / "per_expert"), CPU, torch.float32)
+    stores = [HostStore(adapter.layouts, torch.float32, pin=False) for _ in range(2)]
+    for store, form in zip(stores, ("per_expert", "stacked")):
+        load_safetensors(adapter, store, tmp_path / form)
+    for a, b in zip(*(store.masters for store in stores)):
+        assert torch.equal(a, b)
+    tensors = load_file(tmp_path / "per_expert" / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, tmp_path / "per_expert" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelFileError, match=r"1 weights missing .*layers\.1\.mlp\.experts\.5\.up_proj"):
+        load_safetensors(adapter, stores[0], tmp_path / "per_expert")
 
 
 def test_sharded_save_loads(tmp_path):
