@@ -46,6 +46,12 @@ trainer's first; a later plan that sends to the host a gradient without a buffer
 Either way its squared norm is taken in the backward, so clipping is unchanged, and the same
 gradient bits reach the same step.
 
+Mixture-of-experts models with the router's load-balancing loss (`lazytrain.model.moe.Routing`):
+the step's forward collects every layer's routing of the real tokens, the loss term is known
+once the last layer has run (`_forward`) and added once to the step's loss (`_finish_step`),
+and its gradient, a constant of the step, is added inside each layer's backward, however the
+plan runs it (kept graph, checkpoint re-run, block recompute); re-runs collect nothing.
+
 The LM head and cross-entropy run on chunks of the target tokens only (prompt and padding
 positions never reach the head), with backward per chunk, so the full logits never exist. Each
 host-buffered gradient is copied to its pinned host buffer on the D2H stream, and every
