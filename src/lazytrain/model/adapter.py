@@ -314,7 +314,7 @@ class ModelAdapter:
                               if p.name.endswith(EXPERT_TENSORS)]
             text = self.config
             self.routing = Routing(
-                num_experts=text.num_experts, top_k=text.num_experts_per_tok, num_layers=self.num_layers,
+                num_experts=text.num_experts, top_k=text.num_experts_per_tok,
                 aux_coef=float(text.router_aux_loss_coef) if getattr(text, "output_router_logits", False) else None,
                 kernel=select_experts_kernel(device, dtype, expert_offsets))
             for template in self.templates.values():

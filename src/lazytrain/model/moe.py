@@ -181,13 +181,9 @@ class Routing:
     docstring): `start`, the forward's layers `observe` their routing, `end_forward` gives the
     loss term, the backwards read `probs_grad`, `end` lets go."""
 
-    def __init__(
-        self, num_experts: int, top_k: int, num_layers: int, aux_coef: float | None, kernel: str
-    ):
+    def __init__(self, num_experts: int, top_k: int, aux_coef: float | None, kernel: str):
         self.num_experts = num_experts
         self.top_k = top_k
-        self.num_layers = num_layers
-        """The MoE layers (every decoder layer here)."""
         self.aux_coef = aux_coef
         """``router_aux_loss_coef`` where the config asks for the loss (``output_router_logits``),
         else None: no loss term, no gradient added."""
