@@ -70,11 +70,27 @@ FAMILIES = {
         "extra": {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
                   "linear_value_head_dim": 4},
     },
+    # mixture of experts: Qwen3-MoE (top-2 of 8, renormalised, with the router's load-balancing
+    # loss at a coefficient that makes it count) and the Qwen3.5-MoE hybrid (top-4 of 8, a
+    # sigmoid-gated shared expert, no load-balancing loss: HF's default)
+    "qwen3_moe": {
+        "cls": transformers.Qwen3MoeConfig, "arch": "Qwen3MoeForCausalLM", "tied": False, "head_dim": 16,
+        "extra": {"moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                  "output_router_logits": True, "router_aux_loss_coef": 0.3},
+    },
+    "qwen3_5_moe": {
+        "cls": transformers.Qwen3_5MoeTextConfig, "arch": "Qwen3_5MoeForCausalLM", "tied": True, "head_dim": 8,
+        "pattern": ("linear_attention", "full_attention"),
+        "extra": {"linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 8,
+                  "linear_value_head_dim": 8, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24,
+                  "num_experts": 8, "num_experts_per_tok": 4},
+    },
 }
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5-tied")
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
 
 
-def tiny_config(family: str, layers: int = 5) -> transformers.PretrainedConfig:
+def tiny_config(family: str, layers: int = 5, **overrides) -> transformers.PretrainedConfig:
     spec = FAMILIES[family]
     extra = {"head_dim": spec["head_dim"]} if "head_dim" in spec else {}
     if "pattern" in spec:
@@ -94,21 +110,25 @@ def tiny_config(family: str, layers: int = 5) -> transformers.PretrainedConfig:
         **extra,
     }
     kwargs.update(spec.get("extra", {}))
+    kwargs.update(overrides)
     config = spec["cls"](**kwargs)
     config.architectures = [spec["arch"]]
     return config
 
 
-def make_hf_model(family: str, seed: int = 0, layers: int = 5):
+def make_hf_model(family: str, seed: int = 0, layers: int = 5, **overrides):
+    """A tiny HF model of ``family`` (``overrides``: config values), random weights, fp32."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
-        tiny_config(family, layers), attn_implementation="sdpa"
+        tiny_config(family, layers, **overrides), attn_implementation="sdpa"
     ).float()
     # HF initialises norms to 1 and biases to 0; random values make every gradient path count
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):  # routers: clear top-k margins, not near-ties
+                p.normal_(0.0, 1.0)
     return model
 
 

@@ -263,6 +263,33 @@ def test_gradients_held_on_the_gpu_train_and_resume_as_host_buffered_ones(tmp_pa
     assert_resumed_exactly(out, reference)
 
 
+def test_a_mixture_of_experts_folder_trains_exports_and_resumes_exactly(tmp_path):
+    """A tiny Qwen3-MoE (top-2 of 8 experts, the router's load-balancing loss on) written by HF's
+    own classes, with the built-in tokenizer: `lazytrain train` trains it, 3 steps resumed to 6
+    end bit for bit where 6 uninterrupted steps did, and the exported folder loads with
+    from_pretrained, its experts in HF's per-expert names."""
+    import transformers
+    from conftest import make_hf_model
+
+    from lazytrain.data.tokenizer import builtin_tokenizer
+
+    folder = tmp_path / "model"
+    tokenizer = builtin_tokenizer()
+    make_hf_model("qwen3_moe", layers=2, vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    source = f"model.source={folder}"
+    assert main(train_args(tmp_path / "a", 6, source)) == 0
+    assert main(train_args(tmp_path / "b", 3, source)) == 0
+    assert main(train_args(tmp_path / "b", 6, source, "training.resume=true")) == 0
+    assert_resumed_exactly(tmp_path / "b", tmp_path / "a")
+    exported = load_file(tmp_path / "b" / "model.safetensors")
+    assert set(exported) == set(load_file(folder / "model.safetensors"))
+    loaded, info = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "b", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and loaded.config.output_router_logits
+    up = loaded.model.layers[1].mlp.experts.gate_up_proj[3, 16:]  # HF stacks an expert's gate rows, then up rows
+    assert torch.equal(up, exported["model.layers.1.mlp.experts.3.up_proj.weight"].to(up.dtype))
+
+
 def test_fp32_states_resume_exactly(tmp_path):
     """3 steps, then 3 more resumed, end as 6 uninterrupted steps with fp32 AdamW states."""
     fp32 = ["optimizer.kind=fp32", "optimizer.state_rounding=auto"]

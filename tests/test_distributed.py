@@ -187,6 +187,23 @@ def test_two_ranks_equal_one_process_and_share_the_weights(tmp_path):
     assert sum('"loss"' in line for line in records) == 3
 
 
+def test_two_ranks_train_a_mixture_of_experts_as_one_process(tmp_path):
+    """Qwen3-MoE with the router's load-balancing loss: the loss of the global batch (each rank's
+    expert counts and probability sums summed over the ranks, the term added once), so the same
+    losses and weights as one process."""
+    from conftest import make_hf_model
+
+    from lazytrain.data.tokenizer import builtin_tokenizer
+
+    folder, tokenizer = tmp_path / "model", builtin_tokenizer()
+    make_hf_model("qwen3_moe", layers=2, vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    args = [*COMMON, "training.batch_size=4", "training.steps=3", f"model.source={folder}"]
+    run_single([*args, f"training.output_dir={tmp_path / 'single'}"])
+    run_ranks(2, [*args, f"training.output_dir={tmp_path / 'dp'}"], tmp_path / "shm")
+    assert_same_training(tmp_path / "single", tmp_path / "dp", 2, 3)
+
+
 def test_two_ranks_holding_a_gradient_on_the_device_train_as_with_host_buffers(tmp_path):
     """A plan file holding layer 1's gradient on the device (`LayerPlan.grad="gpu"`: each rank
     holds its reduce-scattered shard, then brings it home through its ring): the same losses and

@@ -478,3 +478,48 @@ def test_right_padded_rows_take_the_unmasked_path_and_match_hf(hf_folder, monkey
     assert given[-1] is None
     assert stats.loss == pytest.approx(ref_loss, rel=1e-5)
     assert_grads_equal(adapter, store, ref)
+
+
+def route_around(model, expert: int) -> None:
+    """Make ``expert`` one no token is routed to, in every layer: for top-k, k pairs of router
+    rows (r, -r) give k experts a logit above 0 for every token (|<r, x>| > 0), and ``expert``'s
+    row is 0."""
+    top_k = model.config.num_experts_per_tok
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                others = [e for e in range(p.shape[0]) if e != expert]
+                for a, b in zip(others[0 : 2 * top_k : 2], others[1 : 2 * top_k : 2]):
+                    p[b] = -p[a]
+                p[expert] = 0.0
+
+
+@pytest.mark.parametrize(("family", "top_k", "experts", "aux"), [
+    ("qwen3_moe", 1, 8, True), ("qwen3_moe", 8, 17, False), ("qwen3_5_moe", 2, 8, True), ("qwen3_5_moe", 8, 17, True),
+])
+def test_mixture_of_experts_matches_hf_autograd(tmp_path, family, top_k, experts, aux):
+    """Top-k 1, 2 and 8, without (Qwen3-MoE) and with a shared expert and its gate (Qwen3.5-MoE:
+    Gated-DeltaNet and attention layers), with and without the router's load-balancing loss,
+    left-padded, kept and recomputed layers: the loss (HF's, the auxiliary term in it) and every
+    gradient equal HF autograd's. The last expert is routed no token: its gradient is exactly 0,
+    its router row's is not (the softmax and the load-balancing loss reach it)."""
+    model = make_hf_model(family, layers=3, num_experts=experts, num_experts_per_tok=top_k,
+                          output_router_logits=aux, router_aux_loss_coef=0.1)
+    dead = experts - 1
+    route_around(model, dead)
+    model.save_pretrained(tmp_path)
+    adapter, store = streamed(tmp_path)
+    assert (adapter.routing.aux_coef is not None) == aux and adapter.routing.top_k == top_k
+    ids, labels, mask = left_padded_batch(adapter.vocab_size)
+    routed = model(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits
+    assert len(routed) == 3 and all(dead not in logits.topk(top_k).indices for logits in routed)
+    ref_loss, ref = reference_grads(model, ids, labels, mask)
+    for plan in (keep_all_plan(3, 3, 11, head_chunk_tokens=7), megatrain_plan(3, 3, 11, every=2)):
+        stats = Executor(adapter, store, plan, CPU).forward_backward(ids, labels, mask)
+        assert stats.loss == pytest.approx(ref_loss, rel=1e-5)
+        assert_grads_equal(adapter, store, ref)
+        for g, layout in enumerate(adapter.layer_layouts, start=1):
+            grads = layout.views(store.grads[g])
+            for name in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+                assert not grads[name][dead].any() and grads[name].any()
+            assert grads["mlp.gate.weight"][dead].abs().sum() > 0

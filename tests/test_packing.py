@@ -192,6 +192,32 @@ def test_packed_executor_matches_plain_hf_autograd(qwen2):
             torch.testing.assert_close(got, params[layout.hf_name(p)].grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_packed_mixture_of_experts_matches_hf_autograd_unpacked(tmp_path, family):
+    """Mixture-of-experts layers packed (routing is per token; the router's load-balancing loss
+    counts the real tokens of every sample, as HF's does with its padding mask over the samples
+    unpacked): the loss with its auxiliary term and every gradient, kept and recomputed layers."""
+    model = make_hf_model(family, seed=4, layers=3, output_router_logits=True, router_aux_loss_coef=0.1)
+    model.save_pretrained(tmp_path)
+    adapter = ModelAdapter(load_hf_config(tmp_path), CPU, torch.float32)
+    store = HostStore(adapter.layouts, torch.float32, pin=False)
+    load_safetensors(adapter, store, tmp_path)
+    data = dataset()
+    unpacked, packed = collate(data, list(range(len(LENGTHS)))), collate_packed(data, ROWS)
+    out = model(input_ids=unpacked.input_ids, labels=unpacked.labels, attention_mask=unpacked.attention_mask,
+                use_cache=False)
+    assert out.aux_loss > 0
+    out.loss.backward()
+    params = dict(model.named_parameters())
+    for plan in (keep_all_plan(3, 3, WIDTH), megatrain_plan(3, 3, WIDTH, every=2)):
+        stats, grads = run(Executor(adapter, store, plan, CPU), packed)
+        assert stats.loss == pytest.approx(out.loss.item(), rel=1e-5)
+        for g, layout in enumerate(adapter.layouts):
+            for p in layout.params:
+                got = grads[g][p.offset:p.offset + p.numel].view(p.shape)
+                torch.testing.assert_close(got, params[layout.hf_name(p)].grad, rtol=1e-5, atol=1e-6)
+
+
 def test_no_token_attends_across_samples(qwen2):
     """Changing one sample's tokens changes no other sample's hidden states in the same row, nor
     the loss and gradients of another sample's targets."""

@@ -6,10 +6,11 @@ import pytest
 import torch
 import transformers
 from conftest import make_hf_model, random_batch, tiny_config
+from safetensors.torch import load_file
 
 from lazytrain.memory.host_store import HostStore
 from lazytrain.model.adapter import ModelAdapter, load_hf_config
-from lazytrain.model.loading import load_safetensors, save_hf
+from lazytrain.model.loading import ModelFileError, load_safetensors, save_hf
 from lazytrain.optim.adamw import FusedAdamW
 from lazytrain.optim.base import AdamWConfig
 from lazytrain.plan.plan import keep_all_plan, megatrain_plan
@@ -52,7 +53,8 @@ def reference_run(model, batches):
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 @pytest.mark.parametrize(
     "family,policy",
-    [("qwen2", "megatrain"), ("qwen3", "keep_all"), ("llama", "megatrain"), ("qwen3_5", "megatrain")],
+    [("qwen2", "megatrain"), ("qwen3", "keep_all"), ("llama", "megatrain"), ("qwen3_5", "megatrain"),
+     ("qwen3_moe", "megatrain")],
 )
 def test_twenty_steps_match_plain_pytorch(tmp_path, family, policy, overlap):
     model = make_hf_model(family, seed=1, layers=4)
@@ -85,7 +87,8 @@ def test_twenty_steps_match_plain_pytorch(tmp_path, family, policy, overlap):
                     assert torch.equal(store.weights[g][p.offset : p.offset + p.numel].view(p.shape), got)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen2-tied", "qwen3", "llama", "qwen3_5", "qwen3_5-tied"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen2-tied", "qwen3", "llama", "qwen3_5", "qwen3_5-tied", "qwen3_moe",
+                                    "qwen3_5_moe"])
 def test_save_then_from_pretrained_gives_identical_logits(tmp_path, family):
     model = make_hf_model(family, seed=2, layers=3)
     model.save_pretrained(tmp_path / "in")
@@ -97,6 +100,8 @@ def test_save_then_from_pretrained_gives_identical_logits(tmp_path, family):
         m.add_(0.01)
         store.sync_weights_from_masters(g)
     save_hf(adapter, store, tmp_path / "out", dtype=torch.float32)
+    # the tensors HF wrote, by the names HF wrote them (stacked experts one per expert and projection)
+    assert set(load_file(tmp_path / "out" / "model.safetensors")) == set(load_file(tmp_path / "in" / "model.safetensors"))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
     ids, labels, _ = random_batch(2, 10, adapter.vocab_size, padded=False)
 
@@ -111,6 +116,30 @@ def test_save_then_from_pretrained_gives_identical_logits(tmp_path, family):
         layout = adapter.layouts[group]
         slot = next(s for s in layout.params if layout.hf_prefix + s.name == name)
         assert torch.equal(p.detach(), store.masters[group][slot.offset : slot.offset + slot.numel].view(slot.shape))
+
+
+def test_stacked_experts_load_as_per_expert_ones(tmp_path):
+    """A checkpoint holding experts stacked (HF's in-memory names) loads to the same masters as
+    one holding them per expert (save_pretrained's); one missing expert is named."""
+    from safetensors.torch import save_file
+
+    model = make_hf_model("qwen3_moe", seed=2, layers=2)
+    model.save_pretrained(tmp_path / "per_expert")
+    model.save_pretrained(tmp_path / "stacked")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "stacked" / "model.safetensors",
+              metadata={"format": "pt"})
+    assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(tmp_path / "stacked" / "model.safetensors")
+    adapter = ModelAdapter(load_hf_config(tmp_path / "per_expert"), CPU, torch.float32)
+    stores = [HostStore(adapter.layouts, torch.float32, pin=False) for _ in range(2)]
+    for store, form in zip(stores, ("per_expert", "stacked")):
+        load_safetensors(adapter, store, tmp_path / form)
+    for a, b in zip(*(store.masters for store in stores)):
+        assert torch.equal(a, b)
+    tensors = load_file(tmp_path / "per_expert" / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, tmp_path / "per_expert" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelFileError, match=r"1 weights missing .*layers\.1\.mlp\.experts\.5\.up_proj"):
+        load_safetensors(adapter, stores[0], tmp_path / "per_expert")
 
 
 def test_sharded_save_loads(tmp_path):
@@ -131,19 +160,23 @@ def test_sharded_save_loads(tmp_path):
         assert torch.equal(a, b)
 
 
-def tiny_conditional_generation(tied: bool) -> transformers.PreTrainedModel:
-    """A Qwen3.5 ConditionalGeneration model (the published form) with a one-block vision tower."""
-    text = tiny_config("qwen3_5-tied" if tied else "qwen3_5", layers=4).to_dict()
-    config = transformers.Qwen3_5Config(
+def tiny_conditional_generation(tied: bool, moe: bool = False) -> transformers.PreTrainedModel:
+    """A Qwen3.5 ConditionalGeneration model (the published form) with a one-block vision tower;
+    ``moe``: Qwen3.5-MoE's."""
+    family = "qwen3_5_moe" if moe else "qwen3_5-tied" if tied else "qwen3_5"
+    text = tiny_config(family, layers=4).to_dict()
+    config_class, model_class = ((transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration)
+                                 if moe else (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration))
+    config = config_class(
         text_config=text,
         vision_config={"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32,
                        "out_hidden_size": text["hidden_size"], "patch_size": 4,
                        "num_position_embeddings": 16},
         tie_word_embeddings=tied,
     )
-    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    config.architectures = [model_class.__name__]
     torch.manual_seed(5)
-    model = transformers.Qwen3_5ForConditionalGeneration(config).float()
+    model = model_class(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -151,11 +184,13 @@ def tiny_conditional_generation(tied: bool) -> transformers.PreTrainedModel:
     return model
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_conditional_generation_folder_round_trips(tmp_path, tied, caplog):
+@pytest.mark.parametrize(("tied", "moe"), [(False, False), (True, False), (False, True)],
+                         ids=["untied", "tied", "moe"])
+def test_conditional_generation_folder_round_trips(tmp_path, tied, moe, caplog):
     """The language model trains; the vision tower is carried through unchanged, and the saved
-    folder loads with Qwen3_5ForConditionalGeneration.from_pretrained and gives LazyTrain's loss."""
-    model = tiny_conditional_generation(tied)
+    folder loads with Qwen3_5ForConditionalGeneration.from_pretrained (Qwen3.5-MoE's: its
+    experts under ``model.language_model.``) and gives LazyTrain's loss."""
+    model = tiny_conditional_generation(tied, moe)
     model.save_pretrained(tmp_path / "in")
     adapter = ModelAdapter(load_hf_config(tmp_path / "in"), CPU, torch.float32)
     store = HostStore(adapter.layouts, torch.float32, pin=False)
@@ -168,7 +203,7 @@ def test_conditional_generation_folder_round_trips(tmp_path, tied, caplog):
         m.add_(0.01)
         store.sync_weights_from_masters(g)
     save_hf(adapter, store, tmp_path / "out", dtype=torch.float32, max_shard_bytes=40_000)
-    loaded, info = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
+    loaded, info = type(model).from_pretrained(
         tmp_path / "out", dtype=torch.float32, output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from lazytrain.errors import LazyTrainError
-from lazytrain.model.adapter import GroupLayout, UnsupportedModelError
+from lazytrain.model.adapter import GroupLayout, ParamSlot, UnsupportedModelError
 from lazytrain.optim.master import MASTER_BYTES, MASTER_MODES, Bf16Master, Master
 from lazytrain.optim.split import SplitMaster
 
@@ -367,6 +367,19 @@ class HostGradients:
         return numel * self.dtype.itemsize + self.ring_bytes
 
 
+def check_part(layout: GroupLayout, param: ParamSlot, value: torch.Tensor, start: int) -> None:
+    """``value`` is ``param`` whole (``start`` 0, its shape) or a part inside it from ``start``."""
+    if start == 0 and value.numel() == param.numel:
+        if tuple(value.shape) != param.shape:
+            raise UnsupportedModelError(
+                f"{layout.hf_prefix}{param.name}: shape {tuple(value.shape)} in the checkpoint, "
+                f"{param.shape} in the model config")
+    elif start < 0 or start + value.numel() > param.numel:
+        raise UnsupportedModelError(
+            f"{layout.hf_prefix}{param.name}: a part of shape {tuple(value.shape)} at element {start} in the "
+            f"checkpoint does not fit its shape {param.shape} in the model config")
+
+
 class HostStore(HostGradients):
     """Flat per-group host buffers for weights, fp32 masters and gradients.
 
@@ -464,17 +477,16 @@ class HostStore(HostGradients):
         a step writes them with the master and nothing else may."""
         return self.master_mode != "fp32"
 
-    def set_param(self, group: int, name: str, value: torch.Tensor) -> None:
-        """Write one parameter (any dtype/device) into the master and the streaming weights."""
+    def set_param(self, group: int, name: str, value: torch.Tensor, start: int = 0) -> None:
+        """Write one parameter (any dtype/device) into the master and the streaming weights; with
+        ``start``, ``value`` is the part of it from that element on (one expert of a stacked
+        tensor: `GroupLayout.hf_file_pieces`)."""
         layout = self.layouts[group]
         for p in layout.params:
             if p.name == name:
-                if tuple(value.shape) != p.shape:
-                    raise UnsupportedModelError(
-                        f"{layout.hf_prefix}{name}: shape {tuple(value.shape)} in the checkpoint, "
-                        f"{p.shape} in the model config"
-                    )
-                lo, hi = p.offset, p.offset + p.numel
+                check_part(layout, p, value, start)
+                lo = p.offset + start
+                hi = lo + value.numel()
                 master = self.masters[group]
                 if isinstance(master, SplitMaster):
                     SplitMaster(master.weight[lo:hi], master.remainder[lo:hi]).assign(value)

@@ -30,6 +30,7 @@ from lazytrain.memory.host_store import (
     HostBytes,
     HostGradients,
     HostMemoryError,
+    check_part,
     host_memory_total,
     pin_in_place,
 )
@@ -174,26 +175,23 @@ class ShardedHostStore(HostGradients):
         r = self.ranges[group]
         return self.weights[group][r.start : r.stop]
 
-    def set_param(self, group: int, name: str, value: torch.Tensor) -> None:
-        """Write one parameter: this rank's part into its master shard; local rank 0 also
-        writes the whole parameter into the shared weights (every rank calls this with the
-        same values)."""
+    def set_param(self, group: int, name: str, value: torch.Tensor, start: int = 0) -> None:
+        """Write one parameter (or its part from element ``start`` on, as `HostStore.set_param`):
+        this rank's part into its master shard; local rank 0 also writes the whole of ``value``
+        into the shared weights (every rank calls this with the same values)."""
         layout = self.layouts[group]
         for p in layout.params:
             if p.name != name:
                 continue
-            if tuple(value.shape) != p.shape:
-                raise ValueError(
-                    f"{layout.hf_prefix}{name}: shape {tuple(value.shape)} in the checkpoint, "
-                    f"{p.shape} in the model config"
-                )
+            check_part(layout, p, value, start)
             flat = value.reshape(-1).to(device="cpu", dtype=torch.float32)
+            first = p.offset + start
             r = self.ranges[group]
-            lo, hi = max(p.offset, r.start), min(p.offset + p.numel, r.stop)
+            lo, hi = max(first, r.start), min(first + flat.numel(), r.stop)
             if lo < hi:
-                self.masters[group][lo - r.start : hi - r.start].copy_(flat[lo - p.offset : hi - p.offset])
+                self.masters[group][lo - r.start : hi - r.start].copy_(flat[lo - first : hi - first])
             if self.local_rank == 0:
-                self.weights[group][p.offset : p.offset + p.numel].copy_(flat)
+                self.weights[group][first : first + flat.numel()].copy_(flat)
             return
         raise KeyError(f"{layout.hf_prefix}{name} is not a parameter of group {layout.name}")
 

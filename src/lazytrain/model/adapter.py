@@ -37,6 +37,13 @@ import transformers
 from lazytrain.errors import LazyTrainError
 from lazytrain.model.kernels import KernelChoice, select_linear_attention_kernels
 from lazytrain.model.lean import apply_lean_ops, recomputable_outputs
+from lazytrain.model.moe import (
+    EXPERT_TENSORS,
+    Routing,
+    apply_moe,
+    expert_pieces,
+    select_experts_kernel,
+)
 from lazytrain.model.packed_attention import (
     PACKED_ATTENTION,
     PackedAttentionError,
@@ -54,12 +61,19 @@ SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration",
+    "Qwen3MoeForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
 )
-HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                        "Qwen3_5MoeForConditionalGeneration")
 """Stacks of Gated-DeltaNet (``linear_attention``) and gated ``full_attention`` layers."""
-MULTIMODAL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration",)
+MULTIMODAL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 """Folders whose language model sits under ``model.language_model.``; the other tensors (the
 vision tower, multi-token-prediction heads) are carried through untrained."""
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+"""Mixture-of-experts stacks: every decoder layer's MLP is a routed set of experts
+(`lazytrain.model.moe`)."""
 _LAYER_TYPES = {"full_attention"}
 _HYBRID_LAYER_TYPES = {"full_attention", "linear_attention"}
 EMBED_BACKWARD_CHUNK = 8192
@@ -120,6 +134,13 @@ class GroupLayout:
     def hf_names(self) -> list[str]:
         return [self.hf_name(p) for p in self.params]
 
+    def hf_file_pieces(self, param: ParamSlot) -> list[tuple[str, int, tuple[int, ...]]]:
+        """How ``param`` is written in HF checkpoint files: (name, first element within the
+        parameter, shape) per tensor. One tensor named `hf_name`, except stacked experts, which
+        files hold one tensor per expert and projection (`lazytrain.model.moe.expert_pieces`)."""
+        name = self.hf_name(param)
+        return expert_pieces(name, param.shape) or [(name, 0, param.shape)]
+
 
 def _layout(name: str, hf_prefix: str, named_shapes: list[tuple[str, tuple[int, ...]]],
             hf_rename: tuple[str, str] = ("", "")) -> GroupLayout:
@@ -145,7 +166,7 @@ def load_hf_config(source: str | Path | dict | transformers.PretrainedConfig) ->
         if model_type is None:
             raise UnsupportedModelError(
                 "model config dict has no 'model_type'; set it to one of qwen2, qwen3, llama, "
-                "qwen3_5_text, qwen3_5"
+                "qwen3_5_text, qwen3_5, qwen3_moe, qwen3_5_moe_text, qwen3_5_moe"
             )
         config = transformers.AutoConfig.for_model(model_type, **d)
     else:
@@ -168,14 +189,8 @@ def load_hf_config(source: str | Path | dict | transformers.PretrainedConfig) ->
     archs = getattr(config, "architectures", None) or []
     arch = archs[0] if archs else _default_arch(config.model_type)
     if arch not in SUPPORTED_ARCHITECTURES:
-        hint = (
-            "; mixture-of-experts Qwen3.5/3.6 (qwen3_5_moe) is not supported, only the dense sizes"
-            if "moe" in arch.lower() or "moe" in config.model_type
-            else ""
-        )
         raise UnsupportedModelError(
-            f"architecture {arch!r} is not supported; LazyTrain supports "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}{hint}"
+            f"architecture {arch!r} is not supported; LazyTrain supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     config.architectures = [arch]
     text = config.get_text_config()
@@ -187,14 +202,40 @@ def load_hf_config(source: str | Path | dict | transformers.PretrainedConfig) ->
             "(sliding-window attention is not supported; set use_sliding_window=false in "
             "config.json)"
         )
-    if getattr(text, "mlp_only_layers", None) or getattr(text, "num_experts", 0):
+    if arch in MOE_ARCHITECTURES:
+        _check_experts(arch, text)
+    elif getattr(text, "mlp_only_layers", None) or getattr(text, "num_experts", 0):
         raise UnsupportedModelError(
-            f"{arch} with experts (num_experts={getattr(text, 'num_experts', 0)}): only dense "
-            "Qwen3.5/3.6 models are supported"
+            f"{arch} with experts (num_experts={getattr(text, 'num_experts', 0)}): a dense class's config "
+            "with experts; a mixture-of-experts model's config.json names its MoE class (e.g. "
+            "Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text)"
         )
     config._attn_implementation = "sdpa"
     text._attn_implementation = "sdpa"
     return config
+
+
+def _check_experts(arch: str, text: transformers.PretrainedConfig) -> None:
+    """Refuse what the MoE layers here do not do: layers without experts among MoE ones, and
+    Qwen3-MoE's sliding-window attention."""
+    experts = getattr(text, "num_experts", 0) or 0
+    if experts < 1 or getattr(text, "num_experts_per_tok", 0) < 1:
+        raise UnsupportedModelError(
+            f"{arch} with num_experts={experts}, num_experts_per_tok={getattr(text, 'num_experts_per_tok', 0)}: "
+            "a mixture-of-experts model needs at least one expert and one per token")
+    if getattr(text, "mlp_only_layers", None):
+        raise UnsupportedModelError(
+            f"{arch} with mlp_only_layers={list(text.mlp_only_layers)}: LazyTrain trains stacks whose every "
+            "layer is a mixture of experts (dense layers among them are not supported); set mlp_only_layers=[] "
+            "in config.json only if the checkpoint has experts in those layers")
+    if getattr(text, "decoder_sparse_step", 1) != 1:
+        raise UnsupportedModelError(
+            f"{arch} with decoder_sparse_step={text.decoder_sparse_step}: LazyTrain trains stacks whose every "
+            "layer is a mixture of experts (decoder_sparse_step=1); dense layers among them are not supported")
+    if getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", False):
+        raise UnsupportedModelError(
+            f"{arch} with use_sliding_window=true: sliding-window attention is not supported; set "
+            "use_sliding_window=false in config.json")
 
 
 def _default_arch(model_type: str) -> str:
@@ -204,6 +245,9 @@ def _default_arch(model_type: str) -> str:
         "llama": "LlamaForCausalLM",
         "qwen3_5_text": "Qwen3_5ForCausalLM",
         "qwen3_5": "Qwen3_5ForConditionalGeneration",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+        "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     }.get(model_type, f"<model_type {model_type}>")
 
 
@@ -262,6 +306,20 @@ class ModelAdapter:
         if not self.tied:
             final.append(("lm_head.weight", (self.vocab_size, self.hidden_size)))
         self.final_layout = _layout("final", "", final, hf_rename=("model.", prefix))
+        self.routing: Routing | None = None
+        """The mixture-of-experts layers' kernel and load-balancing loss (None: no experts)."""
+        if self.arch in MOE_ARCHITECTURES:
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            expert_offsets = [p.offset * itemsize for layout in self.layer_layouts for p in layout.params
+                              if p.name.endswith(EXPERT_TENSORS)]
+            text = self.config
+            self.routing = Routing(
+                num_experts=text.num_experts, top_k=text.num_experts_per_tok,
+                aux_coef=float(text.router_aux_loss_coef) if getattr(text, "output_router_logits", False) else None,
+                kernel=select_experts_kernel(device, dtype, expert_offsets))
+            for template in self.templates.values():
+                if not apply_moe(template, self.routing):
+                    raise UnsupportedModelError(f"{self.arch}: a decoder layer without a sparse-MoE block")
 
     def set_packed_attention(self, kind: str, kernel: VarlenKernel | None = None) -> None:
         """Run packed rows' attention as ``kind`` (``varlen``: with ``kernel``, torch's

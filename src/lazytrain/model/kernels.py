@@ -26,6 +26,7 @@ are what makes packing work).
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import inspect
 import logging
@@ -264,6 +265,21 @@ def _causal_conv1d() -> dict[str, object] | None:
             _CONV[1]: _taking_only_its_arguments(causal_conv1d_update)}
 
 
+SIBLING_MODULES = ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",)
+"""transformers modules whose Gated-DeltaNet layers call the same four functions as Qwen3.5's
+(generated from it), bound to the same kernels."""
+
+
+def _sibling_modules() -> list:
+    found = []
+    for name in SIBLING_MODULES:
+        try:
+            found.append(importlib.import_module(name))
+        except ImportError:  # a transformers version without that family
+            continue
+    return found
+
+
 def select_linear_attention_kernels(device: torch.device, prefer: str = "auto") -> KernelChoice:
     """Bind the Gated-DeltaNet kernels for ``device``: ``auto`` (the fast kernels on CUDA when
     installed, the torch references otherwise) or ``torch`` (the references everywhere)."""
@@ -288,6 +304,9 @@ def select_linear_attention_kernels(device: torch.device, prefer: str = "auto") 
     # packed rows: the chunked rule and the convolution keep each segment apart
     setattr(hf, _DELTA_RULE[0], _delta_rule_by_document(getattr(hf, _DELTA_RULE[0]), varlen=bool(delta)))
     setattr(hf, _CONV[0], _conv_by_document(getattr(hf, _CONV[0])))
+    for module in _sibling_modules():  # the same layers in the MoE family: the same kernels
+        for name in _DELTA_RULE + _CONV:
+            setattr(module, name, getattr(hf, name))
     choice = KernelChoice(delta_rule="fla" if delta else "torch", conv="causal-conv1d" if conv else "torch")
     key = f"{device.type}:{prefer}"
     if _CHOSEN.get(key) != f"{choice}":

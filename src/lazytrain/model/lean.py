@@ -63,11 +63,12 @@ import torch.nn.functional as F
 from lazytrain.model.hf_wrappers import plain_function
 from lazytrain.model.pointwise import EAGER, Pointwise
 
-SWIGLU_MLPS = frozenset({"Qwen2MLP", "Qwen3MLP", "LlamaMLP", "Qwen3_5MLP", "Qwen3_5TextMLP"})
+SWIGLU_MLPS = frozenset({"Qwen2MLP", "Qwen3MLP", "LlamaMLP", "Qwen3_5MLP", "Qwen3_5TextMLP", "Qwen3MoeMLP",
+                         "Qwen3_5MoeMLP"})
 """HF MLP classes computing ``down(silu(gate(x)) * up(x))``."""
-RMS_NORMS = frozenset({"Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm"})
+RMS_NORMS = frozenset({"Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "Qwen3MoeRMSNorm"})
 """``weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype)``."""
-ZERO_CENTERED_NORMS = frozenset({"Qwen3_5RMSNorm", "Qwen3_5TextRMSNorm"})
+ZERO_CENTERED_NORMS = frozenset({"Qwen3_5RMSNorm", "Qwen3_5TextRMSNorm", "Qwen3_5MoeRMSNorm"})
 """``(x_fp32 * rsqrt(mean(x_fp32^2) + eps) * (1 + weight_fp32)).to(x.dtype)``."""
 
 
@@ -161,10 +162,12 @@ class LeanRotary(torch.autograd.Function):
                 None, None, None, None)
 
 
-ROTARY_MODULES = ("modeling_qwen2", "modeling_qwen3", "modeling_llama", "modeling_qwen3_5")
+ROTARY_MODULES = ("modeling_qwen2", "modeling_qwen3", "modeling_llama", "modeling_qwen3_5", "modeling_qwen3_moe",
+                  "modeling_qwen3_5_moe")
 """transformers modules whose ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` is the
 formula of `pointwise.rotary` (Qwen3.5's with a partial rotary dimension)."""
-ATTENTIONS = frozenset({"Qwen2Attention", "Qwen3Attention", "LlamaAttention", "Qwen3_5Attention"})
+ATTENTIONS = frozenset({"Qwen2Attention", "Qwen3Attention", "LlamaAttention", "Qwen3_5Attention", "Qwen3MoeAttention",
+                        "Qwen3_5MoeAttention"})
 """HF attention classes calling their module's ``apply_rotary_pos_emb`` on the queries and keys."""
 _ROTARY_OPS: contextvars.ContextVar[Pointwise | None] = contextvars.ContextVar("lazytrain_rotary", default=None)
 """The ``ops`` of the lean attention running now (None: HF's own rotary embedding)."""

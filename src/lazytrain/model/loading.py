@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -36,8 +37,9 @@ class WeightStore(Protocol):
     build_seconds: dict[str, float]
     """Seconds the build took per phase (`build.build_model` fills it)."""
 
-    def set_param(self, group: int, name: str, value: torch.Tensor) -> None:
-        """Write parameter ``name`` of ``group`` (its master and streamed weight)."""
+    def set_param(self, group: int, name: str, value: torch.Tensor, start: int = 0) -> None:
+        """Write parameter ``name`` of ``group`` (its master and streamed weight), or its part
+        from element ``start`` on."""
 
     def master_fp32(self, group: int) -> torch.Tensor:
         """The exact fp32 master of ``group``, flat."""
@@ -82,11 +84,18 @@ log = logging.getLogger(__name__)
 _LANGUAGE_MODEL_PREFIXES = ("model.language_model.", "lm_head.")
 
 
-def _name_index(adapter: ModelAdapter) -> dict[str, tuple[int, str]]:
+def _name_index(adapter: ModelAdapter) -> dict[str, tuple[int, str, int, tuple[str, ...]]]:
+    """Each tensor name a checkpoint file may hold: (group, parameter, first element within it,
+    the names of the file tensors it stands for). Stacked experts may be held either way: one
+    tensor per expert and projection (as ``save_pretrained`` writes them) or stacked."""
     index = {}
     for g, layout in enumerate(adapter.layouts):
         for p in layout.params:
-            index[layout.hf_name(p)] = (g, p.name)
+            pieces = layout.hf_file_pieces(p)
+            for name, start, _ in pieces:
+                index[name] = (g, p.name, start, (name,))
+            if len(pieces) > 1:
+                index[layout.hf_name(p)] = (g, p.name, 0, tuple(name for name, _, _ in pieces))
     return index
 
 
@@ -120,10 +129,10 @@ def load_safetensors(adapter: ModelAdapter, store: WeightStore, folder: str | Pa
                         f"{path}: tensor {name!r} is not part of a {adapter.arch} with this "
                         "config.json; is the folder's config the one the weights were saved with?"
                     )
-                group, pname = index[name]
-                store.set_param(group, pname, f.get_tensor(name))
-                seen.add(name)
-    missing = sorted(set(index) - seen)
+                group, pname, start, covers = index[name]
+                store.set_param(group, pname, f.get_tensor(name), start)
+                seen.update(covers)
+    missing = sorted({covered for _, _, _, covers in index.values() for covered in covers} - seen)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelFileError(f"{folder}: {len(missing)} weights missing from the checkpoint: {shown}")
@@ -178,7 +187,9 @@ def save_hf(
     assignment: list[list[tuple[int | None, object]]] = [[]]
     shard_bytes = 0
     esize = torch.empty((), dtype=dtype).element_size()
-    entries = [(g, p, p.numel * esize) for g, layout in enumerate(adapter.layouts) for p in layout.params]
+    # stacked experts as one tensor per expert and projection, as save_pretrained writes them
+    entries = [(g, (p, piece), math.prod(piece[2]) * esize) for g, layout in enumerate(adapter.layouts)
+               for p in layout.params for piece in layout.hf_file_pieces(p)]
     entries += [(None, name, t.numel() * t.element_size()) for name, t in store.carried.items()]
     for g, p, nbytes in entries:
         if shard_bytes and shard_bytes + nbytes > max_shard_bytes:
@@ -201,13 +212,13 @@ def save_hf(
                 weight_map[p] = name
                 total += shard[p].numel() * shard[p].element_size()
                 continue
-            layout = adapter.layouts[g]
+            param, (hf_name, start, shape) = p
             if group_master is None or group_master[0] != g:
                 group_master = (g, store.master_fp32(g) if groups is None else groups[g])
-            master = group_master[1][p.offset : p.offset + p.numel]
-            shard[layout.hf_name(p)] = master.view(p.shape).to(dtype).contiguous()
-            weight_map[layout.hf_name(p)] = name
-            total += p.numel * esize
+            first = param.offset + start
+            shard[hf_name] = group_master[1][first : first + math.prod(shape)].view(shape).to(dtype).contiguous()
+            weight_map[hf_name] = name
+            total += math.prod(shape) * esize
         save_file(shard, str(out / name), metadata={"format": "pt"})
         del shard
     if len(assignment) > 1:

@@ -46,6 +46,12 @@ trainer's first; a later plan that sends to the host a gradient without a buffer
 Either way its squared norm is taken in the backward, so clipping is unchanged, and the same
 gradient bits reach the same step.
 
+Mixture-of-experts models with the router's load-balancing loss (`lazytrain.model.moe.Routing`):
+the step's forward collects every layer's routing of the real tokens, the loss term is known
+once the last layer has run (`_forward`) and added once to the step's loss (`_finish_step`),
+and its gradient, a constant of the step, is added inside each layer's backward, however the
+plan runs it (kept graph, checkpoint re-run, block recompute); re-runs collect nothing.
+
 The LM head and cross-entropy run on chunks of the target tokens only (prompt and padding
 positions never reach the head), with backward per chunk, so the full logits never exist. Each
 host-buffered gradient is copied to its pinned host buffer on the D2H stream, and every
@@ -166,6 +172,9 @@ class _StepState:
     head_grad: torch.Tensor | None = None
     """A tied head's weight gradient, added to the embedding's (None when untied)."""
     loss_sum: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    """The router's load-balancing loss term (``router_aux_loss_coef * aux``, global), known
+    after the forward; None without one (`lazytrain.model.moe.Routing`)."""
 
 
 def chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -610,6 +619,9 @@ class Executor:
         except BaseException:
             self.activations.abandon()  # an abandoned step's copies still queued
             raise
+        finally:
+            if self.adapter.routing is not None:
+                self.adapter.routing.end()
 
     def _forward_backward(self, input_ids, labels, attention_mask, position_ids, document_ids) -> StepStats:
         step = self._start_step(input_ids, labels, attention_mask, position_ids, document_ids)
@@ -684,6 +696,10 @@ class Executor:
             position_ids = position_ids.to(dev, non_blocking=True)
         cos, sin = adapter.rotary_embeddings(position_ids, self.dtype)
         self._consts = [cos, sin, *mask_tensors(mask)]
+        if adapter.routing is not None:
+            # the load-balancing loss counts the real tokens' routing, in every layer
+            real = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
+            adapter.routing.start(real, dev)
         self.trace.start_step()
         if self.step_started is not None:
             self.step_started()
@@ -743,6 +759,9 @@ class Executor:
             self._release(i)
             self._stage_done(f"fwd {i}")
         step.hidden = x
+        if adapter.routing is not None:
+            # every layer's routing is known: the loss term, and what each backward adds
+            step.aux_loss = adapter.routing.end_forward(None if self.parallel is None else self.parallel.sum_)
 
     def _head(self, step: _StepState) -> None:
         """The final norm + chunked LM head + loss, backward per chunk (`head_loss_backward`):
@@ -865,13 +884,16 @@ class Executor:
 
     def _finish_step(self, step: _StepState) -> StepStats:
         """The loss and gradient norm read back (summed over ranks), and the step's counts."""
+        loss = step.loss_sum
+        if step.aux_loss is not None and (self.parallel is None or self.parallel.rank == 0):
+            loss = loss + step.aux_loss  # once: the ranks' losses are summed
         if self.parallel is not None:
             if self.parallel.world_size > 1:
                 # the shards' norms are written on the D2H stream, after their collectives
                 self.streams.wait(self.grad_ready[0])
-            stats = self.parallel.sum_(torch.stack([step.loss_sum, self.grad_norm_sq.sum()])).cpu()
+            stats = self.parallel.sum_(torch.stack([loss, self.grad_norm_sq.sum()])).cpu()
         else:
-            stats = torch.stack([step.loss_sum, self.grad_norm_sq.sum()]).cpu()
+            stats = torch.stack([loss, self.grad_norm_sq.sum()]).cpu()
         loss_value = float(stats[0])
         grad_norm = math.sqrt(float(stats[1])) if math.isfinite(float(stats[1])) else float("nan")
         self._consts = []
