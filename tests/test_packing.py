@@ -392,7 +392,7 @@ def test_the_torch_delta_rule_groups_packed_segments_by_length():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "qwen3_5", "qwen3_5_moe"])
 def test_packed_step_on_cuda_matches_unpacked_on_the_cpu(tmp_path, family):
     """On CUDA (fp32; the Gated-DeltaNet layers on whichever kernels the device has), a packed
     step with recomputed and host-tier layers gives the loss and gradients of the same samples
