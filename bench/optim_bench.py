@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--rounding", choices=("nearest", "stochastic"), default="nearest",
-        help="8-bit path: how sqrt(v) is requantized (optimizer.state_rounding)",
+        help="how sqrt(v) (8-bit) or m and sqrt(v) (4-bit) are requantized (optimizer.state_rounding)",
     )
     return parser.parse_args(argv)
 
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> None:
         args,
     )
     ns4, bytes4, _ = run_path(
-        f"hybrid 4-bit ({path})",
+        f"hybrid 4-bit ({path.replace('sqrt(v)', 'm and sqrt(v)')})",
         lambda m, d: Hybrid4bitAdamW(m, d, config, kernel="torch" if kernel is None else "cpp",
                                      rounding=args.rounding),
         args.numel,

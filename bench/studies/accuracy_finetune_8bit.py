@@ -58,7 +58,7 @@ from bench.studies.optim_convergence_seeds import interval, points, ratio
 from lazytrain.runtime.device import resolve_device
 
 KINDS = ("fp32", "fp32_kernel", "fp32_unfused", "hybrid8bit", "hybrid8bit_sr", "hybrid8bit_bf16master", "hybrid4bit",
-         "hybrid4bit_bf16master")
+         "hybrid4bit_bf16master", "hybrid4bit_sr", "hybrid4bit_sr_bf16master")
 DEFAULT_KINDS = ("fp32", "fp32_kernel", "hybrid8bit")
 STUDY_OPTIONS = ("shape", "dtype", "pretrain_tier", "pretrain_steps", "pretrain_lr", "pretrain_runner", "pretrain_seed",
                  "finetune_tier", "finetune_steps", "finetune_lr", "batch_size", "heldout", "tail", "device")

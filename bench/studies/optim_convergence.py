@@ -50,6 +50,10 @@ RUNS = {
     "hybrid4bit": ["optimizer.kind=hybrid4bit", "optimizer.state_rounding=nearest"],
     # both: the flagship's host memory (weights 2 + states ~1.06 B/param)
     "hybrid4bit_bf16master": ["optimizer.kind=hybrid4bit", "optimizer.state_rounding=nearest", "memory.master=bf16"],
+    # 4-bit m and sqrt(v) rounded stochastically (auto's choice for 4-bit states)
+    "hybrid4bit_sr": ["optimizer.kind=hybrid4bit", "optimizer.state_rounding=stochastic"],
+    "hybrid4bit_sr_bf16master": ["optimizer.kind=hybrid4bit", "optimizer.state_rounding=stochastic",
+                                 "memory.master=bf16"],
 }
 
 

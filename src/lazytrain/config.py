@@ -232,19 +232,21 @@ class OptimizerConfig(AdamWConfig):
     a tied model of the same shape (one 545 M matrix of 7.1 B) to 2.52. On the built-in default
     it measured no closer to fp32 than all-8-bit states (``bench/studies/optim_convergence_seeds.py``)."""
     state_rounding: Literal["auto", "nearest", "stochastic"] = "auto"
-    """hybrid8bit and hybrid4bit only: how sqrt(v) is requantized each step. nearest: the nearest code.
-    stochastic: one of the two codes around it, drawn so that its expected value is sqrt(v)
-    (reproducible: a hash of training.seed, the group, the step and the element), so that
-    small changes of v are not rounded away. auto: stochastic when fine-tuning (weights loaded
-    from model.source), nearest when training a built-in shape from its random init.
+    """hybrid8bit and hybrid4bit only: how the states are requantized each step: sqrt(v) (8-bit),
+    m and sqrt(v) (4-bit). nearest: the nearest code. stochastic: one of the two codes around
+    the value, drawn so that its expected value is the value (reproducible: a hash of
+    training.seed, the group, the step and the element), so that small changes are not rounded
+    away. auto: for hybrid8bit, stochastic when fine-tuning (weights loaded from model.source),
+    nearest when training a built-in shape from its random init; for hybrid4bit, stochastic.
     Measured (docs/optimizer.md): fine-tuning a 0.5B model on the H200 (5 seeds), stochastic
     codes end 0.06% above fp32's tail loss and the null (fp32 in another rounding order) 0.04%,
     nearest codes 0.13%, outside the null's interval; along the run all three are within the
     null's spread. Training the built-in model from scratch, stochastic codes ended worse on
     one seed of three. The 8-bit step takes ~28% more CPU time (0.258 -> 0.330 ns/param, 16
     cores); a 7B step (b64 x s1024, H200) measured +3.4% and -0.7% in two pairs of runs.
-    With hybrid4bit, auto is nearest (stochastic 4-bit codes measured no closer to float64
-    AdamW, optim/hybrid4bit.py)."""
+    4-bit states with nearest codes ended a fine-tune's CPU proxy (5 seeds) at 1.097x fp32's
+    tail loss, m's rounding the cause (its small changes rounded away); with stochastic codes
+    at 1.008x (docs/optimizer.md, 4-bit states). They cost ~15% more CPU time a step."""
     warmup_steps: int = 20
     """Steps of linear warmup from lr / warmup_steps to lr (0: none)."""
     schedule: Literal["cosine", "constant"] = "cosine"
@@ -523,14 +525,15 @@ class Config:
 
     def state_rounding(self) -> str:
         """optimizer.state_rounding resolved (kept as given in the config, so that a saved
-        config still says auto): auto is stochastic for hybrid8bit states fine-tuning weights
-        loaded from model.source, nearest for a built-in shape's random init, for 4-bit states
-        and for fp32 states (docs/optimizer.md, rounding of the 8-bit states)."""
+        config still says auto): auto is stochastic for 4-bit states, and for 8-bit states
+        fine-tuning weights loaded from model.source; nearest for 8-bit states from a built-in
+        shape's random init, and for fp32 states (docs/optimizer.md, rounding of the states)."""
         rounding = self.optimizer.state_rounding
         if rounding != "auto":
             return rounding
         fine_tuning = not self.model.source.startswith("builtin:")
-        return "stochastic" if self.optimizer.kind == "hybrid8bit" and fine_tuning else "nearest"
+        kind = self.optimizer.kind
+        return "stochastic" if kind == "hybrid4bit" or (kind == "hybrid8bit" and fine_tuning) else "nearest"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -31,9 +31,20 @@ single updates up to 6.1 lr (sqrt(v)) against 2.8 lr (v) in that run, fp64 AdamW
 zero code either way, so no update is unbounded). A short run of the built-in default agrees
 (60 steps, one seed: mean loss of the last 20 steps 1.159 with sqrt(v) codes, 1.214 with v
 codes, 1.069 with fp32 states; ``..._2026-12-06_runs.md``). Stochastic rounding of the sqrt(v) codes did
-not help there (0.28 -> 0.28, 0.49 -> 0.50), so ``optimizer.state_rounding=auto`` is nearest
-for 4-bit states; ``stochastic`` is available, drawn as the 8-bit one is
-(``quant.rounding_uniforms``).
+not help there (0.28 -> 0.28, 0.49 -> 0.50).
+
+What does help is rounding m's codes stochastically. A fine-tune's CPU proxy (5 seeds,
+``bench/results/finetune_8bit_tiny_2026-12-06_cpu_bf16_proxy_s1-5.md``) ended 4-bit states with
+nearest codes at 1.097x fp32's tail loss; keeping m in fp32 brought it to 1.0002-1.0015x and
+sqrt(v) in fp32 only to 1.065-1.068x (``bench/studies/optim_4bit_first_moment.py``). m moves by
+(1 - beta1) of the gradient a step, often less than half the gap between its codes (0.2125 and
+0.4375 are neighbours): a nearest code rounds the change away and m sits at the code below or
+above its value for as long as the gradient holds (``tests/test_optim_hybrid4bit.py``, m held
+at 0.71 of its value). So ``optimizer.state_rounding=stochastic`` rounds both moments' codes
+stochastically at 4 bits, each element's m and sqrt(v) drawn under two unrelated keys
+(``quant.moment_rounding_key``, ``quant.rounding_key``) from the 8-bit step's hash
+(``quant.rounding_uniforms``), and ``auto`` is stochastic for 4-bit states. The saved codes
+are the same format either way.
 
 One step is one pass over memory (``csrc/hybrid4bit.cpp``, every ``kernel.VARIANTS`` path), or
 `torch_step_4bit`'s torch ops where the kernel does not build and on a GPU (`to_device`,
@@ -70,7 +81,7 @@ from lazytrain.optim.hybrid8bit import (
     torch_step_fp32,
 )
 from lazytrain.optim.master import Master, master_chunk, store_master_chunk
-from lazytrain.optim.quant import BLOCK, TINY, num_blocks, rounding_uniforms
+from lazytrain.optim.quant import BLOCK, TINY, moment_rounding_key, num_blocks, rounding_uniforms
 
 STATE_FORMAT = f"de4-linear4nz-block{BLOCK}-sqrtv"
 """Names the maps (signed dynamic m, linear no-zero second moment), the block size and what
@@ -221,12 +232,14 @@ def torch_step_4bit(
     s: StepScalars,
     rounding: tuple[int, int] | None = None,
     master_rounding: tuple[int, int] | None = None,
+    m_rounding: tuple[int, int] | None = None,
 ) -> None:
     """The kernel's step with torch ops on the tensors' device, a piece at a time
     (``TORCH_CHUNK`` elements on the CPU, ``DEVICE_CHUNK`` on a GPU: whole blocks, an even
     count). ``rounding``: (key, index of the first element in its whole group) to round
-    sqrt(v) stochastically; ``master_rounding``: the same for a bf16 master's weights
-    (``quant.weight_rounding_key``; needed for a `Bf16Master`), as `torch_step_8bit`'s."""
+    sqrt(v) stochastically; ``m_rounding``: the same for m (``quant.moment_rounding_key``);
+    ``master_rounding``: the same for a bf16 master's weights (``quant.weight_rounding_key``;
+    needed for a `Bf16Master`), as `torch_step_8bit`'s."""
     device = grad.device
     mt, vt = maps_on(device)
     n = master.numel()
@@ -239,9 +252,10 @@ def torch_step_4bit(
         root = dequantize4(state.v_codes[nbytes], state.v_absmax[blocks], vt, hi - lo)
         decay_numel = min(max(s.decay_numel - lo, 0), hi - lo)
         m, v = _adam_update(chunk, grad[lo:hi], m, root * root, s, decay_numel)
-        uniforms = None if rounding is None else rounding_uniforms(rounding[0], rounding[1] + lo, hi - lo, device)
-        for codes, absmax, x, table, u in (("m_codes", "m_absmax", m, mt, None),
-                                           ("v_codes", "v_absmax", v.sqrt(), vt, uniforms)):
+        m_draw, v_draw = (None if keyed is None else rounding_uniforms(keyed[0], keyed[1] + lo, hi - lo, device)
+                          for keyed in (m_rounding, rounding))
+        for codes, absmax, x, table, u in (("m_codes", "m_absmax", m, mt, m_draw),
+                                           ("v_codes", "v_absmax", v.sqrt(), vt, v_draw)):
             new_codes, new_absmax = quantize4(x, table, uniforms=u)
             getattr(state, codes)[nbytes].copy_(new_codes)
             getattr(state, absmax)[blocks].copy_(new_absmax)
@@ -282,12 +296,15 @@ class Hybrid4bitAdamW(Hybrid8bitAdamW):
         i = self._step_inputs(group, grad, clip_coef, lr, weight_out)
         master, grad, out, s, state = i.master, i.grad, i.out, i.scalars, self.states[group]
         if isinstance(state, Quantized4bitState):
+            # stochastic rounding covers both moments at 4 bits (module docstring)
+            m_rounding = None if i.rounding is None else (moment_rounding_key(self.seed, group, i.step), i.offset)
             if self._kernel is None or i.on_device:
-                torch_step_4bit(grad, master, state, out, s, i.rounding, i.master_rounding)
+                torch_step_4bit(grad, master, state, out, s, i.rounding, i.master_rounding, m_rounding)
             else:
                 self._kernel.step_4bit(grad, i.flat, state.m_codes, state.m_absmax, state.v_codes,
                                        state.v_absmax, out, i.remainder, self._tables, *i.kernel_scalars,
                                        s.decay_numel, i.rounding is not None, i.rounding[0] if i.rounding else 0,
+                                       m_rounding is not None, m_rounding[0] if m_rounding else 0,
                                        i.offset, i.master_rounding[0])
         elif self._kernel is None or i.on_device:
             torch_step_fp32(grad, master, state, out, s, i.master_rounding)

@@ -349,6 +349,17 @@ def weight_rounding_key(seed: int, group: int, step: int) -> int:
     return fmix32(rounding_key(seed, group, step) ^ WEIGHT_STREAM)
 
 
+MOMENT_STREAM = 0x78DDE6E4
+"""Mixed into `rounding_key` for the first moment's stochastic rounding (`moment_rounding_key`)."""
+
+
+def moment_rounding_key(seed: int, group: int, step: int) -> int:
+    """The 32-bit key of one group's step in the stochastic rounding of m's codes (4-bit states,
+    ``hybrid4bit.py``): `rounding_key` hashed again with `MOMENT_STREAM`, so an element's m draw
+    is unrelated to its sqrt(v) draw and its weight draw."""
+    return fmix32(rounding_key(seed, group, step) ^ MOMENT_STREAM)
+
+
 def rounding_uniforms(key: int, first: int, count: int, device: torch.device | None = None) -> torch.Tensor:
     """float32 uniforms in [0, 1) (24 bits) for the elements ``first .. first + count - 1`` of a
     group: a hash of the key and the element's index, so the draw of an element is the same

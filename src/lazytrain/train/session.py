@@ -284,8 +284,9 @@ def build_session(config: Config) -> Session:
         log.info("masters: the bf16 weights themselves, updated with stochastic rounding (memory.master=bf16: "
                  "0 B/param, not exact)")
     if config.optimizer.kind in ("hybrid8bit", "hybrid4bit"):
-        log.info("%s states: sqrt(v) rounded to the %s code (optimizer.state_rounding=%s)",
-                 "4-bit" if config.optimizer.kind == "hybrid4bit" else "8-bit",
+        four = config.optimizer.kind == "hybrid4bit"
+        log.info("%s states: %s rounded to the %s code (optimizer.state_rounding=%s)",
+                 "4-bit" if four else "8-bit", "m and sqrt(v)" if four else "sqrt(v)",
                  "stochastically drawn" if rounding == "stochastic" else "nearest", config.optimizer.state_rounding)
     if parallel is None:
         optimizer = make_optimizer(config.optimizer, store.masters, decay, seed=config.training.seed,

@@ -99,6 +99,26 @@ struct Simd : MasterSimd {
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(c));
   }
+  // 16 nearest codes -> stochastically rounded ones (the scalar `stochastic` below, 16 lanes;
+  // `index`: the hash input of the first)
+  static void round_stochastic(const float* values, float inv_absmax, uint8_t* codes, const Map4& t,
+                               uint32_t key, uint32_t index) {
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(values), _mm512_set1_ps(inv_absmax));
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512 qmap = _mm512_load_ps(t.qmap);
+    const __m512 qc = _mm512_permutexvar_ps(c, qmap);
+    const __m512i above = _mm512_min_epi32(_mm512_add_epi32(c, one), _mm512_set1_epi32(kCodes - 1));
+    const __m512i below = _mm512_max_epi32(_mm512_sub_epi32(c, one), _mm512_setzero_si512());
+    const __m512i n = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, qc, _CMP_GE_OQ), below, above);
+    const __m512 qn = _mm512_permutexvar_ps(n, qmap);
+    const __m512 a = _mm512_min_ps(qc, qn), b = _mm512_max_ps(qc, qn);
+    const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(hashes(key, index), 8)), _mm512_set1_ps(0x1p-24f));
+    const __m512 p = _mm512_div_ps(_mm512_sub_ps(x, a), _mm512_sub_ps(b, a));
+    const __mmask16 up = _mm512_cmp_ps_mask(b, a, _CMP_GT_OQ) & _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ);
+    const __m512i low = _mm512_min_epi32(c, n);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(low, up, low, one)));
+  }
   // 16 codes (bytes) -> 8 bytes, two codes each
   static void pack16(const uint8_t* codes, uint8_t* out) {
     const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
@@ -118,10 +138,14 @@ struct Simd : MasterSimd {
     const __m256i wide = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));
     const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
     const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(wide, shifts), _mm256_set1_epi32(15));
+    return _mm256_mul_ps(lookup(codes, t), scale);
+  }
+  // the map's values of 8 codes (< 16)
+  static F lookup(__m256i codes, const Map4& t) {
     const __m256 low = _mm256_permutevar8x32_ps(_mm256_load_ps(t.qmap), codes);
     const __m256 high = _mm256_permutevar8x32_ps(_mm256_load_ps(t.qmap + 8), codes);
     const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28));  // bit 3 as the sign
-    return _mm256_mul_ps(_mm256_blendv_ps(low, high, upper), scale);
+    return _mm256_blendv_ps(low, high, upper);
   }
   static void quantize(const float* values, float inv_absmax, uint8_t* codes, const Map4& t) {
     const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(values), _mm256_set1_ps(inv_absmax));
@@ -137,6 +161,27 @@ struct Simd : MasterSimd {
       }
     }
     const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), _mm_packus_epi16(words, words));
+  }
+  // 8 nearest codes -> stochastically rounded ones (AVX-512's round_stochastic, 8 lanes)
+  static void round_stochastic(const float* values, float inv_absmax, uint8_t* codes, const Map4& t,
+                               uint32_t key, uint32_t index) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(values), _mm256_set1_ps(inv_absmax));
+    int64_t eight;
+    std::memcpy(&eight, codes, 8);
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256 qc = lookup(c, t);
+    const __m256i above = _mm256_min_epi32(_mm256_add_epi32(c, one), _mm256_set1_epi32(kCodes - 1));
+    const __m256i below = _mm256_max_epi32(_mm256_sub_epi32(c, one), _mm256_setzero_si256());
+    const __m256i n = _mm256_blendv_epi8(below, above, _mm256_castps_si256(_mm256_cmp_ps(x, qc, _CMP_GE_OQ)));
+    const __m256 qn = lookup(n, t);
+    const __m256 a = _mm256_min_ps(qc, qn), b = _mm256_max_ps(qc, qn);
+    const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(hashes(key, index), 8)), _mm256_set1_ps(0x1p-24f));
+    const __m256 p = _mm256_div_ps(_mm256_sub_ps(x, a), _mm256_sub_ps(b, a));
+    const __m256 up = _mm256_and_ps(_mm256_cmp_ps(b, a, _CMP_GT_OQ), _mm256_cmp_ps(u, p, _CMP_LT_OQ));
+    const __m256i code = _mm256_sub_epi32(_mm256_min_epi32(c, n), _mm256_castps_si256(up));  // a true compare is -1
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), _mm_packus_epi16(words, words));
   }
   static void pack16(const uint8_t* codes, uint8_t* out) {
@@ -167,8 +212,10 @@ struct Group4bit {
   float* m_absmax;
   uint8_t* v_codes;  // codes of sqrt(v)
   float* v_absmax;
-  bool stochastic;  // sqrt(v) rounded stochastically (hybrid4bit.stochastic_codes4)
-  uint32_t key;     // quant.rounding_key of this group's step
+  bool stochastic;    // sqrt(v) rounded stochastically (hybrid4bit.stochastic_codes4)
+  uint32_t key;       // quant.rounding_key of this group's step
+  bool m_stochastic;  // m rounded stochastically, the same way
+  uint32_t m_key;     // quant.moment_rounding_key of this group's step
 };
 
 struct BlockScratch {
@@ -219,7 +266,7 @@ inline void dequantize_range(const uint8_t* packed, float scale, const Map4& t, 
   }
 }
 
-// Stochastic rounding of sqrt(v) (hybrid4bit.stochastic_codes4): from the nearest code c, the
+// Stochastic rounding of m or sqrt(v) (hybrid4bit.stochastic_codes4): from the nearest code c, the
 // code below or above x, the upper one with probability (x - below) / (above - below) against
 // the uniform hashed from the element's index. The division is IEEE's, as torch's.
 inline void stochastic(const float* values, float inv_absmax, uint8_t* codes, const Map4& t, int64_t len,
@@ -236,18 +283,25 @@ inline void stochastic(const float* values, float inv_absmax, uint8_t* codes, co
   }
 }
 
-// Quantize `len` values into packed codes starting at element `start` (even).
+// Quantize `len` values into packed codes starting at element `start` (even): nearest codes, or
+// with `stochastic_codes` codes rounded stochastically under `group_key` (its group's step's),
+// `first` being the index of element `start` in the whole group.
 template <class S>
 inline void quantize_range(const float* values, int64_t len, float inv_absmax, const Map4& t, uint8_t* codes,
-                           const Group4bit& g, bool stochastic_codes, int64_t start, uint8_t* packed) {
+                           bool stochastic_codes, uint32_t group_key, int64_t first, int64_t start,
+                           uint8_t* packed) {
   int64_t j = 0;
   for (; j + S::W <= len; j += S::W) S::quantize(values + j, inv_absmax, codes + j, t);
   for (; j < len; ++j) Scalar::quantize(values + j, inv_absmax, codes + j, t);
   if (stochastic_codes) {
     // a block never straddles a multiple of 2**32 elements: its high half keys the block
-    const int64_t first = g.master.offset + start;
-    const uint32_t key = high_key(g.key, first);
-    stochastic(values, inv_absmax, codes, t, len, key, static_cast<uint32_t>(first));
+    const uint32_t key = high_key(group_key, first);
+    const auto index = static_cast<uint32_t>(first);
+    j = 0;
+    if constexpr (S::W > 1) {
+      for (; j + S::W <= len; j += S::W) S::round_stochastic(values + j, inv_absmax, codes + j, t, key, index + j);
+    }
+    stochastic(values + j, inv_absmax, codes + j, t, len - j, key, index + static_cast<uint32_t>(j));
   }
   codes[len] = 0;  // an odd tail's last byte holds one code
   pack_range(codes, len, packed + (start >> 1));
@@ -274,8 +328,9 @@ void step_block(const Group4bit& g, const G* grad, O* out, const Hyper& h, const
   update_range<Simd>(g, grad, out, h, start, decay_end, len, 1.0f, master_key, s);
   const float m_inv = store_absmax(g.m_absmax[block], s.m_max);
   const float root_inv = store_absmax(g.v_absmax[block], s.root_max);
-  quantize_range<Simd>(s.m, len, m_inv, tm, s.codes, g, false, start, g.m_codes);
-  quantize_range<Simd>(s.root, len, root_inv, tv, s.codes, g, g.stochastic, start, g.v_codes);
+  const int64_t first = g.master.offset + start;
+  quantize_range<Simd>(s.m, len, m_inv, tm, s.codes, g.m_stochastic, g.m_key, first, start, g.m_codes);
+  quantize_range<Simd>(s.root, len, root_inv, tv, s.codes, g.stochastic, g.key, first, start, g.v_codes);
 }
 
 void fill_map(Map4& t, const at::Tensor& qmap, const at::Tensor& midpoints) {
@@ -316,17 +371,19 @@ void step_typed(const Group4bit& g, const G* grad, O* out, const Hyper& h, const
 
 // `master` is only sized (any dtype) when `remainder` is given, and is the bf16 master itself
 // when bf16 (master_ref); `maps` = (signed qmap, its midpoints, unsigned qmap, its midpoints),
-// 16 float32 each. `key`: sqrt(v)'s rounding key, `master_key`: a bf16 master's
-// (quant.rounding_key, quant.weight_rounding_key), as the 8-bit kernel's step_8bit.
+// 16 float32 each. `key`: sqrt(v)'s rounding key, `m_key` m's, `master_key`: a bf16 master's
+// (quant.rounding_key, quant.moment_rounding_key, quant.weight_rounding_key), as the 8-bit
+// kernel's step_8bit.
 void step_4bit(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& m_codes,
                const at::Tensor& m_absmax, const at::Tensor& v_codes, const at::Tensor& v_absmax,
                const std::optional<at::Tensor>& weight_out, const std::optional<at::Tensor>& remainder,
                const std::vector<at::Tensor>& maps, double clip, double beta1, double beta2, double eps,
                double step_size, double inv_bc2_sqrt, double decay, int64_t decay_numel, bool stochastic,
-               int64_t key, int64_t offset, int64_t master_key) {
+               int64_t key, bool m_stochastic, int64_t m_key, int64_t offset, int64_t master_key) {
   const int64_t n = master.numel();
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   TORCH_CHECK(key >= 0 && key <= 0xFFFFFFFFLL, "rounding key must be a 32-bit value, got ", key);
+  TORCH_CHECK(m_key >= 0 && m_key <= 0xFFFFFFFFLL, "m's rounding key must be a 32-bit value, got ", m_key);
   Group4bit g{};
   g.numel = n;
   g.decay_numel = std::clamp<int64_t>(decay_numel, 0, n);
@@ -349,6 +406,8 @@ void step_4bit(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
   g.v_absmax = v_absmax.data_ptr<float>();
   g.stochastic = stochastic;
   g.key = static_cast<uint32_t>(key);
+  g.m_stochastic = m_stochastic;
+  g.m_key = static_cast<uint32_t>(m_key);
   const Hyper h = make_hyper(clip, beta1, beta2, eps, step_size, inv_bc2_sqrt);
   // a split or bf16 master's weight is written with the master: no separate weight_out
   dispatch(grad, weight_out, g.master.fp32 != nullptr, [&](auto* grad_ptr, auto* out_ptr) {
