@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from lazytrain.cli.main import main
-from lazytrain.model.adapter import ModelAdapter, UnsupportedModelError, load_hf_config
+from lazytrain.model.adapter import ModelAdapter, load_hf_config
 from lazytrain.model.flops import (
     active_nonembedding_params,
     flops_6nt,
@@ -332,16 +332,6 @@ def test_lazytrain_plan_names_the_smallest_host_fix_and_sweeps_the_batch(tmp_pat
         assert f"\n{batch:>6}  " in printed
 
 
-def moe_supported() -> bool:
-    """Whether the model adapter takes mixture-of-experts configs (another change brings it)."""
-    try:
-        load_hf_config({**SHAPES["tiny-moe"], "vocab_size": 1000})
-    except UnsupportedModelError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not moe_supported(), reason="the model adapter does not take MoE configs yet")
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-hybrid-moe"])
 def test_lazytrain_plan_plans_an_moe_model_from_its_shape(tmp_path, capsys, name):
     args = [
