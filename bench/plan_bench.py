@@ -308,8 +308,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--optimizer", choices=["fp32", "hybrid8bit", "hybrid4bit"], default="hybrid8bit")
     parser.add_argument("--fetch-allocation", choices=["h2d", "compute"], default="compute",
                         help="GPU memory pool of activations fetched back from the host tier (ActivationStore)")
-    parser.add_argument("--state-rounding", choices=["nearest", "stochastic"], default="nearest",
-                        help="optimizer.state_rounding of the 8-bit states (the profile times that step)")
+    parser.add_argument("--state-rounding", choices=["auto", "nearest", "stochastic"], default="auto",
+                        help="optimizer.state_rounding of 8-bit or 4-bit states (the profile times that step; "
+                             "auto: the config's rule, nearest for 8-bit states of a built-in shape, stochastic "
+                             "for 4-bit states)")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--runs", nargs="*", default=["solved", "megatrain", "keep_all:max"])
@@ -407,7 +409,8 @@ def main(argv: list[str] | None = None) -> None:
         head_chunk=args.head_chunk, nvme_dir=args.nvme_dir,
         overrides=(f"memory.master={args.master}", f"memory.gradients={store_gradients(args)}",
                    *([f"memory.host_limit_gb={args.host_limit_gb}"] if args.host_limit_gb else []),
-                   *([f"optimizer.state_rounding={args.state_rounding}"] if args.state_rounding != "nearest" else [])))
+                   f"optimizer.state_rounding={args.state_rounding}"))
+    args.state_rounding = session.config.state_rounding()  # auto resolved: what the records say
     print(f"model {args.model}: {session.store.num_params / 1e9:.2f}B params, built in "
           f"{time.perf_counter() - t0:.0f} s ("
           + ", ".join(f"{k} {v:.1f} s" for k, v in session.store.build_seconds.items()) + ")", flush=True)
@@ -748,6 +751,7 @@ def markdown(records: list[dict], args) -> str:
         "",
         f"{head.get('date')}, {head.get('device')}, torch {head.get('torch')}, optimizer {args.optimizer} "
         + (f"with {args.state_rounding} rounding of sqrt(v) " if args.optimizer == "hybrid8bit" else "")
+        + (f"with {args.state_rounding} rounding of m and sqrt(v) " if args.optimizer == "hybrid4bit" else "")
         + f"(overlapped), {args.master} masters, gradients on the {' / '.join(args.gradients)}, {args.warmup} warm-up + "
         f"{args.steps} measured steps (median), random tokens. Host bytes/param: "
         f"{head.get('host_bytes_per_param', {}).get('total', float('nan')):.3f}. Command: "
