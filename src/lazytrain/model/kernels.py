@@ -30,6 +30,7 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -293,7 +294,12 @@ def select_linear_attention_kernels(device: torch.device, prefer: str = "auto") 
     fast = device.type == "cuda" and prefer == "auto"
     delta = _fla() if fast else None
     if delta and str(device) not in _PROBED:  # once per device: a probe compiles fla's kernels
+        log.info("Gated-DeltaNet: probing fla-core's chunked kernel on %s; its first calls compile Triton "
+                 "(and TileLang) kernels, minutes on a machine without their caches (~/.triton), as does "
+                 "the first training step's shapes", device)
+        started = time.perf_counter()
         _PROBED[str(device)] = _fla_failure(delta, device)
+        log.info("Gated-DeltaNet: fla-core probe done in %.1f s", time.perf_counter() - started)
     failure = _PROBED.get(str(device)) if delta else None
     if failure:
         delta = None
