@@ -685,7 +685,8 @@ class Executor:
         # layer is causal, so no real position reads a later (padding) one, and the padding
         # positions' outputs reach no loss; they take the unmasked path the profiler measured
         # (sdpa's flash kernel with is_causal instead of a dense mask, no S x S mask per step)
-        padded = attention_mask is not None and not bool(attention_mask.all()) and not right_padded(attention_mask)
+        some_padding = attention_mask is not None and not bool(attention_mask.all())
+        padded = some_padding and not right_padded(attention_mask)
         if document_ids is not None:
             mask = adapter.layer_masks(None, document_ids=document_ids)  # the CPU copy: see layer_masks
         else:
@@ -698,7 +699,7 @@ class Executor:
         self._consts = [cos, sin, *mask_tensors(mask)]
         if adapter.routing is not None:
             # the load-balancing loss counts the real tokens' routing, in every layer
-            real = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
+            real = attention_mask if some_padding else None
             adapter.routing.start(real, dev)
         self.trace.start_step()
         if self.step_started is not None:
