@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -258,7 +259,11 @@ def test_gradients_held_on_the_gpu_train_and_resume_as_host_buffered_ones(tmp_pa
     out = tmp_path / "run"
     caplog.set_level(logging.INFO, logger="lazytrain")
     assert main(train_args(out, 3, "memory.gradients=gpu", "training.save_every=3")) == 0
-    assert "gradients held on the GPU until the update (no host buffer): layers [0, 1]" in caplog.text
+    # every streamed, CPU-stepped layer's (on a GPU the plan may keep a layer resident and step
+    # it there: layer 0 on an H100, 2026-12-07)
+    held = re.search(r"gradients held on the GPU until the update \(no host buffer\): layers \[([\d, ]+)\]",
+                     caplog.text)
+    assert held and (torch.cuda.is_available() or held[1] == "0, 1"), caplog.text[-2000:]
     assert main(train_args(out, 6, "memory.gradients=gpu", "training.resume=true")) == 0
     assert_resumed_exactly(out, reference)
 

@@ -342,9 +342,11 @@ def test_device_moves_step_as_the_host():
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_a_group_stepped_on_the_gpu_steps_as_the_host(rounding):
     """A group moved to the GPU (`to_device`: the torch path's eager ops there) against the host
-    kernel, over 3 steps: the masters within 1e-6, codes equal but for a few values that the two
-    devices' float rounding puts on either side of a midpoint (the same draws: m's and sqrt(v)'s
-    stochastic codes hash the same keys on both)."""
+    kernel, over 3 steps: codes equal but for a few values that the two devices' float rounding
+    puts on either side of a midpoint (the same draws: m's and sqrt(v)'s stochastic codes hash the
+    same keys on both); the masters within 1e-6 but where such a code moved a later update (under
+    1e-3 of them, by less than the 3 steps' learning rate: 3 of 38,403 by up to 4.9e-4 with
+    nearest codes on an H100, 2026-12-07)."""
     gen = torch.Generator().manual_seed(7)
     numel = 300 * BLOCK + 3
     start = torch.randn(numel, generator=gen)
@@ -357,7 +359,8 @@ def test_a_group_stepped_on_the_gpu_steps_as_the_host(rounding):
         host.step_group(0, grad, 0.5, LR, None)
         moved.step_group(0, grad.cuda(), 0.5, LR, None)
     moved.to_host()
-    torch.testing.assert_close(moved.masters[0], host.masters[0], rtol=0, atol=1e-6)
+    apart = (moved.masters[0] - host.masters[0]).abs()
+    assert float((apart > 1e-6).float().mean()) < 1e-3 and float(apart.max()) < 3 * LR
     for name, a in moved.states[0].tensors().items():
         b = host.states[0].tensors()[name]
         if name.endswith("codes"):
