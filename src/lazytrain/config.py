@@ -246,7 +246,7 @@ class OptimizerConfig(AdamWConfig):
     cores); a 7B step (b64 x s1024, H200) measured +3.4% and -0.7% in two pairs of runs.
     4-bit states with nearest codes ended a fine-tune's CPU proxy (5 seeds) at 1.097x fp32's
     tail loss, m's rounding the cause (its small changes rounded away); with stochastic codes
-    at 1.008x (docs/optimizer.md, 4-bit states). They cost ~15% more CPU time a step."""
+    at 1.008x (docs/optimizer.md, 4-bit states). They cost 15-40% more CPU time a step."""
     warmup_steps: int = 20
     """Steps of linear warmup from lr / warmup_steps to lr (0: none)."""
     schedule: Literal["cosine", "constant"] = "cosine"
