@@ -108,19 +108,35 @@ GiB = 2**30
 
 
 def store_gradients(args) -> str:
-    """memory.gradients of the session: the one ``--gradients`` value, or ``auto`` (every host
-    buffer allocated, so that each run places its gradients as its value says) for several."""
+    """memory.gradients of the session: the one ``--gradients`` value (``placed``: auto, as the
+    trainer runs it), or ``auto`` (every host buffer allocated, so that each run places its
+    gradients as its value says) for several."""
+    if args.gradients == ["placed"]:
+        return "auto"
     return args.gradients[0] if len(args.gradients) == 1 else "auto"
+
+
+def held_layers(store, num_layers: int) -> tuple[int, ...]:
+    """The decoder layers the store has no host gradient buffer for (`HostStore.host_grad_groups`;
+    none before the first plan has run)."""
+    if store.host_grad_groups is None:
+        return ()
+    return tuple(i for i in range(num_layers) if i + 1 not in store.host_grad_groups)
 
 
 def options(args, const_update: str = "auto", device_layers: str = "0", device_steps: str = "0",
             offload_window: int = 1, gradients: str | None = None) -> PolicyOptions:
+    """A run's policy options. With ``--gradients placed`` the first plan that runs places each
+    layer's gradient and allocates only the host buffers it uses, as the trainer does; every later
+    plan (baselines too) holds the rest on the GPU (``args.hold_grads``, set after each run)."""
+    gradients = gradients or store_gradients(args)
     return PolicyOptions(megatrain_every=args.every, head_chunk_tokens=args.head_chunk, tiers=tuple(args.tiers),
                          recompute=tuple(args.recompute), const_update=const_update,
                          device_layers=None if device_layers == "auto" else int(device_layers),
                          device_steps=None if device_steps == "auto" else int(device_steps),
                          offload_window=offload_window,
-                         gradients=gradients or store_gradients(args))
+                         gradients="auto" if gradients == "placed" else gradients,
+                         hold_grads=tuple(getattr(args, "hold_grads", ())))
 
 
 MAX_TRIES = 8
@@ -187,11 +203,13 @@ def predicted_max_batch(policy: str, costs: CostTable, seq: int, cap: int, args,
     """The largest batch <= ``limit`` whose ``policy`` plan the simulator fits in ``cap`` bytes
     (a solved plan's offloads modelled with ``offload_window``)."""
     if policy == "solved":
+        o = options(args)
         try:
             return search_batch(costs, seq, goal="max_batch", batch_sizes=range(1, limit + 1), gpu_bytes=cap,
                                 tiers=tuple(args.tiers), optimizer_overlap=True,
                                 head_chunk_tokens=args.head_chunk,
-                                offload_window=offload_window).plan.batch_size
+                                offload_window=offload_window, gradients=o.gradients,
+                                hold_grads=o.hold_grads).plan.batch_size
         except PlanInfeasible:
             return 0
     best = 0
@@ -378,16 +396,21 @@ def main(argv: list[str] | None = None) -> None:
                              "--master, where given, decides")
     parser.add_argument("--master", choices=["fp32", "split", "bf16"], default=None,
                         help="memory.master of every run (bf16: the streamed weight is the master, not exact)")
-    parser.add_argument("--gradients", nargs="+", choices=["host", "gpu", "auto"], default=["host"],
+    parser.add_argument("--gradients", nargs="+", choices=["host", "gpu", "auto", "placed"], default=["host"],
                         help="memory.gradients of every run: each decoder layer's gradient on the host, or held on "
                              "the GPU (no host buffers: the flagship's host budget; every plan, baselines too), or "
                              "auto: the solved plan places each one (every host buffer allocated, so that any plan "
-                             "runs: the A/B of its time against host, not of host memory); several: each run once per "
-                             "value, every host buffer allocated as for auto")
+                             "runs: the A/B of its time against host, not of host memory), or placed: auto as the "
+                             "trainer runs it (the first plan to run places each gradient and only its host buffers "
+                             "are allocated; later plans, baselines too, hold the others on the GPU: put the solved "
+                             "run first); several: each run once per value, every host buffer allocated as for auto")
     parser.add_argument("--host-limit-gb", type=float, default=None,
                         help="host budget in GiB (default: the machine less its reserve)")
     parser.add_argument("--baseline", default=None, help="records of the same shape to compare tokens/s with")
     args = parser.parse_args(argv)
+    if "placed" in args.gradients and len(args.gradients) > 1:
+        parser.error(f"--gradients {' '.join(args.gradients)}: placed allocates the first plan's host buffers "
+                     "only, so it cannot be A/B'd against other values in one process; give it alone")
     if any(w < 1 for w in args.offload_window):
         parser.error(f"--offload-window {' '.join(map(str, args.offload_window))}: each must be >= 1")
     if args.master is None:
@@ -526,7 +549,8 @@ def study(session, args, kernels: str) -> None:
     stem = f"plan_{args.model}_{dev}_{date}_s{args.seq}{kernels_tag}{args.tag}"
     common = run_header(device, model=args.model, optimizer=args.optimizer, overlap_optimizer=True,
                         cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-                        split_master=args.master == "split", master=args.master, gradients=store_gradients(args),
+                        split_master=args.master == "split", master=args.master,
+                        gradients="placed" if args.gradients == ["placed"] else store_gradients(args),
                         world_size=1, runner="lazytrain",
                         state_rounding=args.state_rounding, fetch_allocation=args.fetch_allocation,
                         recompute_allowed=list(args.recompute))
@@ -550,7 +574,7 @@ def study(session, args, kernels: str) -> None:
     t0 = time.perf_counter()
     given = dict(spec.rpartition("=")[::2] for spec in args.costs)
     costs_file = given.get(kernels) or given.get("")
-    if store_gradients(args) == "auto" and store.host_grad_groups is None:
+    if store_gradients(args) == "auto" and args.gradients != ["placed"] and store.host_grad_groups is None:
         store.allocate_grads(range(len(store.weights)))  # before the table: its host room counts them
     if costs_file:
         costs = load_costs(costs_file, session, args).at(args.batch, args.seq)
@@ -627,6 +651,8 @@ def study(session, args, kernels: str) -> None:
                   flush=True)
             save()
             return False
+        finally:  # the first plan to run allocated its host gradient buffers (``--gradients placed``)
+            args.hold_grads = held_layers(store, adapter.num_layers)
         predicted = simulate(plan, table, optimizer_overlap=True)
         record.update(predicted.metrics())
         predicted_stages(record, predicted)
@@ -652,6 +678,8 @@ def study(session, args, kernels: str) -> None:
         records.append({"name": name, **common, **record})
         if policy_options is not None:  # (several --gradients: this run's)
             records[-1]["gradients"] = policy_options.gradients
+        if args.gradients == ["placed"]:  # the layers with no host buffer, held on the GPU by every plan
+            records[-1]["held_grad_layers"] = list(args.hold_grads)
         print(json.dumps({k: v for k, v in records[-1].items() if k not in ("plan", "step_times_s")}), flush=True)
         save()
         return True
@@ -752,7 +780,7 @@ def markdown(records: list[dict], args) -> str:
         f"{head.get('date')}, {head.get('device')}, torch {head.get('torch')}, optimizer {args.optimizer} "
         + (f"with {args.state_rounding} rounding of sqrt(v) " if args.optimizer == "hybrid8bit" else "")
         + (f"with {args.state_rounding} rounding of m and sqrt(v) " if args.optimizer == "hybrid4bit" else "")
-        + f"(overlapped), {args.master} masters, gradients on the {' / '.join(args.gradients)}, {args.warmup} warm-up + "
+        + f"(overlapped), {args.master} masters, gradients {'placed by the first plan' if args.gradients == ['placed'] else 'on the ' + ' / '.join(args.gradients)}, {args.warmup} warm-up + "
         f"{args.steps} measured steps (median), random tokens. Host bytes/param: "
         f"{head.get('host_bytes_per_param', {}).get('total', float('nan')):.3f}. Command: "
         f"`python -m bench.plan_bench --model {args.model} --optimizer {args.optimizer} --seq {args.seq} "
