@@ -797,16 +797,23 @@ def test_device_step_times_each_piece_size_and_writes_records(tmp_path, monkeypa
         device_step.main(["--model", "tiny", "--chunks", "8", "--device", "cpu", "--out", str(tmp_path)])
 
 
-@pytest.mark.parametrize("gradients", [["gpu"], ["host", "auto"]])
+@pytest.mark.parametrize("gradients", [["gpu"], ["host", "auto"], ["placed"]])
 def test_plan_bench_places_gradients_as_asked(tmp_path, gradients):
     """``--gradients gpu``: host buffers for the embedding and head only, and every plan (the
     solved one and megatrain) holds each decoder layer's gradient on the GPU; ``host auto``: every
     buffer allocated, each run once per value (the A/B in one process): with ``host`` every
     gradient on the host, with ``auto`` megatrain's on the host and the solved plan's where it
-    puts them. Each record says which."""
+    puts them; ``placed``: the trainer's auto, the first (solved) plan's held layers get no host
+    buffer and megatrain after it holds them too. Each record says which."""
     plan_bench(*TINY, "--runs", "solved", "megatrain", "--gradients", *gradients, "--warmup", "0", "--steps", "1",
                "--out", str(tmp_path))
     runs = runs_of(tmp_path)
+    if gradients == ["placed"]:
+        solved, megatrain = runs
+        held = [i for i, lp in enumerate(solved["plan"]["layers"]) if lp["grad"] == "gpu"]
+        assert solved["held_grad_layers"] == megatrain["held_grad_layers"] == held
+        assert [lp["grad"] for lp in megatrain["plan"]["layers"]] == ["gpu" if i in held else "host" for i in range(2)]
+        return
     assert [(r["policy"], r["gradients"]) for r in runs] == [(p, g) for p in ("solved", "megatrain") for g in gradients]
     for r in runs:
         assert r["master"] == "fp32" and r["tokens_per_s"] > 0
