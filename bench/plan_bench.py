@@ -624,6 +624,13 @@ def study(session, args, kernels: str) -> None:
                 print(f"{name}: not started: {records[-1]['not_started']}", flush=True)
                 save()
                 return False
+        host_short = [v for v in simulate(plan, table, optimizer_overlap=True).violations if v.startswith("host")]
+        if host_short:  # a run the host cannot hold is not tried: pinned buffers past the RAM can take the machine
+            records.append({"name": name, **common, "policy": policy, "batch_size": plan.batch_size,
+                            "seq_len": args.seq, "not_started": f"does not fit: {'; '.join(host_short)}"})
+            print(f"{name}: not started: {records[-1]['not_started']}", flush=True)
+            save()
+            return False
         recalibration, running = None, {}
         try:
             if recalibrating:
