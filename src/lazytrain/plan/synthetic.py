@@ -64,6 +64,30 @@ QWEN25_32B = DecoderShape(
 )
 
 
+UPDATE_NS_PER_PARAM = {
+    ("fp32", "nearest"): 0.45,
+    ("hybrid8bit", "nearest"): 0.33,
+    ("hybrid8bit", "stochastic"): 0.40,
+    ("hybrid4bit", "nearest"): 0.27,
+    ("hybrid4bit", "stochastic"): 0.37,
+}
+"""The CPU update's ns/param by (``optimizer.kind``, resolved ``optimizer.state_rounding``), the
+H100 machine's 16-core host with a bf16 weight out, rounded up from one try each
+(`bench/results/optim_h100-host_2026-12-07_rounding.md`: 0.329 / 0.396 for 8-bit nearest /
+stochastic, 0.268 / 0.367 for 4-bit, torch's fused fp32 AdamW 0.402-0.492). A profile measures
+the machine's own (`plan.costs`)."""
+
+
+def update_ns_per_param(kind: str, rounding: str) -> float:
+    """`UPDATE_NS_PER_PARAM` of an optimizer kind and its resolved state rounding (fp32 states
+    have none)."""
+    key = (kind, "nearest" if kind == "fp32" else rounding)
+    if key not in UPDATE_NS_PER_PARAM:
+        raise ValueError(f"no assumed update rate for optimizer.kind={kind} with {rounding} rounding; "
+                         f"known: {', '.join(f'{k}/{r}' for k, r in UPDATE_NS_PER_PARAM)}")
+    return UPDATE_NS_PER_PARAM[key]
+
+
 @dataclass(kw_only=True, slots=True)
 class MachineGuess:
     """Rough numbers of a machine (defaults: one H200 on PCIe Gen5, a large host, NVMe RAID)."""
@@ -76,6 +100,8 @@ class MachineGuess:
     nvme_read_gbps: float = 12.0
     nvme_write_gbps: float = 8.0
     optimizer_ns_per_param: float = 0.2
+    """The CPU update's rate; the built-in estimate of a run sets its optimizer's
+    (`update_ns_per_param`)."""
     copy_slowdown: float = 1.03
     hbm_gbps: float = 3500.0
     """Sustained GPU memory bandwidth of memory-bound kernels (the H200's HBM3e peaks at 4.8

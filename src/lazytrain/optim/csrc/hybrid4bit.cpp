@@ -92,9 +92,14 @@ struct Simd : MasterSimd {
       c = _mm512_cvt_roundps_epi32(half, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
       c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(kCodes - 1));
     } else {
-      const __m512i one = _mm512_set1_epi32(1);
-      for (int k = 0; k < kCodes - 1; ++k) {
-        c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(x, _mm512_set1_ps(t.midpoints[k]), _CMP_GT_OQ), c, one);
+      // the count of midpoints below x by a binary search over the sorted midpoints, one
+      // permute-compare per halving (8, 4, 2, 1): it reads midpoints[0..14] only and gives the
+      // 15 compares' count exactly (NaN: 0, as they do)
+      const __m512 mids = _mm512_load_ps(t.midpoints);
+      for (int half = 8; half >= 1; half >>= 1) {
+        const __m512i probe = _mm512_add_epi32(c, _mm512_set1_epi32(half - 1));
+        const __mmask16 above = _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(probe, mids), _CMP_GT_OQ);
+        c = _mm512_mask_add_epi32(c, above, c, _mm512_set1_epi32(half));
       }
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(c));
