@@ -5,7 +5,7 @@
 
 Each record keeps its fields and gains ``report``: the stem of the file it came from, whose
 Markdown report (kept) describes it. The merged inputs are removed; a record already in the
-study file (same report and name) is not added twice.
+study file (same report and fields) is not added twice.
 """
 
 from __future__ import annotations
@@ -15,18 +15,24 @@ import json
 from pathlib import Path
 
 
+def fields(record: dict) -> str:
+    """A record's identity within its report: every field but ``report`` (one file may hold
+    several records of one name: optim_bench's, one per rounding)."""
+    return json.dumps({k: v for k, v in record.items() if k != "report"}, sort_keys=True)
+
+
 def merge(study: Path, files: list[Path]) -> list[dict]:
     target = study.parent / f"{study.name.removesuffix('.json')}.json"
     records = json.loads(target.read_text()) if target.exists() else []
     if records and "report" not in records[0]:  # the study file was a try of its own
         records = [{**r, "report": target.name.removesuffix(".json")} for r in records]
-    seen = {(r["report"], r.get("name")) for r in records}
+    seen = {(r["report"], fields(r)) for r in records}
     for path in files:
         if path.resolve() == target.resolve():
             continue
         loaded = json.loads(path.read_text())
         for record in loaded if isinstance(loaded, list) else [loaded]:
-            key = (path.stem, record.get("name"))
+            key = (path.stem, fields(record))
             if key not in seen:
                 records.append({**record, "report": path.stem})
                 seen.add(key)

@@ -167,11 +167,14 @@ def test_plan_bench_on_a_hybrid_on_the_cpu_reports_each_layer_type(tmp_path, cap
 def test_merge_results_keeps_every_record_once(tmp_path):
     from bench.merge_results import merge
 
-    for i in (1, 2):
-        (tmp_path / f"study_s{i}.json").write_text(json.dumps([{"name": f"run{i}", "seed": i}]))
+    for i in (1, 2):  # (the second file: two records of one name, as optim_bench writes them)
+        (tmp_path / f"study_s{i}.json").write_text(json.dumps([{"name": f"run{i}", "seed": s} for s in range(i)]))
     records = merge(tmp_path / "study", sorted(tmp_path.glob("study_s*.json")))
-    assert [(r["name"], r["report"]) for r in records] == [("run1", "study_s1"), ("run2", "study_s2")]
+    assert [(r["name"], r["seed"], r["report"]) for r in records] == [
+        ("run1", 0, "study_s1"), ("run2", 0, "study_s2"), ("run2", 1, "study_s2")]
     assert [p.name for p in tmp_path.iterdir()] == ["study.json"]
+    (tmp_path / "study_s2.json").write_text(json.dumps([{"name": "run2", "seed": 1}]))
+    assert len(merge(tmp_path / "study", [tmp_path / "study_s2.json"])) == 3  # already there: not again
 
 
 def test_kernel_check_on_the_cpu_measures_the_bf16_null(tmp_path):
