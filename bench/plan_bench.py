@@ -70,6 +70,7 @@ import gc
 import json
 import os
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -181,8 +182,8 @@ def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable
             failed = run_at(table, plan, replans)
             if failed is None:
                 return batch
-            if "not_started" in failed:  # the time left holds no try at this batch
-                return 0
+            if "not_started" in failed or "error" in failed:  # no time left for a try at this batch, or a
+                return 0  # failure other than running out of memory (its record says which)
         if failed is not None and policy == "solved" and replans < MAX_OOM_REPLANS:
             budget = gpu_budget_after_oom(budget, int(failed["predicted_peak_gpu_gb"] * 1e9),
                                           int(failed["seen_peak_gpu_gb"] * 1e9))
@@ -658,6 +659,13 @@ def study(session, args, kernels: str) -> None:
                   flush=True)
             save()
             return False
+        except Exception as error:  # noqa: BLE001 -- recorded, and the next run still tried
+            records.append({"name": name, **common, "policy": policy, "batch_size": plan.batch_size,
+                            "seq_len": args.seq, "error": f"{type(error).__name__}: {error}"[:2000],
+                            "traceback": traceback.format_exc()[-4000:], "plan": plan.to_dict()})
+            print(f"{name}: failed: {records[-1]['traceback']}", flush=True)
+            save()
+            return False
         finally:  # the first plan to run allocated its host gradient buffers (``--gradients placed``)
             args.hold_grads = held_layers(store, adapter.num_layers)
         predicted = simulate(plan, table, optimizer_overlap=True)
@@ -846,6 +854,8 @@ def markdown(records: list[dict], args) -> str:
             lines.append(f"| {r['name']} | out of memory: {r['oom']} |" + " |" * 12)
         if "not_started" in r:
             lines.append(f"| {r['name']} | not started: {r['not_started']} |" + " |" * 12)
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error'].splitlines()[0][:300].replace('|', '/')} |" + " |" * 12)
         if "tokens_per_s" not in r:
             continue
         lines.append(

@@ -164,6 +164,29 @@ def test_plan_bench_on_a_hybrid_on_the_cpu_reports_each_layer_type(tmp_path, cap
         assert all(t["predicted_fwd_bwd_ms"] > 0 for t in r["per_layer_type"].values())
 
 
+def test_plan_bench_records_a_failed_run_and_goes_on(tmp_path, monkeypatch):
+    """A run that fails other than out of memory is a record with its error (and plan), and the
+    next run still goes: a device call's later runs are not lost to one failure."""
+    from bench import plan_bench as module
+
+    timed = module.timed_steps
+    calls = []
+
+    def failing_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(module, "timed_steps", failing_first)
+    plan_bench(*TINY, "--runs", "solved", "megatrain", "--warmup", "0", "--steps", "1", "--out", str(tmp_path))
+    (path,) = tmp_path.glob("plan_tiny_*.json")
+    failed, ran = json.loads(path.read_text())[1:]
+    assert failed["policy"] == "solved" and "illegal memory access" in failed["error"] and failed["plan"]["layers"]
+    assert ran["policy"] == "megatrain" and ran["tokens_per_s"] > 0
+    assert "illegal memory access" in next(tmp_path.glob("plan_tiny_*.md")).read_text()
+
+
 def test_merge_results_keeps_every_record_once(tmp_path):
     from bench.merge_results import merge
 
