@@ -187,6 +187,30 @@ def test_plan_bench_records_a_failed_run_and_goes_on(tmp_path, monkeypatch):
     assert "illegal memory access" in next(tmp_path.glob("plan_tiny_*.md")).read_text()
 
 
+def test_plan_bench_does_not_try_a_plan_the_host_cannot_hold(tmp_path, monkeypatch):
+    """A plan whose host memory the simulator finds short is recorded as not started, not run
+    (pinned buffers past the RAM can take the machine down)."""
+    import dataclasses
+
+    from bench import plan_bench as module
+
+    simulate = module.simulate
+
+    def host_short_megatrain(plan, table, **kwargs):
+        result = simulate(plan, table, **kwargs)
+        if plan.policy == "megatrain":
+            result = dataclasses.replace(result, violations=["host memory: plan needs 45.36 GiB, 10.07 GiB available"])
+        return result
+
+    monkeypatch.setattr(module, "simulate", host_short_megatrain)
+    plan_bench(*TINY, "--runs", "solved", "megatrain", "--warmup", "0", "--steps", "1", "--out", str(tmp_path))
+    (path,) = tmp_path.glob("plan_tiny_*.json")
+    ran, skipped = json.loads(path.read_text())[1:]
+    assert ran["policy"] == "solved" and ran["tokens_per_s"] > 0
+    assert skipped["policy"] == "megatrain" and "tokens_per_s" not in skipped
+    assert skipped["not_started"] == "does not fit: host memory: plan needs 45.36 GiB, 10.07 GiB available"
+
+
 def test_merge_results_keeps_every_record_once(tmp_path):
     from bench.merge_results import merge
 
