@@ -51,6 +51,11 @@ def test_plan_from_a_config_json_folder_and_a_builtin_shape(tmp_path, capsys, no
     printed = capsys.readouterr().out
     assert "linear_attention" in printed and "full_attention" in printed and "built-in estimate" in printed
     assert Plan.load(tmp_path / "b" / "plan.json").num_layers == 4
+    # the estimate's CPU update is the run's optimizer's (fp32 states by default; 4-bit stochastic)
+    assert "CPU optimizer 0.45 ns/param" in printed
+    assert main(["plan", "model.source=builtin:tiny", f"training.output_dir={tmp_path / 'c'}", *common,
+                 "optimizer.kind=hybrid4bit"]) == 0
+    assert "CPU optimizer 0.37 ns/param" in capsys.readouterr().out
 
 
 def test_a_folder_without_config_json_is_refused(tmp_path, capsys):

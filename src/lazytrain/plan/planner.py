@@ -44,7 +44,12 @@ from lazytrain.plan.search import (
     search_batch,
 )
 from lazytrain.plan.simulate import simulate
-from lazytrain.plan.synthetic import MachineGuess, estimated_cost_table, layer_shape
+from lazytrain.plan.synthetic import (
+    MachineGuess,
+    estimated_cost_table,
+    layer_shape,
+    update_ns_per_param,
+)
 
 if TYPE_CHECKING:
     from lazytrain.config import PlanConfig
@@ -149,17 +154,17 @@ def estimated_costs(layer_types: list[str], layer_params: dict[str, list[tuple[s
                     hidden: int, vocab: int, embed_params: int, final_params: int, batch_size: int, seq_len: int,
                     head_chunk_tokens: int = 4096, gpu_gb: float | None = None,
                     gpu_source: str = "memory.gpu_gb", top_k: int = 0,
-                    update_ns_per_param: float | None = None) -> tuple[CostTable, str]:
+                    optimizer: tuple[str, str] | None = None) -> tuple[CostTable, str]:
     """The built-in estimate of a cost table (`synthetic.estimated_cost_table`) for a model whose
     layer types have the parameters ``layer_params`` (name, shape), on the machine
     `synthetic.MachineGuess` assumes (its GPU, or one of ``gpu_gb`` GiB, which ``gpu_source``
     names), and a line saying so. Its ``host_bytes`` is the assumed host's memory, before the
     model state. ``top_k``: experts per token of the mixture-of-experts layers (0: none).
-    ``update_ns_per_param``: the run's optimizer's CPU rate (`synthetic.update_ns_per_param`;
-    default the machine guess's)."""
+    ``optimizer``: the run's (``optimizer.kind``, resolved ``optimizer.state_rounding``), whose
+    CPU rate the estimate takes (`synthetic.update_ns_per_param`; default the machine guess's)."""
     machine = MachineGuess()
-    if update_ns_per_param is not None:
-        machine.optimizer_ns_per_param = update_ns_per_param
+    if optimizer is not None:
+        machine.optimizer_ns_per_param = update_ns_per_param(*optimizer)
     shapes = {kind: layer_shape(params, hidden, quadratic=not kind.startswith("linear_attention"), top_k=top_k)
               for kind, params in layer_params.items()}
     table = estimated_cost_table(layer_types, shapes, vocab=vocab, embed_params=embed_params,

@@ -28,7 +28,6 @@ from lazytrain.model.flops import moe_shape
 from lazytrain.optim.factory import describe_config
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import Planner, costs_from_file, estimated_costs, with_capacities
-from lazytrain.plan.synthetic import update_ns_per_param
 from lazytrain.runtime.device import resolve_device, resolve_dtype
 from lazytrain.train.session import host_limit_bytes, host_settings
 
@@ -96,7 +95,7 @@ def plan_ahead(config: Config) -> PlanAhead:
             hidden=adapter.hidden_size, vocab=adapter.vocab_size, embed_params=numels[0], final_params=numels[-1],
             batch_size=batch, seq_len=seq, head_chunk_tokens=config.plan.head_chunk_tokens,
             gpu_gb=gpu_gb, gpu_source=gpu_source, top_k=moe.top_k if moe else 0,
-            update_ns_per_param=update_ns_per_param(config.optimizer.kind, config.state_rounding()))
+            optimizer=(config.optimizer.kind, config.state_rounding()))
         elsewhere = costs.host_bytes  # the assumed machine's
     # the host budget: memory.host_limit_gb, else this machine's where it trains here, else the
     # table's machine's
