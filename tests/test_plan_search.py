@@ -50,6 +50,35 @@ def test_nothing_fits_is_a_clear_error():
         search_batch(small_table(gpu_gb=1.0), 2048, max_batch=4)
 
 
+def test_a_batch_the_solver_runs_out_of_time_on_is_no_plan_and_says_so(monkeypatch):
+    """HiGHS' time limit with no plan found is not a crash (2026-12-07: Qwen3-30B-A3B's sweep in
+    78 GiB on 2 cores ended in a traceback): the solve says so, and a sweep stops there with it."""
+    from lazytrain.plan import milp, search
+    from lazytrain.plan.render import format_batch_sweep
+
+    with pytest.raises(milp.SolverTimeLimit, match=r"no plan for batch 4 x seq 2048 within its time limit"):
+        milp.solve_plan(small_table().at(4, 2048), time_limit_s=1e-9)
+    solve = milp.solve_plan
+    monkeypatch.setattr(search, "solve_plan", lambda table, **kw: solve(
+        table, **{**kw, "time_limit_s": 1e-9 if table.batch_size > 2 else 10.0}))
+    result = search_batch(small_table(), 2048, max_batch=16)
+    assert [(t["batch_size"], t["feasible"], t.get("time_limit")) for t in result.tried][1:] == [(2, True, None),
+                                                                                                  (3, False, True)]
+    assert "no plan found within the solver's time limit (one may exist)" in format_batch_sweep(result.tried, 2)
+    # the largest-batch bisect takes a least-memory solve that runs out of time as not fitting
+    least = milp.min_gpu_bytes
+
+    def out_of_time_above_8(table, **kw):
+        if table.batch_size > 8:
+            raise milp.SolverTimeLimit("no plan within the time limit")
+        return least(table, **kw)
+
+    monkeypatch.setattr(search, "min_gpu_bytes", out_of_time_above_8)
+    monkeypatch.setattr(search, "solve_plan", solve)
+    result = search_batch(small_table(gpu_gb=1000.0), 2048, goal="max_batch", max_batch=64)
+    assert result.plan.batch_size == 8 and any(t.get("time_limit") for t in result.tried)
+
+
 def test_table_and_png(tmp_path):
     table = synthetic_cost_table(QWEN25_32B, 1, 4096)
     result = search_batch(table, 4096, batch_sizes=[1])

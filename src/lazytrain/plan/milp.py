@@ -120,6 +120,11 @@ class PlanInfeasible(LazyTrainError, ValueError):
     """No plan fits the memory budgets; the message says how much GPU memory would do."""
 
 
+class SolverTimeLimit(PlanInfeasible):
+    """The solver found no plan within its time limit (one may exist): a caller searching
+    batches treats it as the batch not fitting, and says which it was."""
+
+
 def layer_mode(lp: LayerPlan) -> str:
     """The MILP mode letter of a layer plan (drop layers ignore their tier)."""
     if lp.mode == "drop":
@@ -1313,11 +1318,15 @@ def solve_plan(
             hold_grads=hold_grads,
         )
         res = built.model.solve(time_limit_s, mip_rel_gap)
+        if res.x is None and res.status == 1:  # the time limit came before any plan was found
+            timed_out.append((choice, k))
+            return None
         if res.x is None and res.status != 2:
             raise RuntimeError(f"MILP solver failed: {res.message}")
         solved[choice, k] = (built, res)
         return None if res.x is None else float(res.fun) + built.model.objective_const
 
+    timed_out: list[tuple[str, int]] = []
     objective_ms: dict[tuple[str, int], float | None] = {}
     for choice in choices:
         if choice == "host" or device_layers is not None:
@@ -1329,10 +1338,18 @@ def solve_plan(
     elapsed = time.perf_counter() - start
     fits = {key: ms for key, ms in objective_ms.items() if ms is not None}
     if not fits:
-        raise PlanInfeasible(
-            _infeasible_message(costs, gpu_bytes, tiers, max_segment, recompute, const_update, device_layers,
-                                offload_window, gradients)
-        )
+        if len(timed_out) == len(objective_ms):  # (2026-12-07: Qwen3-30B-A3B's batch sweep in 78 GiB on 2
+            # cores; a traceback until then)
+            raise SolverTimeLimit(
+                f"the MILP solver found no plan for batch {costs.batch_size} x seq {costs.seq_len} within its time "
+                f"limit ({time_limit_s:g} s a solve; one may exist): lower the batch size, or plan on a machine with "
+                "more cores")
+        message = _infeasible_message(costs, gpu_bytes, tiers, max_segment, recompute, const_update, device_layers,
+                                      offload_window, gradients)
+        if timed_out:
+            message += (f" ({len(timed_out)} of the {len(objective_ms)} programs ran out of the solver's "
+                        f"{time_limit_s:g} s without a plan: one of them may have one)")
+        raise PlanInfeasible(message)
     # the fewest resident layers on a tie
     best = {choice: min((key for key in fits if key[0] == choice), key=lambda key: (fits[key], key[1]), default=None)
             for choice in choices}
@@ -1540,6 +1557,11 @@ def min_gpu_bytes(
                if grads else "")
             + "; raise memory.host_limit_gb, or make the model state smaller (`lazytrain plan` lists it)"
         )
+    if res.x is None and res.status == 1:
+        raise SolverTimeLimit(
+            f"the MILP solver found no plan for batch {costs.batch_size} x seq {costs.seq_len} within its time "
+            f"limit ({time_limit_s:g} s) while minimising GPU memory (one may exist): lower the batch size, or plan "
+            "on a machine with more cores")
     if res.x is None:
         raise RuntimeError(f"MILP solver failed while minimising GPU memory: {res.message}")
     return math.ceil((_value(built.gpu_var, res.x) + _MARGIN_GB) * GB)

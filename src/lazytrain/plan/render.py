@@ -172,7 +172,9 @@ def format_batch_sweep(tried: list[dict], best_batch: int | None) -> str:
     lines = ["(seconds of each step: its compute, and its waits on H2D, D2H and the CPU update)", header]
     for t in tried:
         if not t["feasible"]:
-            lines.append(f"{t['batch_size']:>6}  no plan fits the GPU (and the host room beside the model state)")
+            lines.append(f"{t['batch_size']:>6}  " + (
+                "no plan found within the solver's time limit (one may exist)" if t.get("time_limit")
+                else "no plan fits the GPU (and the host room beside the model state)"))
             continue
         lines.append(f"{t['batch_size']:>6}  {t['step_time_s']:>8.3f}  {t['tokens_per_s']:>9,.0f}  "
                      f"{t['compute_s']:>8.3f}  {t['h2d_s']:>6.3f}  {t['d2h_s']:>6.3f}  {t['cpu_update_s']:>7.3f}  "

@@ -11,7 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lazytrain.plan.costs import RECOMPUTE_OPTIONS, CostTable
-from lazytrain.plan.milp import DEFAULT_MAX_SEGMENT, PlanInfeasible, min_gpu_bytes, solve_plan
+from lazytrain.plan.milp import (
+    DEFAULT_MAX_SEGMENT,
+    PlanInfeasible,
+    SolverTimeLimit,
+    min_gpu_bytes,
+    solve_plan,
+)
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.simulate import SimResult, simulate
 
@@ -119,12 +125,15 @@ def search_batch(
         while hi - lo > 1:
             mid = (lo + hi) // 2
             table = costs.at(batches[mid], seq_len)
-            need = min_gpu_bytes(table, tiers=tiers, max_segment=max_segment, recompute=recompute,
-                                 const_update=const_update, offload_window=offload_window, gradients=gradients)
-            tried.append(
-                {"batch_size": batches[mid], "min_gpu_bytes": need, "feasible": need <= budget}
-            )
-            lo, hi = (mid, hi) if need <= budget else (lo, mid)
+            try:
+                need = min_gpu_bytes(table, tiers=tiers, max_segment=max_segment, recompute=recompute,
+                                     const_update=const_update, offload_window=offload_window, gradients=gradients)
+            except SolverTimeLimit:  # taken as not fitting: the search settles on a batch it could solve
+                need = None
+            fits = need is not None and need <= budget
+            tried.append({"batch_size": batches[mid], "min_gpu_bytes": need, "feasible": fits,
+                          **({"time_limit": True} if need is None else {})})
+            lo, hi = (mid, hi) if fits else (lo, mid)
         if lo < 0:
             solve_plan(costs.at(batches[0], seq_len), **solve_kw)  # raises PlanInfeasible
         table = costs.at(batches[lo], seq_len)
@@ -137,10 +146,10 @@ def search_batch(
         table = costs.at(batch, seq_len)
         try:
             plan = solve_plan(table, **solve_kw)
-        except PlanInfeasible:
+        except PlanInfeasible as why:
             if best is None:
                 raise
-            tried.append({"batch_size": batch, "feasible": False})
+            tried.append({"batch_size": batch, "feasible": False, "time_limit": isinstance(why, SolverTimeLimit)})
             break
         sim = simulate(plan, table)
         tried.append(
