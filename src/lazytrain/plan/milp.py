@@ -1338,18 +1338,8 @@ def solve_plan(
     elapsed = time.perf_counter() - start
     fits = {key: ms for key, ms in objective_ms.items() if ms is not None}
     if not fits:
-        if len(timed_out) == len(objective_ms):  # (2026-12-07: Qwen3-30B-A3B's batch sweep in 78 GiB on 2
-            # cores; a traceback until then)
-            raise SolverTimeLimit(
-                f"the MILP solver found no plan for batch {costs.batch_size} x seq {costs.seq_len} within its time "
-                f"limit ({time_limit_s:g} s a solve; one may exist): lower the batch size, or plan on a machine with "
-                "more cores")
-        message = _infeasible_message(costs, gpu_bytes, tiers, max_segment, recompute, const_update, device_layers,
-                                      offload_window, gradients)
-        if timed_out:
-            message += (f" ({len(timed_out)} of the {len(objective_ms)} programs ran out of the solver's "
-                        f"{time_limit_s:g} s without a plan: one of them may have one)")
-        raise PlanInfeasible(message)
+        raise _no_plan(costs, time_limit_s, len(timed_out), len(objective_ms), lambda: _infeasible_message(
+            costs, gpu_bytes, tiers, max_segment, recompute, const_update, device_layers, offload_window, gradients))
     # the fewest resident layers on a tie
     best = {choice: min((key for key in fits if key[0] == choice), key=lambda key: (fits[key], key[1]), default=None)
             for choice in choices}
@@ -1558,13 +1548,32 @@ def min_gpu_bytes(
             + "; raise memory.host_limit_gb, or make the model state smaller (`lazytrain plan` lists it)"
         )
     if res.x is None and res.status == 1:
-        raise SolverTimeLimit(
-            f"the MILP solver found no plan for batch {costs.batch_size} x seq {costs.seq_len} within its time "
-            f"limit ({time_limit_s:g} s) while minimising GPU memory (one may exist): lower the batch size, or plan "
-            "on a machine with more cores")
+        raise SolverTimeLimit(_time_limit_message(costs, time_limit_s, " while minimising GPU memory"))
     if res.x is None:
         raise RuntimeError(f"MILP solver failed while minimising GPU memory: {res.message}")
     return math.ceil((_value(built.gpu_var, res.x) + _MARGIN_GB) * GB)
+
+
+def _no_plan(costs: CostTable, time_limit_s: float, timed_out: int, programs: int,
+             infeasible: Callable[[], str]) -> PlanInfeasible:
+    """The error of a solve without a plan: ``timed_out`` of its ``programs`` ran out of the
+    solver's time before finding one (all of them: `SolverTimeLimit`, one may exist; until
+    2026-12-07 a traceback, Qwen3-30B-A3B's batch sweep in 78 GiB on 2 cores), the others were
+    infeasible (``infeasible()``: the message saying how much GPU memory would do)."""
+    if timed_out == programs:
+        return SolverTimeLimit(_time_limit_message(costs, time_limit_s))
+    message = infeasible()
+    if timed_out:
+        message += (f" ({timed_out} of the {programs} programs ran out of the solver's {time_limit_s:g} s "
+                    "without a plan: one of them may have one)")
+    return PlanInfeasible(message)
+
+
+def _time_limit_message(costs: CostTable, time_limit_s: float, what: str = "") -> str:
+    """`SolverTimeLimit`'s: no plan found at ``costs``' batch shape within the solver's time."""
+    return (f"the MILP solver found no plan for batch {costs.batch_size} x seq {costs.seq_len} within its time "
+            f"limit ({time_limit_s:g} s a solve){what}; one may exist: lower the batch size, or plan on a machine "
+            "with more cores")
 
 
 def _infeasible_message(
