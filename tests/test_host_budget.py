@@ -58,9 +58,10 @@ def test_the_master_takes_4_2_or_0_bytes_per_param_by_mode():
                                                             "optimizer.kind=hybrid8bit, see docs/memory.md and "
                                                             "docs/optimizer.md)")),
         # fp32 compute: no split or bf16 master to offer; held gradients (4 B/param there) and 8-bit states
-        (HostSettings(torch.float32, "fp32", "fp32"), 80, ("memory.gradients=gpu optimizer.kind=hybrid8bit (the "
-                                                           "gradients then wait on the GPU: a layer's until its "
-                                                           "update; not exact: optimizer.kind=hybrid8bit, see "
+        (HostSettings(torch.float32, "fp32", "fp32"), 80, ("memory.gradients=auto optimizer.kind=hybrid8bit (the "
+                                                           "plan then holds each layer's gradient on the GPU until "
+                                                           "its update, or puts it in a host buffer where the host "
+                                                           "has room; not exact: optimizer.kind=hybrid8bit, see "
                                                            "docs/memory.md and docs/optimizer.md)")),
         (HostSettings(torch.float32, "fp32", "fp32"), 30, None),
         # fp32 compute (no bf16 master), gradients held: 4-bit states are what is left (76.6 -> 69.5 GiB)
@@ -84,7 +85,7 @@ def test_the_flagship_fits_128_gib_with_held_gradients_and_a_bf16_master():
     budget = host_budget(numels, settings, limit=118 * GIB)
     assert not budget.fits and budget.total / sum(numels) == pytest.approx(8.06, abs=0.01)
     fix = smallest_fix(numels, settings, budget)
-    assert fix.startswith("memory.gradients=gpu memory.master=bf16 (")
+    assert fix.startswith("memory.gradients=auto memory.master=bf16 (")
     assert "not exact: memory.master=bf16" in fix
     held = host_budget(numels, HostSettings(torch.bfloat16, "bf16", "hybrid8bit").holding_layer_grads(len(numels)),
                        limit=118 * GIB)
@@ -100,7 +101,7 @@ def test_host_activations_are_counted_and_the_fix_can_be_fewer_of_them():
     budget = host_budget(numels, settings, activations=15 * GIB, limit=64 * GIB)  # 57.2 + 15 GiB
     assert not budget.fits and "activations" in budget.table()
     # exact: the gradients held on the GPU (14.2 GiB of host buffers less the ring) make room
-    assert smallest_fix(numels, settings, budget).startswith("memory.gradients=gpu (")
+    assert smallest_fix(numels, settings, budget).startswith("memory.gradients=auto (")
     held = settings.holding_layer_grads(len(numels))
     budget = host_budget(numels, held, activations=25 * GIB, limit=64 * GIB)
     assert smallest_fix(numels, held, budget).startswith("no host-tier activations")

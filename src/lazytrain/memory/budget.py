@@ -133,8 +133,12 @@ def _changes(numels: Sequence[int], settings: HostSettings) -> list[_Change]:
     if bf16 and settings.master == "fp32":
         out.append(_Change("memory.master", "split", True, lambda s: replace(s, master="split")))
     if len(settings.held_grads) < max(n - 2, 0):
-        out.append(_Change("memory.gradients", "gpu", True, lambda s: s.holding_layer_grads(n),
-                           "the gradients then wait on the GPU: a layer's until its update"))
+        # auto, not gpu: the same least host memory here, and the plan then holds on the GPU only
+        # what the host has no room for (gpu holds all: 61 GB of Qwen3-30B-A3B's gradients, more
+        # than an H100 has beside the rest)
+        out.append(_Change("memory.gradients", "auto", True, lambda s: s.holding_layer_grads(n),
+                           "the plan then holds each layer's gradient on the GPU until its update, or puts "
+                           "it in a host buffer where the host has room"))
     if settings.fp32_groups:
         out.append(_Change("optimizer.fp32_embedding_states", "false", False, lambda s: replace(s, fp32_groups=())))
     if settings.optimizer_kind == "fp32":
@@ -148,7 +152,7 @@ def _changes(numels: Sequence[int], settings: HostSettings) -> list[_Change]:
 
 def smallest_fix(numels: Sequence[int], settings: HostSettings, budget: HostBudget) -> str | None:
     """The least intrusive change of settings after which ``budget`` fits, as config overrides:
-    exact changes first (the split master and gradients held on the GPU change no number), then
+    exact changes first (the split master and gradients placed by the plan change no number), then
     fewer host-tier activations, then combinations with the fewest inexact changes (8-bit
     states, a bf16 master, 4-bit states); None when
     none does. An inexact change is named so."""
