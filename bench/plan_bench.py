@@ -137,7 +137,7 @@ def options(args, const_update: str = "auto", device_layers: str = "0", device_s
                          device_steps=None if device_steps == "auto" else int(device_steps),
                          offload_window=offload_window,
                          gradients="auto" if gradients == "placed" else gradients,
-                         hold_grads=tuple(getattr(args, "hold_grads", ())))
+                         hold_grads=args.hold_grads)
 
 
 MAX_TRIES = 8
@@ -409,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="host budget in GiB (default: the machine less its reserve)")
     parser.add_argument("--baseline", default=None, help="records of the same shape to compare tokens/s with")
     args = parser.parse_args(argv)
+    args.hold_grads = ()  # the layers with no host gradient buffer, once a run allocated them (`options`)
     if "placed" in args.gradients and len(args.gradients) > 1:
         parser.error(f"--gradients {' '.join(args.gradients)}: placed allocates the first plan's host buffers "
                      "only, so it cannot be A/B'd against other values in one process; give it alone")

@@ -149,7 +149,8 @@ def search_batch(
         except PlanInfeasible as why:
             if best is None:
                 raise
-            tried.append({"batch_size": batch, "feasible": False, "time_limit": isinstance(why, SolverTimeLimit)})
+            tried.append({"batch_size": batch, "feasible": False,
+                          **({"time_limit": True} if isinstance(why, SolverTimeLimit) else {})})
             break
         sim = simulate(plan, table)
         tried.append(
