@@ -854,16 +854,22 @@ def test_plan_bench_places_gradients_as_asked(tmp_path, gradients):
     buffer allocated, each run once per value (the A/B in one process): with ``host`` every
     gradient on the host, with ``auto`` megatrain's on the host and the solved plan's where it
     puts them; ``placed``: the trainer's auto, the first (solved) plan's held layers get no host
-    buffer and megatrain after it holds them too. Each record says which."""
+    buffer and megatrain after it holds them too (tiny-hybrid's 4 layers in a budget that only
+    holding some of them fits, so some are held). Each record says which."""
+    if gradients == ["placed"]:
+        plan_bench(*TINY, "--model", "tiny-hybrid", "--host-limit-gb", "0.0108", "--runs", "solved", "megatrain",
+                   "--gradients", "placed", "--warmup", "0", "--steps", "1", "--out", str(tmp_path))
+        (path,) = tmp_path.glob("plan_tiny-hybrid_*.json")
+        solved, megatrain = [r for r in json.loads(path.read_text()) if "tokens_per_s" in r]
+        held = [i for i, lp in enumerate(solved["plan"]["layers"]) if lp["grad"] == "gpu"]
+        assert held, "the solved plan held no gradient on the GPU where the host has no room for them all"
+        assert solved["held_grad_layers"] == megatrain["held_grad_layers"] == held
+        assert [lp["grad"] for lp in megatrain["plan"]["layers"]] == ["gpu" if i in held else "host" for i in range(4)]
+        assert solved["host_budget_gb"]["fits"] and megatrain["host_budget_gb"]["fits"]
+        return
     plan_bench(*TINY, "--runs", "solved", "megatrain", "--gradients", *gradients, "--warmup", "0", "--steps", "1",
                "--out", str(tmp_path))
     runs = runs_of(tmp_path)
-    if gradients == ["placed"]:
-        solved, megatrain = runs
-        held = [i for i, lp in enumerate(solved["plan"]["layers"]) if lp["grad"] == "gpu"]
-        assert solved["held_grad_layers"] == megatrain["held_grad_layers"] == held
-        assert [lp["grad"] for lp in megatrain["plan"]["layers"]] == ["gpu" if i in held else "host" for i in range(2)]
-        return
     assert [(r["policy"], r["gradients"]) for r in runs] == [(p, g) for p in ("solved", "megatrain") for g in gradients]
     for r in runs:
         assert r["master"] == "fp32" and r["tokens_per_s"] > 0

@@ -305,6 +305,38 @@ def test_the_cost_table_and_a_saved_one_get_the_room_available_now(tmp_path, mon
     assert waits == [1]
 
 
+def test_a_model_that_fits_only_with_held_gradients_builds_and_plans_within_the_budget(tmp_path, monkeypatch):
+    """``memory.gradients=auto`` under a budget below the state with every gradient buffer and
+    above it with every decoder layer's held (the 27B on 128 GiB, at tiny-hybrid's scale; on 2
+    layers the pinned ring is as large as the buffers it spares): the store is built (its own
+    check counted every buffer and refused), the plan's room is the budget less the state with
+    only the buffers every plan allocates (it was the table's room, floored at 0, plus the
+    layers' buffers: more than the budget has), and the first plan holds what does not fit."""
+    from lazytrain.config import load_config
+    from lazytrain.memory import host_store
+    from lazytrain.train.session import build_session, host_limit_bytes
+
+    monkeypatch.setattr(host_store, "host_memory_available", lambda: 2**40)  # the budget binds
+    base = ["model.source=builtin:tiny-hybrid", "memory.gradients=auto", f"training.output_dir={tmp_path}",
+            "training.batch_size=2", "data.max_seq_len=32", "training.progress=false", "plan.policy=solved"]
+    roomy = build_session(load_config(None, base))
+    state = roomy.store.bytes(roomy.optimizer.state_bytes())  # (every buffer, none allocated yet)
+    sizes, dtype = roomy.store.grad_sizes, roomy.store.dtype
+    layer_grads = sum(sizes[1:-1]) * dtype.itemsize
+    least = state.total - layer_grads - host_store.grad_ring_bytes(0, dtype) + host_store.grad_ring_bytes(
+        max(sizes[1:-1]), dtype)
+    gib = (least + state.total) / 2 / GIB
+    tight = build_session(load_config(None, [*base, f"memory.host_limit_gb={gib}"]))
+    limit = host_limit_bytes(tight.config)
+    assert least < limit < state.total
+    costs = tight.cost_table()
+    assert costs.host_bytes == limit - least and not costs.host_grads
+    assert costs.host_bytes < layer_grads  # some layer's gradient must wait on the GPU
+    plan, _ = tight.plan()
+    host = sum(sizes[i + 1] for i, lp in enumerate(plan.layers) if lp.grad == "host") * dtype.itemsize
+    assert 0 < host + tight.planner.predicted.get("predicted_act_host_gb", 0.0) * 1e9 <= limit - least
+
+
 def test_a_new_host_tier_buffer_stops_with_a_message_when_memory_ran_short(monkeypatch):
     """A host-tier activation buffer is page-locked on a GPU machine: when the machine has run
     short since planning, the store raises a clear error instead of being killed by the kernel;

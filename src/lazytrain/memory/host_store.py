@@ -160,7 +160,7 @@ def host_headroom() -> int:
 
 
 def activation_room(state_bytes: int, limit: int | None = None, ranks: int = 1, staging: int = 0,
-                    allocated: bool = True) -> int:
+                    pending: int = 0) -> int:
     """Host bytes one process may pin for activations: its share of what the budget (``limit``,
     default `default_host_limit`) leaves after its ``state_bytes`` of model state, and no more
     than its share of what the machine has available now less `host_headroom`, less its
@@ -169,12 +169,13 @@ def activation_room(state_bytes: int, limit: int | None = None, ranks: int = 1, 
     activations. The second bound counts what the budget's
     components do not: the processes' own memory (torch, the CUDA context, the data), other
     processes, the kernel. Called once every rank's model state is allocated, so the
-    available memory no longer includes it; ``allocated`` False: before (``lazytrain plan``),
-    the state then comes off the available memory too."""
+    available memory no longer includes it; ``pending``: the bytes of ``state_bytes`` not
+    allocated yet (all of it before the store is built, ``lazytrain plan``; the gradient buffers
+    a first plan will allocate), which come off the available memory too."""
     room = (limit or default_host_limit()) // ranks - state_bytes
     available = host_memory_available()
     if available is not None:
-        room = min(room, (available - host_headroom() - (0 if allocated else state_bytes)) // ranks)
+        room = min(room, (available - host_headroom()) // ranks - pending)
     return max(room - staging, 0)
 
 
@@ -406,13 +407,19 @@ class HostStore(HostGradients):
         """fp32, split or bf16: the form of every group's master."""
         sizes = [g.numel for g in layouts]
         total = sum(sizes)
-        need = HostBytes.predict(total, dtype, master, optimizer_bytes_per_param)
+        # with deferred buffers the least a plan can ask: every decoder layer's gradient held on
+        # the GPU (groups 1 .. n-2, as `budget.HostSettings.holding_layer_grads`), so a model that
+        # fits only so is not refused before its first plan is made
+        least = ({"host_grad_numel": sizes[0] + sizes[-1], "ring_numel": max(sizes[1:-1])}
+                 if defer_grads and len(sizes) > 2 else {})
+        need = HostBytes.predict(total, dtype, master, optimizer_bytes_per_param, **least)
         limit = host_limit_bytes or default_host_limit()
         if need.total > limit:
             raise HostMemoryError(
                 f"host memory: the model needs {need.total / 2**30:.1f} GiB ({need.describe()}), "
-                f"{limit / 2**30:.1f} GiB is usable; use optimizer.kind=hybrid8bit (about 2 B/param "
-                "of state instead of 8), memory.master=split (bf16, exact) or bf16 (not exact), or a smaller model"
+                f"{limit / 2**30:.1f} GiB is usable; use optimizer.kind=hybrid8bit or hybrid4bit (about 2 or 1 "
+                "B/param of state instead of 8), memory.master=split (bf16, exact) or bf16 (not exact), "
+                "memory.gradients=auto (exact), or a smaller model"
             )
         self._weight_arena = torch.empty(total, dtype=dtype)
         self.pinned_bytes = 0

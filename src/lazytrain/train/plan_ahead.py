@@ -101,7 +101,7 @@ def plan_ahead(config: Config) -> PlanAhead:
     # table's machine's
     trains_here = here.type == "cuda" or on_cpu
     limit = limit or (default_host_limit() if trains_here else elsewhere)
-    room = activation_room(state, limit, allocated=False) if trains_here else max(limit - state, 0)
+    room = activation_room(state, limit, pending=state) if trains_here else max(limit - state, 0)
     costs = with_capacities(costs, host_bytes=room, gpu_gb=config.memory.gpu_gb,
                             host_grads=config.memory.gradients == "host")
     if not config.plan.costs:

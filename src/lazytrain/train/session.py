@@ -148,29 +148,38 @@ class Session:
     def with_placed_gradients(self, costs: CostTable) -> CostTable:
         """``costs`` for a plan that places the decoder layers' gradients (``memory.gradients``
         auto or gpu; `CostTable.host_grads` False), before the first plan has allocated the host
-        buffers: the store's bytes counted every group's buffer, so the room for host
-        activations comes back with the decoder layers' (this rank's), less the pinned ring that
-        brings held gradients home; the plan then puts each layer's buffer in that room or holds
-        the gradient on the GPU. Unchanged otherwise."""
+        buffers: the room for host activations and the decoder layers' buffers (this rank's) is
+        the budget less the state with only the buffers every plan allocates (the embedding's and
+        head's, and the pinned ring that brings held gradients home), and the memory available
+        less those; the plan then puts each layer's buffer in that room or holds the gradient on
+        the GPU. Unchanged otherwise. (Measured afresh, not as the table's room plus the layers'
+        buffers: that room is floored at 0, and where the state with every buffer is over the
+        budget, as at 27B, the sum would promise the plan memory the host does not have.)"""
         if not self.planner.places_gradients or self.store.host_grad_groups is not None:
             return costs
-        sizes = self.store.grad_sizes[1:-1]  # the decoder layers' (the embedding's and head's stay)
-        layer_grads = sum(sizes) * self.store.dtype.itemsize
-        room = costs.host_bytes + layer_grads - grad_ring_bytes(max(sizes, default=0), self.store.dtype)
-        return with_capacities(costs, host_bytes=max(room, 0), host_grads=False)
+        state = self.store.bytes(self.optimizer.state_bytes())  # (every group's buffer counted)
+        sizes, dtype = self.store.grad_sizes, self.store.dtype
+        kept = (sizes[0] + sizes[-1]) * dtype.itemsize + grad_ring_bytes(max(sizes[1:-1], default=0), dtype)
+        room = self._activation_room(state.total - state.grads + kept, costs, pending=kept)
+        return with_capacities(costs, host_bytes=room, host_grads=False)
 
     def for_this_run(self, costs: CostTable) -> CostTable:
         """A saved table with this run's capacities: the room for host activations is this
         run's (`activation_room`: its model state, its host budget, the memory available now),
         not the profiled one's; the GPU is ``memory.gpu_gb`` when set."""
-        ranks = 1
         if self.parallel is not None:
-            ranks = self.parallel.info.local_world_size
             self.parallel.barrier()  # every rank's state allocated before the memory available is read
         # this rank's model state and, with an NVMe tier, its staging buffers, as the profiler counts them
-        room = activation_room(self.store.bytes(self.optimizer.state_bytes()).total, host_limit_bytes(self.config),
-                               ranks, self.host_memory(costs=costs).staging)
+        room = self._activation_room(self.store.bytes(self.optimizer.state_bytes()).total, costs)
         return with_capacities(costs, host_bytes=room, gpu_gb=self.config.memory.gpu_gb)
+
+    def _activation_room(self, state: int, costs: CostTable, pending: int = 0) -> int:
+        """`activation_room` for this rank's ``state`` bytes (``pending`` of them not allocated
+        yet), its share of the host, with an NVMe tier less its staging buffers (sized by
+        ``costs``)."""
+        ranks = self.parallel.info.local_world_size if self.parallel is not None else 1
+        return activation_room(state, host_limit_bytes(self.config), ranks, self.host_memory(costs=costs).staging,
+                               pending)
 
     def plan(self) -> tuple[Plan, CostTable | None]:
         """The plan to run and, where there is one, the cost table it is predicted with (the
