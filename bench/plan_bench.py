@@ -407,6 +407,9 @@ def main(argv: list[str] | None = None) -> None:
                              "run first); several: each run once per value, every host buffer allocated as for auto")
     parser.add_argument("--host-limit-gb", type=float, default=None,
                         help="host budget in GiB (default: the machine less its reserve)")
+    parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="model.dtype (auto: bf16 on a GPU, fp32 on the CPU; bf16 on the CPU rehearses a bf16 "
+                             "or split master run's code paths)")
     parser.add_argument("--baseline", default=None, help="records of the same shape to compare tokens/s with")
     args = parser.parse_args(argv)
     args.hold_grads = ()  # the layers with no host gradient buffer, once a run allocated them (`options`)
@@ -432,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     session = bench_session(
         args.model, optimizer=args.optimizer, device=args.device, batch=args.batch, seq=args.seq,
         head_chunk=args.head_chunk, nvme_dir=args.nvme_dir,
-        overrides=(f"memory.master={args.master}", f"memory.gradients={store_gradients(args)}",
+        overrides=(f"model.dtype={args.dtype}", f"memory.master={args.master}", f"memory.gradients={store_gradients(args)}",
                    *([f"memory.host_limit_gb={args.host_limit_gb}"] if args.host_limit_gb else []),
                    f"optimizer.state_rounding={args.state_rounding}"))
     args.state_rounding = session.config.state_rounding()  # auto resolved: what the records say

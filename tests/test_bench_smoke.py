@@ -854,10 +854,12 @@ def test_plan_bench_places_gradients_as_asked(tmp_path, gradients):
     buffer allocated, each run once per value (the A/B in one process): with ``host`` every
     gradient on the host, with ``auto`` megatrain's on the host and the solved plan's where it
     puts them; ``placed``: the trainer's auto, the first (solved) plan's held layers get no host
-    buffer and megatrain after it holds them too (tiny-hybrid's 4 layers in a budget that only
-    holding some of them fits, so some are held). Each record says which."""
+    buffer and megatrain after it holds them too (tiny-hybrid's 4 layers with the flagship's bf16
+    master, in a budget that only holding some of them fits, so some are held). Each record says
+    which."""
     if gradients == ["placed"]:
-        plan_bench(*TINY, "--model", "tiny-hybrid", "--host-limit-gb", "0.0108", "--runs", "solved", "megatrain",
+        plan_bench(*TINY, "--model", "tiny-hybrid", "--dtype", "bf16", "--master", "bf16", "--host-limit-gb", "0.0048",
+                   "--runs", "solved", "megatrain",
                    "--gradients", "placed", "--warmup", "0", "--steps", "1", "--out", str(tmp_path))
         (path,) = tmp_path.glob("plan_tiny-hybrid_*.json")
         solved, megatrain = [r for r in json.loads(path.read_text()) if "tokens_per_s" in r]
