@@ -2,6 +2,7 @@
 simulator's copies, CPU time, GPU step and memory; the MILP's agreement with it; how many the
 planner keeps resident when it may choose; the plan file; the errors."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -224,6 +225,10 @@ def test_the_search_for_k_stops_where_the_neighbours_are_within_the_tolerance():
     # a neighbour that does not fit is bisected toward whatever its distance
     best, calls = search(lambda k: None if k > 9 else 100.0 - k * 0.01)
     assert best == 9 and calls[:6] == [0, 1, 2, 4, 8, 12] and 10 in calls and 9 in calls
+    # a solve that ran out of time (inf: one may exist) neither stops the search nor counts as
+    # slower: it went on past 1 and 2 to the sharp minimum at 5 (it stopped at 1 until 2026-12-07)
+    best, calls = search(lambda k: math.inf if k in (1, 2) else 100.0 + abs(k - 5.4) * 10)
+    assert best == 5 and calls[:6] == [0, 1, 2, 4, 8, 12]
 
 
 @pytest.mark.parametrize("workers", [2, 3, 8])

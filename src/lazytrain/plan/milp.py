@@ -1295,7 +1295,8 @@ def solve_plan(
 
     def objective(choice: str, k: int) -> float | None:
         """Solve with the embedding and head stepped at ``choice``, ``k`` resident layers and
-        the streamed steps for them: the predicted step in ms, None if no plan fits."""
+        the streamed steps for them: the predicted step in ms, None if no plan fits, inf if the
+        solver's time ran out before it found one (one may exist)."""
         if choice == "host":
             s = 0
         elif device_steps is None:
@@ -1320,7 +1321,7 @@ def solve_plan(
         res = built.model.solve(time_limit_s, mip_rel_gap)
         if res.x is None and res.status == 1:  # the time limit came before any plan was found
             timed_out.append((choice, k))
-            return None
+            return math.inf
         if res.x is None and res.status != 2:
             raise RuntimeError(f"MILP solver failed: {res.message}")
         solved[choice, k] = (built, res)
@@ -1336,7 +1337,7 @@ def solve_plan(
             objective_ms.update(_search_device_layers(costs.num_layers, lambda k: objective("device", k),
                                                       search_workers()))
     elapsed = time.perf_counter() - start
-    fits = {key: ms for key, ms in objective_ms.items() if ms is not None}
+    fits = {key: ms for key, ms in objective_ms.items() if ms is not None and ms < math.inf}
     if not fits:
         raise _no_plan(costs, time_limit_s, len(timed_out), len(objective_ms), lambda: _infeasible_message(
             costs, gpu_bytes, tiers, max_segment, recompute, const_update, device_layers, offload_window, gradients))
@@ -1362,8 +1363,8 @@ def solve_plan(
     }
     if "device" in choices:
         # str keys: the plan file is JSON
-        notes["device_layers"] = {
-            str(n): None if ms is None else ms * 1e-3
+        notes["device_layers"] = {  # (None: no plan fits, or none found in the solver's time)
+            str(n): None if ms is None or ms == math.inf else ms * 1e-3
             for (c, n), ms in sorted(objective_ms.items()) if c == "device"
         }
         # (a candidate the search solved at once with others and dropped is not among them)
@@ -1427,7 +1428,8 @@ def _evaluate(objective: Callable[[int], float | None], ks: Sequence[int],
 
 def _search_device_layers(num_layers: int, objective: Callable[[int], float | None],
                           workers: int = 1) -> dict[tuple[str, int], float | None]:
-    """``objective(k)`` (ms, None: does not fit) at `DEVICE_LAYER_CANDIDATES` and ``num_layers``
+    """``objective(k)`` (ms; None: does not fit; inf: no plan found in the solver's time, which
+    neither stops the search nor counts as slower) at `DEVICE_LAYER_CANDIDATES` and ``num_layers``
     up to the first k that does not fit or the second in a row slower than the one before, then
     at midpoints between the best and its neighbours until they are adjacent or predicted within
     `DEVICE_LAYER_TOLERANCE` of it: a search for the least of a step time taken as unimodal in k
@@ -1448,7 +1450,9 @@ def _search_device_layers(num_layers: int, objective: Callable[[int], float | No
                 if value is None:
                     stopped = True
                     break
-                previous = [v for n, v in tried.items() if n < k]
+                if value == math.inf:  # unknown: more resident layers may still fit
+                    continue
+                previous = [v for n, v in tried.items() if n < k and v != math.inf]
                 rises = rises + 1 if previous and value > previous[-1] else 0
                 if rises == 2:
                     stopped = True
@@ -1456,7 +1460,7 @@ def _search_device_layers(num_layers: int, objective: Callable[[int], float | No
             if stopped:
                 break
         while True:
-            fits = {k: v for k, v in tried.items() if v is not None}
+            fits = {k: v for k, v in tried.items() if v is not None and v < math.inf}
             if not fits:
                 break
             best = min(fits, key=fits.__getitem__)
