@@ -835,7 +835,7 @@ def test_device_step_times_each_piece_size_and_writes_records(tmp_path, monkeypa
     from bench.studies import device_step
     from lazytrain.optim import hybrid8bit
 
-    monkeypatch.setattr(hybrid8bit, "_compiled_piece", hybrid8bit._device_piece)
+    monkeypatch.setattr(hybrid8bit.PIECE_8BIT, "fn", hybrid8bit._device_piece)
     records = device_step.main(["--model", "tiny", "--groups", "layer", "--chunks", "10", "20", "--repeats", "1",
                                 "--device", "cpu", "--out", str(tmp_path)])
     numel = device_step.group_sizes("tiny")["layer"]
@@ -845,6 +845,16 @@ def test_device_step_times_each_piece_size_and_writes_records(tmp_path, monkeypa
     assert "| layer | " in (tmp_path / f"{stem}.md").read_text()
     with pytest.raises(SystemExit, match="at least 9"):
         device_step.main(["--model", "tiny", "--chunks", "8", "--device", "cpu", "--out", str(tmp_path)])
+    # the 4-bit step, its piece eagerly: said in the records and the report, and no run after
+    # this one in the process finds the piece set to eager
+    from lazytrain.optim import hybrid4bit
+
+    before = hybrid4bit.PIECE_4BIT.fn
+    four = device_step.main(["--model", "tiny", "--groups", "layer", "--chunks", "20", "--repeats", "1", "--bits", "4",
+                             "--eager", "--device", "cpu", "--out", str(tmp_path)])
+    assert [(r["bits"], r["eager"], r["ran_eagerly"], r["pieces"]) for r in four] == [(4, True, True, 1)]
+    assert hybrid4bit.PIECE_4BIT.fn is before
+    assert "4-bit states" in next(tmp_path.glob("device_step_tiny_4bit_*.md")).read_text()
 
 
 @pytest.mark.parametrize("gradients", [["gpu"], ["host", "auto"], ["placed"]])

@@ -89,7 +89,7 @@ def _drift(stepper, monkeypatch, round_to_nearest: bool = False) -> tuple[float,
     gradients do not depend on the weights), one with an fp32 master. ``round_to_nearest``:
     the bf16 weights are the fp32 master's rounded to nearest after every step instead (what
     a bf16 master without stochastic rounding does)."""
-    monkeypatch.setattr(hybrid8bit, "_compiled_piece", hybrid8bit._device_piece)  # no compile on the CPU
+    monkeypatch.setattr(hybrid8bit.PIECE_8BIT, "fn", hybrid8bit._device_piece)  # no compile on the CPU
     n, steps = 16384, 200
     gen = torch.Generator().manual_seed(5)
     start = (1.0 + torch.rand(n, generator=gen)).bfloat16()
@@ -188,7 +188,7 @@ def test_kernel_and_device_step_agree_with_the_torch_path(other, monkeypatch):
     weights except where the fp32 update values differ by an ulp (hardware sqrt and reciprocal
     estimates, fused multiply-adds) across a rounding threshold: a draw lands between the two
     with probability ~2**-16 per float32 ulp, so at most one bf16 ulp, on under 1e-3 of them."""
-    monkeypatch.setattr(hybrid8bit, "_compiled_piece", hybrid8bit._device_piece)
+    monkeypatch.setattr(hybrid8bit.PIECE_8BIT, "fn", hybrid8bit._device_piece)
     gen = torch.Generator().manual_seed(3)
     starts = [torch.randn(n, generator=gen).bfloat16() for n in (40_960, 1000)]
     grads = [[(torch.randn(s.numel(), generator=gen) * 1e-2).bfloat16() for s in starts] for _ in range(5)]

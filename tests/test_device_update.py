@@ -207,7 +207,7 @@ def test_a_device_step_that_cannot_be_compiled_runs_eagerly(monkeypatch):
             raise torch._dynamo.exc.BackendCompilerFailed(fn, RuntimeError("no backend"), None)
         return run
 
-    monkeypatch.setattr(hybrid8bit, "_compiled_piece", None)
+    monkeypatch.setattr(hybrid8bit.PIECE_8BIT, "fn", None)
     monkeypatch.setattr(hybrid8bit.torch, "compile", broken)
     n = 3 * 4096 + 5
     a, b = SplitMaster.of(torch.randn(n)), SplitMaster.of(torch.randn(n))
@@ -220,7 +220,7 @@ def test_a_device_step_that_cannot_be_compiled_runs_eagerly(monkeypatch):
     torch_step_8bit(grad, a, opt_a.states[0], None, s)
     with pytest.warns(RuntimeWarning, match="could not be compiled.*eagerly"):
         device_step_8bit(grad, b, opt_b.states[0], None, s)
-    assert hybrid8bit._compiled_piece is hybrid8bit._device_piece
+    assert hybrid8bit.PIECE_8BIT.eagerly
     assert torch.equal(a.fp32(), b.fp32())
     for name, t in opt_a.states[0].tensors().items():
         assert torch.equal(t, opt_b.states[0].tensors()[name]), name
@@ -541,8 +541,8 @@ def test_a_device_step_that_runs_out_of_memory_stops_the_run_with_what_to_do(tmp
 
 
 def _piece_spy(monkeypatch, fail_at: int | None = None) -> tuple[list[int], list[int]]:
-    """Stand-ins for the compiled piece (`_compiled_piece`: the eager piece, or a compile error
-    at its call ``fail_at``) and for the eager one (`_device_piece`), recording each call's
+    """Stand-ins for the compiled piece (`PIECE_8BIT.fn`: the eager piece, or a compile error
+    at its call ``fail_at``) and for the eager one (`PIECE_8BIT.eager`), recording each call's
     elements: (the compiled stand-in's, the eager piece's)."""
     from lazytrain.optim import hybrid8bit
 
@@ -558,8 +558,8 @@ def _piece_spy(monkeypatch, fail_at: int | None = None) -> tuple[list[int], list
         compiled[0].append(args[0].numel())
         eager(*args)
 
-    monkeypatch.setattr(hybrid8bit, "_device_piece", eager_piece)
-    monkeypatch.setattr(hybrid8bit, "_compiled_piece", compiled_piece)
+    monkeypatch.setattr(hybrid8bit.PIECE_8BIT, "eager", eager_piece)
+    monkeypatch.setattr(hybrid8bit.PIECE_8BIT, "fn", compiled_piece)
     return compiled
 
 
@@ -626,7 +626,7 @@ def test_a_device_step_whose_compiling_fails_midway_goes_on_eagerly_in_smaller_p
     assert compiled == [2048] and eager == [512] * 6 + [n - 5120]
     for a, b in zip(whole, result):
         assert torch.equal(a, b)
-    assert hybrid8bit._compiled_piece is hybrid8bit._device_piece
+    assert hybrid8bit.PIECE_8BIT.eagerly
     eager.clear()
     _device_step_in_pieces(None, None)
     assert eager == [512] * 10 + [n - 5120]

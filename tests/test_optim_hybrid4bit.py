@@ -370,6 +370,119 @@ def test_a_group_stepped_on_the_gpu_steps_as_the_host(rounding):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
 
+def _gpu_step_inputs(numel: int, form: str, seed: int = 0):
+    """A group part-way through training (one step taken), as `device_step_4bit` gets it: (grad,
+    master, state, weight_out) with the master in ``form`` (split, bf16, or fp32 with a bf16
+    copy out)."""
+    from lazytrain.optim.master import Bf16Master
+
+    gen = torch.Generator().manual_seed(seed)
+    start = torch.randn(numel, generator=gen)
+    opt = Hybrid4bitAdamW([start.clone()], [numel], CONFIG, kernel="torch")
+    opt.step_group(0, torch.randn(numel, generator=gen).bfloat16(), 0.5, LR, None)  # moments not zero
+    weights = opt.masters[0]
+    master = {"split": lambda: SplitMaster.of(weights.clone()), "bf16": lambda: Bf16Master(weights.bfloat16()),
+              "fp32": weights.clone}[form]()
+    out = torch.zeros(numel, dtype=torch.bfloat16) if form == "fp32" else None
+    return torch.randn(numel, generator=gen).bfloat16(), master, opt.states[0], out
+
+
+def _after(master, state, out) -> list[torch.Tensor]:
+    return [master if isinstance(master, torch.Tensor) else master.fp32(), *state.tensors().values(),
+            *([] if out is None else [out])]
+
+
+@pytest.mark.parametrize("form", ["split", "bf16", "fp32"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_the_gpu_steps_pieces_equal_the_torch_step(monkeypatch, form, stochastic):
+    """`device_step_4bit` (its piece run eagerly, here on the CPU as on a GPU where compiling
+    fails) equals `torch_step_4bit` bit for bit: in pieces of 512 elements and a partial block's
+    tail, decay ending inside a piece, both moments' draws and the bf16 master's at each
+    element's index in its group (a shard's offset 640); ``rounding`` without ``m_rounding`` is
+    refused."""
+    from lazytrain.optim import hybrid4bit
+    from lazytrain.optim.hybrid8bit import PIECE_ALIGN, StepScalars
+
+    monkeypatch.setattr(hybrid4bit.PIECE_4BIT, "fn", hybrid4bit.PIECE_4BIT.eager)
+    numel = 40 * BLOCK + 6  # over MIN_8BIT_NUMEL: quantized states
+    s = StepScalars.of(CONFIG, 2, LR, 0.7, 21 * BLOCK + 9)
+    keys = {"rounding": (11, 640), "m_rounding": (13, 640)} if stochastic else {}
+    master_rounding = (17, 640) if form == "bf16" or stochastic else None
+    results = []
+    for step in (hybrid4bit.torch_step_4bit, hybrid4bit.device_step_4bit):
+        grad, master, state, out = _gpu_step_inputs(numel, form)
+        kw = {"chunk": PIECE_ALIGN} if step is hybrid4bit.device_step_4bit else {}
+        step(grad, master, state, out, s, keys.get("rounding"), master_rounding, keys.get("m_rounding"), **kw)
+        results.append(_after(master, state, out))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="both moments stochastically or neither"):
+        hybrid4bit.device_step_4bit(*_gpu_step_inputs(numel, "split"), s, (11, 0), None, None)
+
+
+def test_the_gpu_steps_piece_compiles_and_steps_as_eagerly(monkeypatch):
+    """The piece as `torch.compile` makes it (here the CPU's inductor; a GPU compiles it with
+    Triton) gives the eager piece's values: the masters within float rounding (fused multiply-
+    adds), the codes a few apart by one where a value sits on a midpoint. Whole blocks only: on
+    the CPU, torch 2.13's inductor leaves the last partial block of ``absmax[i // 128]``-style
+    reads unwritten (``w - absmax.repeat_interleave(128)[:n]`` with n = 40 x 128 + 6: the last
+    6 elements keep their old value), which the CUDA test below checks does not happen on a GPU."""
+    from lazytrain.optim import hybrid4bit
+    from lazytrain.optim.hybrid8bit import StepScalars
+
+    numel = 40 * BLOCK
+    s = StepScalars.of(CONFIG, 2, LR, 0.7, 21 * BLOCK + 9)
+    results = []
+    for fn in (hybrid4bit.PIECE_4BIT.eager, None):
+        monkeypatch.setattr(hybrid4bit.PIECE_4BIT, "fn", fn)
+        grad, master, state, out = _gpu_step_inputs(numel, "split")
+        hybrid4bit.device_step_4bit(grad, master, state, out, s, (11, 0), None, (13, 0))
+        results.append(_after(master, state, out))
+    assert not hybrid4bit.PIECE_4BIT.eagerly  # compiled, not fallen back
+    (eager_master, *eager_state), (master, *state) = results
+    torch.testing.assert_close(master, eager_master, rtol=1e-6, atol=1e-9)
+    for a, b in zip(state[::2], eager_state[::2]):  # the codes
+        a, b = unpack(a, numel).long(), unpack(b, numel).long()
+        assert int((a - b).abs().max()) <= 1 and int((a != b).sum()) <= numel // 500
+    for a, b in zip(state[1::2], eager_state[1::2]):  # the absmax
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_compiled_gpu_step_steps_a_partial_blocks_tail(monkeypatch, bits):
+    """On the GPU the compiled step (Triton) against its piece run eagerly there, on a group
+    whose last block is partial (the CPU's inductor leaves such a tail unwritten, above): every
+    master within float rounding of the eager one, the tail's included and moved."""
+    from lazytrain.optim import hybrid4bit, hybrid8bit
+    from lazytrain.optim.hybrid8bit import StepScalars, device_step_8bit
+
+    numel = 300 * BLOCK + 6
+    s = StepScalars.of(CONFIG, 2, LR, 0.7, 21 * BLOCK + 9)
+    piece = hybrid4bit.PIECE_4BIT if bits == 4 else hybrid8bit.PIECE_8BIT
+    results = []
+    for fn in (piece.eager, None):
+        monkeypatch.setattr(piece, "fn", fn)
+        grad, master, state, _ = _gpu_step_inputs(numel, "fp32") if bits == 4 else (None,) * 4
+        if bits == 8:
+            gen = torch.Generator().manual_seed(0)
+            opt = Hybrid8bitAdamW([torch.randn(numel, generator=gen)], [numel], CONFIG, kernel="torch")
+            opt.step_group(0, torch.randn(numel, generator=gen).bfloat16(), 0.5, LR, None)
+            grad, master, state = torch.randn(numel, generator=gen).bfloat16(), opt.masters[0], opt.states[0]
+        before = master.clone()
+        on_gpu = type(state)(**{k: v.cuda() for k, v in state.tensors().items()})
+        master, grad = master.cuda(), grad.cuda()
+        if bits == 4:
+            hybrid4bit.device_step_4bit(grad, master, on_gpu, None, s, (11, 0), None, (13, 0))
+        else:
+            device_step_8bit(grad, master, on_gpu, None, s, (11, 0))
+        results.append((master.cpu(), before))
+    assert not piece.eagerly
+    (eager, before), (compiled, _) = results
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-9)
+    assert bool((compiled[-6:] != before[-6:]).all())
+
+
 @pytest.mark.parametrize("moment,code", [("sqrt_v", 4), ("m", 9), ("m", 3)], ids=["sqrt_v", "m", "m-negative"])
 def test_stochastic_codes_are_a_neighbouring_code_drawn_without_bias(moment, code):
     """Stochastic codes (sqrt(v)'s linear map, m's signed one) are the code below or above each

@@ -3,8 +3,10 @@
     python -m bench.studies.device_step --model qwen2.5-7b --chunks 21 22 23 24 25 26 27 --out bench/results
 
 `device_step_8bit`, the compiled 8-bit AdamW step that `plan.const_update=device`,
-`plan.device_layers` and `plan.device_steps` run on the GPU, on scratch groups the size of the
-model's decoder layer and of its head (split master, 8-bit states, bf16 gradient), in pieces of
+`plan.device_layers` and `plan.device_steps` run on the GPU (``--bits 4``: `device_step_4bit`,
+its 4-bit twin, both moments rounded stochastically as ``optimizer.state_rounding=auto`` does;
+``--eager``: the piece run eagerly, the step's fallback where compiling fails), on scratch groups
+the size of the model's decoder layer and of its head (split master, bf16 gradient), in pieces of
 2**c elements for each ``--chunks`` c. Per group and size, the median over ``--repeats`` calls
 after two warm-up calls (the first compiles):
 
@@ -36,6 +38,7 @@ import torch
 from bench.common import device_tag, run_header, today, write_results
 from lazytrain.model.adapter import ModelAdapter, load_hf_config
 from lazytrain.model.shapes import SHAPES
+from lazytrain.optim import hybrid4bit, hybrid8bit
 from lazytrain.optim.base import AdamWConfig
 from lazytrain.optim.hybrid8bit import (
     COMPILED_CHUNK,
@@ -59,11 +62,11 @@ def group_sizes(model: str) -> dict[str, int]:
     return {"layer": adapter.layouts[1].numel, "head": adapter.final_layout.numel}
 
 
-def scratch_group(numel: int, device: torch.device) -> tuple[SplitMaster, Hybrid8bitAdamW, torch.Tensor]:
-    """A split master with 8-bit states (moved to ``device`` as `to_device` does), and a bf16
-    gradient there."""
+def scratch_group(numel: int, device: torch.device, bits: int = 8) -> tuple[SplitMaster, Hybrid8bitAdamW, torch.Tensor]:
+    """A split master with ``bits``-bit states (moved to ``device`` as `to_device` does), and a
+    bf16 gradient there."""
     master = SplitMaster.of(torch.randn(numel) * 0.02)
-    optimizer = Hybrid8bitAdamW([master], [numel], OPT, kernel="torch")
+    optimizer = (Hybrid8bitAdamW if bits == 8 else hybrid4bit.Hybrid4bitAdamW)([master], [numel], OPT, kernel="torch")
     if device.type == "cuda":
         optimizer.to_device(0, master.weight.to(device))
         master = optimizer.masters[0]
@@ -80,7 +83,10 @@ def measure(group: tuple[SplitMaster, Hybrid8bitAdamW, torch.Tensor], chunk: int
     scalars = StepScalars.of(OPT, 2, 1e-5, 0.5, numel)
 
     def call() -> None:
-        device_step_8bit(grad, master, state, None, scalars, None, chunk=chunk)
+        if isinstance(state, hybrid4bit.Quantized4bitState):
+            hybrid4bit.device_step_4bit(grad, master, state, None, scalars, (1, 0), None, (2, 0), chunk=chunk)
+        else:
+            device_step_8bit(grad, master, state, None, scalars, None, chunk=chunk)
 
     cuda = device.type == "cuda"
     for _ in range(2):
@@ -136,8 +142,10 @@ def measure(group: tuple[SplitMaster, Hybrid8bitAdamW, torch.Tensor], chunk: int
 def report(records: list[dict], command: str) -> str:
     head = records[0]
     piece = COMPILED_CHUNK.bit_length() - 1
-    about = (f"Model shape {head['model']}; torch {head['torch']}. `device_step_8bit` (split master, 8-bit states, "
-             "bf16 gradient) on a scratch group the size of a decoder layer and of the head; medians of "
+    step = ("`device_step_4bit` (4-bit states, stochastic codes" if head.get("bits") == 4
+            else "`device_step_8bit` (8-bit states")
+    about = (f"Model shape {head['model']}; torch {head['torch']}. {step}, split master, bf16 gradient; "
+             f"{'the piece run eagerly' if head.get('eager') else 'compiled'}) on a scratch group the size of a decoder layer and of the head; medians of "
              f"{head['repeats']} calls after two warm-ups. host: the calling thread's time in the call (the GPU "
              "held back by a sleep queued first); GPU: the pieces' own time, all queued before the GPU reached "
              "them; step: events around the call on an idle GPU (what `const_update_ms` times and the update's "
@@ -162,6 +170,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="piece sizes as powers of two (at least 9: hybrid8bit.PIECE_ALIGN)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--bits", type=int, choices=[8, 4], default=8, help="the states' bits")
+    parser.add_argument("--eager", action="store_true", help="run the piece eagerly (the fallback), not compiled")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
@@ -172,21 +182,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"device_step: --chunks must be at least {PIECE_ALIGN.bit_length() - 1} (a piece holds a "
                          f"multiple of {PIECE_ALIGN} elements: hybrid8bit.PIECE_ALIGN), got {min(args.chunks)}")
     sizes = group_sizes(args.model)
-    header = run_header(device, model=args.model, runner="lazytrain", world_size=1)
+    header = run_header(device, model=args.model, runner="lazytrain", world_size=1, bits=args.bits, eager=args.eager)
+    piece = hybrid4bit.PIECE_4BIT if args.bits == 4 else hybrid8bit.PIECE_8BIT
+    before = piece.fn
+    if args.eager:
+        piece.fn = piece.eager
+    try:
+        records = measure_groups(args, sizes, header, piece, device)
+    finally:  # (a caller in this process keeps its own choice)
+        piece.fn = before
+    command = "python -m bench.studies.device_step " + " ".join(argv if argv is not None else sys.argv[1:])
+    stem = f"device_step_{args.model}{'_4bit' if args.bits == 4 else ''}_{device_tag(device)}_{today()}{args.tag}"
+    write_results(records, stem, report(records, command), args.out)
+    return records
+
+
+def measure_groups(args, sizes: dict[str, int], header: dict, piece, device: torch.device) -> list[dict]:
+    """`measure` of each ``--groups`` group at each ``--chunks`` size: the records."""
     records = []
     for name in args.groups:
-        group = scratch_group(sizes[name], device)
+        group = scratch_group(sizes[name], device, args.bits)
         for c in args.chunks:
             row = measure(group, 1 << c, args.repeats, device)
-            records.append({"name": f"device_step_{args.model}_{name}_2^{c}", **header, "group": name, **row})
+            records.append({"name": f"device_step_{args.model}_{name}_2^{c}", **header, "group": name, **row,
+                            "ran_eagerly": piece.eagerly})
             print({k: records[-1][k] for k in ("group", "chunk_log2", "host_ms", "gpu_ms", "step_ms", "work_gb")},
                   flush=True)
         del group
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    command = "python -m bench.studies.device_step " + " ".join(argv if argv is not None else sys.argv[1:])
-    stem = f"device_step_{args.model}_{device_tag(device)}_{today()}{args.tag}"
-    write_results(records, stem, report(records, command), args.out)
     return records
 
 

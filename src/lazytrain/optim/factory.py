@@ -39,14 +39,14 @@ def describe_config(config: OptimizerConfig, rounding: str) -> tuple[str, int | 
     the elements per piece of its GPU step (`HostOptimizer.device_step_chunk`), without making
     one (8-bit states load the C++ kernel, a minute when it is built)."""
     if config.kind == "hybrid4bit":
-        from lazytrain.optim.hybrid8bit import DEVICE_CHUNK
+        from lazytrain.optim.hybrid4bit import PIECE_4BIT
 
-        return f"hybrid4bit/{rounding}", DEVICE_CHUNK
+        return f"hybrid4bit/{rounding}", PIECE_4BIT.chunk()
     if config.kind != "hybrid8bit":
         return config.kind, None
-    from lazytrain.optim.hybrid8bit import _device_chunk
+    from lazytrain.optim.hybrid8bit import PIECE_8BIT
 
-    return f"hybrid8bit/{rounding}", _device_chunk()
+    return f"hybrid8bit/{rounding}", PIECE_8BIT.chunk()
 
 
 def make_optimizer(

@@ -47,9 +47,10 @@ stochastically at 4 bits, each element's m and sqrt(v) drawn under two unrelated
 are the same format either way.
 
 One step is one pass over memory (``csrc/hybrid4bit.cpp``, every ``kernel.VARIANTS`` path), or
-`torch_step_4bit`'s torch ops where the kernel does not build and on a GPU (`to_device`,
-`stream_in`: eager torch ops, in pieces of ``DEVICE_CHUNK``; the 8-bit step's compiled GPU
-path has no 4-bit twin yet). The nearest code is the count of the map's midpoints below the
+`torch_step_4bit`'s torch ops where the kernel does not build, and on a GPU (`to_device`,
+`stream_in`) the same math compiled (`device_step_4bit`, the 8-bit step's driver
+`hybrid8bit.device_step` with `_device_piece4`; eager torch ops in pieces of ``DEVICE_CHUNK``
+where compiling fails). The nearest code is the count of the map's midpoints below the
 value (ties to the lower code) on both paths; they differ by the kernel's sqrt and reciprocal
 estimates (about an ulp), which can move a value on a midpoint to the neighbouring code.
 
@@ -74,14 +75,24 @@ import torch
 from lazytrain.optim.hybrid8bit import (
     DEVICE_CHUNK,
     TORCH_CHUNK,
+    DevicePiece,
     Hybrid8bitAdamW,
     StepScalars,
     _adam_update,
+    device_step,
     is_8bit,
     torch_step_fp32,
 )
-from lazytrain.optim.master import Master, master_chunk, store_master_chunk
-from lazytrain.optim.quant import BLOCK, TINY, moment_rounding_key, num_blocks, rounding_uniforms
+from lazytrain.optim.master import Master, master_chunk, stochastic_bf16_bits, store_master_chunk
+from lazytrain.optim.quant import (
+    BLOCK,
+    TINY,
+    moment_rounding_key,
+    num_blocks,
+    rounding_uniforms,
+    uniforms_at,
+)
+from lazytrain.optim.split import joined, split_halves
 
 STATE_FORMAT = f"de4-linear4nz-block{BLOCK}-sqrtv"
 """Names the maps (signed dynamic m, linear no-zero second moment), the block size and what
@@ -214,6 +225,12 @@ class Quantized4bitState:
         return {"m_codes": self.m_codes, "m_absmax": self.m_absmax, "v_codes": self.v_codes,
                 "v_absmax": self.v_absmax}
 
+    def piece(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(m codes, m absmax, v codes, v absmax) of elements ``lo .. hi - 1`` (whole blocks, ``lo``
+        even: the packed bytes of exactly these elements)."""
+        blocks, nbytes = slice(lo // BLOCK, num_blocks(hi)), slice(lo // 2, -(-hi // 2))
+        return self.m_codes[nbytes], self.m_absmax[blocks], self.v_codes[nbytes], self.v_absmax[blocks]
+
 
 def state_bytes_per_param(numels: Sequence[int], fp32_groups: Collection[int] = ()) -> float:
     """Bytes of state per parameter of groups of ``numels`` elements, as Hybrid4bitAdamW keeps
@@ -262,6 +279,68 @@ def torch_step_4bit(
         store_master_chunk(master, chunk, weight_out, lo, hi, master_rounding)
 
 
+def _device_piece4(grad: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor | None,
+                   m_codes: torch.Tensor, m_absmax: torch.Tensor, v_codes: torch.Tensor, v_absmax: torch.Tensor,
+                   weight_out: torch.Tensor | None, scalars: torch.Tensor, ints: torch.Tensor,
+                   mt: Map4, vt: Map4, stochastic: bool) -> None:
+    """One piece of `torch_step_4bit`'s math, for `torch.compile` on a GPU: the 8-bit piece's
+    arguments (`hybrid8bit._device_piece`: ``scalars``, the master's forms) with 4-bit codes
+    and maps, and ``ints`` = (index of the piece's first element in its group, decay_numel,
+    sqrt(v)'s rounding key, a bf16 master's rounding key, m's rounding key, 0, 0, 0); with
+    ``stochastic`` both moments' codes are drawn. Eagerly it equals `torch_step_4bit` bit for
+    bit (`tests/test_optim_hybrid4bit.py`)."""
+    clip, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_bc2_sqrt, decay = scalars.unbind()
+    n = grad.numel()
+    local = torch.arange(n, device=grad.device)
+    index = local + ints[0]
+    bf16_master = remainder is None and weight.dtype == torch.bfloat16
+    master = joined(weight, remainder) if remainder is not None else weight.float() if bf16_master else weight
+    m = dequantize4(m_codes, m_absmax, mt, n)
+    root = dequantize4(v_codes, v_absmax, vt, n)
+    g = grad.float() * clip
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * (root * root) + one_minus_beta2 * (g * g)
+    denom = v.sqrt() * inv_bc2_sqrt + eps
+    new = master * torch.where(local < ints[1], decay, 1.0) - step_size * (m / denom)
+    for codes, absmax, x, table, key in ((m_codes, m_absmax, m, mt, ints[4]), (v_codes, v_absmax, v.sqrt(), vt, ints[2])):
+        new_codes, new_absmax = quantize4(x, table, uniforms=uniforms_at(key, index) if stochastic else None)
+        codes.copy_(new_codes)
+        absmax.copy_(new_absmax)
+    if remainder is not None:
+        high, low = split_halves(new)
+        weight.view(torch.int16).copy_(high)
+        remainder.copy_(low)
+    elif bf16_master:
+        weight.view(torch.int16).copy_(stochastic_bf16_bits(new, ints[3], index))
+    else:
+        weight.copy_(new)
+        if weight_out is not None:
+            weight_out.copy_(new)
+
+
+PIECE_4BIT = DevicePiece(_device_piece4, "4-bit")
+
+
+def device_step_4bit(
+    grad: torch.Tensor,
+    master: Master,
+    state: Quantized4bitState,
+    weight_out: torch.Tensor | None,
+    s: StepScalars,
+    rounding: tuple[int, int] | None = None,
+    master_rounding: tuple[int, int] | None = None,
+    m_rounding: tuple[int, int] | None = None,
+    chunk: int | None = None,
+) -> None:
+    """`torch_step_4bit` on a GPU: the same math, `_device_piece4` compiled
+    (`hybrid8bit.device_step`); ``rounding`` and ``m_rounding`` both or neither."""
+    if (rounding is None) != (m_rounding is None):
+        raise ValueError("4-bit states round both moments stochastically or neither: pass rounding and "
+                         "m_rounding together")
+    device_step(PIECE_4BIT, maps_on(grad.device), grad, master, state, weight_out, s, rounding, chunk,
+                master_rounding, 0 if m_rounding is None else m_rounding[0])
+
+
 class Hybrid4bitAdamW(Hybrid8bitAdamW):
     """AdamW with blockwise 4-bit states (1.06 bytes per parameter), fused on the CPU.
 
@@ -281,7 +360,7 @@ class Hybrid4bitAdamW(Hybrid8bitAdamW):
 
     @property
     def device_step_chunk(self) -> int:
-        return DEVICE_CHUNK
+        return PIECE_4BIT.chunk()
 
     def step_group(
         self,
@@ -298,7 +377,9 @@ class Hybrid4bitAdamW(Hybrid8bitAdamW):
         if isinstance(state, Quantized4bitState):
             # stochastic rounding covers both moments at 4 bits (module docstring)
             m_rounding = None if i.rounding is None else (moment_rounding_key(self.seed, group, i.step), i.offset)
-            if self._kernel is None or i.on_device:
+            if i.on_device and grad.device.type == "cuda":
+                device_step_4bit(grad, master, state, out, s, i.rounding, i.master_rounding, m_rounding)
+            elif self._kernel is None or i.on_device:
                 torch_step_4bit(grad, master, state, out, s, i.rounding, i.master_rounding, m_rounding)
             else:
                 self._kernel.step_4bit(grad, i.flat, state.m_codes, state.m_absmax, state.v_codes,

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -194,6 +194,11 @@ class QuantizedState:
             "v_codes": self.v_codes,
             "v_absmax": self.v_absmax,
         }
+
+    def piece(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(m codes, m absmax, v codes, v absmax) of elements ``lo .. hi - 1`` (whole blocks)."""
+        blocks = slice(lo // BLOCK, num_blocks(hi))
+        return self.m_codes[lo:hi], self.m_absmax[blocks], self.v_codes[lo:hi], self.v_absmax[blocks]
 
 
 @dataclass(slots=True)
@@ -360,7 +365,39 @@ def _device_piece(grad: torch.Tensor, weight: torch.Tensor, remainder: torch.Ten
             weight_out.copy_(new)
 
 
-_compiled_piece = None
+class DevicePiece:
+    """A GPU step's piece of one state format (``eager``: its torch ops on one piece of a group)
+    and how it runs: compiled on first use, eagerly from the first compile error on (warned)."""
+
+    def __init__(self, eager: Callable[..., None], what: str):
+        self.eager = eager
+        self.what = what
+        self.fn: Callable[..., None] | None = None
+        """``eager`` compiled; ``eager`` itself once compiling failed; None before the first call."""
+
+    def __call__(self, *args) -> None:
+        if self.fn is None:
+            self.fn = torch.compile(self.eager)
+        self.fn(*args)
+
+    @property
+    def eagerly(self) -> bool:
+        return self.fn is self.eager
+
+    def chunk(self) -> int:
+        """Elements per piece: ``COMPILED_CHUNK``, or ``DEVICE_CHUNK`` once it runs eagerly."""
+        return DEVICE_CHUNK if self.eagerly else COMPILED_CHUNK
+
+    def run_eagerly(self, error: BaseException) -> None:
+        """Warn that compiling failed, and run eagerly from now on."""
+        warnings.warn(f"lazytrain: the GPU optimizer step ({self.what} states) could not be compiled "
+                      f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); running it "
+                      "eagerly, ~16x slower (340 ms against 21 ms for a 7B's embedding and head on an H200, 8-bit)",
+                      RuntimeWarning, stacklevel=5)
+        self.fn = self.eager
+
+
+PIECE_8BIT = DevicePiece(_device_piece, "8-bit")
 
 
 def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -392,18 +429,35 @@ def device_step_8bit(
     chunk: int | None = None,
     master_rounding: tuple[int, int] | None = None,
 ) -> None:
-    """`torch_step_8bit` on a GPU: the same math, `_device_piece` compiled, ``chunk`` elements
-    at a time (default ``COMPILED_CHUNK``; ``DEVICE_CHUNK`` once the step runs eagerly) (a full
-    piece's size, then one generic in the size once a tail shows a second: torch's automatic
-    dynamic shapes; ``dynamic=True`` would also make the map tables' bit counts symbolic, which
-    inductor cannot shift by). Where compiling fails, this piece and the rest run eagerly in
-    pieces of ``DEVICE_CHUNK`` (the eager temporaries are ~6x the compiled ones'), and so does
-    every later step."""
-    global _compiled_piece
-    if _compiled_piece is None:
-        _compiled_piece = torch.compile(_device_piece)
+    """`torch_step_8bit` on a GPU: the same math, `_device_piece` compiled (`device_step`)."""
+    device_step(PIECE_8BIT, (tables_on(True, grad.device), tables_on(False, grad.device)), grad, master, state,
+                weight_out, s, rounding, chunk, master_rounding)
+
+
+def device_step(
+    piece: DevicePiece,
+    tables: tuple,
+    grad: torch.Tensor,
+    master: Master,
+    state,
+    weight_out: torch.Tensor | None,
+    s: StepScalars,
+    rounding: tuple[int, int] | None = None,
+    chunk: int | None = None,
+    master_rounding: tuple[int, int] | None = None,
+    moment_key: int | None = None,
+) -> None:
+    """A quantized state's step on a GPU: ``piece`` (its format's math, `DevicePiece`) over
+    ``chunk`` elements at a time (default ``piece.chunk()``) (a full piece's size, then one
+    generic in the size once a tail shows a second: torch's automatic dynamic shapes;
+    ``dynamic=True`` would also make the map tables' bit counts symbolic, which inductor cannot
+    shift by). Where compiling fails, this piece and the rest run eagerly in pieces of
+    ``DEVICE_CHUNK`` (the eager temporaries are ~6x the compiled ones'), and so does every later
+    step. ``tables``: the maps of m and sqrt(v) on the GPU; ``rounding``, ``master_rounding``:
+    (key, index of the group's first element) of sqrt(v)'s and a bf16 master's stochastic
+    rounding; ``moment_key``: m's key where it is rounded stochastically too (4-bit states)."""
     if chunk is None:
-        chunk = _device_chunk()
+        chunk = piece.chunk()
     if chunk <= 0 or chunk % PIECE_ALIGN:
         raise ValueError(f"chunk must be a positive multiple of {PIECE_ALIGN} elements (a piece holds whole "
                          "quantization blocks, its absmax slices 16-byte aligned as compiled kernels assume of "
@@ -416,50 +470,36 @@ def device_step_8bit(
                           s.inv_bc2_sqrt, s.decay], torch.float32, device)
     key, first = rounding if rounding is not None else (0, 0)
     master_key, first = master_rounding if master_rounding is not None else (0, first)
+    keys = (key, master_key) if moment_key is None else (key, master_key, moment_key)
+    width = -(-(2 + len(keys)) // 4) * 4  # rows of 4 or 8: each row 32-byte aligned
     n = master.numel()
 
     def pieces(start: int, size: int) -> None:
         starts = range(start, n, size)
-        # every piece's numbers in one copy (rows of 4: each row 32-byte aligned, as compiled
-        # kernels assume of their inputs): a copy per piece takes a pinned buffer each, which
-        # the host allocator cannot reuse while the copies wait on a busy stream
-        all_ints = _on_device([v for lo in starts for v in (first + lo, s.decay_numel - lo, key, master_key)],
-                              torch.int64, device).view(-1, 4)
-        for piece, lo in enumerate(starts):
+        # every piece's numbers in one copy (each row 32-byte aligned, as compiled kernels
+        # assume of their inputs): a copy per piece takes a pinned buffer each, which the host
+        # allocator cannot reuse while the copies wait on a busy stream
+        pad = (0,) * (width - 2 - len(keys))
+        all_ints = _on_device([v for lo in starts for v in (first + lo, s.decay_numel - lo, *keys, *pad)],
+                              torch.int64, device).view(-1, width)
+        for index, lo in enumerate(starts):
             hi = min(n, lo + size)
-            blocks = slice(lo // BLOCK, num_blocks(hi))
             args = (
                 grad[lo:hi], (master.weight if weight_is_master else master)[lo:hi],
-                master.remainder[lo:hi] if split else None,
-                state.m_codes[lo:hi], state.m_absmax[blocks], state.v_codes[lo:hi], state.v_absmax[blocks],
-                None if weight_is_master or weight_out is None else weight_out[lo:hi], scalars, all_ints[piece],
-                tables_on(True, device), tables_on(False, device), rounding is not None,
+                master.remainder[lo:hi] if split else None, *state.piece(lo, hi),
+                None if weight_is_master or weight_out is None else weight_out[lo:hi], scalars, all_ints[index],
+                *tables, rounding is not None,
             )
             try:
-                _compiled_piece(*args)
+                piece(*args)
             except _compile_errors() as error:  # compiling failed (no Triton, no compiler): before this piece ran
-                if _compiled_piece is _device_piece:
+                if piece.eagerly:
                     raise
-                _run_eagerly(error)
+                piece.run_eagerly(error)
                 pieces(lo, DEVICE_CHUNK)
                 return
 
     pieces(0, chunk)
-
-
-def _device_chunk() -> int:
-    """The GPU step's pieces: ``COMPILED_CHUNK``, or ``DEVICE_CHUNK`` once it runs eagerly."""
-    return DEVICE_CHUNK if _compiled_piece is _device_piece else COMPILED_CHUNK
-
-
-def _run_eagerly(error: BaseException) -> None:
-    """Warn that compiling the GPU step failed, and run it eagerly from now on."""
-    global _compiled_piece
-    warnings.warn(f"lazytrain: the GPU optimizer step could not be compiled ({type(error).__name__}: "
-                  f"{str(error).splitlines()[0] if str(error) else ''}); running it eagerly, ~16x "
-                  "slower (340 ms against 21 ms for a 7B's embedding and head on an H200)",
-                  RuntimeWarning, stacklevel=4)
-    _compiled_piece = _device_piece
 
 
 @dataclass(slots=True)
@@ -518,7 +558,7 @@ class Hybrid8bitAdamW(HostOptimizer):
 
     @property
     def device_step_chunk(self) -> int:
-        return _device_chunk()
+        return PIECE_8BIT.chunk()
 
     def __init__(
         self,
