@@ -847,8 +847,11 @@ def markdown(records: list[dict], args) -> str:
             + f"; NVMe write {c['nvme_write_gbps']:.2f} / read {c['nvme_read_gbps']:.2f} GB/s."),
             "",
         ]
+    # a mixture of experts' 6NT counts its active parameters (``tflops_active``; 6NT by all of
+    # them, ``tflops_6nt``, stays in the records)
+    moe = any("tflops_active" in r for r in records)
     lines += [
-        ("| run | tokens/s | TFLOPS 6NT | TFLOPS model | step s (predicted) | error | GPU compute s (pred.) | "
+        (f"| run | tokens/s | {'TFLOPS 6 N_active T' if moe else 'TFLOPS 6NT'} | TFLOPS model | step s (predicted) | error | GPU compute s (pred.) | "
          "exposed H2D s (pred.) | exposed D2H s (pred.) | GPU idle other s (pred.) | optimizer wait s | "
          "peak GPU alloc GB (pred.) | host acts GB (pred.) | host RSS GB |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -863,7 +866,7 @@ def markdown(records: list[dict], args) -> str:
         if "tokens_per_s" not in r:
             continue
         lines.append(
-            f"| {r['name']} | {r['tokens_per_s']:.0f} | {r['tflops_6nt']:.1f} | {r['tflops_model']:.1f} | "
+            f"| {r['name']} | {r['tokens_per_s']:.0f} | {r.get('tflops_active', r['tflops_6nt']):.1f} | {r['tflops_model']:.1f} | "
             f"{r['step_time_s']:.2f} ({r['predicted_step_time_s']:.2f}) | {100 * r['prediction_error']:+.1f}% | "
             f"{r.get('gpu_compute_s', NAN):.2f} ({r['predicted_gpu_compute_s']:.2f}) | {r.get('exposed_h2d_s', NAN):.3f} "
             f"({r['predicted_exposed_h2d_s']:.3f}) | {r.get('exposed_d2h_s', NAN):.3f} ({r['predicted_exposed_d2h_s']:.3f}) | "

@@ -857,6 +857,18 @@ def test_device_step_times_each_piece_size_and_writes_records(tmp_path, monkeypa
     assert "4-bit states" in next(tmp_path.glob("device_step_tiny_4bit_*.md")).read_text()
 
 
+def test_plan_bench_reports_a_mixture_of_experts_by_its_active_parameters(tmp_path):
+    """A mixture of experts' report gives 6 N_active T (``tflops_active``), not 6NT by all its
+    parameters (the 30B-A3B's first report showed 1,303 "TFLOPS" for 143)."""
+    plan_bench(*TINY, "--model", "tiny-moe", "--runs", "solved", "--warmup", "0", "--steps", "1",
+               "--out", str(tmp_path))
+    (path,) = tmp_path.glob("plan_tiny-moe_*.json")
+    (run,) = [r for r in json.loads(path.read_text()) if "tokens_per_s" in r]
+    assert 0 < run["tflops_active"] < run["tflops_6nt"]
+    report = path.with_suffix(".md").read_text()
+    assert "| TFLOPS 6 N_active T |" in report and f"| {run['tokens_per_s']:.0f} | {run['tflops_active']:.1f} |" in report
+
+
 @pytest.mark.parametrize("gradients", [["gpu"], ["host", "auto"], ["placed"]])
 def test_plan_bench_places_gradients_as_asked(tmp_path, gradients):
     """``--gradients gpu``: host buffers for the embedding and head only, and every plan (the
