@@ -175,3 +175,20 @@ def test_errors_say_what_to_do(tmp_path):
     (tmp_path / "c.yaml").write_text("plan:\n  device_steps: -1\n")
     with pytest.raises(ConfigError, match="plan.device_steps must be >= 0 or null"):
         load_config(tmp_path / "c.yaml")
+
+
+def test_a_plan_with_streamed_gpu_steps_is_drawn_with_their_streams(tmp_path):
+    """`render_plan_png` colours every simulated stream, the streamed steps' copies and steps
+    among them (``lazytrain plan`` stopped at the picture of such a plan until 2026-12-07)."""
+    pytest.importorskip("matplotlib")
+    from lazytrain.plan.render import STREAM_COLORS, render_plan_png
+    from lazytrain.plan.simulate import STREAMS
+
+    assert set(STREAM_COLORS) == set(STREAMS)
+    table = device_table()
+    plan = stepped(checkpoint_all_plan(table.num_layers, table.batch_size, table.seq_len), 1, 2)
+    sim = simulate(plan, table, optimizer_overlap=True)
+    assert {"h2d_opt", "d2h_opt", "gpu_opt"} <= {stream for stream, *_ in sim.timeline}
+    render_plan_png(plan, sim, tmp_path / "plan.png", table)
+    assert (tmp_path / "plan.png").stat().st_size > 0
+

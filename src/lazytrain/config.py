@@ -328,7 +328,8 @@ class PlanConfig:
     card through the first forwards), which takes them off the CPU without holding them on the
     card; or null: the
     solved plan takes the fewest that keep the overlapped CPU update ahead of the forward at
-    the cost table's rate (other policies: 0)."""
+    the cost table's rate, or where those do not fit (each takes a host gradient buffer), the
+    most that do (other policies: 0)."""
 
     offload_window: int = 1
     """The solved plan's model of a host-tier layer's offload (`Plan.offload_window`): its copy

@@ -27,7 +27,13 @@ STREAM_COLORS = {
     "d2h": "#b2182b",
     "nvme": "#e08214",
     "cpu": "#1b7837",
+    # streamed GPU optimizer steps (`Plan.device_steps`): their states' copies and the steps
+    "h2d_opt": "#92c5de",
+    "d2h_opt": "#f4a582",
+    "gpu_opt": "#999999",
 }
+"""A colour for each of `simulate.STREAMS` (a plan with streamed GPU steps drew none for
+their streams until 2026-12-07: ``lazytrain plan`` stopped with a KeyError)."""
 
 
 def _decision(plan: Plan, i: int) -> tuple[str, str]:
