@@ -34,8 +34,12 @@ from lazytrain.train.checkpoint import (
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 # 8 samples of 4: 2 batches an epoch, so runs resumed at step 2 or 3 restore the epoch too;
-# stochastic rounding: the 8-bit states' draws depend on the restored step counts
-COMMON = ["training.batch_size=4", "training.progress=false", "data.builtin_train_size=8",
+# stochastic rounding: the 8-bit states' draws depend on the restored step counts; on the CPU
+# on a GPU machine too: bit-for-bit resume is a property of the checkpoint, and two CUDA runs
+# from the same state differ in the last bits where backward kernels use atomics (on an H100,
+# 2026-12-07, the resumed runs' last losses differed from the reference's at 1e-7; the held
+# gradients' CUDA path is `test_held_grads`'s GPU test)
+COMMON = ["training.device=cpu", "training.batch_size=4", "training.progress=false", "data.builtin_train_size=8",
           "data.heldout_size=2", "optimizer.warmup_steps=2", "optimizer.kind=hybrid8bit",
           "optimizer.state_rounding=stochastic", "optimizer.min_lr_ratio=0.25"]
 
@@ -259,11 +263,9 @@ def test_gradients_held_on_the_gpu_train_and_resume_as_host_buffered_ones(tmp_pa
     out = tmp_path / "run"
     caplog.set_level(logging.INFO, logger="lazytrain")
     assert main(train_args(out, 3, "memory.gradients=gpu", "training.save_every=3")) == 0
-    # every streamed, CPU-stepped layer's (on a GPU the plan may keep a layer resident and step
-    # it there: layer 0 on an H100, 2026-12-07)
     held = re.search(r"gradients held on the GPU until the update \(no host buffer\): layers \[([\d, ]+)\]",
                      caplog.text)
-    assert held and (torch.cuda.is_available() or held[1] == "0, 1"), caplog.text[-2000:]
+    assert held and held[1] == "0, 1", caplog.text[-2000:]  # every streamed layer's
     assert main(train_args(out, 6, "memory.gradients=gpu", "training.resume=true")) == 0
     assert_resumed_exactly(out, reference)
 

@@ -631,14 +631,17 @@ def _add_partition_rows(prog: _Program) -> None:
 
 
 def _add_gradient_rows(prog: _Program) -> None:
-    """Where each CPU-stepped streamed layer's gradient waits until the clip coefficient is
-    known (`LayerPlan.grad`): ``q_i`` = 1 held on the GPU, 0 copied out to its host buffer in
-    the stage after its backward (0 for resident and GPU-stepped streamed layers, whose
-    gradients the device step places). A held gradient costs no copy out in the backward and,
-    where `CostTable.host_grads` is False, none of the host's room; on the GPU it lives from
-    its backward to the end of the step and, with the overlapped update, through the next
-    forward until its layer's update (the update copies it home through a small pinned ring,
-    `runtime.update`, in the forward's order: layer j's before layer j's forward runs)::
+    """Where each streamed layer's gradient waits until the clip coefficient is known
+    (`LayerPlan.grad`): ``q_i`` = 1 held on the GPU, 0 copied out to its host buffer in the
+    stage after its backward (0 for resident layers, whose gradients the device step places). A
+    held gradient costs no copy out in the backward and, where `CostTable.host_grads` is False,
+    none of the host's room; on the GPU it lives from its backward to the end of the step and,
+    with the overlapped update, through the next forward until its layer's update: a CPU-stepped
+    layer's is copied home through a small pinned ring (`runtime.update`) in the forward's
+    order, layer j's before layer j's forward runs; a GPU-stepped streamed layer's
+    (`Plan.device_steps`) is stepped from where it is, its state streamed in without it (the
+    streamed steps' times here still count its copy in: an upper bound; the simulator's do
+    not)::
 
         Q_i = q_i G_i + Q_{i+1},  Q_L = 0
 
@@ -649,7 +652,7 @@ def _add_gradient_rows(prog: _Program) -> None:
     choice = prog.gradients
     prog.q = []
     for i in range(L):
-        if i < prog.on_gpu:
+        if i < prog.device_layers:
             prog.q.append(_Expr())
             continue
         pinned = None if choice == "auto" else choice == "gpu"
@@ -658,11 +661,6 @@ def _add_gradient_rows(prog: _Program) -> None:
         if prog.fixed is not None:
             pinned = prog.fixed.layers[i].grad == "gpu"
         prog.q.append(prog.binary(pinned is not False, pinned))
-    if prog.fixed is not None:
-        for i in range(prog.device_layers, prog.on_gpu):
-            if prog.fixed.layers[i].grad == "gpu":
-                raise ValueError(f"layer {i}: a GPU-stepped streamed layer holding its gradient on the GPU is "
-                                 "not a placement the MILP offers")
     held = [_Expr()]
     for i in reversed(range(L)):
         term = prog.q[i] * prog.grad_gb[i]
@@ -1360,29 +1358,8 @@ def solve_plan(
     choice, k = min((key for key in best.values() if key is not None), key=fits.__getitem__)
     built, res = solved[choice, k]
     layers = _decode(built, res.x, costs.num_layers)
-    stats = SolveStats(
-        status={0: "optimal", 1: "time limit"}.get(res.status, f"status {res.status}"),
-        solve_time_s=elapsed,
-        objective_s=fits[choice, k] * 1e-3,
-        mip_gap=float(getattr(res, "mip_gap", 0.0) or 0.0),
-        num_binaries=built.num_binaries,
-        num_rows=len(built.model.rows),
-        num_columns=len(built.model.lb),
-    )
-    notes = {
-        "optimizer_overlap": optimizer_overlap,
-        "milp": {key: getattr(stats, key) for key in SolveStats.__slots__},
-        "const_update": {c: None if best[c] is None else fits[best[c]] * 1e-3 for c in choices},
-    }
-    if "device" in choices:
-        # str keys: the plan file is JSON
-        notes["device_layers"] = {  # (None: no plan fits, or none found in the solver's time)
-            str(n): None if ms is None or ms == math.inf else ms * 1e-3
-            for (c, n), ms in sorted(objective_ms.items()) if c == "device"
-        }
-        # (a candidate the search solved at once with others and dropped is not among them)
-        notes["device_steps"] = {str(n): s for (c, n), s in sorted(steps.items())
-                                 if c == "device" and (c, n) in objective_ms}
+    notes = _solve_notes(built, res, elapsed, fits[choice, k], optimizer_overlap,
+                         {c: None if best[c] is None else fits[best[c]] for c in choices}, objective_ms, steps)
     plan = Plan(
         policy="solved",
         batch_size=costs.batch_size,
@@ -1407,14 +1384,48 @@ def solve_plan(
     return plan
 
 
+def _solve_notes(built: _Built, res, elapsed: float, objective_ms: float, optimizer_overlap: bool,
+                 best_ms: dict[str, float | None], searched: dict[tuple[str, int], float | None],
+                 steps: dict[tuple[str, int], int]) -> dict:
+    """`Plan.notes` of a solved plan: the MILP's statistics, each embedding-and-head choice's
+    best predicted step (s; None: no plan fits) and, where the device plan was solved, each
+    resident-layer count's predicted step and streamed GPU steps."""
+    stats = SolveStats(
+        status={0: "optimal", 1: "time limit"}.get(res.status, f"status {res.status}"),
+        solve_time_s=elapsed,
+        objective_s=objective_ms * 1e-3,
+        mip_gap=float(getattr(res, "mip_gap", 0.0) or 0.0),
+        num_binaries=built.num_binaries,
+        num_rows=len(built.model.rows),
+        num_columns=len(built.model.lb),
+    )
+    notes = {
+        "optimizer_overlap": optimizer_overlap,
+        "milp": {key: getattr(stats, key) for key in SolveStats.__slots__},
+        "const_update": {c: None if ms is None else ms * 1e-3 for c, ms in best_ms.items()},
+    }
+    if "device" in best_ms:
+        # str keys: the plan file is JSON
+        notes["device_layers"] = {  # (None: no plan fits, or none found in the solver's time)
+            str(n): None if ms is None or ms == math.inf else ms * 1e-3
+            for (c, n), ms in sorted(searched.items()) if c == "device"
+        }
+        # (a candidate the search solved at once with others and dropped is not among them)
+        notes["device_steps"] = {str(n): s for (c, n), s in sorted(steps.items())
+                                 if c == "device" and (c, n) in searched}
+    return notes
+
+
 def _most_that_fit(solve: Callable[[int], tuple[float | None, object]], over: int) -> tuple[float | None, object, int]:
     """``solve(s)``'s result (ms, solved program) at the most streamed GPU steps ``s`` below
     ``over`` (which does not fit) that fit, and that ``s``: 0 first (if it does not fit either,
     its result), then a bisection, a step count whose solve ran out of time taken as not fitting.
-    Each streamed step takes a host gradient buffer and the GPU's step slots, so what fits
-    shrinks as ``s`` grows: the Qwen3-30B-A3B table measured on an H100 (2026-12-07) at batch
-    128 hides its update with 33 and fits 21 (8,544 tokens/s predicted, against 6,967 with none;
-    the chosen count was 33 or nothing until then)."""
+    Each streamed step holds the GPU's step slots through more of the forward and, where its
+    gradient is not held on the GPU, a host gradient buffer, so what fits shrinks as ``s``
+    grows: the Qwen3-30B-A3B table measured on an H100 (2026-12-07) at batch 128 hides its
+    update with 33 steps; with streamed steps' gradients always on the host 21 fit (8,544
+    tokens/s predicted, 6,967 with none, the chosen count 33 or nothing until then); held
+    where the program places them, all 33 do (10,249)."""
     ms, found = solve(0)
     if ms is None or ms == math.inf:
         return ms, found, 0
