@@ -411,6 +411,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="model.dtype (auto: bf16 on a GPU, fp32 on the CPU; bf16 on the CPU rehearses a bf16 "
                              "or split master run's code paths)")
     parser.add_argument("--baseline", default=None, help="records of the same shape to compare tokens/s with")
+    parser.add_argument("--report", default=None, metavar="FILE",
+                        help="write FILE's Markdown report again (no run): give the options it ran with")
     args = parser.parse_args(argv)
     args.hold_grads = ()  # the layers with no host gradient buffer, once a run allocated them (`options`)
     if "placed" in args.gradients and len(args.gradients) > 1:
@@ -420,6 +422,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--offload-window {' '.join(map(str, args.offload_window))}: each must be >= 1")
     if args.master is None:
         args.master = "split" if args.split_master == "on" else "fp32"
+    if args.report:  # the options the records ran with, --state-rounding resolved
+        path = Path(args.report)
+        write_results(json.loads(path.read_text()), path.name.removesuffix(".json"),
+                      markdown(json.loads(path.read_text()), args), path.parent)
+        print(path.with_suffix(".md"))
+        return
     if args.recalibrate and args.recalibrate < 2:
         parser.error(f"--recalibrate {args.recalibrate}: N must be 0 (off) or >= 2 (updates 2..N are timed)")
     for spec in args.costs or ():  # before the model is built (minutes at 7B)

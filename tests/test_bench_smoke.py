@@ -64,7 +64,17 @@ def test_plan_bench_on_the_cpu_writes_records(tiny_study, tmp_path):
     # solved@GIB: that run's own host limit (here none of it left for activations)
     assert "_host0.01" in runs[2]["name"] and abs(runs[2]["host_budget_gb"]["limit"] - 0.01 * 2**30 / 1e9) < 1e-8
     assert runs[0]["host_budget_gb"]["limit"] > 1
-    assert (tiny_study / next(tiny_study.glob("plan_tiny_*.json")).name.replace(".json", ".md")).exists()
+    (records_file,) = tiny_study.glob("plan_tiny_*.json")
+    report = records_file.with_suffix(".md")
+    assert report.exists()
+    # --report writes the Markdown again from the records, without a run (the records untouched)
+    copy = tmp_path / records_file.name
+    copy.write_text(records_file.read_text())
+    plan_bench(*TINY, "--runs", "solved", "megatrain", "solved@0.01", "--update", "cpu", "skipped",
+               "--offload-window", "1", "2", "--warmup", "1", "--steps", "1", "--state-rounding", "nearest",
+               "--report", str(copy))
+    assert copy.with_suffix(".md").read_text() == report.read_text()
+    assert json.loads(copy.read_text()) == json.loads(records_file.read_text())
 
     # a cost table from before the embedding's and head's working sets were measured: the
     # bench measures those constants on the model and keeps the table's layer costs

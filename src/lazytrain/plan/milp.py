@@ -1424,7 +1424,7 @@ def _most_that_fit(solve: Callable[[int], tuple[float | None, object]], over: in
     gradient is not held on the GPU, a host gradient buffer, so what fits shrinks as ``s``
     grows: the Qwen3-30B-A3B table measured on an H100 (2026-12-07) at batch 128 hides its
     update with 33 steps; with streamed steps' gradients always on the host 21 fit (8,544
-    tokens/s predicted, 6,967 with none, the chosen count 33 or nothing until then); held
+    tokens/s predicted, 6,970 with none, the chosen count 33 or nothing until then); held
     where the program places them, all 33 do (10,249)."""
     ms, found = solve(0)
     if ms is None or ms == math.inf:
