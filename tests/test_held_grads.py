@@ -107,12 +107,16 @@ def test_held_gradients_train_as_host_buffered_ones_bit_for_bit(folder, host_run
     """Three of four layers held (more than the ring's slots: slots are reused), beside a
     host-buffered one; and, with the device update, a ``device_steps`` layer held (stepped from
     its GPU gradient) beside a held one the CPU steps: the same masters, weights and states as
-    every gradient through the host buffers, over 20 steps."""
+    every gradient through the host buffers, over 20 steps; the same with a resident layer
+    first."""
     host = host_runs(max_grad_norm)
     clipped = any(c < 1.0 for c in host[1])
     assert clipped == (max_grad_norm < 1.0)
     _assert_same(host, _train(folder, max_grad_norm, gpu=(0, 1, 3)))
     _assert_same(host, _train(folder, max_grad_norm, gpu=(0, 2), const_update="device", device_steps=1))
+    # a resident layer (no host buffer since 2026-12-07) before a streamed GPU step and a held one
+    _assert_same(host, _train(folder, max_grad_norm, gpu=(1, 2), const_update="device", device_layers=1,
+                              device_steps=1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -146,7 +150,10 @@ def test_held_layers_have_no_host_gradient_buffer_and_a_ring(folder):
     adapter, full = _store(folder, defer=False)
     plan = _plan(adapter.num_layers, (0, 3))
     assert held_grad_groups(plan) == {1, 4}
-    assert held_grad_groups(_plan(adapter.num_layers, (0, 3), const_update="device", device_layers=1)) == {4}
+    resident = _plan(adapter.num_layers, (0, 3), const_update="device", device_layers=1)
+    assert held_grad_groups(resident) == {4}
+    # a resident layer's gradient never leaves the GPU: no host buffer either (the MILP counts none)
+    assert host_grad_groups(resident, adapter.num_layers + 2) == frozenset(range(adapter.num_layers + 2)) - {1, 4}
     _, store = _store(folder, defer=True)
     n = len(store.weights)
     assert store.host_grad_groups is None and store.bytes().grads == full.bytes().grads  # counted whole meanwhile

@@ -55,7 +55,24 @@ def test_plan_from_a_config_json_folder_and_a_builtin_shape(tmp_path, capsys, no
     assert "CPU optimizer 0.45 ns/param" in printed
     assert main(["plan", "model.source=builtin:tiny", f"training.output_dir={tmp_path / 'c'}", *common,
                  "optimizer.kind=hybrid4bit"]) == 0
-    assert "CPU optimizer 0.37 ns/param" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "CPU optimizer 0.37 ns/param" in printed
+    # a GPU optimizer step for the quantized states (fp32 AdamW has none): the embedding's and
+    # head's at 30 ps/param, their 4-bit states (bf16 master: no remainder) kept on the GPU
+    assert "GPU optimizer step 30 ps/param" in printed
+    assert main(["plan", "model.source=builtin:tiny", f"training.output_dir={tmp_path / 'd'}", *common]) == 0
+    assert "no GPU optimizer step" in capsys.readouterr().out
+    from lazytrain.config import load_config
+    from lazytrain.memory.budget import optimizer_bytes_per_param
+    from lazytrain.train.plan_ahead import plan_ahead
+
+    costs = plan_ahead(load_config(None, ["model.source=builtin:tiny", "optimizer.kind=hybrid4bit",
+                                          "memory.master=bf16", *common])).costs
+    assert costs.const_update_ms == pytest.approx(costs.const_params * 30e-9)
+    embed = costs.const_params - costs.head_params
+    assert costs.const_update_bytes == round(costs.const_params * optimizer_bytes_per_param("hybrid4bit", [embed]))
+    assert costs.device_step_work_bytes == 1_700_000_000
+    assert plan_ahead(load_config(None, ["model.source=builtin:tiny", *common])).costs.const_update_ms is None
 
 
 def test_a_folder_without_config_json_is_refused(tmp_path, capsys):
@@ -123,8 +140,23 @@ def test_the_flagship_plans_in_128_gib_with_its_gradients_held_on_the_gpu(tmp_pa
     args = ["plan", "model.source=builtin:qwen3.6-27b", "training.batch_size=72", "memory.host_limit_gb=118",
             "optimizer.kind=hybrid8bit", "memory.master=bf16", "memory.gradients=auto",
             f"training.output_dir={tmp_path}"]
-    assert main(args) == 0
+    # every layer stepped on the CPU
+    assert main([*args, "plan.const_update=host"]) == 0
     printed = capsys.readouterr().out
     assert "total           107.93 GiB   4.309 B/param: fits" in printed
     assert re.search(r"gradients +\d+\.\d\d +6\.16 +-", printed)  # GPU at the peak, host, NVMe
     assert all(lp.grad == "gpu" for lp in Plan.load(tmp_path / "plan.json").layers)
+    # the estimate's GPU step (since 2026-12-07): the plan keeps layers resident and steps them
+    # there; their gradients never leave the GPU, so they have no host buffer, as the planner
+    # counted (with one each the host needed 151.25 GiB: 33 GiB over the budget)
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.device_layers > 0 and "GPU optimizer step 30 ps/param" in printed
+    host = re.search(r"gradients +(\d+\.\d\d) GiB", printed)
+    streamed_on_host = sum(lp.grad == "host" for lp in plan.layers[plan.device_layers:])
+    per_layer = 2 * 26.90e9 / 64 / 2**30  # an upper bound of a layer's bf16 gradient, GiB
+    # the embedding's and head's (2.5B parameters) and the ring: under 8 GiB; the resident
+    # layers' buffers would add far more
+    assert float(host[1]) < streamed_on_host * per_layer + 8 < plan.device_layers * per_layer
+    assert re.search(r"total +\d+\.\d\d GiB +\d\.\d+ B/param: fits in the budget of 118\.00 GiB", printed)

@@ -154,14 +154,17 @@ def estimated_costs(layer_types: list[str], layer_params: dict[str, list[tuple[s
                     hidden: int, vocab: int, embed_params: int, final_params: int, batch_size: int, seq_len: int,
                     head_chunk_tokens: int = 4096, gpu_gb: float | None = None,
                     gpu_source: str = "memory.gpu_gb", top_k: int = 0,
-                    optimizer: tuple[str, str] | None = None) -> tuple[CostTable, str]:
+                    optimizer: tuple[str, str] | None = None,
+                    device_state_bytes_per_param: float | None = None) -> tuple[CostTable, str]:
     """The built-in estimate of a cost table (`synthetic.estimated_cost_table`) for a model whose
     layer types have the parameters ``layer_params`` (name, shape), on the machine
     `synthetic.MachineGuess` assumes (its GPU, or one of ``gpu_gb`` GiB, which ``gpu_source``
     names), and a line saying so. Its ``host_bytes`` is the assumed host's memory, before the
     model state. ``top_k``: experts per token of the mixture-of-experts layers (0: none).
     ``optimizer``: the run's (``optimizer.kind``, resolved ``optimizer.state_rounding``), whose
-    CPU rate the estimate takes (`synthetic.update_ns_per_param`; default the machine guess's)."""
+    CPU rate the estimate takes (`synthetic.update_ns_per_param`; default the machine guess's).
+    ``device_state_bytes_per_param``: what a parameter stepped on the GPU keeps there (master
+    and states), for an optimizer with a GPU step; None: the estimate offers no GPU step."""
     machine = MachineGuess()
     if optimizer is not None:
         machine.optimizer_ns_per_param = update_ns_per_param(*optimizer)
@@ -169,14 +172,17 @@ def estimated_costs(layer_types: list[str], layer_params: dict[str, list[tuple[s
               for kind, params in layer_params.items()}
     table = estimated_cost_table(layer_types, shapes, vocab=vocab, embed_params=embed_params,
                                  final_params=final_params, batch_size=batch_size, seq_len=seq_len, machine=machine,
-                                 head_chunk_tokens=head_chunk_tokens)
+                                 head_chunk_tokens=head_chunk_tokens,
+                                 device_state_bytes_per_param=device_state_bytes_per_param)
     capacity = int(gpu_gb * GiB) if gpu_gb else machine.gpu_bytes
     table = dataclasses.replace(table, gpu_bytes=usable_gpu_bytes(capacity))
     return table, (
         f"built-in estimate, not measured: {machine.device}, {capacity / GiB:.0f} GiB of GPU memory"
         f"{f' ({gpu_source})' if gpu_gb else ''}, {machine.matmul_tflops:.0f} TFLOPS sustained bf16, PCIe "
-        f"{machine.h2d_gbps:.0f} GB/s each way, CPU optimizer {machine.optimizer_ns_per_param} ns/param, no GPU "
-        f"optimizer step{f', {machine.hbm_gbps / 1e3:.1f} TB/s GPU memory (MoE permutation)' if top_k else ''}; "
+        f"{machine.h2d_gbps:.0f} GB/s each way, CPU optimizer {machine.optimizer_ns_per_param} ns/param, "
+        + ("no GPU optimizer step" if device_state_bytes_per_param is None
+           else f"GPU optimizer step {machine.device_step_ps_per_param:g} ps/param")
+        + f"{f', {machine.hbm_gbps / 1e3:.1f} TB/s GPU memory (MoE permutation)' if top_k else ''}; "
         "for a measured plan run `lazytrain profile` on the training machine and pass "
         "plan.costs=OUTPUT_DIR/costs.json")
 

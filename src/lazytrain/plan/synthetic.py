@@ -103,6 +103,14 @@ class MachineGuess:
     """The CPU update's rate; the built-in estimate of a run sets its optimizer's
     (`update_ns_per_param`)."""
     copy_slowdown: float = 1.03
+    device_step_ps_per_param: float = 30.0
+    """The compiled GPU optimizer step of 8- or 4-bit states (the embedding's and head's with
+    ``plan.const_update=device``, resident layers', streamed GPU steps'): the profiles of
+    2026-12-04..07 measured 14-31 ps/param for 8-bit states on H100s and H200s and 28.6 for 4-bit
+    ones on an H100 (`CostTable.const_update_ms` over ``const_params``)."""
+    device_step_work_bytes: int = 1_700_000_000
+    """That step's temporaries (`CostTable.device_step_work_bytes`): 1.61 GB measured for the
+    4-bit step in pieces of 2^26 elements (H100, 2026-12-07), 0.54 GB for the 8-bit one."""
     hbm_gbps: float = 3500.0
     """Sustained GPU memory bandwidth of memory-bound kernels (the H200's HBM3e peaks at 4.8
     TB/s): an MoE layer's token permutation and its experts' weight reads."""
@@ -524,12 +532,16 @@ def _estimated_layer(shape: LayerShape, tokens: int, seq_len: int, rate: float, 
 
 def estimated_cost_table(layer_types: Sequence[str], shapes: dict[str, LayerShape], *, vocab: int,
                          embed_params: int, final_params: int, batch_size: int, seq_len: int,
-                         machine: MachineGuess | None = None, head_chunk_tokens: int = 4096) -> CostTable:
+                         machine: MachineGuess | None = None, head_chunk_tokens: int = 4096,
+                         device_state_bytes_per_param: float | None = None) -> CostTable:
     """An estimated `CostTable` for a model of any supported family, without profiling: each layer
     type's `LayerShape` (``shapes``), the embedding's and the final group's (norm, untied head)
     parameters, at (batch_size, seq_len) on ``machine``: times from FLOPs at its matmul rate,
-    sizes from the tensors the lean ops save (bf16). No GPU optimizer step is estimated (the
-    embedding and head are stepped on the host)."""
+    sizes from the tensors the lean ops save (bf16). With ``device_state_bytes_per_param`` (the
+    master's and optimizer states' bytes a parameter stepped on the GPU keeps there; None: the
+    optimizer has no GPU step) the GPU optimizer step at the machine's rate
+    (`MachineGuess.device_step_ps_per_param`), so that plans may step the embedding and head,
+    resident layers and streamed layers there; without it, none."""
     mc = machine or MachineGuess()
     tokens = batch_size * seq_len
     rate = mc.matmul_tflops * 1e12 / 1e3  # FLOPs per ms
@@ -559,4 +571,8 @@ def estimated_cost_table(layer_types: Sequence[str], shapes: dict[str, LayerShap
         host_bytes=mc.host_bytes, nvme_bytes=mc.nvme_bytes,
         fits={"forward_ms": time_fit, "backward_ms": time_fit, "recompute_ms": time_fit},
         device=mc.device, notes={"estimate": True, "matmul_tflops": mc.matmul_tflops},
+        **({} if device_state_bytes_per_param is None else {
+            "const_update_ms": const * mc.device_step_ps_per_param * 1e-9,
+            "const_update_bytes": round(const * device_state_bytes_per_param),
+            "device_step_work_bytes": mc.device_step_work_bytes}),
     )

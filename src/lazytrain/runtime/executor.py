@@ -207,10 +207,16 @@ def held_grad_groups(plan: Plan) -> frozenset[int]:
 
 def host_grad_groups(plan: Plan, num_groups: int) -> frozenset[int]:
     """The groups given a host gradient buffer when ``plan`` is the first to run
-    (`HostStore.allocate_grads`): all but those it holds on the GPU. The embedding, head and
-    resident layers keep theirs even when the plan steps them on the GPU: a re-plan may step
-    them on the CPU (``const_update=host``, fewer device layers), whose gradients then go there."""
-    return frozenset(range(num_groups)) - held_grad_groups(plan)
+    (`HostStore.allocate_grads`): all but the streamed layers it holds on the GPU and its
+    resident layers, whose gradients never leave the GPU (the planner counts no host buffer for
+    them; until 2026-12-07 they had one: on the Qwen3.6-27B estimate for an H200 with a 118 GiB
+    host budget, 47 resident layers' buffers, 33 GiB the plan's host room did not have). A
+    later plan that streams one of those layers holds its gradient on the GPU
+    (`Planner.hold_gradients`), as it was while resident. The embedding and head keep theirs
+    even when the plan steps them on the GPU: a re-plan may step them on the CPU
+    (``const_update=host``)."""
+    resident = frozenset(range(1, plan.device_layers + 1))
+    return frozenset(range(num_groups)) - held_grad_groups(plan) - resident
 
 
 class Executor:

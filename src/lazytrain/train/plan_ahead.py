@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lazytrain.config import Config
+from lazytrain.config import QUANTIZED_KINDS, Config
 from lazytrain.data.pipeline import load_tokenizer
 from lazytrain.memory import budget
 from lazytrain.memory.host_store import activation_room, default_host_limit
@@ -26,9 +26,11 @@ from lazytrain.model.adapter import ModelAdapter
 from lazytrain.model.build import model_config
 from lazytrain.model.flops import moe_shape
 from lazytrain.optim.factory import describe_config
+from lazytrain.optim.master import MASTER_BYTES
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import Planner, costs_from_file, estimated_costs, with_capacities
 from lazytrain.runtime.device import resolve_device, resolve_dtype
+from lazytrain.runtime.executor import host_grad_groups
 from lazytrain.train.session import host_limit_bytes, host_settings
 
 if TYPE_CHECKING:
@@ -95,7 +97,8 @@ def plan_ahead(config: Config) -> PlanAhead:
             hidden=adapter.hidden_size, vocab=adapter.vocab_size, embed_params=numels[0], final_params=numels[-1],
             batch_size=batch, seq_len=seq, head_chunk_tokens=config.plan.head_chunk_tokens,
             gpu_gb=gpu_gb, gpu_source=gpu_source, top_k=moe.top_k if moe else 0,
-            optimizer=(config.optimizer.kind, config.state_rounding()))
+            optimizer=(config.optimizer.kind, config.state_rounding()),
+            device_state_bytes_per_param=_device_state_bytes_per_param(settings, numels))
         elsewhere = costs.host_bytes  # the assumed machine's
     # the host budget: memory.host_limit_gb, else this machine's where it trains here, else the
     # table's machine's
@@ -110,7 +113,8 @@ def plan_ahead(config: Config) -> PlanAhead:
         described += f"; host memory {limit / GiB:.0f} GiB ({whose})"
     planner = Planner(config.plan, nvme_tier=config.memory.nvme_dir is not None, gradients=config.memory.gradients)
     plan, _ = planner.initial("solved", costs, adapter.num_layers, batch, seq)
-    held = tuple(i + 1 for i, lp in enumerate(plan.layers) if lp.grad == "gpu")  # the plan's, as groups
+    # the groups the first plan gives no host gradient buffer, as the trainer allocates them
+    held = tuple(sorted(set(range(len(numels))) - host_grad_groups(plan, len(numels))))
     settings = dataclasses.replace(settings, held_grads=held)
     staging = 0
     if config.memory.nvme_dir:
@@ -126,6 +130,17 @@ def plan_ahead(config: Config) -> PlanAhead:
     if config.plan.batch_sweep:
         ahead.sweep, ahead.sweep_error = planner.sweep(costs, seq, config.plan.batch_sweep)
     return ahead
+
+
+def _device_state_bytes_per_param(settings: budget.HostSettings, numels: list[int]) -> float | None:
+    """What a parameter stepped on the GPU keeps there, its master and states, with the
+    embedding's states as a profile measures it (`profiler.const_update_costs`); None where
+    the optimizer has no GPU step (fp32 AdamW)."""
+    if settings.optimizer_kind not in QUANTIZED_KINDS:
+        return None
+    states = budget.optimizer_bytes_per_param(settings.optimizer_kind, numels[:1],
+                                              [0] if 0 in settings.fp32_groups else [])
+    return states + MASTER_BYTES[settings.master]
 
 
 def _table_device(path: str) -> str | None:
