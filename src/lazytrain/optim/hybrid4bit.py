@@ -81,9 +81,12 @@ from lazytrain.optim.hybrid8bit import (
     _adam_update,
     device_step,
     is_8bit,
+    piece_adamw,
+    piece_master,
+    piece_store,
     torch_step_fp32,
 )
-from lazytrain.optim.master import Master, master_chunk, stochastic_bf16_bits, store_master_chunk
+from lazytrain.optim.master import Master, master_chunk, store_master_chunk
 from lazytrain.optim.quant import (
     BLOCK,
     TINY,
@@ -92,7 +95,6 @@ from lazytrain.optim.quant import (
     rounding_uniforms,
     uniforms_at,
 )
-from lazytrain.optim.split import joined, split_halves
 
 STATE_FORMAT = f"de4-linear4nz-block{BLOCK}-sqrtv"
 """Names the maps (signed dynamic m, linear no-zero second moment), the block size and what
@@ -289,33 +291,17 @@ def _device_piece4(grad: torch.Tensor, weight: torch.Tensor, remainder: torch.Te
     sqrt(v)'s rounding key, a bf16 master's rounding key, m's rounding key, 0, 0, 0); with
     ``stochastic`` both moments' codes are drawn. Eagerly it equals `torch_step_4bit` bit for
     bit (`tests/test_optim_hybrid4bit.py`)."""
-    clip, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_bc2_sqrt, decay = scalars.unbind()
     n = grad.numel()
     local = torch.arange(n, device=grad.device)
     index = local + ints[0]
-    bf16_master = remainder is None and weight.dtype == torch.bfloat16
-    master = joined(weight, remainder) if remainder is not None else weight.float() if bf16_master else weight
-    m = dequantize4(m_codes, m_absmax, mt, n)
-    root = dequantize4(v_codes, v_absmax, vt, n)
-    g = grad.float() * clip
-    m = beta1 * m + one_minus_beta1 * g
-    v = beta2 * (root * root) + one_minus_beta2 * (g * g)
-    denom = v.sqrt() * inv_bc2_sqrt + eps
-    new = master * torch.where(local < ints[1], decay, 1.0) - step_size * (m / denom)
+    master, bf16_master = piece_master(weight, remainder)
+    new, m, v = piece_adamw(master, dequantize4(m_codes, m_absmax, mt, n), dequantize4(v_codes, v_absmax, vt, n),
+                            grad, scalars, local, ints[1])
     for codes, absmax, x, table, key in ((m_codes, m_absmax, m, mt, ints[4]), (v_codes, v_absmax, v.sqrt(), vt, ints[2])):
         new_codes, new_absmax = quantize4(x, table, uniforms=uniforms_at(key, index) if stochastic else None)
         codes.copy_(new_codes)
         absmax.copy_(new_absmax)
-    if remainder is not None:
-        high, low = split_halves(new)
-        weight.view(torch.int16).copy_(high)
-        remainder.copy_(low)
-    elif bf16_master:
-        weight.view(torch.int16).copy_(stochastic_bf16_bits(new, ints[3], index))
-    else:
-        weight.copy_(new)
-        if weight_out is not None:
-            weight_out.copy_(new)
+    piece_store(new, weight, remainder, weight_out, bf16_master, ints[3], index)
 
 
 PIECE_4BIT = DevicePiece(_device_piece4, "4-bit")

@@ -335,30 +335,50 @@ def _device_piece(grad: torch.Tensor, weight: torch.Tensor, remainder: torch.Ten
     key). ``remainder``: the master is split (``weight`` its bf16 half); else a bf16 ``weight``
     is a bf16 master (rounded stochastically), an fp32 one the fp32 master, ``weight_out``
     getting its cast. Decay is a multiply by ``decay`` or by 1 (exact) per element."""
-    device = grad.device
-    clip, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_bc2_sqrt, decay = scalars.unbind()
-    n = grad.numel()
-    local = torch.arange(n, device=device)
-    bf16_master = remainder is None and weight.dtype == torch.bfloat16
-    master = joined(weight, remainder) if remainder is not None else weight.float() if bf16_master else weight
-    m = dequantize_blockwise(m_codes, m_absmax, mt)
-    root = dequantize_blockwise(v_codes, v_absmax, vt)
-    g = grad.float() * clip
-    m = beta1 * m + one_minus_beta1 * g
-    v = beta2 * (root * root) + one_minus_beta2 * (g * g)
-    denom = v.sqrt() * inv_bc2_sqrt + eps
-    new = master * torch.where(local < ints[1], decay, 1.0) - step_size * (m / denom)
+    local = torch.arange(grad.numel(), device=grad.device)
+    master, bf16_master = piece_master(weight, remainder)
+    new, m, v = piece_adamw(master, dequantize_blockwise(m_codes, m_absmax, mt),
+                            dequantize_blockwise(v_codes, v_absmax, vt), grad, scalars, local, ints[1])
     uniforms = uniforms_at(ints[2], local + ints[0]) if stochastic else None
     for codes, absmax, x, tables, u in ((m_codes, m_absmax, m, mt, None), (v_codes, v_absmax, v.sqrt(), vt, uniforms)):
         new_codes, new_absmax = quantize_blockwise(x, tables, uniforms=u)
         codes.copy_(new_codes)
         absmax.copy_(new_absmax)
+    piece_store(new, weight, remainder, weight_out, bf16_master, ints[3], local + ints[0])
+
+
+def piece_master(weight: torch.Tensor, remainder: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """A GPU piece's fp32 master (`_device_piece`'s forms) and whether it is a bf16 master."""
+    bf16_master = remainder is None and weight.dtype == torch.bfloat16
+    return (joined(weight, remainder) if remainder is not None else weight.float() if bf16_master
+            else weight), bf16_master
+
+
+def piece_adamw(master: torch.Tensor, m: torch.Tensor, root: torch.Tensor, grad: torch.Tensor,
+                scalars: torch.Tensor, local: torch.Tensor, decay_numel: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GPU piece's AdamW from its dequantized m and sqrt(v) (``root``): (the new master, m,
+    v), ``scalars`` as `_device_piece` takes them, decay on the elements before
+    ``decay_numel``."""
+    clip, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_bc2_sqrt, decay = scalars.unbind()
+    g = grad.float() * clip
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * (root * root) + one_minus_beta2 * (g * g)
+    denom = v.sqrt() * inv_bc2_sqrt + eps
+    return master * torch.where(local < decay_numel, decay, 1.0) - step_size * (m / denom), m, v
+
+
+def piece_store(new: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor | None,
+                weight_out: torch.Tensor | None, bf16_master: bool, key: torch.Tensor, index: torch.Tensor) -> None:
+    """A GPU piece's new master written back in its form: split halves, a bf16 master rounded
+    stochastically (``key``, each element's ``index`` in its group), or fp32 (and its cast to
+    ``weight_out``)."""
     if remainder is not None:
         high, low = split_halves(new)
         weight.view(torch.int16).copy_(high)
         remainder.copy_(low)
     elif bf16_master:
-        weight.view(torch.int16).copy_(stochastic_bf16_bits(new, ints[3], local + ints[0]))
+        weight.view(torch.int16).copy_(stochastic_bf16_bits(new, key, index))
     else:
         weight.copy_(new)
         if weight_out is not None:
