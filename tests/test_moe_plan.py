@@ -200,11 +200,14 @@ def test_an_moe_layer_streams_all_its_experts_and_computes_with_its_active_param
     assert layer.weight_bytes == b * shape.params and layer.params == shape.params
     mc = MachineGuess()
     rate, hbm = mc.matmul_tflops * 1e9, mc.hbm_gbps * 1e6  # per ms
-    matmuls = tokens * (2 * shape.active_params + 2 * seq * shape.mixer_out) / rate
+    # the routed experts' grouped GEMMs at a share of the dense rate (an H100's profile)
+    routed = k * 3 * h * i
+    matmuls = tokens * (2 * (shape.active_params - routed) + 2 * routed / mc.expert_gemm_efficiency
+                        + 2 * seq * shape.mixer_out) / rate
     permutation = tokens * (2 * k + 2) * h * b / hbm
     expert_reads = e * 3 * h * i * b / hbm
     assert layer.forward_ms == pytest.approx(matmuls + permutation + expert_reads + 0.2, rel=1e-9)
-    assert layer.forward_ms < 0.2 * tokens * 2 * shape.params / rate  # not by all its parameters
+    assert layer.forward_ms < 0.25 * tokens * 2 * shape.params / rate  # not by all its parameters
     per_token_moe = k * (2 * h + 2 * i) * b + 4 * e + 20 * k
     assert moe_saved_bytes_per_token(shape.experts, h, b) == per_token_moe
     mixed = shape.mixer_in + shape.mixer_out

@@ -111,6 +111,12 @@ class MachineGuess:
     device_step_work_bytes: int = 1_700_000_000
     """That step's temporaries (`CostTable.device_step_work_bytes`): 1.61 GB measured for the
     4-bit step in pieces of 2^26 elements (H100, 2026-12-07), 0.54 GB for the 8-bit one."""
+    expert_gemm_efficiency: float = 0.4
+    """The routed experts' grouped GEMMs' rate over ``matmul_tflops``: one MoE profile so far,
+    Qwen3-30B-A3B on an H100 (2026-12-07, 64 x 1024: a layer's forward 30.1 ms and backward
+    62.9 ms, against 16.5 and 33.0 estimated with its experts at the dense rate; a dense
+    Qwen2.5-14B layer there ran 59.5 / 128.1 ms against 67.0 / 134.1 estimated), 128 experts of
+    768 x 2048 with ~4,096 tokens each."""
     hbm_gbps: float = 3500.0
     """Sustained GPU memory bandwidth of memory-bound kernels (the H200's HBM3e peaks at 4.8
     TB/s): an MoE layer's token permutation and its experts' weight reads."""
@@ -472,21 +478,25 @@ LAUNCH_MS = 0.2
 """A layer's forward launch overhead in the estimates."""
 
 
-def _forward_time(shape: LayerShape, rate: float, hbm: float, dtype_bytes: int) -> _LayerTime:
+def _forward_time(shape: LayerShape, rate: float, hbm: float, dtype_bytes: int,
+                  expert_efficiency: float = 1.0) -> _LayerTime:
     """`_LayerTime` of ``shape``'s forward at ``rate`` FLOPs/ms and ``hbm`` bytes/ms: 2 FLOPs per
-    active parameter and token, attention scores, and for an MoE layer the permutation (its
-    tokens gathered to their ``top_k`` experts and the outputs combined back: (2 k + 2) h values
-    per token through memory) and every expert's weights read once."""
+    active parameter and token (a routed expert's at ``expert_efficiency`` of the rate:
+    `MachineGuess.expert_gemm_efficiency`), attention scores, and for an MoE layer the
+    permutation (its tokens gathered to their ``top_k`` experts and the outputs combined back:
+    (2 k + 2) h values per token through memory) and every expert's weights read once."""
     attention = 2 * shape.mixer_out / rate if shape.quadratic else 0.0
     per_token, const = 2 * shape.active_params / rate, LAUNCH_MS
     if shape.experts is not None:
+        routed = shape.experts.top_k * shape.experts.expert_params(shape.hidden)
+        per_token += 2 * routed / rate * (1 / expert_efficiency - 1)
         per_token += (2 * shape.experts.top_k + 2) * shape.hidden * dtype_bytes / hbm
         const += shape.experts.num_experts * shape.experts.expert_params(shape.hidden) * dtype_bytes / hbm
     return _LayerTime(per_token=per_token, per_token_seq=attention, const=const)
 
 
 def _estimated_layer(shape: LayerShape, tokens: int, seq_len: int, rate: float, hbm: float,
-                     dtype_bytes: int) -> LayerCosts:
+                     dtype_bytes: int, expert_efficiency: float = 1.0) -> LayerCosts:
     """`synthetic_cost_table`'s layer for any widths: the same saved tensors (the lean ops'),
     with the block's own projections in place of q, k, v and the attention output. An MoE
     layer's weights are all its experts', its times its active parameters' (`_forward_time`),
@@ -494,7 +504,7 @@ def _estimated_layer(shape: LayerShape, tokens: int, seq_len: int, rate: float, 
     it offers no ``mlp_up`` (the executor's experts are not a lean SwiGLU)."""
     h, i, mixed = shape.hidden, shape.intermediate, shape.mixer_in + shape.mixer_out
     b = dtype_bytes
-    timing = _forward_time(shape, rate, hbm, b)
+    timing = _forward_time(shape, rate, hbm, b, expert_efficiency)
     forward_ms = timing.ms(tokens, seq_len)
     attention_flops = 2 * seq_len * shape.mixer_out if shape.quadratic else 0
     mixer_flops = 2 * shape.mixer_params + attention_flops
@@ -548,9 +558,10 @@ def estimated_cost_table(layer_types: Sequence[str], shapes: dict[str, LayerShap
     hbm = mc.hbm_gbps * 1e6  # bytes per ms
     h = next(iter(shapes.values())).hidden
     bf16 = 2
-    per_type = {kind: _estimated_layer(shape, tokens, seq_len, rate, hbm, bf16) for kind, shape in shapes.items()}
+    eff = mc.expert_gemm_efficiency
+    per_type = {kind: _estimated_layer(shape, tokens, seq_len, rate, hbm, bf16, eff) for kind, shape in shapes.items()}
     # the layers' time terms, averaged over the stack: one fit rescales every layer's times
-    timings = [_forward_time(shapes[k], rate, hbm, bf16) for k in layer_types]
+    timings = [_forward_time(shapes[k], rate, hbm, bf16, eff) for k in layer_types]
     time_fit = ShapeFit(per_token=sum(t.per_token for t in timings) / len(timings),
                         per_token_seq=sum(t.per_token_seq for t in timings) / len(timings),
                         const=sum(t.const for t in timings) / len(timings))
