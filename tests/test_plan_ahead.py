@@ -149,10 +149,10 @@ def test_the_flagship_plans_in_128_gib_with_its_gradients_held_on_the_gpu(tmp_pa
     # the estimate's GPU step (since 2026-12-07): the plan keeps layers resident and steps them
     # there; their gradients never leave the GPU, so they have no host buffer, as the planner
     # counted (with one each the host needed 151.25 GiB: 33 GiB over the budget)
-    assert main(args) == 0
+    assert main([*args, "plan.device_layers=40"]) == 0  # (the search chooses 47: 4x the solve time)
     printed = capsys.readouterr().out
     plan = Plan.load(tmp_path / "plan.json")
-    assert plan.device_layers > 0 and "GPU optimizer step 30 ps/param" in printed
+    assert plan.device_layers == 40 and "GPU optimizer step 30 ps/param" in printed
     host = re.search(r"gradients +(\d+\.\d\d) GiB", printed)
     streamed_on_host = sum(lp.grad == "host" for lp in plan.layers[plan.device_layers:])
     per_layer = 2 * 26.90e9 / 64 / 2**30  # an upper bound of a layer's bf16 gradient, GiB
