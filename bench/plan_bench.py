@@ -424,8 +424,8 @@ def main(argv: list[str] | None = None) -> None:
         args.master = "split" if args.split_master == "on" else "fp32"
     if args.report:  # the options the records ran with, --state-rounding resolved
         path = Path(args.report)
-        write_results(json.loads(path.read_text()), path.name.removesuffix(".json"),
-                      markdown(json.loads(path.read_text()), args), path.parent)
+        records = json.loads(path.read_text())
+        write_results(records, path.name.removesuffix(".json"), markdown(records, args), path.parent)
         print(path.with_suffix(".md"))
         return
     if args.recalibrate and args.recalibrate < 2:
