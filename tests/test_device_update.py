@@ -393,6 +393,21 @@ def test_stream_in_and_out_round_trip_and_check_their_buffers(make):
         assert torch.equal(t, reference.states[0].tensors()[name]), name
 
 
+def test_a_streamed_state_is_pinned_in_whole_pages_not_a_power_of_two():
+    """`pinned_in_place_copy`, how `stream_in` pins a state tensor on CUDA: the same values in
+    whole pages of its own (torch's pinned allocator would hold 2^k bytes: 300,000 -> 524,288,
+    which at 30B-A3B was 15 GiB of host memory outside the plan's budget)."""
+    from lazytrain.optim.hybrid8bit import pinned_in_place_copy
+
+    for t in (torch.randint(0, 255, (300_000,), dtype=torch.uint8), torch.randn(5_000)):
+        out = pinned_in_place_copy(t)
+        assert torch.equal(out, t) and out.data_ptr() != t.data_ptr() and out.data_ptr() % 4096 == 0
+        assert out.untyped_storage().nbytes() == -(-t.nbytes // 4096) * 4096
+        assert out.is_pinned() == torch.cuda.is_available()
+    with pytest.raises(ValueError, match="1-D"):
+        pinned_in_place_copy(torch.zeros(2, 3))
+
+
 def test_streamed_steps_are_queued_as_the_next_forward_goes(tmp_path):
     """Not all at `start`: the first two once the next step's inputs are queued, then each
     `STREAMED_LOOKAHEAD` groups ahead of the weights the forward loads (all at once, 12 layers'

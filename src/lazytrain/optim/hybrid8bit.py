@@ -218,6 +218,22 @@ _ALIGN = 512
 """Byte alignment of each tensor `Hybrid8bitAdamW.stream_in` carves from its scratch buffer."""
 
 
+def pinned_in_place_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (1-D, contiguous) copied into whole pages of its own, page-locked in place
+    (`memory.nvme.aligned_empty`): host bytes = ``t``'s rounded up to 4 KiB. ``t.pin_memory()``
+    goes through torch's pinned allocator, which rounds each allocation up to a power of two: a
+    30B-A3B layer's 4-bit codes (296 MiB each) would take 512 MiB, ~0.45 GiB more host memory
+    per streamed GPU step (15 GiB over 33), none of it in the plan's host budget. Not pinned
+    without CUDA."""
+    from lazytrain.memory.nvme import aligned_empty
+
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"pinned_in_place_copy takes a contiguous 1-D tensor, got shape {tuple(t.shape)}")
+    out = aligned_empty(t.numel(), t.dtype, pin=torch.cuda.is_available())
+    out.copy_(t)
+    return out
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
@@ -703,8 +719,8 @@ class Hybrid8bitAdamW(HostOptimizer):
         """`to_device` for one step (`Plan.device_steps`): ``group``'s master remainder (or fp32
         master) and state copied into views of ``scratch`` (a flat uint8 buffer of at least
         `streamed_bytes` on the GPU) on the current stream, without waiting (its state tensors
-        are moved to pinned memory first, once; the master's pinning is the host store's,
-        `HostStore.pin_masters`). ``weight``: as for `to_device` (for a split master, its bf16
+        are moved to pinned memory first, once, by `pinned_in_place_copy`; the master's pinning
+        is the host store's, `HostStore.pin_masters`). ``weight``: as for `to_device` (for a split master, its bf16
         half holding the current weights; for a bf16 master, the master). `stream_out` brings
         the group back."""
         self._check_device_weight(group, weight)
@@ -715,7 +731,7 @@ class Hybrid8bitAdamW(HostOptimizer):
         if scratch.device.type == "cuda":
             for name, t in state.tensors().items():
                 if not t.is_pinned():
-                    setattr(state, name, t.pin_memory())  # the field of that name
+                    setattr(state, name, pinned_in_place_copy(t))  # the field of that name
         on, at = {}, 0
         for name, t in self._streamed_host(group).items():
             nbytes = t.numel() * t.element_size()
