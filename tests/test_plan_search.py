@@ -97,3 +97,23 @@ def test_png_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match="pip install matplotlib"):
         render_plan_png(result.plan, result.sim, tmp_path / "x.png")
+
+
+def test_max_batch_search_counts_gradients_held_on_the_gpu():
+    """Layers without a host gradient buffer (placed by a run's first plan) hold theirs on the GPU:
+    the largest-batch bisect's least-memory bound counts them, so the batch it settles on
+    solves (2026-12-07: a 30B-A3B re-search after an out-of-memory settled on batch 117, whose
+    plan the held gradients made infeasible, and gave no batch at all; 112 fits)."""
+    table = small_table(gpu_gb=7.3)  # batch 32 fits without held gradients, 24 with
+    table.host_grads = False
+    held = tuple(range(SMALL.num_layers))
+    free = search_batch(table, 2048, goal="max_batch", max_batch=64, gradients="auto")
+    result = search_batch(table, 2048, goal="max_batch", max_batch=64, gradients="auto", hold_grads=held)
+    b = result.plan.batch_size
+    assert b < free.plan.batch_size and all(lp.grad == "gpu" for lp in result.plan.layers)
+    assert simulate(result.plan, result.costs).feasible
+    bigger = candidate_batches(64)[candidate_batches(64).index(b) + 1]
+    assert min_gpu_bytes(table.at(bigger, 2048), gradients="auto", hold_grads=held) > table.gpu_bytes
+    table.gpu_bytes = int(3.7e9)  # batch 1 needs 3.73 GB with them
+    with pytest.raises(PlanInfeasible, match=r"needs 3.4\d GiB .* or give the 8 layers whose gradients are held"):
+        search_batch(table, 2048, goal="max_batch", max_batch=4, gradients="auto", hold_grads=held)

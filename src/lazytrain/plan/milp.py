@@ -1351,7 +1351,8 @@ def solve_plan(
     fits = {key: ms for key, ms in objective_ms.items() if ms is not None and ms < math.inf}
     if not fits:
         raise _no_plan(costs, time_limit_s, len(timed_out), len(objective_ms), lambda: _infeasible_message(
-            costs, gpu_bytes, tiers, max_segment, recompute, const_update, device_layers, offload_window, gradients))
+            costs, gpu_bytes, tiers, max_segment, recompute, const_update, device_layers, offload_window, gradients,
+            hold_grads))
     # the fewest resident layers on a tie
     best = {choice: min((key for key in fits if key[0] == choice), key=lambda key: (fits[key], key[1]), default=None)
             for choice in choices}
@@ -1568,11 +1569,14 @@ def min_gpu_bytes(
     const_update: str | None = None,
     offload_window: int = 1,
     gradients: str = "host",
+    hold_grads: tuple[int, ...] = (),
 ) -> int:
     """The least GPU memory (fixed part included) any plan needs at ``costs``' batch shape,
     within the host and NVMe capacities, with the embedding and head stepped where
     ``const_update`` says (None: either; that is the host, as the device step only adds), its
-    offloads modelled with ``offload_window`` (a longer one holds them longer)."""
+    offloads modelled with ``offload_window`` (a longer one holds them longer), and the
+    gradients of ``hold_grads`` held on the GPU (layers without a host buffer), as
+    `solve_plan` holds them."""
     _check_offload_window(offload_window, tiers)
     built = _build(
         costs,
@@ -1585,6 +1589,7 @@ def min_gpu_bytes(
         recompute=recompute,
         offload_window=offload_window,
         gradients=gradients,
+        hold_grads=hold_grads,
     )
     res = built.model.solve(time_limit_s, 1e-6)
     if res.x is None and res.status == 2:  # infeasible whatever the GPU holds: the host rows
@@ -1636,13 +1641,19 @@ def _infeasible_message(
     device_layers: int | None = 0,
     offload_window: int = 1,
     gradients: str = "host",
+    hold_grads: tuple[int, ...] = (),
 ) -> str:
     budget = costs.gpu_bytes if gpu_bytes is None else gpu_bytes
     need = min_gpu_bytes(costs, tiers=tiers, max_segment=max_segment, recompute=recompute,
-                         const_update=const_update, offload_window=offload_window, gradients=gradients)
+                         const_update=const_update, offload_window=offload_window, gradients=gradients,
+                         hold_grads=hold_grads)
     device = ""
+    if hold_grads:
+        device = (f", or give the {len(hold_grads)} layers whose gradients are held on the GPU host buffers "
+                  f"(they have none: {sum(costs.layers[i].weight_bytes for i in hold_grads) * costs.grad_share / GiB:.2f} GiB held, "
+                  "placed by the run's first plan)")
     if const_update == "device":
-        device = (f", or step the embedding and head on the host (const_update=host: their GPU step "
+        device += (f", or step the embedding and head on the host (const_update=host: their GPU step "
                   f"holds {costs.const_update_bytes / GiB:.2f} GiB)")
     if device_layers:
         device += (f", or keep fewer layers resident on the GPU (device_layers={device_layers} hold "

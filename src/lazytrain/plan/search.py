@@ -127,7 +127,8 @@ def search_batch(
             table = costs.at(batches[mid], seq_len)
             try:
                 need = min_gpu_bytes(table, tiers=tiers, max_segment=max_segment, recompute=recompute,
-                                     const_update=const_update, offload_window=offload_window, gradients=gradients)
+                                     const_update=const_update, offload_window=offload_window, gradients=gradients,
+                                     hold_grads=hold_grads)
             except SolverTimeLimit:  # taken as not fitting: the search settles on a batch it could solve
                 need = None
             fits = need is not None and need <= budget
