@@ -537,10 +537,11 @@ def load_costs(path: str, session, args) -> CostTable:
     chunk = session.optimizer.device_step_chunk
     stale = chunk is not None and d.get("device_step_chunk") != chunk  # timed in other pieces (or unrecorded)
     if ("const_update_ms" not in d or not d.get("device_step_work_bytes") or stale) and session.device.type == "cuda":
-        from lazytrain.runtime.profiler import const_update_costs
+        from lazytrain.runtime.profiler import const_update_costs, release_gpu_garbage
 
         ms, nbytes, work, chunk = const_update_costs(session.make_optimizer, session.store, session.adapter,
                                                      session.device, 5)
+        release_gpu_garbage(session.device)  # its scratch step's GPU memory, before any plan runs
         measured = {"device_step_work_bytes": work, "device_step_chunk": chunk}
         if "const_update_ms" not in d or stale:
             measured.update(const_update_ms=ms, const_update_bytes=nbytes)
