@@ -608,11 +608,12 @@ def release_gpu_garbage(device: torch.device) -> None:
     """Collect unreachable Python objects now and give their GPU memory back to the caching
     allocator (and its cache to the driver): objects in reference cycles hold their tensors
     until Python's collector runs. The H100 runs of 2026-12-07 (Qwen3-30B-A3B) started their
-    first plan with 3.22 GB allocated that the planner did not count (about the size of a
-    layer's scratch optimizer step on the GPU: weights, gradient and 4-bit states; which object
-    held it was not found), gone after the collection at that run's end: the first run peaked
-    3.2 GB above an identical second one, and a plan predicted at 80.3 GB ran out of memory at
-    84.3."""
+    first plan with 3.22 GB allocated that the planner did not count, to the kilobyte a decoder
+    layer's weights, bf16 gradient and 4-bit states on the GPU (plus the 0.07 GB every run
+    starts with): the scratch step on which the profile times and sizes the GPU optimizer step
+    (`const_update_costs`, `_device_step_work_bytes`), whose first call compiles it. Gone after
+    the collection at that run's end: the first run peaked 3.2 GB above an identical second
+    one, and a plan predicted at 80.3 GB ran out of memory at 84.3."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
