@@ -912,3 +912,23 @@ def test_plan_bench_places_gradients_as_asked(tmp_path, gradients):
         assert grads["solved", "gpu"] == grads["megatrain", "gpu"] == ["gpu", "gpu"]
     else:  # (auto's solved plan: whatever it chose ran, buffers or not)
         assert grads["solved", "host"] == grads["megatrain", "host"] == grads["megatrain", "auto"] == ["host", "host"]
+
+
+def test_the_host_sampler_counts_child_processes_memory():
+    """`HostSampler.children_most`: the resident memory of this process's children (what the
+    host budget does not count, e.g. torch.compile's workers), here one holding 40 MiB."""
+    import subprocess
+    import time
+
+    from bench.common import HostSampler
+
+    child = subprocess.Popen([sys.executable, "-c", "x = bytearray(40 << 20); import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        time.sleep(0.5)
+        sampler = HostSampler(period=0.02, children_every=1)
+        time.sleep(0.2)
+        sampler.stop()
+        assert sampler.children_most >= 40 << 20
+    finally:
+        child.communicate(b"")
