@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 # Bit-for-bit tests compare runs across processes (a killed CLI child against an in-process
 # reference). MKL may pick fewer threads under load (MKL_DYNAMIC) and, on Intel CPUs, kernels
@@ -39,6 +40,54 @@ def clean_environment(tmp_path_factory):
                 patch.delenv(name)
         patch.chdir(tmp_path_factory.mktemp("cwd"))
         yield
+
+
+# The modules whose tests load every build of the optimizer kernels (8- and 4-bit, native and
+# each instruction set: `kernel.VARIANTS`). A fresh checkout compiles each build at first use,
+# ~13 s of one core each, ~100 s in all, one after another in the test that first asks.
+KERNEL_VARIANT_MODULES = ("test_bf16_master", "test_optim_hybrid4bit", "test_optim_hybrid8bit", "test_optim_quant",
+                          "test_split_master")
+# A child that builds them all ahead through `load_kernel` itself, with this session's source
+# files, flags and build folders, so each test loads the same build it would have compiled.
+# Niced, in this session (the scheduler's autogroup: a session of its own would get an equal
+# share of the CPU whatever its nice value, and the tests' OpenMP threads then wait on each
+# other at every op), it takes the time the tests leave idle. Stopped with SIGTERM, it exits
+# through the builds' `finally` clauses (torch's build lock is released, as after a build).
+_BUILD_KERNELS = """
+import os, signal, sys
+os.nice(19)
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(1))
+from lazytrain.optim import kernel
+builds = [(name, None) for name in kernel.SOURCES]
+builds += [(name, v) for name in kernel.SOURCES for v in kernel.VARIANTS if not kernel.missing_cpu_flags(v)]
+for name, variant in builds:
+    kernel.load_kernel(variant=variant, name=name)  # a failed build warns; the test that needs it fails as before
+"""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernels_built_ahead(request, clean_environment):
+    """Starts the kernel builds in the background when the session runs a module of
+    `KERNEL_VARIANT_MODULES`; a test that needs a build before it is done waits on its build
+    lock (optim/kernel.py), as for any other process's build."""
+    modules = {item.module.__name__ for item in request.session.items if getattr(item, "module", None)}
+    if not modules & set(KERNEL_VARIANT_MODULES):
+        yield
+        return
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import lazytrain
+
+    src = str(Path(lazytrain.__file__).resolve().parents[1])  # the checkout this session imports
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+    builder = subprocess.Popen([sys.executable, "-c", _BUILD_KERNELS], env={**os.environ, "PYTHONPATH": path},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)
+    yield
+    if builder.poll() is None:  # a short session: its builds stop here (the finished ones stay cached)
+        os.killpg(builder.pid, signal.SIGTERM)
+    builder.wait()
 
 
 @pytest.fixture(autouse=True)

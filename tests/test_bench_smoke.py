@@ -321,7 +321,24 @@ def finetune_8bit(*argv: str) -> None:
     accuracy_finetune_8bit.main(["--shape", "tiny", "--device", "cpu", *argv])
 
 
-def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path):
+@pytest.fixture
+def small_study_data(monkeypatch):
+    """The fine-tuning study's runs in this process read 64 built-in training samples, not the
+    default 20,000, whose tokenizing was ~2 s of each run's ~2.5 (the study has no ``--set``):
+    these tests check the study's plumbing, which the data's size does not change."""
+    from bench.studies import optim_convergence
+    from lazytrain import config
+
+    load_config = config.load_config
+
+    def small(path, overrides):
+        return load_config(path, [*overrides, "data.builtin_train_size=64"])
+
+    monkeypatch.setattr(optim_convergence, "load_config", small)  # the study's LazyTrain runs
+    monkeypatch.setattr(config, "load_config", small)  # its plain-PyTorch pretraining
+
+
+def test_accuracy_finetune_8bit_shares_one_pretraining_across_seeds(tmp_path, small_study_data):
     finetune_8bit("--pretrain-steps", "3", "--finetune-steps", "3", "--heldout", "2", "--seeds", "1", "2",
                   "--kinds", "fp32", "hybrid8bit", "--out", str(tmp_path))
     records = [r for p in tmp_path.glob("*.json") for r in json.loads(p.read_text())]
@@ -370,11 +387,13 @@ def test_the_fine_tune_report_compares_a_repeated_run_with_its_first_and_counts_
 
 def test_the_kernel_null_is_fp32_adamw_through_the_8bit_kernel(tmp_path):
     """fp32_kernel (the fine-tuning study's null): every group keeps fp32 states (the run
-    checks it), and the losses follow fp32's to rounding."""
+    checks it), and the losses follow fp32's to rounding. (64 training samples: 5 steps of 32
+    read 160; the default 20,000 took ~2 s a run to tokenize.)"""
     from bench.studies.optim_convergence import run
 
-    fp32 = run("fp32", 5, tmp_path / "a", seed=1, overrides=("data.heldout_size=2",))
-    null = run("fp32_kernel", 5, tmp_path / "b", seed=1, overrides=("data.heldout_size=2",))
+    small = ("data.heldout_size=2", "data.builtin_train_size=64")
+    fp32 = run("fp32", 5, tmp_path / "a", seed=1, overrides=small)
+    null = run("fp32_kernel", 5, tmp_path / "b", seed=1, overrides=small)
     assert null["losses"] == pytest.approx(fp32["losses"], rel=1e-5)
 
 
@@ -451,7 +470,9 @@ def test_accuracy_finetune_8bit_jobs_fine_tune_in_processes_of_their_own(tmp_pat
     seed is refused."""
     base = tmp_path / "base"
     common = ["--pretrain-steps", "2", "--finetune-steps", "2", "--heldout", "1", "--pretrained", str(base)]
-    finetune_8bit(*common, "--pretrain-seed", "1", "--runs", "fp32:1", "hybrid8bit:4", "fp32:2", "--jobs", "2",
+    # the three fine-tunes at once (mostly imports: one core's work each); run_jobs' queue is
+    # test_accuracy_finetune_8bit_jobs_stop_at_the_time_limit's
+    finetune_8bit(*common, "--pretrain-seed", "1", "--runs", "fp32:1", "hybrid8bit:4", "fp32:2", "--jobs", "3",
                   "--out", str(tmp_path / "a"))
     # one record file, one report and one archive of the per-run files and logs; nothing else
     (path,) = (tmp_path / "a").glob("finetune_8bit_tiny_*.json")
@@ -466,7 +487,7 @@ def test_accuracy_finetune_8bit_jobs_fine_tune_in_processes_of_their_own(tmp_pat
     assert len({(r["pretrain_seed"], r["pretrain_exact_match"]) for r in records}) == 1  # one base model
     fp32 = {r["seed"]: r for r in records if r["kind"] == "fp32"}
     assert fp32[1]["loss_every_10_steps"] != fp32[2]["loss_every_10_steps"]  # each process its own seed
-    assert all(r["cpu_threads"] == max(1, len(os.sched_getaffinity(0)) // 2) for r in records)
+    assert all(r["cpu_threads"] == max(1, len(os.sched_getaffinity(0)) // 3) for r in records)
     assert "--runs fp32:1 hybrid8bit:4 fp32:2" in path.with_suffix(".md").read_text()
 
     finetune_8bit(*common, "--pretrain-seed", "2", "--runs", "fp32:3", "--jobs", "1", "--out", str(tmp_path / "b"))
@@ -586,7 +607,7 @@ def test_a_largest_batch_try_re_solves_a_solved_plan_with_less_memory_before_wal
     assert _tries("megatrain", fits_within=10, needs_more=1, walk_down=False) == (0, [(0, 142.0, 0)])
 
 
-def test_accuracy_finetune_8bit_pretrains_through_plain_pytorch(tmp_path):
+def test_accuracy_finetune_8bit_pretrains_through_plain_pytorch(tmp_path, small_study_data):
     """--pretrain-runner torch: the base is trained by the HF model + torch AdamW on the device
     and saved as a folder LazyTrain fine-tunes from (the same weights the records' digest names)."""
     finetune_8bit("--pretrain-steps", "3", "--finetune-steps", "2", "--heldout", "2", "--seeds", "1", "--kinds", "fp32",
@@ -603,11 +624,13 @@ def test_accuracy_finetune_8bit_pretrains_through_plain_pytorch(tmp_path):
 def test_accuracy_reference_trains_each_kind_on_the_cpu(tmp_path):
     """The references of the accuracy study (HF model + torch AdamW + clip_grad_norm_) and
     LazyTrain, a few steps each: one record per kind, the same first loss (same init, same
-    batch, fp32 on the CPU)."""
+    batch, fp32 on the CPU). ``--set`` reaches every kind's data: 64 training samples for all
+    (the default 20,000 took ~2 s a kind to tokenize)."""
     from bench.studies import accuracy_reference
 
     accuracy_reference.main(["--kinds", "lazytrain", "torch_fp32", "torch_bf16_master", "--steps", "3", "--heldout",
-                             "2", "--tail", "2", "--device", "cpu", "--out", str(tmp_path)])
+                             "2", "--tail", "2", "--device", "cpu", "--set", "data.builtin_train_size=64",
+                             "--out", str(tmp_path)])
     records = [r for p in tmp_path.glob("accuracy_reference*.json") for r in json.loads(p.read_text())]
     by_kind = {r["kind"]: r for r in records}
     assert set(by_kind) == {"lazytrain", "torch_fp32", "torch_bf16_master"}

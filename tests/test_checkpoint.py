@@ -206,12 +206,29 @@ for step in (1, 2):
 """
 
 
+@pytest.fixture(scope="module")
+def killed_saves(tmp_path_factory) -> dict[str, tuple[Path, subprocess.Popen]]:
+    """Per phase of a save: a folder and the process saving twice there, killed inside its second
+    save at that phase. All started at once: each is mostly its imports, one core's work."""
+    saves = {}
+    for phase in SAVE_PHASES:
+        folder = tmp_path_factory.mktemp(f"killed-{phase}")
+        saves[phase] = folder, subprocess.Popen(
+            [sys.executable, "-c", SAVE_TWICE, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": SRC, EXIT_AT_ENV: f"{phase}:2"})
+    yield saves
+    for _, proc in saves.values():
+        if proc.poll() is None:  # a test that failed before waiting on its process
+            proc.kill()
+        proc.communicate()
+
+
 @pytest.mark.parametrize("phase", SAVE_PHASES)
-def test_kill_at_each_phase_of_a_save_leaves_a_complete_checkpoint(tmp_path, phase):
+def test_kill_at_each_phase_of_a_save_leaves_a_complete_checkpoint(killed_saves, phase):
     """A process killed inside its second save: the newest complete checkpoint is found, whole."""
-    proc = subprocess.run([sys.executable, "-c", SAVE_TWICE, str(tmp_path)], capture_output=True, text=True, check=False,
-                          env={**os.environ, "PYTHONPATH": SRC, EXIT_AT_ENV: f"{phase}:2"}, timeout=120)
-    assert proc.returncode == 137, proc.stderr
+    tmp_path, proc = killed_saves[phase]
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 137, err
     expected = 1 if SAVE_PHASES.index(phase) < SAVE_PHASES.index("renamed") else 2
     ckpt = Checkpointer(tmp_path)
     found = ckpt.latest()
@@ -321,26 +338,39 @@ def test_4bit_states_resume_exactly_and_refuse_8bit_ones(tmp_path, capsys):
     assert "optimizer state is of kind 'hybrid8bit', this optimizer is 'hybrid4bit'" in err, err
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_finishes_the_step_checkpoints_and_says_how_to_resume(tmp_path, reference, sig):
-    out = tmp_path / "run"
-    proc = child(train_args(out, 100_000, "training.save_every_minutes=0"))
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.exists() and metrics.read_text().count('"loss"') >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
-        time.sleep(0.2)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + sig, err
-    assert f"stopped by {signal.Signals(sig).name} after step" in err and "Traceback" not in err
-    command = err.split("Resume with:")[1].split()
-    assert command[:2] == ["lazytrain", "train"] and command[-1] == "training.resume=true"
-    stopped = Checkpointer(out).latest().step
-    assert [r["step"] for r in step_records(out)] == list(range(1, stopped + 1))
-    # the printed command, two more steps
-    assert main([*command[1:], f"training.steps={stopped + 2}"]) == 0
-    assert [r["step"] for r in step_records(out)] == list(range(1, stopped + 3))
+def test_signals_finish_the_step_checkpoint_and_say_how_to_resume(tmp_path):
+    """SIGTERM and SIGINT, each to a run of its own (both started at once: their imports take
+    most of the time): the step finishes, a checkpoint is written, the exit code is 128 + the
+    signal, and the printed command resumes the run for two more steps."""
+    runs = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        out = tmp_path / sig.name
+        runs[sig] = out, child(train_args(out, 100_000, "training.save_every_minutes=0"))
+    try:
+        for sig, (out, proc) in runs.items():
+            metrics = out / "metrics.jsonl"
+            deadline = time.monotonic() + 240
+            while not (metrics.exists() and metrics.read_text().count('"loss"') >= 2):
+                assert proc.poll() is None and time.monotonic() < deadline, \
+                    (sig.name, proc.stderr.read() if proc.poll() else "slow")
+                time.sleep(0.2)
+            proc.send_signal(sig)
+        for sig, (out, proc) in runs.items():
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 128 + sig, (sig.name, err)
+            assert f"stopped by {sig.name} after step" in err and "Traceback" not in err, err
+            command = err.split("Resume with:")[1].split()
+            assert command[:2] == ["lazytrain", "train"] and command[-1] == "training.resume=true"
+            stopped = Checkpointer(out).latest().step
+            assert [r["step"] for r in step_records(out)] == list(range(1, stopped + 1)), sig.name
+            # the printed command, two more steps
+            assert main([*command[1:], f"training.steps={stopped + 2}"]) == 0
+            assert [r["step"] for r in step_records(out)] == list(range(1, stopped + 3)), sig.name
+    finally:
+        for _, proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +27,24 @@ FIELDS = {"name", "date", "device", "torch", "model", "seq_len", "batch_size", "
           "status", "optimizer_exact"}
 
 
-def test_peers_on_the_cpu_writes_records(tmp_path):
+def run_peers(monkeypatch, *argv: str) -> None:
+    """``python -m bench.peers ARGV`` in this process: a process of its own would import torch,
+    transformers and LazyTrain again (~5 s). Its workers are processes of their own as ever;
+    the SIGTERM handler a study installs is put back after it. The command line itself (SIGTERM
+    to it included) is `test_a_stopped_parent_stops_its_worker`'s."""
+    monkeypatch.setattr(sys, "argv", ["bench/peers.py", *argv])
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        peers.main()
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
+def test_peers_on_the_cpu_writes_records(tmp_path, monkeypatch):
     """LazyTrain and FSDP2 (gloo, world size 1) train the tiny shape; the GPU-only run is a row."""
-    subprocess.run([sys.executable, "-m", "bench.peers", "--device", "cpu", "--models", "tiny", "--seq", "32",
-                    "--batches", "2", "--runs", "lazytrain:hybrid8bit", "fsdp2_cpu_offload", "pytorch_gpu",
-                    "--warmup", "1", "--steps", "1", "--out", str(tmp_path)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    run_peers(monkeypatch, "--device", "cpu", "--models", "tiny", "--seq", "32", "--batches", "2", "--runs",
+              "lazytrain:hybrid8bit", "fsdp2_cpu_offload", "pytorch_gpu", "--warmup", "1", "--steps", "1",
+              "--out", str(tmp_path))
     (path,) = tmp_path.glob("peers_tiny_*.json")
     records = json.loads(path.read_text())
     assert [(r["runner"], r["status"]) for r in records] == [
@@ -119,7 +132,6 @@ def _workers() -> list[int]:
 def test_a_stopped_parent_stops_its_worker(tmp_path):
     """SIGTERM to the parent (what `timeout` sends) ends the worker too: it runs in a session of
     its own, and one left running kept its host memory through the next runs."""
-    import signal
     import time
 
     assert _workers() == []
@@ -225,7 +237,7 @@ def test_readme_table_ceiling_partial_invalid_and_notes(tmp_path):
     assert "does not fit" not in text and "leftover" not in text
 
 
-def test_peers_merge_and_rows_from_a_log(tmp_path):
+def test_peers_merge_and_rows_from_a_log(tmp_path, monkeypatch):
     """--from-log turns the steps a stopped worker printed into a row; --merge makes one study of
     record files, with notes and invalid marks on the rows named."""
     log = tmp_path / "w.log"
@@ -235,16 +247,15 @@ def test_peers_merge_and_rows_from_a_log(tmp_path):
                                    torch="2.11.0+cu130", transformers="5.17.0", seq_len=32, warmup_steps=1, steps=2,
                                    seed=0, head_chunk_tokens=4096, tflops_6nt=1.0, peak_gpu_reserved_gb=101.0,
                                    host_rss_gb=50.0, optimizer_kind="hybrid8bit", loss=5.0)])
-    common = [sys.executable, "-m", "bench.peers", "--models", "tiny", "--seq", "32", "--out", str(tmp_path)]
-    subprocess.run([*common, "--from-log", str(log), "--like", str(like), "--runs", "fsdp2_cpu_offload",
-                    "--batches", "2", "--why", "stopped with its parent"], cwd=ROOT, check=True, capture_output=True)
+    common = ["--models", "tiny", "--seq", "32", "--out", str(tmp_path)]
+    run_peers(monkeypatch, *common, "--from-log", str(log), "--like", str(like), "--runs", "fsdp2_cpu_offload",
+              "--batches", "2", "--why", "stopped with its parent")
     (partial,) = json.loads(next(tmp_path.glob("peers_tiny_*_from_log.json")).read_text())
     assert partial["status"] == "stopped with its parent" and partial["partial_steps"] == 2
     assert partial["step_time_s"] == pytest.approx(3.0) and partial["tokens_per_s"] == pytest.approx((64 / 2 + 64 / 4) / 2)  # median of the steps' figures
     assert partial["loss"] == 5.3 and partial["device"] == "NVIDIA H200"
-    subprocess.run([*common, "--merge", str(like), str(next(tmp_path.glob("peers_tiny_*_from_log.json"))),
-                    "--into", "peers_tiny_merged", "--note", "lazytrain=a note", "--invalid", "fsdp2=why not"],
-                   cwd=ROOT, check=True, capture_output=True)
+    run_peers(monkeypatch, *common, "--merge", str(like), str(next(tmp_path.glob("peers_tiny_*_from_log.json"))),
+              "--into", "peers_tiny_merged", "--note", "lazytrain=a note", "--invalid", "fsdp2=why not")
     merged = json.loads((tmp_path / "peers_tiny_merged.json").read_text())
     assert [(r["run"], r.get("note"), r.get("invalid")) for r in merged] == [
         ("lazytrain:hybrid8bit", "a note", None), ("fsdp2_cpu_offload", None, "why not")]
@@ -253,8 +264,8 @@ def test_peers_merge_and_rows_from_a_log(tmp_path):
     # a name that is a row's whole name marks that row only, not the rows it is a prefix of
     rerun = tmp_path / "rerun.json"
     rerun.write_text(json.dumps([{**merged[0], "name": merged[0]["name"] + "_fix", "note": None}]))
-    subprocess.run([*common, "--merge", str(tmp_path / "peers_tiny_merged.json"), str(rerun), "--into", "again",
-                    "--invalid", f"{merged[0]['name']}=superseded"], cwd=ROOT, check=True, capture_output=True)
+    run_peers(monkeypatch, *common, "--merge", str(tmp_path / "peers_tiny_merged.json"), str(rerun), "--into", "again",
+              "--invalid", f"{merged[0]['name']}=superseded")
     again = json.loads((tmp_path / "again.json").read_text())
     assert [r.get("invalid") for r in again] == ["superseded", "why not", None]
 
