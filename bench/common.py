@@ -393,6 +393,55 @@ def live_tensors(device_type: str = "cuda", top: int = 10) -> list[list]:
     return rows
 
 
+_OOM_SITES: list[dict] = []
+"""What `record_oom_sites`' observer found at the last out-of-memory (read by `oom_record`; an
+out-of-memory the run caught and survived leaves its own here too)."""
+
+SITE_FILES = ("/lazytrain/", "/bench/", "/transformers/", "/fla/")
+"""Source trees whose innermost frame names an allocation's site in `live_blocks_by_site`."""
+
+
+def live_blocks_by_site(snapshot: dict, top: int = 30) -> list[dict]:
+    """The allocator's live blocks (``torch.cuda.memory._snapshot()``, recorded with Python
+    stacks) summed per allocation site and stream: the innermost frame in `SITE_FILES`
+    (``file:line function``, "?" without one), largest first: [{site, stream, gb, blocks}],
+    the last row the rest."""
+    sums: dict[tuple[str, int], list[float]] = {}
+    for segment in snapshot.get("segments", []):
+        for block in segment.get("blocks", []):
+            if not block.get("state", "").startswith("active"):
+                continue
+            frames = block.get("frames") or []
+            frame = next((f for f in frames if any(d in f.get("filename", "") for d in SITE_FILES)), None)
+            site = "?" if frame is None else (
+                f"{frame['filename'].rsplit('/', 2)[-2]}/{frame['filename'].rsplit('/', 1)[-1]}:{frame['line']} "
+                f"{frame['name']}")
+            row = sums.setdefault((site, segment.get("stream", 0)), [0.0, 0])
+            row[0] += block["size"] / 1e9
+            row[1] += 1
+    rows = [{"site": site, "stream": stream, "gb": gb, "blocks": n}
+            for (site, stream), (gb, n) in sorted(sums.items(), key=lambda kv: -kv[1][0])]
+    rest = rows[top:]
+    if rest:
+        rows = rows[:top] + [{"site": f"{len(rest)} more sites", "stream": None,
+                              "gb": sum(r["gb"] for r in rest), "blocks": sum(r["blocks"] for r in rest)}]
+    return rows
+
+
+def record_oom_sites() -> None:
+    """Keep the Python stack of every live CUDA allocation (no history of frees), and at an
+    out-of-memory (inside the allocator, before anything is freed) sum the live blocks per site
+    (`live_blocks_by_site`) for the next `oom_record` (``oom_live``: the request, what was
+    allocated, the sites). A diagnostic: every allocation pays for its stack."""
+    torch.cuda.memory._record_memory_history(enabled="state", context="alloc", stacks="python")
+
+    def observer(device, alloc, device_allocated, device_free):
+        _OOM_SITES[:] = [{"request_gb": alloc / 1e9, "allocated_gb": device_allocated / 1e9,
+                          "free_gb": device_free / 1e9, "sites": live_blocks_by_site(torch.cuda.memory._snapshot())}]
+
+    torch._C._cuda_attach_out_of_memory_observer(observer)
+
+
 def oom_record(name: str, header: dict, policy: str, batch: int, seq: int, error: BaseException) -> dict:
     """A run that ran out of GPU memory, recorded with the allocator's message (and, when the
     step recorded its stages, the peak of each stage it finished: ``stage_memory_gb``, and
@@ -400,6 +449,8 @@ def oom_record(name: str, header: dict, policy: str, batch: int, seq: int, error
     release_failed_step(error)  # else its frames keep the try's GPU memory and the next try fails too
     record = {"name": name, **header, "policy": policy, "batch_size": batch, "seq_len": seq,
               "oom": str(error).split("\n")[0]}
+    if _OOM_SITES:  # `record_oom_sites`: what was live when it last ran out
+        record["oom_live"], _OOM_SITES[:] = _OOM_SITES[0], []
     if torch.cuda.is_available():  # what the release left: the next try starts with it
         if hasattr(error, "gpu_alloc_at_start"):
             record["gpu_alloc_at_start_gb"] = error.gpu_alloc_at_start / 1e9

@@ -82,6 +82,7 @@ from bench.common import (
     device_tag,
     oom_record,
     random_batch,
+    record_oom_sites,
     run_header,
     timed_steps,
     today,
@@ -349,6 +350,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-chunk", type=int, default=4096)
     parser.add_argument("--stage-memory", action="store_true",
                         help="record each stage's peak GPU allocation in the last step, against the simulator's")
+    parser.add_argument("--oom-sites", action="store_true",
+                        help="keep every CUDA allocation's Python stack; an out-of-memory record then sums what "
+                             "was live per allocation site and stream (oom_live; costs time per allocation)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--time-limit", type=float, default=0,
                         help="seconds from the start this process may take: a try whose predicted steps (plus "
@@ -439,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("plan_bench needs a CUDA device (--device cpu runs a smoke test of the script)")
     if args.device != "cuda" and args.cap_gb:
         raise SystemExit("--cap-gb needs a CUDA device")
+    if args.oom_sites and args.device == "cuda":
+        record_oom_sites()
     t0 = time.perf_counter()
     session = bench_session(
         args.model, optimizer=args.optimizer, device=args.device, batch=args.batch, seq=args.seq,

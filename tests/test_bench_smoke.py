@@ -463,6 +463,35 @@ def test_live_tensors_names_what_still_holds_the_largest_tensors():
     del fake
 
 
+def test_oom_sites_sum_the_allocators_live_blocks_per_site_and_stream():
+    """`live_blocks_by_site` on a snapshot shaped as ``torch.cuda.memory._snapshot()``'s: live
+    blocks summed by the innermost project frame and stream, free blocks left out, the tail
+    folded into one row; `oom_record` takes what the observer left, once."""
+    from bench import common
+
+    def block(size, state, *files):
+        return {"size": size, "state": state,
+                "frames": [{"filename": f, "line": n, "name": f"f{n}"} for n, f in enumerate(files)]}
+
+    torch_file, ours = "/x/torch/nn/functional.py", "/x/src/lazytrain/runtime/update.py"
+    snapshot = {"segments": [
+        {"stream": 0, "blocks": [block(2e9, "active_allocated", torch_file, ours),
+                                 block(1e9, "active_allocated", ours),
+                                 block(5e9, "inactive", ours)]},
+        {"stream": 7, "blocks": [block(3e9, "active_pending_free", "/x/transformers/models/m.py"),
+                                 block(4e9, "active_allocated")]}]}
+    rows = common.live_blocks_by_site(snapshot)
+    assert [(r["site"], r["stream"], r["gb"], r["blocks"]) for r in rows] == [
+        ("?", 7, 4.0, 1), ("models/m.py:0 f0", 7, 3.0, 1), ("runtime/update.py:1 f1", 0, 2.0, 1),
+        ("runtime/update.py:0 f0", 0, 1.0, 1)]
+    folded = common.live_blocks_by_site(snapshot, top=1)
+    assert folded[-1] == {"site": "3 more sites", "stream": None, "gb": 6.0, "blocks": 3}
+    common._OOM_SITES[:] = [{"request_gb": 4.0, "sites": rows}]
+    record = common.oom_record("r", {}, "solved", 8, 16, torch.OutOfMemoryError("CUDA out of memory."))
+    assert record["oom_live"]["sites"] == rows and not common._OOM_SITES
+    assert "oom_live" not in common.oom_record("r", {}, "solved", 8, 16, torch.OutOfMemoryError("again"))
+
+
 def test_accuracy_finetune_8bit_jobs_fine_tune_in_processes_of_their_own(tmp_path, capsys):
     """``--jobs``: the pretraining and each fine-tune in a process of its own (``python -m
     bench.studies...``); ``--runs KIND:SEED`` completes a study across calls: exactly those
