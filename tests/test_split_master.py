@@ -85,6 +85,44 @@ def test_every_bit_pattern_round_trips_exactly(patterns, low):
         assert (weight == _expected_weight_bits(bits)).all(), backend
 
 
+def test_a_split_across_devices_goes_piece_by_piece_to_the_same_halves(monkeypatch):
+    """`split_across` (`SplitMaster.assign` of values on another device: a built-in shape's
+    random init drawn on the GPU) writes the halves `split_into` writes, over uneven pieces
+    (here on one device, with pieces of 7 elements)."""
+    from lazytrain.optim import split
+
+    bits = np.concatenate([np.array(SPECIAL, dtype=np.uint32),
+                           np.random.default_rng(3).integers(0, 2**32, 40, dtype=np.uint64).astype(np.uint32)])
+    master = _floats(bits)
+    want = SplitMaster(torch.empty(len(bits), dtype=torch.bfloat16), torch.empty(len(bits), dtype=torch.int16))
+    split.split_into(master, want.weight, want.remainder)
+    monkeypatch.setattr(split, "SPLIT_PIECE", 7)
+    got = SplitMaster(torch.zeros(len(bits), dtype=torch.bfloat16), torch.zeros(len(bits), dtype=torch.int16))
+    split.split_across(master, got.weight, got.remainder)
+    assert torch.equal(got.weight.view(torch.int16), want.weight.view(torch.int16))
+    assert torch.equal(got.remainder, want.remainder)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_masters_assigned_from_the_gpu_hold_the_bits_assigned_from_the_cpu():
+    """A split or bf16 master assigned GPU values (split or rounded there, then copied) holds
+    what it holds when assigned the same values from the CPU, into pinned memory as the host
+    store's."""
+    from lazytrain.optim.master import Bf16Master
+
+    values = torch.randn(3 * (1 << 20) + 5, generator=torch.Generator().manual_seed(0)) * 0.02
+    values[:len(SPECIAL)] = _floats(np.array(SPECIAL, dtype=np.uint32))
+    for make in (lambda n: SplitMaster(torch.empty(n, dtype=torch.bfloat16).pin_memory(),
+                                       torch.empty(n, dtype=torch.int16)),
+                 lambda n: Bf16Master(torch.empty(n, dtype=torch.bfloat16).pin_memory())):
+        from_cpu, from_gpu = make(values.numel()), make(values.numel())
+        from_cpu.assign(values)
+        from_gpu.assign(values.cuda())
+        assert torch.equal(from_gpu.weight.view(torch.int16), from_cpu.weight.view(torch.int16))
+        if isinstance(from_cpu, SplitMaster):
+            assert torch.equal(from_gpu.remainder, from_cpu.remainder)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_each_variant_splits_and_joins_exactly(variant):
     """The kernel's split and join for each instruction set (the native build runs one): the

@@ -92,11 +92,24 @@ class Bf16Master:
 
     def assign(self, master: torch.Tensor) -> None:
         """Hold ``master`` (any shape, dtype or device): rounded to the nearest bf16, as any bf16
-        load of fp32 values is (a loaded model, a checkpoint of an fp32 or split master)."""
-        self.weight.copy_(master.reshape(-1))
+        load of fp32 values is (a loaded model, a checkpoint of an fp32 or split master). From
+        another device the values are rounded there first (`across_devices`)."""
+        self.weight.copy_(across_devices(master.reshape(-1), self.weight))
 
     def clone(self) -> Bf16Master:
         return Bf16Master(self.weight.clone())
+
+
+def across_devices(values: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+    """``values`` ready to copy into ``into``: converted to its dtype where they are, when they
+    are on another device (a built-in shape's random init drawn on the GPU). A blocking GPU to
+    CPU ``copy_`` that also converts the dtype goes through a new pageable CPU tensor of the
+    source dtype (ATen's ``copy_kernel_cuda``: "type conversions are performed on the CPU"),
+    whose pages are faulted in as it is written; converted first, the copy lands in ``into``'s
+    (pinned) pages directly. The same rounding on either device (round to nearest even)."""
+    if values.device == into.device or values.dtype == into.dtype:
+        return values
+    return values.to(into.dtype)
 
 
 Master = torch.Tensor | SplitMaster | Bf16Master

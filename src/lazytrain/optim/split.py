@@ -38,6 +38,9 @@ import torch
 from lazytrain.optim.kernel import kernel_choice, kernel_for
 
 _LOW = 0xFFFF
+SPLIT_PIECE = 1 << 26
+"""Elements split at a time on another device by `SplitMaster.assign` (its int64 temporaries:
+~1.5 GB a piece)."""
 
 
 def _to_int16(x: torch.Tensor) -> torch.Tensor:
@@ -68,6 +71,16 @@ def split_into(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tens
     high, low = split_halves(master)
     weight.view(torch.int16).copy_(high)
     remainder.copy_(low)
+
+
+def split_across(values: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor) -> None:
+    """`split_into` for ``values`` on another device than the halves: split where they are,
+    `SPLIT_PIECE` elements at a time, each piece's halves copied into ``weight`` and
+    ``remainder``."""
+    for lo in range(0, values.numel(), SPLIT_PIECE):
+        high, low = split_halves(values[lo : lo + SPLIT_PIECE].to(torch.float32).contiguous())
+        weight[lo : lo + high.numel()].view(torch.int16).copy_(high)
+        remainder[lo : lo + low.numel()].copy_(low)
 
 
 def join_into(weight: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -128,9 +141,14 @@ class SplitMaster:
         return join_into(self.weight, self.remainder, out)
 
     def assign(self, master: torch.Tensor) -> None:
-        """Hold ``master`` (any shape, dtype or device; its values as fp32): both halves written."""
-        split_into(master.reshape(-1).to(device=self.weight.device, dtype=torch.float32).contiguous(), self.weight,
-                   self.remainder)
+        """Hold ``master`` (any shape, dtype or device; its values as fp32): both halves written.
+        From another device the halves are split there, a piece at a time, and copied (not the
+        fp32 values: see `master.across_devices`)."""
+        values = master.reshape(-1)
+        if values.device == self.weight.device:
+            split_into(values.to(torch.float32).contiguous(), self.weight, self.remainder)
+        else:
+            split_across(values, self.weight, self.remainder)
 
     def clone(self) -> SplitMaster:
         return SplitMaster(self.weight.clone(), self.remainder.clone())
