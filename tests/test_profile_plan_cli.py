@@ -91,6 +91,27 @@ def test_expandable_segments_only_when_the_user_set_nothing(monkeypatch):
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
 
 
+def test_torchinductor_compiles_without_its_worker_pool_unless_the_user_set_it(monkeypatch):
+    """`serial_compile`: TORCHINDUCTOR_COMPILE_THREADS=1 where nothing set it (inductor's
+    workers hold host memory the plan does not count), the user's value kept, and nothing
+    changed once a compile has decided its thread count."""
+    import os
+
+    import torch._inductor.config as inductor_config
+
+    from lazytrain.runtime.device import serial_compile
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(inductor_config, "compile_threads", None)
+    assert serial_compile() and os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    assert inductor_config.decide_compile_threads() == 1
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "4")
+    assert not serial_compile() and os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "4"
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS")
+    monkeypatch.setattr(inductor_config, "compile_threads", 8)
+    assert not serial_compile() and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ
+
+
 def test_a_hybrid_model_is_profiled_per_layer_type_and_planned(tmp_path, capsys):
     """Qwen3.5-style stack: each layer type measured, the plan table shows the types."""
     out = f"training.output_dir={tmp_path}"

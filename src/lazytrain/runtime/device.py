@@ -131,6 +131,33 @@ def prefer_expandable_segments() -> bool:
     return True
 
 
+SERIAL_COMPILE = "1"
+"""`serial_compile`'s TORCHINDUCTOR_COMPILE_THREADS."""
+
+
+def serial_compile() -> bool:
+    """Have TorchInductor compile in this process, without its pool of worker processes,
+    unless the user configured it (TORCHINDUCTOR_COMPILE_THREADS) or a compile already decided.
+
+    The pool has one worker a core (up to 32), alive while a graph compiles: the first steps,
+    when the host store already holds the model state the plan fills the host budget with, and
+    none of it counted there. On the 16-core H100 machine (2026-12-07, Qwen3-30B-A3B) the
+    machine used 4.7 GiB beyond this process's resident memory, its workers' summed RSS peaked at
+    8.26 GB, and PyTorch's maintainers put a worker at over 1 GB (pytorch#156187). What is
+    compiled here is a few fused elementwise kernels and the GPU optimizer step, so a serial
+    compile costs little. Returns whether it was set.
+    """
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return False
+    import sys
+
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None and config.compile_threads is not None:
+        return False
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = SERIAL_COMPILE
+    return True
+
+
 def time_ms(device: torch.device, fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     """Median milliseconds of ``fn`` over ``repeats`` calls after ``warmup`` (CUDA events on a GPU)."""
     times = []

@@ -45,6 +45,7 @@ from lazytrain.runtime.device import (
     prefer_expandable_segments,
     resolve_device,
     resolve_dtype,
+    serial_compile,
 )
 from lazytrain.runtime.distributed import DataParallel, local_batch_size, rank_info_from_env
 
@@ -247,6 +248,7 @@ def build_session(config: Config) -> Session:
     anything is allocated (a model that does not fit fails with the bytes per component).
     """
     prefer_expandable_segments()
+    serial_compile()
     torch.manual_seed(config.training.seed)
     source = config.model.source
     if not source.startswith("builtin:"):
