@@ -334,7 +334,10 @@ def test_a_model_that_fits_only_with_held_gradients_builds_and_plans_within_the_
     assert costs.host_bytes < layer_grads  # some layer's gradient must wait on the GPU
     plan, _ = tight.plan()
     host = sum(sizes[i + 1] for i, lp in enumerate(plan.layers) if lp.grad == "host") * dtype.itemsize
-    assert 0 < host + tight.planner.predicted.get("predicted_act_host_gb", 0.0) * 1e9 <= limit - least
+    # within the room; whether the plan uses any of it depends on the CPU profile's timings
+    # (a loaded CI machine's plan held every gradient once), so only the bound is checked
+    assert host + tight.planner.predicted.get("predicted_act_host_gb", 0.0) * 1e9 <= limit - least
+    assert any(lp.grad == "gpu" for lp in plan.layers)
 
 
 def test_a_new_host_tier_buffer_stops_with_a_message_when_memory_ran_short(monkeypatch):
