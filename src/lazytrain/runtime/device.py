@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import statistics
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -149,8 +150,6 @@ def serial_compile() -> bool:
     """
     if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
         return False
-    import sys
-
     config = sys.modules.get("torch._inductor.config")
     if config is not None and config.compile_threads is not None:
         return False
