@@ -31,7 +31,12 @@ from lazytrain.memory.host_store import host_memory_available, host_memory_total
 from lazytrain.memory.nvme import NvmeStore
 from lazytrain.optim.base import HostOptimizer
 from lazytrain.plan.plan import Plan
-from lazytrain.runtime.device import device_name, release_failed_step, time_ms
+from lazytrain.runtime.device import (
+    device_name,
+    prefer_expandable_segments,
+    release_failed_step,
+    time_ms,
+)
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.update import HostUpdater
 from lazytrain.train.metrics import step_metrics
@@ -432,7 +437,12 @@ def record_oom_sites() -> None:
     """Keep the Python stack of every live CUDA allocation (no history of frees), and at an
     out-of-memory (inside the allocator, before anything is freed) sum the live blocks per site
     (`live_blocks_by_site`) for the next `oom_record` (``oom_live``: the request, what was
-    allocated, the sites). A diagnostic: every allocation pays for its stack."""
+    allocated, the sites). A diagnostic: every allocation pays for its stack.
+
+    Recording initialises CUDA, after which the allocator's settings are fixed: LazyTrain's
+    (`prefer_expandable_segments`) are made first. Without that, the 27B's try of 2026-12-07
+    ran with fixed segments and ran out with 11.07 GiB reserved but unallocated."""
+    prefer_expandable_segments()
     torch.cuda.memory._record_memory_history(enabled="state", context="alloc", stacks="python")
 
     def observer(device, alloc, device_allocated, device_free):

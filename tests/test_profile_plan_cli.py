@@ -78,7 +78,7 @@ def test_profile_measures_the_nvme_tier_through_its_own_path(tmp_path):
     assert without.nvme_bytes == 0
 
 
-def test_expandable_segments_only_when_the_user_set_nothing(monkeypatch):
+def test_expandable_segments_only_when_the_user_set_nothing(monkeypatch, caplog):
     from lazytrain.runtime.device import prefer_expandable_segments
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
@@ -89,6 +89,14 @@ def test_expandable_segments_only_when_the_user_set_nothing(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     assert not prefer_expandable_segments()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    # too late (CUDA already initialised, as bench's --oom-sites once did before the session):
+    # nothing set, and a warning that says so
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr("torch.cuda.is_initialized", lambda: True)
+    with caplog.at_level("WARNING", logger="lazytrain.runtime.device"):
+        assert not prefer_expandable_segments()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    assert "fixed segments" in caplog.text
 
 
 def test_torchinductor_compiles_without_its_worker_pool_unless_the_user_set_it(monkeypatch):

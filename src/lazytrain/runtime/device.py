@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import platform
 import re
@@ -15,6 +16,8 @@ from collections.abc import Callable
 import torch
 
 from lazytrain.errors import LazyTrainError
+
+log = logging.getLogger(__name__)
 
 
 class DeviceError(LazyTrainError, ValueError):
@@ -126,7 +129,13 @@ def prefer_expandable_segments() -> bool:
     fragmentation on the H200. Takes effect only before CUDA's first allocation; returns
     whether it was set.
     """
-    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or torch.cuda.is_initialized():
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return False
+    if torch.cuda.is_initialized():  # too late: the allocator read its settings at CUDA's start
+        log.warning("CUDA was initialised before LazyTrain could set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: "
+                    "the caching allocator runs with fixed segments, which may leave GiBs reserved but unusable "
+                    "(out-of-memory errors below the plan's peak); set it in the environment, or build the session "
+                    "before touching CUDA")
         return False
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return True
