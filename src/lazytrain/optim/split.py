@@ -78,9 +78,8 @@ def split_across(values: torch.Tensor, weight: torch.Tensor, remainder: torch.Te
     `SPLIT_PIECE` elements at a time, each piece's halves copied into ``weight`` and
     ``remainder``."""
     for lo in range(0, values.numel(), SPLIT_PIECE):
-        high, low = split_halves(values[lo : lo + SPLIT_PIECE].to(torch.float32).contiguous())
-        weight[lo : lo + high.numel()].view(torch.int16).copy_(high)
-        remainder[lo : lo + low.numel()].copy_(low)
+        piece = values[lo : lo + SPLIT_PIECE].to(torch.float32).contiguous()
+        split_into(piece, weight[lo : lo + piece.numel()], remainder[lo : lo + piece.numel()])
 
 
 def join_into(weight: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
