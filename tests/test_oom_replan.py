@@ -105,6 +105,58 @@ def test_the_failed_steps_executor_is_gone_before_the_next_plan_starts(tmp_path,
     assert alive_at_start == [False]
 
 
+class _OutOfMemoryInBackward(torch.autograd.Function):
+    """Identity whose backward runs out of memory: inside the autograd engine, mid-graph."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 MiB (simulated)")
+
+
+def test_a_step_that_runs_out_in_backward_leaves_none_of_its_tensors(tmp_path, monkeypatch):
+    """An out-of-memory raised by the engine in the last layer's backward (the 27B's first try
+    ran out there, 2026-12-07) with the graphs of every kept layer alive: once the trainer has
+    released it, no storage the step allocated is left (views and in-place writes into the host
+    store's buffers are not the step's). On the GPU that try kept 1.59 GB; this bounds the
+    executor's part of it (the CUDA kernels' own caches are not on the CPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    trainer = _trainer(tmp_path, "model.source=builtin:tiny-hybrid", "plan.policy=keep_all")
+    adapter, last = type(trainer.adapter), trainer.adapter.num_layers - 1
+    real = adapter.layer_forward
+
+    def layer_forward(self, layer, params, hidden, *args, **kwargs):
+        out = real(self, layer, params, hidden, *args, **kwargs)
+        return _OutOfMemoryInBackward.apply(out) * 1.0 if layer == last and torch.is_grad_enabled() else out
+
+    monkeypatch.setattr(adapter, "layer_forward", layer_forward)
+    made = []
+
+    class NewStorages(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    made.append((str(func), tuple(t.shape), t.untyped_storage()._weak_ref()))
+            return out
+
+    batch = next(trainer.batches)
+    with pytest.raises(torch.OutOfMemoryError) as caught, NewStorages():
+        trainer.executor.forward_backward(batch.input_ids, batch.labels, batch.attention_mask,
+                                          position_ids=batch.position_ids, document_ids=batch.document_ids)
+    trainer._release(caught.value)
+    caught = None
+    gc.collect()
+    assert len(made) > 100  # the step's activations, weight slots and graphs were seen
+    assert [(f, shape) for f, shape, ref in made if not torch.UntypedStorage._expired(ref)] == []
+
+
 def test_repeated_failures_end_in_one_clear_error(tmp_path, monkeypatch, fixed_costs):
     trainer = _trainer(tmp_path, "plan.policy=solved", fixed_costs)
     assert all(lp.mode == "keep" and lp.recompute == "none" for lp in trainer.plan.layers)  # room below it
