@@ -46,6 +46,12 @@ def test_plan_from_a_config_json_folder_and_a_builtin_shape(tmp_path, capsys, no
     assert "plan 'solved': batch 2 x seq 64" in printed and "megatrain" in printed
     plan = Plan.load(tmp_path / "a" / "plan.json")
     assert plan.num_layers == 2 and plan.batch_size == 2
+    # the plan a run of plan.policy would start with, not the solved one (a baseline's host
+    # gradient buffers count in its host memory)
+    assert main(["plan", f"model.source={folder}", f"training.output_dir={tmp_path / 'm'}", *common,
+                 "plan.policy=megatrain"]) == 0
+    assert "plan 'megatrain': batch 2 x seq 64" in capsys.readouterr().out
+    assert Plan.load(tmp_path / "m" / "plan.json").policy == "megatrain"
 
     assert main(["plan", "model.source=builtin:tiny-hybrid", f"training.output_dir={tmp_path / 'b'}", *common]) == 0
     printed = capsys.readouterr().out

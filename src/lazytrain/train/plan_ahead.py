@@ -64,9 +64,10 @@ class PlanAhead:
 
 
 def plan_ahead(config: Config) -> PlanAhead:
-    """The solved plan for ``config``'s model at its batch shape, planned for the GPU this
-    machine has, or, on a machine without one, for the GPU the cost table was measured on (or
-    the estimate assumes); no weights are read or allocated."""
+    """The plan a GPU run of ``config`` starts with (``plan.policy``; ``auto``: the solved plan)
+    for its model at its batch shape, planned for the GPU this machine has, or, on a machine
+    without one, for the GPU the cost table was measured on (or the estimate assumes); no
+    weights are read or allocated."""
     source = config.model.source
     vocab = len(load_tokenizer(source)) if source.startswith("builtin:") else None  # built-in shapes without one
     here = resolve_device(config.training.device)
@@ -112,7 +113,8 @@ def plan_ahead(config: Config) -> PlanAhead:
                  else "assumed")
         described += f"; host memory {limit / GiB:.0f} GiB ({whose})"
     planner = Planner(config.plan, nvme_tier=config.memory.nvme_dir is not None, gradients=config.memory.gradients)
-    plan, _ = planner.initial("solved", costs, adapter.num_layers, batch, seq)
+    # the plan the GPU run would start with: plan.policy (auto: solved), or plan.file's
+    plan, _ = planner.initial(planner.resolve_policy(on_gpu=True), costs, adapter.num_layers, batch, seq)
     # the groups the first plan gives no host gradient buffer, as the trainer allocates them
     held = tuple(sorted(set(range(len(numels))) - host_grad_groups(plan, len(numels))))
     settings = dataclasses.replace(settings, held_grads=held)
