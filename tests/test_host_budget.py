@@ -338,6 +338,15 @@ def test_a_model_that_fits_only_with_held_gradients_builds_and_plans_within_the_
     # (a loaded CI machine's plan held every gradient once), so only the bound is checked
     assert host + tight.planner.predicted.get("predicted_act_host_gb", 0.0) * 1e9 <= limit - least
     assert any(lp.grad == "gpu" for lp in plan.layers)
+    # a baseline policy holds none under auto: stopped before anything is allocated (it once
+    # passed here and then pinned every layer's buffer), pointed to gpu, with which it builds
+    tight_megatrain = [*base[:-1], f"memory.host_limit_gb={gib}", "plan.policy=megatrain"]
+    with pytest.raises(HostMemoryError, match=r"smallest change that fits: set memory.gradients=gpu \(plan.policy="
+                                              r"megatrain holds .* or set plan.policy=auto"):
+        build_session(load_config(None, tight_megatrain))
+    session = build_session(load_config(None, [*tight_megatrain, "memory.gradients=gpu"]))
+    plan, _ = session.plan()
+    assert plan.policy == "megatrain" and all(lp.grad == "gpu" for lp in plan.layers)
 
 
 def test_a_new_host_tier_buffer_stops_with_a_message_when_memory_ran_short(monkeypatch):

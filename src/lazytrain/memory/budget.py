@@ -51,6 +51,9 @@ class HostSettings:
     held_grads: tuple[int, ...] = ()
     """Groups whose gradients wait on the GPU (`LayerPlan.grad`): no host buffer, and the
     pinned ring that brings them home (`host_store.grad_ring_bytes`) instead."""
+    baseline_policy: str | None = None
+    """The baseline ``plan.policy`` the run starts with, if any: it holds a gradient on the GPU
+    only with ``memory.gradients=gpu`` (auto leaves each in a host buffer)."""
 
     def holding_layer_grads(self, num_groups: int) -> HostSettings:
         """These settings with every decoder layer's gradient held on the GPU (groups 1 ..
@@ -132,7 +135,12 @@ def _changes(numels: Sequence[int], settings: HostSettings) -> list[_Change]:
     n = len(numels)
     if bf16 and settings.master == "fp32":
         out.append(_Change("memory.master", "split", True, lambda s: replace(s, master="split")))
-    if len(settings.held_grads) < max(n - 2, 0):
+    if len(settings.held_grads) < max(n - 2, 0) and settings.baseline_policy:
+        out.append(_Change("memory.gradients", "gpu", True, lambda s: s.holding_layer_grads(n),
+                           f"plan.policy={settings.baseline_policy} holds each layer's gradient on the GPU until "
+                           "its update only with gpu; or set plan.policy=auto, whose solved plan places each one "
+                           "against the GPU and host budgets"))
+    elif len(settings.held_grads) < max(n - 2, 0):
         # auto, not gpu: the same least host memory here, and the plan then holds on the GPU only
         # what the host has no room for (gpu holds all: 61 GB of Qwen3-30B-A3B's gradients, more
         # than an H100 has beside the rest)

@@ -221,14 +221,20 @@ def resolve_master(config: Config, device: torch.device, dtype: torch.dtype, dis
 
 
 def host_settings(config: Config, device: torch.device, dtype: torch.dtype, num_groups: int) -> budget.HostSettings:
-    """The choices that set the model state's host bytes; with ``memory.gradients`` auto or gpu
-    every decoder layer's gradient held on the GPU (for auto the least host memory a plan can
-    need: the plan then places each one within what is left)."""
+    """The choices that set the model state's host bytes; with ``memory.gradients`` gpu, or
+    auto for the solved plan (``plan.policy`` auto or solved) or a plan file, every decoder
+    layer's gradient held on the GPU (for auto the least host memory a plan can need: the plan
+    then places each one within what is left). A baseline policy holds none under auto
+    (`policies.baseline_plan`)."""
     distributed = rank_info_from_env() is not None
+    baseline = None if config.plan.file or config.plan.policy in ("auto", "solved") else config.plan.policy
     settings = budget.HostSettings(dtype=dtype, master=resolve_master(config, device, dtype, distributed),
                                    optimizer_kind=config.optimizer.kind,
-                                   fp32_groups=fp32_state_groups(config.optimizer, num_groups))
-    return settings if config.memory.gradients == "host" else settings.holding_layer_grads(num_groups)
+                                   fp32_groups=fp32_state_groups(config.optimizer, num_groups),
+                                   baseline_policy=baseline)
+    gradients = config.memory.gradients
+    held = gradients == "gpu" or (gradients == "auto" and baseline is None)
+    return settings.holding_layer_grads(num_groups) if held else settings
 
 
 def check_inputs(config: Config) -> None:
