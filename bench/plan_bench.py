@@ -186,8 +186,11 @@ def tries(policy: str, batch: int, costs: CostTable, seq: int, plan_at: Callable
             if "not_started" in failed or "error" in failed:  # no time left for a try at this batch, or a
                 return 0  # failure other than running out of memory (its record says which)
         if failed is not None and policy == "solved" and replans < MAX_OOM_REPLANS:
+            # what the release left beyond the try's start (as the trainer counts it)
+            left = (failed["gpu_alloc_after_release_gb"] - failed["gpu_alloc_at_start_gb"]
+                    if "gpu_alloc_after_release_gb" in failed and "gpu_alloc_at_start_gb" in failed else 0.0)
             budget = gpu_budget_after_oom(budget, int(failed["predicted_peak_gpu_gb"] * 1e9),
-                                          int(failed["seen_peak_gpu_gb"] * 1e9))
+                                          int(failed["seen_peak_gpu_gb"] * 1e9), int(left * 1e9))
             replans += 1
             if budget > 0:
                 print(f"{policy} b{batch}: re-solving for {budget / 1e9:.1f} GB (try {replans} of "

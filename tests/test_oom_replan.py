@@ -182,6 +182,9 @@ def test_the_budget_after_an_out_of_memory():
     # a plan with slack: from its own peak, or the same plan would be solved again
     assert gpu_budget_after_oom(142 * GB, 100 * GB, 101 * GB) == 100 * GB - int(0.04 * 100 * GB)
     assert gpu_budget_after_oom(142 * GB, 0, 0) == 142 * GB - int(0.04 * 142 * GB)  # no prediction
+    # what the release left allocated comes off too (and nothing comes back for a negative one)
+    assert gpu_budget_after_oom(142 * GB, 141 * GB, 140 * GB, GB) == 141 * GB - int(0.04 * 141 * GB) - GB
+    assert gpu_budget_after_oom(142 * GB, 141 * GB, 140 * GB, -GB) == 141 * GB - int(0.04 * 141 * GB)
     assert gpu_budget_after_oom(2 * GB, GB, 3 * GB) == 0  # nothing left
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.22 GiB. GPU 0 has a total capacity")
     assert oom_request_bytes(error) == int(3.22 * 2**30)

@@ -317,14 +317,17 @@ class Planner:
             return f"{MAX_OOM_REPLANS} smaller plans did not fit either"
         return None
 
-    def _smaller_budget(self, need_bytes: int) -> tuple[CostTable, str]:
+    def _smaller_budget(self, need_bytes: int, left: int = 0) -> tuple[CostTable, str]:
         """The cost table with the GPU budget `gpu_budget_after_oom` gives after a step that
-        needed ``need_bytes`` (allocated + the allocation that failed), and a line for the log."""
+        needed ``need_bytes`` (allocated + the allocation that failed) and left ``left`` bytes
+        allocated, and a line for the log."""
         predicted = int(self.predicted.get("predicted_peak_gpu_gb", 0.0) * 1e9)
-        lower = gpu_budget_after_oom(self.costs.gpu_bytes, predicted, need_bytes)
+        lower = gpu_budget_after_oom(self.costs.gpu_bytes, predicted, need_bytes, left)
         line = (f"the solved plan was predicted to peak at {predicted / 1e9:.1f} GB and needed {need_bytes / 1e9:.1f} "
-                f"GB (allocated + the allocation that failed); re-solving with {max(lower, 0) / 1e9:.1f} GB instead "
-                f"of {self.costs.gpu_bytes / 1e9:.1f} GB for the planner")
+                f"GB (allocated + the allocation that failed)"
+                + (f", and {left / 1e9:.2f} GB stayed allocated after its release" if left > 0 else "")
+                + f"; re-solving with {max(lower, 0) / 1e9:.1f} GB instead of {self.costs.gpu_bytes / 1e9:.1f} GB for "
+                "the planner")
         return dataclasses.replace(self.costs, gpu_bytes=max(lower, 0)), line
 
     def _solve(self, costs: CostTable) -> tuple[Plan | None, str | None]:
@@ -336,14 +339,15 @@ class Planner:
         except PlanInfeasible as infeasible:
             return None, str(infeasible)
 
-    def after_oom(self, need_bytes: int, error: str, release: Callable[[], None]) -> tuple[Plan, Notes]:
+    def after_oom(self, need_bytes: int, error: str, release: Callable[[], int | None]) -> tuple[Plan, Notes]:
         """The plan to run the step again with after it ran out of GPU memory needing
         ``need_bytes`` (``error``: the allocator's message), or `OutOfGpuMemory`.
 
         A solved plan, in one process, is re-solved with the budget `gpu_budget_after_oom`
         gives (the failed step changed no weights, optimizer state or data position).
         ``release`` is called before the solve (the failed step's memory and the last update's
-        CPU work done)."""
+        CPU work done); it returns the GPU bytes still allocated after it beyond what the failed
+        plan started with (None: not known), which the budget loses too."""
         plan = self.plan
         tries = self.oom_replans
         why = self._not_resolved(tries)
@@ -354,8 +358,7 @@ class Planner:
                 "data.max_seq_len, use plan.policy=megatrain, or give the planner less with memory.gpu_gb"
             ) from None
         self.oom_replans = tries + 1
-        costs, line = self._smaller_budget(need_bytes)
-        release()
+        costs, line = self._smaller_budget(need_bytes, release() or 0)
         smaller, why = self._solve(costs)
         if smaller is None:
             raise OutOfGpuMemory(

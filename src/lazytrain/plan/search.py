@@ -28,17 +28,19 @@ MAX_OOM_REPLANS = 3
 fallback, and the largest-batch bench's)."""
 
 
-def gpu_budget_after_oom(budget: int, predicted_peak: int, seen_peak: int) -> int:
+def gpu_budget_after_oom(budget: int, predicted_peak: int, seen_peak: int, left: int = 0) -> int:
     """The planner's GPU budget for the plan re-solved after a step of a plan predicted to peak
     at ``predicted_peak`` bytes ran out of memory needing ``seen_peak`` (allocated, plus the
     allocation that failed): the predicted peak (or the budget, if lower: from the budget a plan
     with slack would be solved again) less the excess seen plus 1 GiB (a lower bound: the step
-    would have gone on allocating), and at least 4% less. 0 when nothing is left. The simulator
-    is measured per layer, not per step, and a real step can need more than it predicts
-    (Qwen3.5-9B's kept layers on the H200: up to ~9 GB more in their backward)."""
+    would have gone on allocating), and at least 4% less; less ``left`` too, the bytes still
+    allocated after the failed step was released beyond what its plan started with (the 27B's
+    H100 try of 2026-12-07 left 0.75 GB, held by what, not known). 0 when nothing is left. The
+    simulator is measured per layer, not per step, and a real step can need more than it
+    predicts (Qwen3.5-9B's kept layers on the H200: up to ~9 GB more in their backward)."""
     base = min(budget, predicted_peak) if predicted_peak > 0 else budget
     excess = seen_peak - predicted_peak
-    return max(base - max(excess + 2**30 if excess > 0 else 0, int(0.04 * base)), 0)
+    return max(base - max(excess + 2**30 if excess > 0 else 0, int(0.04 * base)) - max(left, 0), 0)
 
 
 def candidate_batches(max_batch: int) -> list[int]:

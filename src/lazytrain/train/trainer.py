@@ -133,6 +133,8 @@ class Trainer:
                          [g - 1 for g in held], gb(self.store.ring_bytes))
         host = session.host_memory(int(self.predicted.get("predicted_act_host_gb", 0.0) * 1e9), self.costs)
         log.info("host memory with the plan's activations:\n%s", host.table())
+        # what a failed step of this plan may leave (`_release`) is counted from here
+        self._allocated_at_plan_start = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.executor = Executor(self.adapter, self.store, self.plan, self.device, nvme=session.nvme,
                                  parallel=self.parallel)
         self.executor.trace.enabled = self.device.type == "cuda"
@@ -155,12 +157,15 @@ class Trainer:
             self._drop_executor()
             self._start_plan()
 
-    def _release(self, error: torch.OutOfMemoryError) -> None:
-        """Drop the executor (its update finished first) and what ``error`` still holds."""
+    def _release(self, error: torch.OutOfMemoryError) -> int | None:
+        """Drop the executor (its update finished first) and what ``error`` still holds; the
+        GPU bytes still allocated beyond what the plan started with (None on the CPU)."""
         self._drop_executor()
         release_failed_step(error)  # the failed step's frames hold the old executor's GPU memory
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device) - self._allocated_at_plan_start
 
     def _replan_after_oom(self, error: torch.OutOfMemoryError) -> None:
         """Run the step again on the plan the planner re-solves with less GPU memory
