@@ -135,18 +135,19 @@ def _changes(numels: Sequence[int], settings: HostSettings) -> list[_Change]:
     n = len(numels)
     if bf16 and settings.master == "fp32":
         out.append(_Change("memory.master", "split", True, lambda s: replace(s, master="split")))
-    if len(settings.held_grads) < max(n - 2, 0) and settings.baseline_policy:
-        out.append(_Change("memory.gradients", "gpu", True, lambda s: s.holding_layer_grads(n),
-                           f"plan.policy={settings.baseline_policy} holds each layer's gradient on the GPU until "
-                           "its update only with gpu; or set plan.policy=auto, whose solved plan places each one "
-                           "against the GPU and host budgets"))
-    elif len(settings.held_grads) < max(n - 2, 0):
-        # auto, not gpu: the same least host memory here, and the plan then holds on the GPU only
-        # what the host has no room for (gpu holds all: 61 GB of Qwen3-30B-A3B's gradients, more
-        # than an H100 has beside the rest)
-        out.append(_Change("memory.gradients", "auto", True, lambda s: s.holding_layer_grads(n),
-                           "the plan then holds each layer's gradient on the GPU until its update, or puts "
-                           "it in a host buffer where the host has room"))
+    if len(settings.held_grads) < max(n - 2, 0):
+        if settings.baseline_policy:  # auto would leave every gradient on the host
+            out.append(_Change("memory.gradients", "gpu", True, lambda s: s.holding_layer_grads(n),
+                               f"plan.policy={settings.baseline_policy} holds each layer's gradient on the GPU "
+                               "until its update only with gpu; or set plan.policy=auto, whose solved plan places "
+                               "each one against the GPU and host budgets"))
+        else:
+            # auto, not gpu: the same least host memory here, and the plan then holds on the GPU
+            # only what the host has no room for (gpu holds all: 61 GB of Qwen3-30B-A3B's
+            # gradients, more than an H100 has beside the rest)
+            out.append(_Change("memory.gradients", "auto", True, lambda s: s.holding_layer_grads(n),
+                               "the plan then holds each layer's gradient on the GPU until its update, or puts "
+                               "it in a host buffer where the host has room"))
     if settings.fp32_groups:
         out.append(_Change("optimizer.fp32_embedding_states", "false", False, lambda s: replace(s, fp32_groups=())))
     if settings.optimizer_kind == "fp32":

@@ -227,7 +227,7 @@ def host_settings(config: Config, device: torch.device, dtype: torch.dtype, num_
     then places each one within what is left). A baseline policy holds none under auto
     (`policies.baseline_plan`)."""
     distributed = rank_info_from_env() is not None
-    baseline = None if config.plan.file or config.plan.policy in ("auto", "solved") else config.plan.policy
+    baseline = None if config.plan.policy in ("auto", "solved") else config.plan.policy  # plan.file: auto
     settings = budget.HostSettings(dtype=dtype, master=resolve_master(config, device, dtype, distributed),
                                    optimizer_kind=config.optimizer.kind,
                                    fp32_groups=fp32_state_groups(config.optimizer, num_groups),
